@@ -1,0 +1,46 @@
+"""unickpt: unified, strategy-independent checkpoints for distributed training.
+
+Public API::
+
+    unickpt.save(state_dict, path, group=None, step=None, extra=None) -> SaveResult
+    unickpt.load(state_dict, path, group=None, verify="auto") -> LoadResult
+    unickpt.shard(local, shape, offsets=..., sizes=..., flat=..., replica=...) -> ShardedTensor
+    unickpt.partition_flat(shapes, world, rank) -> ZeRO pieces of a flat buffer
+    unickpt.latest(root) -> newest committed checkpoint under root (or None)
+    unickpt.read_manifest(path) -> (checkpoint dir, Manifest)
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from . import errors
+from .layout import Layout, ShardedTensor, partition_flat, shard
+from .load import LoadResult, load, read_manifest
+from .save import SaveResult, save
+
+
+def latest(root) -> str | None:
+    """Path of the newest committed ``step-*`` checkpoint under ``root``, or None."""
+    from .commit import committed_steps
+    from .storage import storage_for
+
+    storage, p = storage_for(root)
+    steps = committed_steps(storage, p)
+    return steps[-1][1] if steps else None
+
+
+__all__ = [
+    "__version__",
+    "errors",
+    "save",
+    "load",
+    "SaveResult",
+    "LoadResult",
+    "Layout",
+    "ShardedTensor",
+    "shard",
+    "partition_flat",
+    "latest",
+    "read_manifest",
+]

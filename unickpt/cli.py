@@ -1,0 +1,164 @@
+"""Command line: ``unickpt inspect PATH [--json]`` and ``unickpt verify PATH``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from . import __version__
+from ._metrics import human_bytes
+from .errors import UnickptError
+from .load import read_manifest
+from .manifest import Manifest
+
+
+def _inspect(args) -> int:
+    ckpt, man = read_manifest(args.path)
+    roles: dict[str, int] = {}
+    for role, _ in man.tensors:
+        roles[role] = roles.get(role, 0) + 1
+    info = {
+        "path": ckpt,
+        "format_version": man.format_version,
+        "step": man.step,
+        "created": man.created,
+        "tensors": len(man.tensors),
+        "tensors_by_role": roles,
+        "bytes": man.total_bytes,
+        "bytes_by_role": man.bytes_by_role(),
+        "files": {n: {"role": f.role, "node": f.node, "writer": f.writer, "size": f.size} for n, f in man.files.items()},
+        "saved_by": man.saved_by,
+        "extra": man.extra,
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"checkpoint   {ckpt}")
+    print(f"format       unickpt v{man.format_version}, step {man.step}, created {man.created}")
+    sb = man.saved_by
+    print(f"saved by     {sb.get('world_size', '?')} ranks on {len(sb.get('nodes', []))} node(s), unickpt {sb.get('unickpt_version', '?')}")
+    if sb.get("strategy"):
+        print(f"strategy     {json.dumps(sb['strategy'])}")
+    print(f"size         {human_bytes(man.total_bytes)} in {len(man.files)} files, {len(man.tensors)} tensors")
+    for role, n in man.bytes_by_role().items():
+        print(f"  {role:<11}{human_bytes(n):>12}  {roles.get(role, 0)} tensors")
+    if args.tensors:
+        for (role, name), t in sorted(man.tensors.items()):
+            print(f"  {role}/{name}  {t.dtype}{list(t.shape)}  {t.file}  {t.checksum}")
+    return 0
+
+
+def _verify(args) -> int:
+    ckpt, man = read_manifest(args.path)
+    bad = verify_checkpoint(ckpt, man, progress=not args.quiet)
+    if bad:
+        for f, n, why in bad:
+            print(f"BAD  {f}: tensor {n!r}: {why}", file=sys.stderr)
+        print(f"{len(bad)} of {len(man.tensors)} tensors failed verification", file=sys.stderr)
+        return 1
+    print(f"ok: {len(man.tensors)} tensors in {len(man.files)} files match their checksums")
+    return 0
+
+
+def verify_checkpoint(ckpt: str, man: Manifest, progress: bool = False) -> list[tuple[str, str, str]]:
+    """Check every stored tensor against its checksum; return ``(file, tensor, reason)``."""
+    import torch
+
+    from .format import Hasher
+    from .load import WINDOW, _check_file
+    from .storage import storage_for
+
+    storage, _ = storage_for(ckpt)
+    total = sum(t.nbytes for t in man.tensors.values())
+    bar = _Bar(total, "verify") if progress else None
+    buf = torch.empty(WINDOW, dtype=torch.uint8)
+    bad: list[tuple[str, str, str]] = []
+    by_file: dict[str, list] = {}
+    for t in man.tensors.values():
+        by_file.setdefault(t.file, []).append(t)
+    done = 0
+    for fname in sorted(by_file):
+        ts = sorted(by_file[fname], key=lambda t: t.begin)
+        try:
+            reader = storage.open_reader(storage.join(ckpt, fname))
+        except UnickptError as e:
+            bad += [(fname, t.name, str(e)) for t in ts]
+            continue
+        try:
+            try:
+                _check_file(reader, man, fname)
+            except UnickptError as e:
+                bad += [(fname, t.name, str(e)) for t in ts]
+                continue
+            base = man.files[fname].data_start
+            for t in ts:
+                h = Hasher()
+                pos = t.begin
+                while pos < t.end:
+                    k = min(WINDOW, t.end - pos)
+                    mv = memoryview(buf[:k].numpy())
+                    reader.readinto(base + pos, mv)
+                    h.update(mv)
+                    pos += k
+                    done += k
+                    if bar:
+                        bar.update(done)
+                if h.hexdigest() != t.checksum:
+                    bad.append((fname, t.name, f"checksum {h.hexdigest()} != recorded {t.checksum}"))
+        finally:
+            reader.close()
+    if bar:
+        bar.close()
+    return bad
+
+
+class _Bar:
+    """A minimal progress bar on stderr (only when it is a terminal)."""
+
+    def __init__(self, total: int, label: str) -> None:
+        self.total, self.label = max(total, 1), label
+        self.t0 = time.perf_counter()
+        self.tty = sys.stderr.isatty()
+        self.last = 0.0
+
+    def update(self, done: int) -> None:
+        now = time.perf_counter()
+        if not self.tty or (now - self.last < 0.1 and done < self.total):
+            return
+        self.last = now
+        frac = min(done / self.total, 1.0)
+        rate = done / max(now - self.t0, 1e-9) / 1e9
+        bar = "#" * int(frac * 30)
+        sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac * 100:5.1f}% {human_bytes(done)} {rate:.2f} GB/s")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="unickpt", description="Unified distributed checkpoints.")
+    p.add_argument("--version", action="version", version=f"unickpt {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    pi = sub.add_parser("inspect", help="describe a checkpoint")
+    pi.add_argument("path", help="checkpoint directory, or a root of step-* checkpoints (newest)")
+    pi.add_argument("--json", action="store_true", help="print one JSON object")
+    pi.add_argument("--tensors", action="store_true", help="list every tensor")
+    pi.set_defaults(fn=_inspect)
+    pv = sub.add_parser("verify", help="check every tensor against its checksum (exit 1 on mismatch)")
+    pv.add_argument("path")
+    pv.add_argument("-q", "--quiet", action="store_true")
+    pv.set_defaults(fn=_verify)
+    args = p.parse_args(argv)
+    try:
+        return args.fn(args)
+    except UnickptError as e:
+        print(f"unickpt {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

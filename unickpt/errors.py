@@ -1,0 +1,73 @@
+"""Typed errors. Every error unickpt raises on bad input derives from :class:`UnickptError`.
+
+Messages name the checkpoint file and tensor involved and say what was expected, so a
+user can act on them without reading the source.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "UnickptError",
+    "CheckpointNotFoundError",
+    "CheckpointExistsError",
+    "FormatError",
+    "ChecksumError",
+    "TensorMissingError",
+    "ShapeMismatchError",
+    "DtypeMismatchError",
+    "LayoutError",
+    "StateDictError",
+    "DistributedError",
+]
+
+
+class UnickptError(Exception):
+    """Base class of every error raised by unickpt."""
+
+
+class CheckpointNotFoundError(UnickptError, FileNotFoundError):
+    """No committed checkpoint exists at the given path."""
+
+
+class CheckpointExistsError(UnickptError, FileExistsError):
+    """The destination already holds a committed checkpoint and overwrite was not asked."""
+
+
+class FormatError(UnickptError, ValueError):
+    """A manifest, index or safetensors header is malformed, hostile or of an unknown version."""
+
+
+class ChecksumError(UnickptError):
+    """Stored bytes do not match the checksum recorded at save time."""
+
+    def __init__(self, message: str, bad: list[tuple[str, str]] | None = None) -> None:
+        super().__init__(message)
+        #: ``(file, tensor)`` pairs that failed verification.
+        self.bad = bad or []
+
+
+class TensorMissingError(UnickptError, KeyError):
+    """The target state dict asks for a tensor the checkpoint does not hold."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+class ShapeMismatchError(UnickptError, ValueError):
+    """A target tensor's global shape differs from the stored one."""
+
+
+class DtypeMismatchError(UnickptError, TypeError):
+    """A target tensor's dtype differs from the stored one."""
+
+
+class LayoutError(UnickptError, ValueError):
+    """Shards do not describe a valid layout: out of bounds, overlapping, gaps, disagreeing ranks."""
+
+
+class StateDictError(UnickptError, TypeError):
+    """A state dict holds something unickpt cannot save (unsupported leaf, name collision...)."""
+
+
+class DistributedError(UnickptError, RuntimeError):
+    """Another rank failed; the message carries that rank's error."""

@@ -1,0 +1,341 @@
+"""The routing table: which rank writes each full tensor, into which file, and how pieces
+travel there. Pure code: every rank computes the same plan from the same summaries.
+
+Flow: each rank encodes a compact *summary* of its entries (names, dtypes, shapes, layouts:
+JSON, zstd-compressed; no object graphs); summaries are exchanged (see ``save``); then
+:func:`make_plan` assigns writers (balancing bytes, preferring the rank that already holds
+most of a tensor), groups tensors into per-role files, and cuts each writer's byte stream
+into buckets of at most ``bucket_bytes``. :meth:`SavePlan.schedule` turns that into the
+concrete sends, receives and copies of one rank, step by step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+import zstandard
+
+from .errors import LayoutError, StateDictError
+from .format import build_header, itemsize, order_key
+from .layout import Layout, Runs, intersect
+from .state import Entry
+
+__all__ = ["encode_summary", "decode_summary", "summary_digest", "make_plan", "SavePlan", "TensorPlan", "FilePlan"]
+
+BALANCE_SLACK = 1.1
+
+
+def encode_summary(entries: list[Entry], dtypes: list[str], node: str) -> bytes:
+    rows = [
+        [e.role, e.name, dt, list(e.layout.shape), *e.layout.to_json()]
+        for e, dt in zip(entries, dtypes)
+    ]
+    raw = json.dumps({"node": node, "t": rows}, separators=(",", ":")).encode()
+    return zstandard.ZstdCompressor(level=3).compress(raw)
+
+
+def summary_digest(summary: bytes) -> bytes:
+    return xxhash.xxh3_128_digest(summary)
+
+
+def decode_summary(data: bytes) -> dict:
+    return json.loads(zstandard.ZstdDecompressor().decompress(data))
+
+
+@dataclass(slots=True)
+class TensorPlan:
+    role: str
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    pieces: list[tuple[int, Layout]]  # every rank's layout, replicas included
+    full_holders: list[int]
+    writer: int = -1
+    file: str = ""
+    begin: int = 0  # byte offsets inside the file's data section
+    end: int = 0
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.role, self.name)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return itemsize(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    def sources(self) -> list[tuple[int, Layout]]:
+        """Ranks whose data is written: the writer alone if it holds the whole tensor, else
+        the replica-0 pieces (validated to tile the tensor exactly)."""
+        if self.writer in self.full_holders:
+            return [(self.writer, Layout.full(self.shape))]
+        return [(r, lay) for r, lay in self.pieces if lay.replica == 0 and lay.numel > 0]
+
+
+@dataclass(slots=True)
+class FilePlan:
+    name: str
+    role: str
+    writer: int
+    node: str
+    tensors: list[TensorPlan]
+    header: bytes = b""
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + self.data_bytes
+
+
+@dataclass(slots=True)
+class Segment:
+    """Elements ``[start, stop)`` of a tensor, written as one contiguous piece of a file."""
+
+    tensor: TensorPlan
+    file_index: int
+    start: int
+    stop: int
+
+    @property
+    def nbytes(self) -> int:
+        return (self.stop - self.start) * self.tensor.itemsize
+
+
+@dataclass(slots=True)
+class Step:
+    """What one rank does in one step of the gather."""
+
+    sends: list[tuple[int, TensorPlan, Runs]] = field(default_factory=list)  # (dst, tensor, local runs)
+    recvs: list[tuple[int, TensorPlan, int, Runs]] = field(default_factory=list)  # (src, tensor, seg idx, runs in segment)
+    copies: list[tuple[TensorPlan, int, Runs, Runs]] = field(default_factory=list)  # (tensor, seg idx, local runs, seg runs)
+    segments: list[Segment] = field(default_factory=list)  # this rank's segments to write, in file order
+    local_whole: list[bool] = field(default_factory=list)  # segment fully held in one local run (zero copy)
+
+
+@dataclass(slots=True)
+class SavePlan:
+    world: int
+    nodes: list[str]
+    tensors: dict[tuple[str, str], TensorPlan]
+    files: list[FilePlan]
+    chunks: dict[int, list[list[Segment]]]  # writer -> buckets of segments
+    bucket_bytes: int
+    _schedules: dict[int, list[Step]] = field(default_factory=dict)
+
+    @property
+    def n_steps(self) -> int:
+        return max((len(c) for c in self.chunks.values()), default=0)
+
+    def writer_loads(self) -> list[int]:
+        loads = [0] * self.world
+        for t in self.tensors.values():
+            loads[t.writer] += t.nbytes
+        return loads
+
+    def files_of(self, rank: int) -> list[FilePlan]:
+        return [f for f in self.files if f.writer == rank]
+
+    def schedule(self, rank: int) -> list[Step]:
+        if rank not in self._schedules:
+            self._schedules[rank] = _schedule(self, rank)
+        return self._schedules[rank]
+
+
+def make_plan(
+    summaries: list[dict], *, bucket_bytes: int, max_file_bytes: int | None = None
+) -> SavePlan:
+    world = len(summaries)
+    nodes = [str(s["node"]) for s in summaries]
+    tensors: dict[tuple[str, str], TensorPlan] = {}
+    for rank, s in enumerate(summaries):
+        for role, name, dtype, shape, offsets, sizes, flat, replica in s["t"]:
+            shape = tuple(shape)
+            lay = Layout.from_json(shape, [offsets, sizes, flat, replica])
+            t = tensors.get((role, name))
+            if t is None:
+                t = tensors[(role, name)] = TensorPlan(role, name, dtype, shape, [], [])
+            elif t.dtype != dtype or t.shape != shape:
+                first = t.pieces[0][0] if t.pieces else "?"
+                raise LayoutError(
+                    f"tensor {name!r} (role {role}): rank {first} has {t.dtype} {list(t.shape)} but rank {rank} "
+                    f"has {dtype} {list(shape)}"
+                )
+            t.pieces.append((rank, lay))
+            if lay.is_full:
+                t.full_holders.append(rank)
+    for t in tensors.values():
+        if not t.full_holders:
+            _check_tiling(t)
+    _assign_writers(list(tensors.values()), world)
+    files = _make_files(tensors, world, nodes, max_file_bytes)
+    chunks = _make_chunks(files, world, bucket_bytes)
+    return SavePlan(world, nodes, tensors, files, chunks, bucket_bytes)
+
+
+def _check_tiling(t: TensorPlan) -> None:
+    src = [(r, lay) for r, lay in t.pieces if lay.replica == 0 and lay.numel > 0]
+    if not src and t.numel == 0:
+        return
+    runs = [lay.runs() for _, lay in src]
+    starts = np.concatenate([r.starts for r in runs]) if runs else np.zeros(0, np.int64)
+    lengths = np.concatenate([r.lengths for r in runs]) if runs else np.zeros(0, np.int64)
+    order = np.argsort(starts, kind="stable")
+    starts, lengths = starts[order], lengths[order]
+    ends = starts + lengths
+    covered = int(lengths.sum())
+    if len(starts) > 1 and np.any(starts[1:] < ends[:-1]):
+        i = int(np.argmax(starts[1:] < ends[:-1]))
+        raise LayoutError(
+            f"tensor {t.name!r} (role {t.role}): replica-0 shards overlap at element {int(starts[i + 1])}; "
+            "mark duplicate copies with replica > 0"
+        )
+    if covered != t.numel:
+        raise LayoutError(
+            f"tensor {t.name!r} (role {t.role}): replica-0 shards cover {covered} of {t.numel} elements "
+            f"(ranks {sorted({r for r, _ in src})}); every element needs exactly one replica-0 owner"
+        )
+
+
+def _assign_writers(tensors: list[TensorPlan], world: int) -> None:
+    """Largest tensors first; each goes to the rank holding most of it unless that would push
+    the rank past BALANCE_SLACK x the mean load, else to the least-loaded candidate."""
+    total = sum(t.nbytes for t in tensors)
+    cap = BALANCE_SLACK * total / world if world else 0
+    loads = [0] * world
+    for t in sorted(tensors, key=lambda t: (-t.nbytes, t.role, t.name)):
+        held = [0] * world
+        for r, lay in t.pieces:
+            held[r] = max(held[r], lay.numel)
+        cands = t.full_holders or list(range(world))
+        preferred = sorted(cands, key=lambda r: (-held[r], loads[r], r))
+        choice = next((r for r in preferred if loads[r] + t.nbytes <= cap), None)
+        if choice is None:
+            choice = min(cands, key=lambda r: (loads[r], -held[r], r))
+        t.writer = choice
+        loads[choice] += t.nbytes
+
+
+def _make_files(tensors, world, nodes, max_file_bytes) -> list[FilePlan]:
+    by_role: dict[str, list[list[TensorPlan]]] = {}
+    writers_of: dict[str, list[int]] = {}
+    for role in sorted({t.role for t in tensors.values()}):
+        parts: list[list[TensorPlan]] = []
+        owners: list[int] = []
+        for w in range(world):
+            mine = sorted(
+                (t for t in tensors.values() if t.role == role and t.writer == w),
+                key=lambda t: order_key(t.dtype, t.name),
+            )
+            if not mine:
+                continue
+            cur: list[TensorPlan] = []
+            size = 0
+            for t in mine:
+                if cur and max_file_bytes and size + t.nbytes > max_file_bytes:
+                    parts.append(cur)
+                    owners.append(w)
+                    cur, size = [], 0
+                cur.append(t)
+                size += t.nbytes
+            parts.append(cur)
+            owners.append(w)
+        by_role[role] = parts
+        writers_of[role] = owners
+    files: list[FilePlan] = []
+    for role, parts in by_role.items():
+        n = len(parts)
+        for i, (part, w) in enumerate(zip(parts, writers_of[role]), start=1):
+            name = f"{role}-{i:05d}-of-{n:05d}.safetensors"
+            meta = {"format": "pt", "unickpt_role": role}
+            header, infos = build_header(((t.name, t.dtype, t.shape) for t in part), meta)
+            for t, info in zip(part, infos):
+                t.file, t.begin, t.end = name, info.begin, info.end
+            files.append(FilePlan(name, role, w, nodes[w], part, header))
+    return files
+
+
+def _make_chunks(files: list[FilePlan], world: int, bucket_bytes: int) -> dict[int, list[list[Segment]]]:
+    chunks: dict[int, list[list[Segment]]] = {}
+    for w in range(world):
+        out: list[list[Segment]] = []
+        cur: list[Segment] = []
+        room = bucket_bytes
+        for fi, f in enumerate(files):
+            if f.writer != w:
+                continue
+            for t in f.tensors:
+                start, n, isz = 0, t.numel, t.itemsize
+                while start < n or (n == 0 and start == 0):
+                    take = min(n - start, max(room // isz, 0))
+                    if take == 0 and n > 0:
+                        out.append(cur)
+                        cur, room = [], bucket_bytes
+                        take = min(n - start, max(bucket_bytes // isz, 1))
+                    cur.append(Segment(t, fi, start, start + take))
+                    room -= take * isz
+                    start += take
+                    if n == 0:
+                        break
+        if cur:
+            out.append(cur)
+        if out:
+            chunks[w] = out
+    return chunks
+
+
+def _schedule(plan: SavePlan, rank: int) -> list[Step]:
+    steps: list[Step] = []
+    runs_cache: dict[tuple[tuple[str, str], int], Runs] = {}
+
+    def src_runs(t: TensorPlan, r: int, lay: Layout) -> Runs:
+        k = (t.key, r)
+        if k not in runs_cache:
+            runs_cache[k] = lay.runs()
+        return runs_cache[k]
+
+    for s in range(plan.n_steps):
+        step = Step()
+        for w, chunk_list in sorted(plan.chunks.items()):
+            if s >= len(chunk_list):
+                continue
+            for si, seg in enumerate(chunk_list[s]):
+                t = seg.tensor
+                seg_runs = Runs.single(seg.start, seg.stop)
+                for r, lay in t.sources():
+                    if r != rank and w != rank:
+                        continue
+                    g, n, off_src, off_seg = intersect(src_runs(t, r, lay), seg_runs)
+                    if len(n) == 0:
+                        continue
+                    if r == rank and w == rank:
+                        step.copies.append((t, si, Runs(off_src, n), Runs(off_seg, n)))
+                    elif r == rank:
+                        step.sends.append((w, t, Runs(off_src, n)))
+                    else:
+                        step.recvs.append((r, t, si, Runs(off_seg, n)))
+                if w == rank:
+                    step.segments.append(seg)
+        for si, seg in enumerate(step.segments):
+            mine = [c for c in step.copies if c[1] == si]
+            whole = (
+                len(mine) == 1
+                and len(mine[0][2]) == 1
+                and int(mine[0][2].lengths[0]) == seg.stop - seg.start
+            )
+            step.local_whole.append(whole)
+        steps.append(step)
+    return steps

@@ -1,0 +1,382 @@
+"""Save: plan -> gather -> encode -> write -> commit.
+
+Every rank flattens its state dict, the ranks agree on a routing table (plan), pieces travel
+to their writer in bounded buckets, writers stream whole tensors into safetensors files in
+a temporary directory (fsynced, checksummed), and rank 0 commits: manifest last, then an
+atomic rename. Any failure on any rank surfaces on every rank and nothing becomes visible.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from . import commit as _commit
+from ._copy import as_bytes, copy_runs
+from ._metrics import Phases, gbps, human_bytes, log
+from .errors import StateDictError, UnickptError
+from .format import Hasher, dtype_name
+from .manifest import INDEX_NAME, MANIFEST_NAME, FileEntry, Manifest, TensorEntry
+from .plan import SavePlan, Step, decode_summary, encode_summary, make_plan, summary_digest
+from .state import Entry, _is_json, flatten
+from .storage import Storage, storage_for
+from .transport import Comm, node_id
+
+__all__ = ["save", "SaveResult"]
+
+DEFAULT_BUCKET = 256 << 20
+_PLAN_CACHE: dict[tuple, SavePlan] = {}
+_PLAN_CACHE_MAX = 4
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What a save did. Sizes are of the whole checkpoint; ``local_bytes`` is this rank's share."""
+
+    path: str
+    step: int | None
+    files: list[str]
+    bytes: int
+    local_bytes: int
+    seconds: float
+    phases: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def gbps(self) -> float:
+        return gbps(self.bytes, self.seconds)
+
+
+ProgressFn = Callable[[int, int], None]
+
+
+def save(
+    state_dict: Mapping[str, Any],
+    path: str | os.PathLike,
+    *,
+    group=None,
+    step: int | None = None,
+    extra: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    bucket_bytes: int = DEFAULT_BUCKET,
+    max_file_bytes: int | None = None,
+    direct_io: bool | None = None,
+    strategy: Mapping[str, Any] | None = None,
+    progress: ProgressFn | None = None,
+) -> SaveResult:
+    """Save ``state_dict`` as the checkpoint directory ``path``; collective over ``group``.
+
+    Every rank passes its own state dict: plain tensors (full, identical on every rank),
+    :class:`~unickpt.ShardedTensor` pieces, or ``DTensor``; nested dicts whose top-level keys
+    name roles (``model``, ``master``, ``optimizer``...); JSON values (kept from rank 0).
+
+    Args:
+        path: checkpoint directory; built under a hidden temporary sibling and renamed into
+            place at commit. Refuses to replace a committed checkpoint unless ``overwrite``.
+        step: recorded in the manifest (``unickpt inspect`` shows it).
+        extra: JSON-serialisable state stored in the manifest (scheduler, data position...).
+        bucket_bytes: bound on the bytes a writer assembles at once (default 256 MiB).
+        max_file_bytes: split a writer's files of one role beyond this size.
+        direct_io: write with O_DIRECT (``None``: where the file system supports it).
+        strategy: free-form description of the saving layout, stored for information.
+        progress: called as ``progress(bytes_done, bytes_total)`` for this rank's writes.
+
+    Returns:
+        :class:`SaveResult` with files, bytes, seconds and per-phase timings.
+
+    Example::
+
+        unickpt.save({"model": model.state_dict(), "step": 100}, "ckpt/step-00000100", step=100)
+    """
+    comm = Comm(group)
+    ph = Phases()
+    storage, final = storage_for(path)
+    if bucket_bytes < 4096:
+        raise ValueError(f"bucket_bytes must be at least 4096, got {bucket_bytes}")
+
+    err: BaseException | None = None
+    entries: list[Entry] = []
+    json_state: dict[str, Any] = {}
+    with ph.phase("plan"):
+        try:
+            entries, json_state = flatten(state_dict)
+            if extra is not None and not _is_json(dict(extra)):
+                raise StateDictError("extra must be JSON-serialisable (None, bool, int, float, str, lists, dicts)")
+            if strategy is not None and not _is_json(dict(strategy)):
+                raise StateDictError("strategy must be JSON-serialisable")
+            dtypes = [dtype_name(e.local.dtype) for e in entries]
+            summary = encode_summary(entries, dtypes, node_id())
+        except (UnickptError, NotImplementedError) as e:
+            err = e
+        comm.agree(err, "save (reading the state dict)")
+        plan = _agree_plan(comm, summary, bucket_bytes, max_file_bytes)
+
+    # -- prepare the temporary directory ------------------------------------------------
+    token = comm.broadcast_bytes(_commit.new_token().encode() if comm.rank == 0 else None).decode()
+    parent, name = storage.parent(final), storage.basename(final)
+    tmp = storage.join(parent, _commit.tmp_name(name, token))
+    if comm.rank == 0:
+        try:
+            _commit.require_parent(storage, final)
+            _commit.check_destination(storage, final, overwrite)
+            _commit.sweep_stale(storage, parent, name)
+            storage.makedirs(tmp)
+        except (UnickptError, OSError) as e:
+            err = e
+    comm.agree(err, "save (preparing the directory)")
+
+    # -- gather + write ------------------------------------------------------------------
+    by_key = {e.key: e for e in entries}
+    result: dict = {}
+    try:
+        with ph.phase("write"):
+            result = _write_rank(plan, comm, by_key, storage, tmp, direct_io, ph, progress)
+    except (UnickptError, OSError, RuntimeError) as e:
+        err = e
+    try:
+        comm.agree(err, "save (writing)")
+        with ph.phase("commit"):
+            reports = [json.loads(r) for r in comm.all_gather_bytes(json.dumps(result).encode())]
+            if comm.rank == 0:
+                try:
+                    man = _manifest(plan, reports, step, json_state, dict(extra or {}), dict(strategy or {}))
+                    idx = man.hf_index()
+                    if idx is not None:
+                        storage.write_bytes(storage.join(tmp, INDEX_NAME), idx)
+                    storage.write_bytes(storage.join(tmp, MANIFEST_NAME), man.to_json())
+                    _commit.publish(storage, tmp, final)
+                except (UnickptError, OSError) as e:
+                    err = e
+            comm.agree(err, "save (commit)")
+    except BaseException:
+        if comm.rank == 0:
+            storage.remove_tree(tmp)
+        raise
+
+    total = sum(f.size for f in plan.files)
+    res = SaveResult(
+        path=final,
+        step=step,
+        files=[f.name for f in plan.files],
+        bytes=total,
+        local_bytes=result.get("bytes", 0),
+        seconds=ph.elapsed(),
+        phases=dict(ph.seconds),
+    )
+    if comm.rank == 0:
+        log.info(
+            "saved %s: %s in %d files, %.2f s (%.2f GB/s; plan %.2f s, write %.2f s, commit %.2f s)",
+            final, human_bytes(total), len(res.files), res.seconds, res.gbps,
+            ph.seconds.get("plan", 0), ph.seconds.get("write", 0), ph.seconds.get("commit", 0),
+        )
+    return res
+
+
+def _agree_plan(comm: Comm, summary: bytes, bucket_bytes: int, max_file_bytes: int | None) -> SavePlan:
+    """Exchange digests; reuse the cached plan when every rank's summary is unchanged,
+    otherwise exchange the summaries themselves and plan again."""
+    digests = tuple(comm.all_gather_bytes(summary_digest(summary)))
+    key = (id(comm.group), comm.world, digests, bucket_bytes, max_file_bytes)
+    plan = _PLAN_CACHE.get(key)
+    if plan is not None:
+        return plan
+    summaries = [decode_summary(s) for s in comm.all_gather_bytes(summary)]
+    err = None
+    try:
+        plan = make_plan(summaries, bucket_bytes=bucket_bytes, max_file_bytes=max_file_bytes)
+    except UnickptError as e:
+        err = e
+    comm.agree(err, "save (planning)")
+    if len(_PLAN_CACHE) >= _PLAN_CACHE_MAX:
+        _PLAN_CACHE.pop(next(iter(_PLAN_CACHE)))
+    _PLAN_CACHE[key] = plan
+    return plan
+
+
+def _manifest(plan: SavePlan, reports: list[dict], step, json_state, extra, strategy) -> Manifest:
+    checksums: dict[str, str] = {}
+    sizes: dict[str, int] = {}
+    for r in reports:
+        checksums.update(r.get("checksums", {}))
+        sizes.update(r.get("files", {}))
+    tensors = {}
+    for t in plan.tensors.values():
+        tensors[t.key] = TensorEntry(
+            t.role, t.name, t.file, t.dtype, t.shape, t.begin, t.end, checksums[f"{t.role}/{t.name}"], "raw", t.writer
+        )
+    files = {}
+    for f in plan.files:
+        if sizes.get(f.name) != f.size:
+            raise UnickptError(f"{f.name}: writer reported {sizes.get(f.name)} bytes, planned {f.size}")
+        files[f.name] = FileEntry(f.name, f.role, f.node, f.writer, f.size, len(f.header))
+    from . import __version__
+
+    return Manifest(
+        step=step,
+        files=files,
+        tensors=tensors,
+        state=json_state,
+        extra=extra,
+        saved_by={
+            "world_size": plan.world,
+            "nodes": sorted(set(plan.nodes)),
+            "strategy": strategy,
+            "unickpt_version": __version__,
+            "torch_version": torch.__version__.split("+")[0],
+        },
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    )
+
+
+class _Source:
+    """Host bytes of a local tensor, on demand (device tensors are copied per range)."""
+
+    def __init__(self, entry: Entry) -> None:
+        t = entry.local.detach()
+        self.device = t.device
+        if t.device.type == "cpu":
+            self.flat = as_bytes(t if t.is_contiguous() else t.contiguous())
+        else:
+            self.flat = as_bytes(t if t.is_contiguous() else t.contiguous())  # stays on device
+
+    def host_range(self, start: int, stop: int) -> torch.Tensor:
+        v = self.flat[start:stop]
+        return v if self.device.type == "cpu" else v.to("cpu")
+
+
+def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, direct_io, ph: Phases, progress):
+    rank = comm.rank
+    my_files = [(i, f) for i, f in enumerate(plan.files) if f.writer == rank]
+    writers = {}
+    hashers = {t.key: Hasher() for _, f in my_files for t in f.tensors}
+    sources: dict[tuple[str, str], _Source] = {}
+    total = sum(f.size for _, f in my_files)
+    done = 0
+
+    def src(key) -> _Source:
+        s = sources.get(key)
+        if s is None:
+            s = sources[key] = _Source(by_key[key])
+        return s
+
+    io = ThreadPoolExecutor(1, thread_name_prefix="unickpt-write")
+    pending: list[Future | None] = [None, None]
+    buckets: list[torch.Tensor | None] = [None, None]
+    try:
+        for i, f in my_files:
+            writers[i] = storage.open_writer(storage.join(tmp, f.name), direct=direct_io)
+            writers[i].write(memoryview(f.header))
+        done += sum(len(f.header) for _, f in my_files)
+        for s, step in enumerate(plan.schedule(rank)):
+            slot = s % 2
+            if pending[slot] is not None:
+                pending[slot].result()
+                pending[slot] = None
+            need = sum(seg.nbytes for seg, whole in zip(step.segments, step.local_whole) if not whole)
+            if need and (buckets[slot] is None or buckets[slot].numel() < need):
+                buckets[slot] = torch.empty(max(need, 1), dtype=torch.uint8)
+            with ph.phase("gather"):
+                items = _run_step(step, comm, src, buckets[slot])
+            for _, _, view in items:
+                done += view.numel()
+            pending[slot] = io.submit(_write_items, items, writers, hashers)
+            if progress is not None:
+                progress(done, total)
+        for slot in (0, 1):
+            if pending[slot] is not None:
+                pending[slot].result()
+                pending[slot] = None
+        with ph.phase("fsync"):
+            for w in writers.values():
+                w.close()
+        writers.clear()
+    except BaseException:
+        for p in pending:
+            if p is not None:
+                try:
+                    p.result()
+                except BaseException:
+                    pass
+        for w in writers.values():
+            w.abort()
+        raise
+    finally:
+        io.shutdown(wait=True)
+    return {
+        "checksums": {f"{k[0]}/{k[1]}": h.hexdigest() for k, h in hashers.items()},
+        "files": {f.name: f.size for _, f in my_files},
+        "bytes": sum(f.size for _, f in my_files),
+    }
+
+
+def _run_step(step: Step, comm: Comm, src, bucket: torch.Tensor | None):
+    """Assemble this rank's segments of one step; return ``(file_index, key, bytes)`` items."""
+    offs: list[int] = []
+    pos = 0
+    for seg, whole in zip(step.segments, step.local_whole):
+        offs.append(pos)
+        if not whole:
+            pos += seg.nbytes
+    sends, recvs, scatters = [], [], []
+    for dst, t, runs in step.sends:
+        s = src(t.key)
+        isz = t.itemsize
+        if len(runs) == 1:
+            a = int(runs.starts[0]) * isz
+            sends.append((dst, s.host_range(a, a + int(runs.lengths[0]) * isz)))
+        else:
+            packed = torch.empty(runs.numel * isz, dtype=torch.uint8)
+            lo = int(runs.starts[0]) * isz
+            hi = int(runs.starts[-1] + runs.lengths[-1]) * isz
+            window = s.host_range(lo, hi)
+            copy_runs(window, runs.starts - lo // isz, packed, runs.local, runs.lengths, isz)
+            sends.append((dst, packed))
+    for r, t, si, runs in step.recvs:
+        isz = t.itemsize
+        base = offs[si]
+        if len(runs) == 1:
+            a = base + int(runs.starts[0]) * isz
+            recvs.append((r, bucket[a : a + int(runs.lengths[0]) * isz]))
+        else:
+            tmp = torch.empty(runs.numel * isz, dtype=torch.uint8)
+            recvs.append((r, tmp))
+            scatters.append((tmp, base, runs, isz))
+    for t, si, lruns, sruns in step.copies:
+        if step.local_whole[si]:
+            continue
+        s = src(t.key)
+        isz = t.itemsize
+        lo = int(lruns.starts[0]) * isz
+        hi = int(lruns.starts[-1] + lruns.lengths[-1]) * isz
+        window = s.host_range(lo, hi)
+        base = offs[si]
+        copy_runs(window, lruns.starts - lo // isz, bucket[base:], sruns.starts, lruns.lengths, isz)
+    comm.exchange(sends, recvs)
+    for tmp, base, runs, isz in scatters:
+        copy_runs(tmp, runs.local, bucket[base:], runs.starts, runs.lengths, isz)
+    items = []
+    for si, (seg, whole) in enumerate(zip(step.segments, step.local_whole)):
+        t = seg.tensor
+        isz = t.itemsize
+        if seg.nbytes == 0:
+            view = torch.empty(0, dtype=torch.uint8)
+        elif whole:
+            view = src(t.key).host_range(seg.start * isz, seg.stop * isz)
+        else:
+            view = bucket[offs[si] : offs[si] + seg.nbytes]
+        items.append((seg.file_index, t.key, view))
+    return items
+
+
+def _write_items(items, writers, hashers) -> None:
+    for fi, key, view in items:
+        if view.numel() == 0:
+            continue
+        mv = memoryview(view.numpy())
+        hashers[key].update(mv)
+        writers[fi].write(mv)
