@@ -16,8 +16,8 @@ __version__ = "0.1.0"
 
 from . import errors
 from .layout import Layout, ShardedTensor, partition_flat, shard
-from .load import LoadResult, load, read_manifest
-from .save import SaveResult, save
+from .loader import LoadResult, load, read_manifest
+from .saver import SaveResult, save
 
 
 def latest(root) -> str | None:

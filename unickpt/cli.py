@@ -10,7 +10,7 @@ import time
 from . import __version__
 from ._metrics import human_bytes
 from .errors import UnickptError
-from .load import read_manifest
+from .loader import read_manifest
 from .manifest import Manifest
 
 
@@ -67,7 +67,7 @@ def verify_checkpoint(ckpt: str, man: Manifest, progress: bool = False) -> list[
     import torch
 
     from .format import Hasher
-    from .load import WINDOW, _check_file
+    from .loader import WINDOW, _check_file
     from .storage import storage_for
 
     storage, _ = storage_for(ckpt)

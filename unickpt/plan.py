@@ -123,7 +123,7 @@ class Step:
     recvs: list[tuple[int, TensorPlan, int, Runs]] = field(default_factory=list)  # (src, tensor, seg idx, runs in segment)
     copies: list[tuple[TensorPlan, int, Runs, Runs]] = field(default_factory=list)  # (tensor, seg idx, local runs, seg runs)
     segments: list[Segment] = field(default_factory=list)  # this rank's segments to write, in file order
-    local_whole: list[bool] = field(default_factory=list)  # segment fully held in one local run (zero copy)
+    local_whole: list[int | None] = field(default_factory=list)  # local element offset when one local run holds the whole segment (zero copy)
 
 
 @dataclass(slots=True)
@@ -329,13 +329,16 @@ def _schedule(plan: SavePlan, rank: int) -> list[Step]:
                         step.recvs.append((r, t, si, Runs(off_seg, n)))
                 if w == rank:
                     step.segments.append(seg)
+        by_seg: dict[int, list] = {}
+        for c in step.copies:
+            by_seg.setdefault(c[1], []).append(c)
         for si, seg in enumerate(step.segments):
-            mine = [c for c in step.copies if c[1] == si]
+            mine = by_seg.get(si, [])
             whole = (
                 len(mine) == 1
                 and len(mine[0][2]) == 1
                 and int(mine[0][2].lengths[0]) == seg.stop - seg.start
             )
-            step.local_whole.append(whole)
+            step.local_whole.append(int(mine[0][2].starts[0]) if whole else None)
         steps.append(step)
     return steps

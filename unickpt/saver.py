@@ -277,7 +277,7 @@ def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, 
             if pending[slot] is not None:
                 pending[slot].result()
                 pending[slot] = None
-            need = sum(seg.nbytes for seg, whole in zip(step.segments, step.local_whole) if not whole)
+            need = sum(seg.nbytes for seg, whole in zip(step.segments, step.local_whole) if whole is None)
             if need and (buckets[slot] is None or buckets[slot].numel() < need):
                 buckets[slot] = torch.empty(max(need, 1), dtype=torch.uint8)
             with ph.phase("gather"):
@@ -291,6 +291,7 @@ def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, 
             if pending[slot] is not None:
                 pending[slot].result()
                 pending[slot] = None
+        written = {plan.files[i].name: w.bytes_written for i, w in writers.items()}
         with ph.phase("fsync"):
             for w in writers.values():
                 w.close()
@@ -309,8 +310,8 @@ def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, 
         io.shutdown(wait=True)
     return {
         "checksums": {f"{k[0]}/{k[1]}": h.hexdigest() for k, h in hashers.items()},
-        "files": {f.name: f.size for _, f in my_files},
-        "bytes": sum(f.size for _, f in my_files),
+        "files": written,
+        "bytes": sum(written.values()),
     }
 
 
@@ -320,7 +321,7 @@ def _run_step(step: Step, comm: Comm, src, bucket: torch.Tensor | None):
     pos = 0
     for seg, whole in zip(step.segments, step.local_whole):
         offs.append(pos)
-        if not whole:
+        if whole is None:
             pos += seg.nbytes
     sends, recvs, scatters = [], [], []
     for dst, t, runs in step.sends:
@@ -347,7 +348,7 @@ def _run_step(step: Step, comm: Comm, src, bucket: torch.Tensor | None):
             recvs.append((r, tmp))
             scatters.append((tmp, base, runs, isz))
     for t, si, lruns, sruns in step.copies:
-        if step.local_whole[si]:
+        if step.local_whole[si] is not None:
             continue
         s = src(t.key)
         isz = t.itemsize
@@ -365,8 +366,8 @@ def _run_step(step: Step, comm: Comm, src, bucket: torch.Tensor | None):
         isz = t.itemsize
         if seg.nbytes == 0:
             view = torch.empty(0, dtype=torch.uint8)
-        elif whole:
-            view = src(t.key).host_range(seg.start * isz, seg.stop * isz)
+        elif whole is not None:
+            view = src(t.key).host_range(whole * isz, whole * isz + seg.nbytes)
         else:
             view = bucket[offs[si] : offs[si] + seg.nbytes]
         items.append((seg.file_index, t.key, view))

@@ -1,0 +1,100 @@
+"""Run a function on N real processes joined by a gloo process group over 127.0.0.1.
+
+No fake process groups: each rank is its own process (forkserver with torch preloaded, so a
+rank starts in well under a second), with a free TCP port per job. Exceptions on any rank
+fail the test with that rank's traceback; a hung job is killed after ``timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+_CTX = None
+
+
+def _ctx():
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "unickpt"])
+    return _CTX
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, rank, world, port, args, q, env):
+    os.environ.update(env)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        )
+        out = fn(rank, world, *args)
+        q.put((rank, True, out))
+    except BaseException as e:  # report every failure to the parent
+        q.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def run(fn: Callable, world: int, *args: Any, timeout: float = 180, env: dict | None = None) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` processes; return the results by rank."""
+    ctx = _ctx()
+    q = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world, port, args, q, dict(env or {})), daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    import queue as _q
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < world:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if errors:
+                    break
+                raise TimeoutError(f"distributed job timed out after {timeout}s; finished ranks {sorted(results)}")
+            try:
+                rank, ok, out = q.get(timeout=min(left, 1.0))
+            except _q.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead and q.empty():
+                    raise RuntimeError(f"rank process died: exit codes {[p.exitcode for p in procs]}")
+                continue
+            if ok:
+                results[rank] = out
+            else:
+                errors.append(f"rank {rank}: {out}")
+                deadline = min(deadline, time.monotonic() + 20)  # peers may be stuck waiting
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world)]
