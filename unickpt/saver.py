@@ -250,6 +250,12 @@ class _Source:
 
 
 def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, direct_io, ph: Phases, progress):
+    """Run this rank's part of the gather and write its files.
+
+    File errors (disk full, EIO...) never leave the communication schedule: the rank keeps
+    sending and receiving until the last step, so peers are not stranded in a transfer, and
+    the error is raised afterwards (then agreed on by every rank).
+    """
     rank = comm.rank
     my_files = [(i, f) for i, f in enumerate(plan.files) if f.writer == rank]
     writers = {}
@@ -257,6 +263,7 @@ def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, 
     sources: dict[tuple[str, str], _Source] = {}
     total = sum(f.size for _, f in my_files)
     done = 0
+    io_error: list[BaseException] = []
 
     def src(key) -> _Source:
         s = sources.get(key)
@@ -267,42 +274,49 @@ def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, 
     io = ThreadPoolExecutor(1, thread_name_prefix="unickpt-write")
     pending: list[Future | None] = [None, None]
     buckets: list[torch.Tensor | None] = [None, None]
+
+    def reap(slot: int) -> None:
+        fut = pending[slot]
+        pending[slot] = None
+        if fut is not None and fut.exception() is not None and not io_error:
+            io_error.append(fut.exception())
+
     try:
-        for i, f in my_files:
-            writers[i] = storage.open_writer(storage.join(tmp, f.name), direct=direct_io)
-            writers[i].write(memoryview(f.header))
+        try:
+            for i, f in my_files:
+                writers[i] = storage.open_writer(storage.join(tmp, f.name), direct=direct_io)
+                writers[i].write(memoryview(f.header))
+        except OSError as e:
+            io_error.append(e)
         done += sum(len(f.header) for _, f in my_files)
         for s, step in enumerate(plan.schedule(rank)):
             slot = s % 2
-            if pending[slot] is not None:
-                pending[slot].result()
-                pending[slot] = None
+            reap(slot)
             need = sum(seg.nbytes for seg, whole in zip(step.segments, step.local_whole) if whole is None)
             if need and (buckets[slot] is None or buckets[slot].numel() < need):
                 buckets[slot] = torch.empty(max(need, 1), dtype=torch.uint8)
             with ph.phase("gather"):
                 items = _run_step(step, comm, src, buckets[slot])
+            if io_error:
+                continue  # keep serving peers; nothing more is written
             for _, _, view in items:
                 done += view.numel()
             pending[slot] = io.submit(_write_items, items, writers, hashers)
             if progress is not None:
                 progress(done, total)
-        for slot in (0, 1):
-            if pending[slot] is not None:
-                pending[slot].result()
-                pending[slot] = None
+        reap(0)
+        reap(1)
+        if io_error:
+            raise io_error[0]
         written = {plan.files[i].name: w.bytes_written for i, w in writers.items()}
         with ph.phase("fsync"):
             for w in writers.values():
                 w.close()
         writers.clear()
     except BaseException:
-        for p in pending:
-            if p is not None:
-                try:
-                    p.result()
-                except BaseException:
-                    pass
+        for slot in (0, 1):
+            if pending[slot] is not None:
+                pending[slot].exception()
         for w in writers.values():
             w.abort()
         raise

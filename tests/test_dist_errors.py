@@ -1,0 +1,87 @@
+"""Failures on one rank surface on every rank, and nothing becomes visible."""
+
+import os
+
+import pytest
+import torch
+
+import unickpt
+from tests import dist
+from unickpt.errors import DistributedError, LayoutError, ShapeMismatchError, UnickptError
+
+
+def _bad_target_on_one_rank(rank, world, root):
+    unickpt.save({"model": {"w": unickpt.shard(torch.full((2, 4), float(rank)), (4, 4), offsets=(2 * rank, 0))}}, root)
+    rows = 3 if rank == 1 else 4  # rank 1 believes in another shape
+    t = {"model": {"w": torch.zeros(rows, 4)}}
+    try:
+        unickpt.load(t, root)
+    except UnickptError as e:
+        return type(e).__name__, str(e), float(t["model"]["w"].abs().sum())
+    return None
+
+
+def test_bad_target_on_one_rank_raises_everywhere_without_filling(tmp_path):
+    out = dist.run(_bad_target_on_one_rank, 2, str(tmp_path / "ck"))
+    assert out[1][0] == ShapeMismatchError.__name__
+    assert out[0][0] == DistributedError.__name__ and "rank 1" in out[0][1] and "tensor 'w'" in out[0][1]
+    assert out[0][2] == 0 and out[1][2] == 0
+
+
+def _overlapping(rank, world, root):
+    w = unickpt.shard(torch.ones(3, 4), (4, 4), offsets=(rank, 0))  # rows 0-2 and 1-3 overlap
+    try:
+        unickpt.save({"model": {"w": w}}, root)
+    except LayoutError as e:
+        return str(e)
+    return None
+
+
+def test_overlapping_shards_refused_on_every_rank(tmp_path):
+    out = dist.run(_overlapping, 2, str(tmp_path / "ck"))
+    assert all(o and "overlap" in o and "'w'" in o for o in out)
+    assert not os.path.exists(tmp_path / "ck")
+
+
+def _writer_dies(rank, world, root):
+    import unickpt.storage as st
+
+    sd = {"model": {f"t{i}": unickpt.shard(torch.full((64, 64), float(i)), (128, 64), offsets=(64 * rank, 0)) for i in range(6)}}
+    unickpt.save(sd, os.path.join(root, "step-00000001"), step=1)
+    if rank == 1:
+        real = st.LocalStorage.open_writer
+
+        def failing(self, path, direct=None):
+            w = real(self, path, direct=direct)
+            orig = w.write
+
+            def write(data, _n=[0]):
+                _n[0] += 1
+                if _n[0] == 3:
+                    raise OSError(28, "No space left on device (injected)")
+                return orig(data)
+
+            w.write = write
+            return w
+
+        st.LocalStorage.open_writer = failing
+    try:
+        unickpt.save(sd, os.path.join(root, "step-00000002"), step=2, bucket_bytes=8192)
+    except (UnickptError, OSError) as e:
+        err = f"{type(e).__name__}: {e}"
+    else:
+        err = None
+    return err, unickpt.latest(root)
+
+
+def test_write_failure_on_one_rank_commits_nothing(tmp_path):
+    root = str(tmp_path)
+    out = dist.run(_writer_dies, 2, root)
+    assert "No space left" in out[1][0]
+    assert "DistributedError" in out[0][0] and "rank 1" in out[0][0]
+    for _, latest in out:
+        assert latest.endswith("step-00000001")
+    assert sorted(os.listdir(root)) == ["step-00000001"]  # temporary swept, nothing half-visible
+    t = {"model": {f"t{i}": torch.zeros(128, 64) for i in range(6)}}
+    assert unickpt.load(t, root).step == 1
+    assert torch.equal(t["model"]["t3"], torch.full((128, 64), 3.0))

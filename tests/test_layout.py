@@ -1,0 +1,104 @@
+"""Layout model: runs of boxes and flat ranges, intersections, ZeRO partitions, DTensor."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from unickpt.errors import LayoutError
+from unickpt.layout import Layout, Runs, intersect, partition_flat, shard
+
+
+def _elements(lay: Layout) -> list[int]:
+    """Reference: global flat indices of a layout's elements in local order (brute force)."""
+    idx = torch.arange(math.prod(lay.shape)).reshape(lay.shape)
+    box = idx[tuple(slice(o, o + s) for o, s in zip(lay.offsets, lay.sizes))].reshape(-1)
+    if lay.flat is not None:
+        box = box[lay.flat[0] : lay.flat[1]]
+    return box.tolist()
+
+
+def _expand(r: Runs) -> list[int]:
+    return [int(s) + i for s, n in zip(r.starts, r.lengths) for i in range(int(n))]
+
+
+CASES = [
+    Layout((4, 6), (1, 2), (2, 3)),
+    Layout((4, 6), (0, 0), (4, 6)),
+    Layout((4, 6), (2, 0), (2, 6)),
+    Layout((4, 6), (0, 0), (4, 6), (5, 17)),
+    Layout((4, 6), (0, 3), (4, 3), (2, 11)),
+    Layout((3, 4, 5), (1, 1, 0), (2, 2, 5), (3, 17)),
+    Layout((3, 4, 5), (0, 1, 2), (3, 3, 2)),
+    Layout((7,), (2,), (4,), (1, 3)),
+    Layout((), (), ()),
+    Layout((0, 3), (0, 0), (0, 3)),
+]
+
+
+@pytest.mark.parametrize("lay", CASES, ids=str)
+def test_runs_match_brute_force(lay):
+    r = lay.runs()
+    assert _expand(r) == _elements(lay)
+    assert r.numel == lay.numel
+    assert list(r.local) == list(np.concatenate([[0], np.cumsum(r.lengths)[:-1]])) if len(r) else True
+
+
+def test_random_boxes_and_ranges_match_brute_force():
+    g = np.random.default_rng(0)
+    for _ in range(300):
+        nd = int(g.integers(1, 4))
+        shape = tuple(int(x) for x in g.integers(1, 7, nd))
+        offs = tuple(int(g.integers(0, s)) for s in shape)
+        sizes = tuple(int(g.integers(1, s - o + 1)) for s, o in zip(shape, offs))
+        n = math.prod(sizes)
+        a = int(g.integers(0, n))
+        flat = (a, int(g.integers(a, n + 1))) if g.random() < 0.5 else None
+        lay = Layout(shape, offs, sizes, flat)
+        assert _expand(lay.runs()) == _elements(lay), lay
+
+
+def test_intersect_matches_set_intersection():
+    g = np.random.default_rng(1)
+    for _ in range(200):
+        shape = (int(g.integers(2, 9)), int(g.integers(2, 9)))
+        lays = []
+        for _ in range(2):
+            offs = tuple(int(g.integers(0, s)) for s in shape)
+            sizes = tuple(int(g.integers(1, s - o + 1)) for s, o in zip(shape, offs))
+            n = math.prod(sizes)
+            a = int(g.integers(0, n))
+            lays.append(Layout(shape, offs, sizes, (a, int(g.integers(a, n + 1)))))
+        ea, eb = _elements(lays[0]), _elements(lays[1])
+        start, length, off_a, off_b = intersect(lays[0].runs(), lays[1].runs())
+        got = []
+        for s, n, oa, ob in zip(start, length, off_a, off_b):
+            for i in range(int(n)):
+                assert ea[int(oa) + i] == int(s) + i and eb[int(ob) + i] == int(s) + i
+                got.append(int(s) + i)
+        assert sorted(got) == sorted(set(ea) & set(eb))
+
+
+def test_partition_flat_covers_each_tensor_once():
+    shapes = [(3, 5), (7,), (), (2, 2, 3)]
+    world = 4
+    covered = {i: [] for i in range(len(shapes))}
+    for rank in range(world):
+        parts = partition_flat(shapes, world, rank)
+        for i, lay, a, b in parts:
+            assert b - a == lay.numel
+            covered[i] += _elements(lay)
+    for i, s in enumerate(shapes):
+        assert sorted(covered[i]) == list(range(math.prod(s)))
+
+
+def test_bad_layouts_are_refused_with_a_reason():
+    with pytest.raises(LayoutError, match="out of bounds"):
+        Layout((4, 4), (3, 0), (2, 4))
+    with pytest.raises(LayoutError, match="flat range"):
+        Layout((4, 4), (0, 0), (4, 4), (3, 17))
+    with pytest.raises(LayoutError, match="rank mismatch"):
+        Layout((4, 4), (0,), (4, 4))
+    with pytest.raises(LayoutError, match="elements"):
+        shard(torch.zeros(5), (4, 4), flat=(0, 6))

@@ -1,0 +1,102 @@
+"""Routing table: deterministic, balanced, holder-preferring, bounded buckets, tiling checks."""
+
+import pytest
+
+from unickpt.errors import LayoutError
+from unickpt.layout import Layout, partition_flat
+from unickpt.plan import make_plan
+
+
+def _summaries(per_rank):
+    return [{"node": f"n{r // 2}", "t": rows} for r, rows in enumerate(per_rank)]
+
+
+def _row(role, name, dtype, lay: Layout):
+    return [role, name, dtype, list(lay.shape), *lay.to_json()]
+
+
+def zero_summaries(shapes, world, dtype="F32"):
+    out = []
+    for r in range(world):
+        rows = [_row("model", f"t{i}", dtype, lay) for i, lay, _, _ in partition_flat(shapes, world, r)]
+        out.append(rows)
+    return _summaries(out)
+
+
+def test_balanced_within_slack_for_many_tensors():
+    shapes = [(100 + 13 * i, 64) for i in range(40)]
+    plan = make_plan(zero_summaries(shapes, 4), bucket_bytes=1 << 20)
+    loads = plan.writer_loads()
+    mean = sum(loads) / 4
+    assert max(loads) <= 1.1 * mean
+
+
+def test_holder_preferred_when_balance_allows():
+    # each rank fully holds its own tensors (ZeRO over whole tensors of equal size)
+    per_rank = []
+    for r in range(2):
+        rows = []
+        for i in range(4):
+            lay = Layout((10, 10), (0, 0), (10, 10), (0, 100)) if i % 2 == r else Layout((10, 10), (0, 0), (10, 10), (0, 0))
+            rows.append(_row("model", f"t{i}", "F32", lay))
+        per_rank.append(rows)
+    plan = make_plan(_summaries(per_rank), bucket_bytes=4096)
+    for i in range(4):
+        assert plan.tensors[("model", f"t{i}")].writer == i % 2
+
+
+def test_replicated_tensors_written_by_one_holder_without_transfer():
+    per_rank = [[_row("model", "w", "BF16", Layout.full((8, 8)))] for _ in range(3)]
+    plan = make_plan(_summaries(per_rank), bucket_bytes=4096)
+    t = plan.tensors[("model", "w")]
+    assert t.full_holders == [0, 1, 2]
+    for r in range(3):
+        for step in plan.schedule(r):
+            assert not step.sends and not step.recvs
+
+
+def test_plan_is_deterministic_and_files_are_named_per_role():
+    s = zero_summaries([(33, 7), (5,), (12, 12)], 3)
+    a, b = make_plan(s, bucket_bytes=256), make_plan(s, bucket_bytes=256)
+    assert [(f.name, f.writer, [t.name for t in f.tensors]) for f in a.files] == [
+        (f.name, f.writer, [t.name for t in f.tensors]) for f in b.files
+    ]
+    for f in a.files:
+        assert f.name.startswith("model-") and f.name.endswith(f"-of-{len(a.files):05d}.safetensors")
+        assert f.node == f"n{f.writer // 2}"
+
+
+def test_buckets_are_bounded():
+    shapes = [(300, 41), (7,), (129, 3), (1000,)]
+    for bucket in (4096, 10000):
+        plan = make_plan(zero_summaries(shapes, 2), bucket_bytes=bucket)
+        for chunks in plan.chunks.values():
+            for c in chunks:
+                assert sum(seg.nbytes for seg in c) <= bucket
+
+
+def test_max_file_bytes_splits_files():
+    plan = make_plan(zero_summaries([(100, 10)] * 6, 1), bucket_bytes=1 << 20, max_file_bytes=9000)
+    assert len(plan.files) == 3
+    assert all(f.data_bytes <= 9000 for f in plan.files)
+
+
+def test_gaps_and_overlaps_in_shards_are_refused():
+    gap = _summaries([[_row("model", "w", "F32", Layout((4, 4), (0, 0), (2, 4)))], [[]][0]])
+    with pytest.raises(LayoutError, match="cover 8 of 16"):
+        make_plan(gap, bucket_bytes=4096)
+    overlap = _summaries([
+        [_row("model", "w", "F32", Layout((4, 4), (0, 0), (3, 4)))],
+        [_row("model", "w", "F32", Layout((4, 4), (2, 0), (2, 4)))],
+    ])
+    with pytest.raises(LayoutError, match="overlap"):
+        make_plan(overlap, bucket_bytes=4096)
+
+
+def test_ranks_disagreeing_on_shape_are_refused():
+    s = _summaries([
+        [_row("model", "w", "F32", Layout.full((4, 4)))],
+        [_row("model", "w", "F32", Layout.full((4, 5)))],
+    ])
+    with pytest.raises(LayoutError, match="rank 0 has F32 \\[4, 4\\] but rank 1 has F32 \\[4, 5\\]"):
+        make_plan(s, bucket_bytes=4096)

@@ -1,0 +1,259 @@
+"""Single-process save/load: round trips, JSON state, commit rules and bad input."""
+
+import json
+import os
+import struct
+
+import pytest
+import torch
+
+import unickpt
+from unickpt.errors import (
+    ChecksumError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    DtypeMismatchError,
+    FormatError,
+    ShapeMismatchError,
+    StateDictError,
+    TensorMissingError,
+    UnickptError,
+)
+
+
+def _state(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {
+            "model.embed_tokens.weight": torch.randn(50, 16, generator=g).bfloat16(),
+            "model.norm.weight": torch.randn(16, generator=g),
+            "lm_head.weight": torch.randn(50, 16, generator=g).half(),
+            "scalar": torch.tensor(2.5, dtype=torch.float64),
+            "empty": torch.zeros(0, 4),
+            "mask": torch.rand(9, generator=g) > 0.5,
+            "ids": torch.arange(7, dtype=torch.int32),
+        },
+        "optimizer": {"exp_avg": {"lm_head.weight": torch.randn(50, 16, generator=g)}, "param_groups": [{"lr": 0.1, "betas": [0.9, 0.95]}]},
+        "step": 12,
+        "rng": torch.randint(0, 255, (16,), dtype=torch.uint8, generator=g),
+    }
+
+
+def _zeros(sd):
+    if isinstance(sd, dict):
+        return {k: _zeros(v) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [_zeros(v) for v in sd]
+    if isinstance(sd, torch.Tensor):
+        return torch.zeros_like(sd)
+    return None if not isinstance(sd, (int, float)) else type(sd)(0)
+
+
+def _eq(a, b):
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_eq(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_eq(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    return a == b
+
+
+def test_round_trip_all_dtypes_and_json_state(tmp_path):
+    sd = _state()
+    res = unickpt.save(sd, tmp_path / "step-00000012", step=12, extra={"data": {"epoch": 1, "offset": 77}})
+    assert res.bytes == sum(os.path.getsize(tmp_path / "step-00000012" / f) for f in res.files)
+    tgt = _zeros(sd)
+    out = unickpt.load(tgt, tmp_path)  # a root: newest committed step
+    assert _eq(tgt, sd)
+    assert out.step == 12 and out.extra == {"data": {"epoch": 1, "offset": 77}}
+    assert out.verified == out.tensors == 9
+
+
+def test_layout_of_files_and_hf_index(tmp_path):
+    sd = _state()
+    p = tmp_path / "ck"
+    unickpt.save(sd, p)
+    names = sorted(os.listdir(p))
+    assert names == [
+        "model-00001-of-00001.safetensors",
+        "model.safetensors.index.json",
+        "optimizer-00001-of-00001.safetensors",
+        "other-00001-of-00001.safetensors",
+        "unickpt.json",
+    ]
+    idx = json.loads((p / "model.safetensors.index.json").read_text())
+    assert set(idx["weight_map"]) == set(sd["model"])
+    assert idx["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in sd["model"].values())
+    from safetensors.torch import load_file
+
+    flat = load_file(str(p / "model-00001-of-00001.safetensors"))
+    for k, v in sd["model"].items():
+        assert torch.equal(flat[k], v)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no temporary left
+
+
+def test_existing_checkpoint_is_never_replaced_silently(tmp_path):
+    p = tmp_path / "ck"
+    unickpt.save({"model": {"w": torch.ones(3)}}, p)
+    with pytest.raises(CheckpointExistsError, match="overwrite=True"):
+        unickpt.save({"model": {"w": torch.zeros(3)}}, p)
+    t = {"model": {"w": torch.empty(3)}}
+    unickpt.load(t, p)
+    assert torch.equal(t["model"]["w"], torch.ones(3))
+    unickpt.save({"model": {"w": torch.full((3,), 2.0)}}, p, overwrite=True)
+    unickpt.load(t, p)
+    assert torch.equal(t["model"]["w"], torch.full((3,), 2.0))
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+def test_uncommitted_checkpoints_are_invisible_and_swept(tmp_path):
+    unickpt.save({"model": {"w": torch.ones(3)}}, tmp_path / "step-00000001", step=1)
+    # an interrupted save: data present, no manifest, temporary name
+    (tmp_path / ".step-00000002.tmp-0123456789abcdef").mkdir()
+    (tmp_path / ".step-00000002.tmp-0123456789abcdef" / "model-00001-of-00001.safetensors").write_bytes(b"x" * 10)
+    # a final-looking directory without manifest is not a checkpoint either
+    (tmp_path / "step-00000003").mkdir()
+    assert unickpt.latest(tmp_path).endswith("step-00000001")
+    t = {"model": {"w": torch.empty(3)}}
+    assert unickpt.load(t, tmp_path).step == 1
+    with pytest.raises(CheckpointNotFoundError):
+        unickpt.load(t, tmp_path / "step-00000003")
+    unickpt.save({"model": {"w": torch.ones(3)}}, tmp_path / "step-00000002", step=2)
+    assert not (tmp_path / ".step-00000002.tmp-0123456789abcdef").exists()
+    assert unickpt.latest(tmp_path).endswith("step-00000002")
+
+
+def test_missing_path():
+    with pytest.raises(CheckpointNotFoundError, match="no such checkpoint"):
+        unickpt.load({"model": {"w": torch.empty(1)}}, "/nonexistent/unickpt/ck")
+
+
+@pytest.fixture
+def saved(tmp_path):
+    sd = {"model": {"a": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5, dtype=torch.bfloat16)}}
+    p = tmp_path / "ck"
+    unickpt.save(sd, p)
+    return p, sd
+
+
+def test_missing_tensor_names_file_and_tensor_and_fills_nothing(saved):
+    p, sd = saved
+    t = {"model": {"a": torch.zeros(3, 4), "c": torch.zeros(2)}}
+    with pytest.raises(TensorMissingError, match="tensor 'c' \\(role model\\) is not in the checkpoint"):
+        unickpt.load(t, p)
+    assert torch.count_nonzero(t["model"]["a"]) == 0  # validated before any read
+    res = unickpt.load(t, p, strict=False)
+    assert res.missing == ["model/c"] and torch.equal(t["model"]["a"], sd["model"]["a"])
+
+
+def test_shape_and_dtype_mismatch(saved):
+    p, _ = saved
+    with pytest.raises(ShapeMismatchError, match=r"model-00001-of-00001.safetensors: tensor 'a' .* shape \[3, 4\].* \[4, 3\]"):
+        unickpt.load({"model": {"a": torch.zeros(4, 3)}}, p)
+    with pytest.raises(DtypeMismatchError, match=r"tensor 'b' .* stored as BF16, the target is F32"):
+        unickpt.load({"model": {"b": torch.zeros(5)}}, p)
+
+
+def _flip_byte(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_corrupted_byte_is_detected_naming_tensor_and_file(saved):
+    p, _ = saved
+    _, man = unickpt.read_manifest(p)
+    a = man.tensors[("model", "a")]
+    f = p / a.file
+    _flip_byte(f, man.files[a.file].data_start + a.begin + 5)
+    with pytest.raises(ChecksumError, match=r"tensor 'a' in model-00001-of-00001.safetensors") as ei:
+        unickpt.load({"model": {"a": torch.zeros(3, 4)}}, p)
+    assert ei.value.bad == [(a.file, "a")]
+    # 'b' is intact and still loads; verify="none" skips checks
+    unickpt.load({"model": {"b": torch.zeros(5, dtype=torch.bfloat16)}}, p)
+    unickpt.load({"model": {"a": torch.zeros(3, 4)}}, p, verify="none")
+
+
+def test_verify_full_checks_tensors_not_read(saved):
+    p, _ = saved
+    _, man = unickpt.read_manifest(p)
+    b = man.tensors[("model", "b")]
+    _flip_byte(p / b.file, man.files[b.file].data_start + b.begin)
+    unickpt.load({"model": {"a": torch.zeros(3, 4)}}, p)  # auto: 'b' not read
+    with pytest.raises(ChecksumError, match="tensor 'b'"):
+        unickpt.load({"model": {"a": torch.zeros(3, 4)}}, p, verify="full")
+
+
+def test_truncated_file_and_hostile_manifest(saved, tmp_path):
+    p, _ = saved
+    f = p / "model-00001-of-00001.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[:-3])
+    with pytest.raises(FormatError, match="manifest records"):
+        unickpt.load({"model": {"a": torch.zeros(3, 4)}}, p)
+    f.write_bytes(data)
+    man = json.loads((p / "unickpt.json").read_text())
+    bad = json.loads(json.dumps(man))
+    first = next(iter(bad["files"]))
+    bad["files"]["../../etc/passwd"] = bad["files"].pop(first)
+    (p / "unickpt.json").write_text(json.dumps(bad))
+    with pytest.raises(FormatError, match="not a valid checkpoint file name"):
+        unickpt.load({"model": {"a": torch.zeros(3, 4)}}, p)
+    bad = json.loads(json.dumps(man))
+    bad["format_version"] = 99
+    (p / "unickpt.json").write_text(json.dumps(bad))
+    with pytest.raises(FormatError, match="format_version 99"):
+        unickpt.load({"model": {"a": torch.zeros(3, 4)}}, p)
+    bad = json.loads(json.dumps(man))
+    bad["tensors"]["model"]["a"]["offsets"] = [0, 10**12]
+    (p / "unickpt.json").write_text(json.dumps(bad))
+    with pytest.raises(FormatError, match="tensor 'a'"):
+        unickpt.load({"model": {"a": torch.zeros(3, 4)}}, p)
+    (p / "unickpt.json").write_text("{not json")
+    with pytest.raises(FormatError, match="not valid JSON"):
+        unickpt.load({"model": {"a": torch.zeros(3, 4)}}, p)
+
+
+def test_hostile_safetensors_header(saved):
+    p, _ = saved
+    f = p / "model-00001-of-00001.safetensors"
+    data = bytearray(f.read_bytes())
+    data[:8] = struct.pack("<Q", 1 << 40)
+    f.write_bytes(bytes(data))
+    with pytest.raises(FormatError, match="header length"):
+        unickpt.load({"model": {"a": torch.zeros(3, 4)}}, p)
+
+
+def test_unsupported_values_are_refused_before_anything_is_written(tmp_path):
+    with pytest.raises(StateDictError, match="'model.fn' holds a function"):
+        unickpt.save({"model": {"fn": lambda: 0}}, tmp_path / "ck")
+    with pytest.raises(StateDictError, match="role"):
+        unickpt.save({"Model": {"w": torch.ones(1)}}, tmp_path / "ck")
+    with pytest.raises(StateDictError, match="both map to tensor 'a.b'"):
+        unickpt.save({"model": {"a.b": torch.ones(1), "a": {"b": torch.ones(1)}}}, tmp_path / "ck")
+    with pytest.raises(StateDictError, match="JSON"):
+        unickpt.save({"model": {"w": torch.ones(1)}, "x": float("nan")}, tmp_path / "ck")
+    assert not os.listdir(tmp_path)
+
+
+def test_non_contiguous_and_view_targets(tmp_path):
+    w = torch.arange(24.0).reshape(4, 6)
+    unickpt.save({"model": {"w": w.t()}}, tmp_path / "ck")  # non-contiguous source
+    t = torch.zeros(6, 4)
+    unickpt.load({"model": {"w": t}}, tmp_path / "ck")
+    assert torch.equal(t, w.t())
+    buf = torch.zeros(30)
+    view = buf[3:27].view(6, 4)
+    unickpt.load({"model": {"w": view}}, tmp_path / "ck")
+    assert torch.equal(view, w.t()) and buf[:3].eq(0).all() and buf[27:].eq(0).all()
+    nc = torch.zeros(4, 6).t()
+    unickpt.load({"model": {"w": nc}}, tmp_path / "ck")
+    assert torch.equal(nc, w.t())
+
+
+def test_errors_share_one_base_class():
+    for name in unickpt.errors.__all__:
+        assert issubclass(getattr(unickpt.errors, name), UnickptError)
