@@ -37,7 +37,13 @@ direct, loads against read cold); "x DCP" = unickpt seconds / DCP seconds for th
 operation (< 1: unickpt is faster). Targets: unickpt save <= 1.15x write direct; unickpt
 load and load reshard <= 1.15x read cold. Loaded data is checked once (round 1, outside the
 timing): bit-equal for same-layout loads, per-block xxhash for the resharded ones, for
-unickpt and DCP alike. Raw numbers go to bench/out/save_load.json.
+unickpt and DCP alike.
+
+Also printed: unickpt's own phase timings (SaveResult/LoadResult.phases) and, per
+operation, the bytes that went through read/write system calls (socket traffic such as
+gloo's included) and the bytes that reached the block layer, from /proc/self/io, so a load
+that reads twice what it delivers, or a save that ships data between ranks, shows.
+Raw numbers go to bench/out/save_load.json.
 """
 
 from __future__ import annotations
@@ -396,7 +402,7 @@ def summarize(results: list[dict], repeats: int) -> dict:
         out[op] = {"per_round_max": per_round, "by_rank": [r[op]["seconds"] for r in results],
                    "median": med, "bytes": nbytes, "gbps": nbytes / med / 1e9}
         if "phases" in results[0][op]:
-            names = sorted({p for r in results for ph in r[op]["phases"] for p in ph})
+            names = list(dict.fromkeys(p for r in results for ph in r[op]["phases"] for p in ph))
             out[op]["phases"] = {
                 p: {"median_of_max": statistics.median(max(r[op]["phases"][i].get(p, 0.0) for r in results)
                                                        for i in range(repeats)),
@@ -432,7 +438,8 @@ def print_report(summary: dict, cfg: dict, verify: dict) -> None:
             ok = s["x_floor"] <= TARGETS[op]
             tgt = f"<= {TARGETS[op]:.2f}x {LABELS[FLOOR_OF[op]]}: {'PASS' if ok else 'MISS'}"
         print(f"{LABELS[op]:<23}{s['median']:>10.3f}{s['gbps']:>8.2f}{xf:>9}{xd:>8}  {tgt}")
-    print("\nunickpt phases, seconds (median over rounds of the slowest rank; per-rank medians in brackets):")
+    print("\nunickpt phases, seconds (median over rounds of the slowest rank; per-rank medians in brackets;\n"
+          "save: gather and fsync are parts of write):")
     for op in ("unickpt_save", "unickpt_load", "unickpt_load_reshard"):
         parts = []
         for p, v in summary[op]["phases"].items():
