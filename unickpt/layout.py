@@ -14,6 +14,7 @@ column block of a 128k-row embedding is a few vector operations, not a Python lo
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -283,11 +284,9 @@ def layout_of(value: Any) -> tuple[torch.Tensor, Layout]:
 
 
 def _is_dtensor(value: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(value, DTensor)
+    # A DTensor can only exist once its module is imported; importing it here would cost ~1 s.
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(value, mod.DTensor)
 
 
 def _dtensor_layout(dt) -> tuple[torch.Tensor, Layout]:
