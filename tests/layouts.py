@@ -29,6 +29,7 @@ def reference(seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:
         "layers.0.norm.weight": rn(24, dtype=torch.bfloat16),
         "head.weight": rn(11, 24, dtype=torch.bfloat16),
         "counter": torch.arange(13, dtype=torch.int64) * 7 - 3,
+        "big.weight": rn(700, 129),  # > 256 KiB: large pieces are written in place by holders
         "temperature": rn(),
     }
     master = {k: rn(*v.shape) for k, v in model.items() if v.dtype == torch.bfloat16}

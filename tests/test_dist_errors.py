@@ -53,15 +53,15 @@ def _writer_dies(rank, world, root):
 
         def failing(self, path, direct=None):
             w = real(self, path, direct=direct)
-            orig = w.write
+            orig = w.write_at
 
-            def write(data, _n=[0]):
+            def write(offset, data, _n=[0]):
                 _n[0] += 1
                 if _n[0] == 3:
                     raise OSError(28, "No space left on device (injected)")
-                return orig(data)
+                return orig(offset, data)
 
-            w.write = write
+            w.write_at = write
             return w
 
         st.LocalStorage.open_writer = failing

@@ -46,7 +46,7 @@ def _inspect(args) -> int:
         print(f"  {role:<11}{human_bytes(n):>12}  {roles.get(role, 0)} tensors")
     if args.tensors:
         for (role, name), t in sorted(man.tensors.items()):
-            print(f"  {role}/{name}  {t.dtype}{list(t.shape)}  {t.file}  {t.checksum}")
+            print(f"  {role}/{name}  {t.dtype}{list(t.shape)}  {t.file}  {' '.join(c[2] for c in t.checksums)}")
     return 0
 
 
@@ -66,8 +66,7 @@ def verify_checkpoint(ckpt: str, man: Manifest, progress: bool = False) -> list[
     """Check every stored tensor against its checksum; return ``(file, tensor, reason)``."""
     import torch
 
-    from .format import Hasher
-    from .loader import WINDOW, _check_file
+    from .loader import WINDOW, _check_file, check_stored
     from .storage import storage_for
 
     storage, _ = storage_for(ckpt)
@@ -94,19 +93,11 @@ def verify_checkpoint(ckpt: str, man: Manifest, progress: bool = False) -> list[
                 continue
             base = man.files[fname].data_start
             for t in ts:
-                h = Hasher()
-                pos = t.begin
-                while pos < t.end:
-                    k = min(WINDOW, t.end - pos)
-                    mv = memoryview(buf[:k].numpy())
-                    reader.readinto(base + pos, mv)
-                    h.update(mv)
-                    pos += k
-                    done += k
-                    if bar:
-                        bar.update(done)
-                if h.hexdigest() != t.checksum:
-                    bad.append((fname, t.name, f"checksum {h.hexdigest()} != recorded {t.checksum}"))
+                for b, e in check_stored(reader, base, t, buf):
+                    bad.append((fname, t.name, f"bytes [{b}, {e}) of the tensor do not match their checksum"))
+                done += t.nbytes
+                if bar:
+                    bar.update(done)
         finally:
             reader.close()
     if bar:

@@ -51,7 +51,7 @@ class TensorEntry:
     shape: tuple[int, ...]
     begin: int  # byte offsets inside the file's data section (as in the safetensors header)
     end: int
-    checksum: str
+    checksums: tuple[tuple[int, int, str], ...]  # (begin, end, xxh3) tiling the stored bytes
     codec: str = "raw"
     writer: int = 0
 
@@ -73,7 +73,7 @@ class TensorEntry:
             "dtype": self.dtype,
             "shape": list(self.shape),
             "offsets": [self.begin, self.end],
-            "checksum": self.checksum,
+            "checksums": [list(c) for c in self.checksums],
             "codec": self.codec,
             "writer": self.writer,
         }
@@ -152,6 +152,26 @@ def _req(obj: dict, key: str, kind, where: str):
     return v
 
 
+_HEX = re.compile(r"^[0-9a-f]{16}$")
+
+
+def _checksums(raw: list, nbytes: int, where: str) -> tuple[tuple[int, int, str], ...]:
+    """Checksummed ranges must tile ``[0, nbytes)`` in order."""
+    out = []
+    pos = 0
+    for c in raw:
+        if not (isinstance(c, list) and len(c) == 3 and type(c[0]) is int and type(c[1]) is int and isinstance(c[2], str)):
+            raise FormatError(f"{where}: checksums must be [begin, end, hex] triples")
+        b, e, h = c
+        if b != pos or e <= b or not _HEX.match(h):
+            raise FormatError(f"{where}: checksum ranges must tile the tensor's bytes in order (got [{b}, {e}) at {pos})")
+        out.append((b, e, h))
+        pos = e
+    if pos != nbytes and not (nbytes == 0 and not out):
+        raise FormatError(f"{where}: checksums cover {pos} of {nbytes} bytes")
+    return tuple(out)
+
+
 def _parse(obj: Any, where: str) -> Manifest:
     if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
         raise FormatError(f"{where}: not a unickpt manifest (field 'format' must be {FORMAT_NAME!r})")
@@ -201,9 +221,9 @@ def _parse(obj: Any, where: str) -> Manifest:
                 raise FormatError(f"{w}: offsets [{b}, {e}) fall outside file {fname!r}")
             if codec == "raw" and e - b != math.prod(shape) * itemsize(dtype):
                 raise FormatError(f"{w}: {e - b} bytes stored, expected {math.prod(shape) * itemsize(dtype)} for {dtype} {shape}")
-            checksum = _req(t, "checksum", str, w)
+            checksums = _checksums(_req(t, "checksums", list, w), e - b, w)
             tensors[(role, name)] = TensorEntry(
-                role, name, fname, dtype, tuple(shape), b, e, checksum, codec, int(t.get("writer", 0))
+                role, name, fname, dtype, tuple(shape), b, e, checksums, codec, int(t.get("writer", 0))
             )
     state = obj.get("state") or {}
     extra = obj.get("extra") or {}

@@ -27,6 +27,9 @@ from .state import Entry
 __all__ = ["encode_summary", "decode_summary", "summary_digest", "make_plan", "SavePlan", "TensorPlan", "FilePlan"]
 
 BALANCE_SLACK = 1.1
+DIRECT_MIN_RUN = 256 << 10
+"""Pieces whose runs average at least this many bytes are written by their holder straight
+into the writer's file (same node only) instead of travelling to the writer."""
 
 
 def encode_summary(entries: list[Entry], dtypes: list[str], node: str) -> bytes:
@@ -58,6 +61,7 @@ class TensorPlan:
     file: str = ""
     begin: int = 0  # byte offsets inside the file's data section
     end: int = 0
+    direct: bool = False  # holders write their own runs in place; nothing travels
 
     @property
     def key(self) -> tuple[str, str]:
@@ -81,6 +85,17 @@ class TensorPlan:
         if self.writer in self.full_holders:
             return [(self.writer, Layout.full(self.shape))]
         return [(r, lay) for r, lay in self.pieces if lay.replica == 0 and lay.numel > 0]
+
+
+def extents_of(t: "TensorPlan") -> list[tuple[int, int, int, int]]:
+    """Direct tensors: ``(rank, local_elem, tensor_elem, count)`` runs, in tensor order."""
+    out = []
+    for r, lay in t.sources():
+        runs = lay.runs()
+        for g, n, lo in zip(runs.starts.tolist(), runs.lengths.tolist(), runs.local.tolist()):
+            out.append((r, lo, g, n))
+    out.sort(key=lambda e: e[2])
+    return out
 
 
 @dataclass(slots=True)
@@ -181,6 +196,8 @@ def make_plan(
         if not t.full_holders:
             _check_tiling(t)
     _assign_writers(list(tensors.values()), world)
+    for t in tensors.values():
+        t.direct = _can_write_direct(t, nodes)
     files = _make_files(tensors, world, nodes, max_file_bytes)
     chunks = _make_chunks(files, world, bucket_bytes)
     return SavePlan(world, nodes, tensors, files, chunks, bucket_bytes)
@@ -227,6 +244,16 @@ def _assign_writers(tensors: list[TensorPlan], world: int) -> None:
             choice = min(cands, key=lambda r: (loads[r], -held[r], r))
         t.writer = choice
         loads[choice] += t.nbytes
+
+
+def _can_write_direct(t: TensorPlan, nodes: list[str]) -> bool:
+    if t.nbytes == 0:
+        return False
+    srcs = t.sources()
+    if any(nodes[r] != nodes[t.writer] for r, _ in srcs):
+        return False  # other nodes may not see the writer's disk: gather
+    n_runs = sum(len(lay.runs()) for _, lay in srcs)
+    return t.nbytes / max(n_runs, 1) >= min(DIRECT_MIN_RUN, t.nbytes)
 
 
 def _make_files(tensors, world, nodes, max_file_bytes) -> list[FilePlan]:
@@ -278,6 +305,8 @@ def _make_chunks(files: list[FilePlan], world: int, bucket_bytes: int) -> dict[i
             if f.writer != w:
                 continue
             for t in f.tensors:
+                if t.direct:
+                    continue
                 start, n, isz = 0, t.numel, t.itemsize
                 while start < n or (n == 0 and start == 0):
                     take = min(n - start, max(room // isz, 0))

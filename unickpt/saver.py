@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -23,7 +24,7 @@ from ._metrics import Phases, gbps, human_bytes, log
 from .errors import StateDictError, UnickptError
 from .format import Hasher, dtype_name
 from .manifest import INDEX_NAME, MANIFEST_NAME, FileEntry, Manifest, TensorEntry
-from .plan import SavePlan, Step, decode_summary, encode_summary, make_plan, summary_digest
+from .plan import SavePlan, Step, decode_summary, encode_summary, extents_of, make_plan, summary_digest
 from .state import Entry, _is_json, flatten
 from .storage import Storage, storage_for
 from .transport import Comm, node_id
@@ -111,7 +112,7 @@ def save(
                 raise StateDictError("strategy must be JSON-serialisable")
             dtypes = [dtype_name(e.local.dtype) for e in entries]
             summary = encode_summary(entries, dtypes, node_id())
-        except (UnickptError, NotImplementedError) as e:
+        except Exception as e:
             err = e
         comm.agree(err, "save (reading the state dict)")
         plan = _agree_plan(comm, summary, bucket_bytes, max_file_bytes)
@@ -126,7 +127,7 @@ def save(
             _commit.check_destination(storage, final, overwrite)
             _commit.sweep_stale(storage, parent, name)
             storage.makedirs(tmp)
-        except (UnickptError, OSError) as e:
+        except Exception as e:
             err = e
     comm.agree(err, "save (preparing the directory)")
 
@@ -134,11 +135,26 @@ def save(
     by_key = {e.key: e for e in entries}
     result: dict = {}
     try:
+        with ph.phase("create"):
+            try:  # owners create their files at full size, so holders can write in place
+                for f in plan.files_of(comm.rank):
+                    storage.create_file(storage.join(tmp, f.name), f.size)
+            except Exception as e:
+                err = e
+            comm.agree(err, "save (creating files)")
         with ph.phase("write"):
-            result = _write_rank(plan, comm, by_key, storage, tmp, direct_io, ph, progress)
-    except (UnickptError, OSError, RuntimeError) as e:
-        err = e
-    try:
+            try:
+                result, fragments = _write_rank(plan, comm, by_key, storage, tmp, direct_io, ph, progress)
+            except Exception as e:  # agreed below: no rank leaves the others waiting
+                err, fragments = e, []
+            with ph.phase("finish"):
+                # partial pages at the edges of O_DIRECT runs go to the file's owner
+                blobs = comm.all_gather_bytes(_encode_fragments(fragments))
+                if err is None:
+                    try:
+                        _finish_files(plan, comm.rank, storage, tmp, blobs)
+                    except Exception as e:
+                        err = e
         comm.agree(err, "save (writing)")
         with ph.phase("commit"):
             reports = [json.loads(r) for r in comm.all_gather_bytes(json.dumps(result).encode())]
@@ -150,7 +166,7 @@ def save(
                         storage.write_bytes(storage.join(tmp, INDEX_NAME), idx)
                     storage.write_bytes(storage.join(tmp, MANIFEST_NAME), man.to_json())
                     _commit.publish(storage, tmp, final)
-                except (UnickptError, OSError) as e:
+                except Exception as e:
                     err = e
             comm.agree(err, "save (commit)")
     except BaseException:
@@ -181,7 +197,9 @@ def _agree_plan(comm: Comm, summary: bytes, bucket_bytes: int, max_file_bytes: i
     """Exchange digests; reuse the cached plan when every rank's summary is unchanged,
     otherwise exchange the summaries themselves and plan again."""
     digests = tuple(comm.all_gather_bytes(summary_digest(summary)))
-    key = (id(comm.group), comm.world, digests, bucket_bytes, max_file_bytes)
+    from . import plan as _plan
+
+    key = (id(comm.group), comm.world, digests, bucket_bytes, max_file_bytes, _plan.DIRECT_MIN_RUN)
     plan = _PLAN_CACHE.get(key)
     if plan is not None:
         return plan
@@ -199,20 +217,30 @@ def _agree_plan(comm: Comm, summary: bytes, bucket_bytes: int, max_file_bytes: i
 
 
 def _manifest(plan: SavePlan, reports: list[dict], step, json_state, extra, strategy) -> Manifest:
-    checksums: dict[str, str] = {}
+    checksums: dict[str, list] = {}
     sizes: dict[str, int] = {}
     for r in reports:
-        checksums.update(r.get("checksums", {}))
-        sizes.update(r.get("files", {}))
+        for k, ext in r.get("checksums", {}).items():
+            checksums.setdefault(k, []).extend(ext)
+        for name, n in r.get("files", {}).items():
+            sizes[name] = sizes.get(name, 0) + n
     tensors = {}
     for t in plan.tensors.values():
+        ext = sorted(tuple(e) for e in checksums.get(f"{t.role}/{t.name}", []))
+        pos = 0
+        for b, e, _ in ext:
+            if b != pos:
+                raise UnickptError(f"tensor {t.name!r} (role {t.role}): checksummed ranges leave bytes {pos}..{b} unwritten")
+            pos = e
+        if pos != t.nbytes:
+            raise UnickptError(f"tensor {t.name!r} (role {t.role}): only {pos} of {t.nbytes} bytes were written")
         tensors[t.key] = TensorEntry(
-            t.role, t.name, t.file, t.dtype, t.shape, t.begin, t.end, checksums[f"{t.role}/{t.name}"], "raw", t.writer
+            t.role, t.name, t.file, t.dtype, t.shape, t.begin, t.end, tuple(ext), "raw", t.writer
         )
     files = {}
     for f in plan.files:
         if sizes.get(f.name) != f.size:
-            raise UnickptError(f"{f.name}: writer reported {sizes.get(f.name)} bytes, planned {f.size}")
+            raise UnickptError(f"{f.name}: writers reported {sizes.get(f.name)} bytes, planned {f.size}")
         files[f.name] = FileEntry(f.name, f.role, f.node, f.writer, f.size, len(f.header))
     from . import __version__
 
@@ -233,6 +261,30 @@ def _manifest(plan: SavePlan, reports: list[dict], step, json_state, extra, stra
     )
 
 
+def _encode_fragments(fragments: list[tuple[int, int, bytes]]) -> bytes:
+    out = bytearray()
+    for fi, off, data in fragments:
+        out += struct.pack("<IQI", fi, off, len(data))
+        out += data
+    return bytes(out)
+
+
+def _finish_files(plan: SavePlan, rank: int, storage: Storage, tmp: str, blobs: list[bytes]) -> None:
+    mine = {i for i, f in enumerate(plan.files) if f.writer == rank}
+    frags: dict[int, list[tuple[int, bytes]]] = {i: [] for i in mine}
+    for blob in blobs:
+        pos = 0
+        while pos < len(blob):
+            fi, off, n = struct.unpack_from("<IQI", blob, pos)
+            pos += 16
+            if fi in mine:
+                frags[fi].append((off, blob[pos : pos + n]))
+            pos += n
+    for fi in sorted(mine):
+        f = plan.files[fi]
+        storage.finish_file(storage.join(tmp, f.name), frags[fi], f.size)
+
+
 class _Source:
     """Host bytes of a local tensor, on demand (device tensors are copied per range)."""
 
@@ -249,21 +301,45 @@ class _Source:
         return v if self.device.type == "cpu" else v.to("cpu")
 
 
+_BUCKETS: list[torch.Tensor] = []  # kept across saves: fresh memory costs 4-8x a copy
+
+
+def _bucket(slot: int, need: int) -> torch.Tensor:
+    while len(_BUCKETS) <= slot:
+        _BUCKETS.append(torch.empty(0, dtype=torch.uint8))
+    if _BUCKETS[slot].numel() < need:
+        _BUCKETS[slot] = torch.empty(need, dtype=torch.uint8)
+    return _BUCKETS[slot]
+
+
 def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, direct_io, ph: Phases, progress):
-    """Run this rank's part of the gather and write its files.
+    """Write this rank's share: headers of its files, its runs of direct tensors (in place,
+    into whichever file holds them), and the gathered tensors it owns (via buckets).
 
     File errors (disk full, EIO...) never leave the communication schedule: the rank keeps
     sending and receiving until the last step, so peers are not stranded in a transfer, and
     the error is raised afterwards (then agreed on by every rank).
     """
     rank = comm.rank
-    my_files = [(i, f) for i, f in enumerate(plan.files) if f.writer == rank]
+    files = plan.files
+    file_index = {f.name: i for i, f in enumerate(files)}
+    extents = []  # (file index, tensor, local elem, tensor elem, count)
+    for t in plan.tensors.values():
+        if t.direct:
+            for r, lo, g, n in extents_of(t):
+                if r == rank:
+                    extents.append((file_index[t.file], t, lo, g, n))
+    extents.sort(key=lambda e: (e[0], e[1].begin + e[3] * e[1].itemsize))
+    needed = sorted({i for i, f in enumerate(files) if f.writer == rank} | {e[0] for e in extents})
     writers = {}
-    hashers = {t.key: Hasher() for _, f in my_files for t in f.tensors}
+    gathered = {t.key: Hasher() for f in files if f.writer == rank for t in f.tensors if not t.direct}
+    checks: dict[str, list] = {}
     sources: dict[tuple[str, str], _Source] = {}
-    total = sum(f.size for _, f in my_files)
-    done = 0
     io_error: list[BaseException] = []
+    total = sum(len(files[i].header) for i in needed if files[i].writer == rank)
+    total += sum(n * t.itemsize for _, t, _, _, n in extents)
+    total += sum(t.nbytes for f in files if f.writer == rank for t in f.tensors if not t.direct)
+    done = [0]
 
     def src(key) -> _Source:
         s = sources.get(key)
@@ -271,9 +347,13 @@ def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, 
             s = sources[key] = _Source(by_key[key])
         return s
 
+    def note(n: int) -> None:
+        done[0] += n
+        if progress is not None:
+            progress(done[0], total)
+
     io = ThreadPoolExecutor(1, thread_name_prefix="unickpt-write")
     pending: list[Future | None] = [None, None]
-    buckets: list[torch.Tensor | None] = [None, None]
 
     def reap(slot: int) -> None:
         fut = pending[slot]
@@ -281,38 +361,50 @@ def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, 
         if fut is not None and fut.exception() is not None and not io_error:
             io_error.append(fut.exception())
 
+    def write_direct() -> None:
+        for i in needed:
+            if files[i].writer == rank:
+                writers[i].write_at(0, memoryview(files[i].header))
+        for fi, t, lo, g, n in extents:
+            isz = t.itemsize
+            view = src(t.key).host_range(lo * isz, (lo + n) * isz)
+            mv = memoryview(view.numpy())
+            start = g * isz
+            checks.setdefault(f"{t.role}/{t.name}", []).append([start, start + n * isz, Hasher.of(mv)])
+            writers[fi].write_at(len(files[fi].header) + t.begin + start, mv)
+
     try:
         try:
-            for i, f in my_files:
-                writers[i] = storage.open_writer(storage.join(tmp, f.name), direct=direct_io)
-                writers[i].write(memoryview(f.header))
+            for i in needed:
+                writers[i] = storage.open_writer(storage.join(tmp, files[i].name), direct=direct_io)
         except OSError as e:
             io_error.append(e)
-        done += sum(len(f.header) for _, f in my_files)
+        if not io_error:
+            pending[1] = io.submit(write_direct)
         for s, step in enumerate(plan.schedule(rank)):
             slot = s % 2
             reap(slot)
             need = sum(seg.nbytes for seg, whole in zip(step.segments, step.local_whole) if whole is None)
-            if need and (buckets[slot] is None or buckets[slot].numel() < need):
-                buckets[slot] = torch.empty(max(need, 1), dtype=torch.uint8)
             with ph.phase("gather"):
-                items = _run_step(step, comm, src, buckets[slot])
+                items = _run_step(step, comm, src, _bucket(slot, need) if need else None)
             if io_error:
                 continue  # keep serving peers; nothing more is written
-            for _, _, view in items:
-                done += view.numel()
-            pending[slot] = io.submit(_write_items, items, writers, hashers)
-            if progress is not None:
-                progress(done, total)
+            pending[slot] = io.submit(_write_items, items, writers, gathered, files)
+            note(sum(int(v.numel()) for _, _, v, _ in items))
         reap(0)
         reap(1)
         if io_error:
             raise io_error[0]
-        written = {plan.files[i].name: w.bytes_written for i, w in writers.items()}
+        note(sum(n * t.itemsize for _, t, _, _, n in extents))
+        written = {}
+        for i, w in writers.items():
+            written[files[i].name] = w.bytes_written
+        fragments = []
         with ph.phase("fsync"):
-            for w in writers.values():
-                w.close()
-        writers.clear()
+            for i, w in list(writers.items()):
+                for off, data in w.close():
+                    fragments.append((i, off, data))
+                del writers[i]
     except BaseException:
         for slot in (0, 1):
             if pending[slot] is not None:
@@ -322,11 +414,10 @@ def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, 
         raise
     finally:
         io.shutdown(wait=True)
-    return {
-        "checksums": {f"{k[0]}/{k[1]}": h.hexdigest() for k, h in hashers.items()},
-        "files": written,
-        "bytes": sum(written.values()),
-    }
+    for k, h in gathered.items():
+        t = plan.tensors[k]
+        checks[f"{k[0]}/{k[1]}"] = [[0, t.nbytes, h.hexdigest()]] if t.nbytes else []
+    return {"checksums": checks, "files": written, "bytes": sum(written.values())}, fragments
 
 
 def _run_step(step: Step, comm: Comm, src, bucket: torch.Tensor | None):
@@ -384,14 +475,14 @@ def _run_step(step: Step, comm: Comm, src, bucket: torch.Tensor | None):
             view = src(t.key).host_range(whole * isz, whole * isz + seg.nbytes)
         else:
             view = bucket[offs[si] : offs[si] + seg.nbytes]
-        items.append((seg.file_index, t.key, view))
+        items.append((seg.file_index, t.key, view, t.begin + seg.start * isz))
     return items
 
 
-def _write_items(items, writers, hashers) -> None:
-    for fi, key, view in items:
+def _write_items(items, writers, hashers, files) -> None:
+    for fi, key, view, offset in items:
         if view.numel() == 0:
             continue
         mv = memoryview(view.numpy())
         hashers[key].update(mv)
-        writers[fi].write(mv)
+        writers[fi].write_at(len(files[fi].header) + offset, mv)

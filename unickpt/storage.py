@@ -21,19 +21,27 @@ import numpy as np
 
 from .errors import CheckpointNotFoundError, FormatError
 
-__all__ = ["Storage", "LocalStorage", "storage_for", "SequentialWriter", "RandomReader"]
+__all__ = ["Storage", "LocalStorage", "storage_for", "ExtentWriter", "RandomReader"]
 
 ALIGN = 4096  # O_DIRECT alignment of offsets, sizes and buffers
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
-class SequentialWriter(Protocol):
+class ExtentWriter(Protocol):
+    """Positional writer into an existing file (created and sized by its owner).
+
+    ``write_at`` may be called with any offsets; contiguous calls are merged. With O_DIRECT
+    only whole aligned pages reach the disk: bytes of partial pages at run edges come back
+    from ``close()`` as *fragments* ``(offset, bytes)``, to be merged by the file's owner
+    with :meth:`Storage.finish_file` (several ranks may write disjoint ranges of one file).
+    """
+
     path: str
     bytes_written: int
     direct: bool
 
-    def write(self, data: memoryview) -> None: ...
-    def close(self) -> None: ...
+    def write_at(self, offset: int, data: memoryview) -> None: ...
+    def close(self) -> list[tuple[int, bytes]]: ...
     def abort(self) -> None: ...
 
 
@@ -60,7 +68,9 @@ class Storage(Protocol):
     def fsync_dir(self, path: str) -> None: ...
     def write_bytes(self, path: str, data: bytes) -> None: ...
     def read_bytes(self, path: str, limit: int) -> bytes: ...
-    def open_writer(self, path: str, *, direct: bool | None = None) -> SequentialWriter: ...
+    def create_file(self, path: str, size: int) -> None: ...
+    def open_writer(self, path: str, *, direct: bool | None = None) -> ExtentWriter: ...
+    def finish_file(self, path: str, fragments: list[tuple[int, bytes]], size: int) -> None: ...
     def open_reader(self, path: str) -> RandomReader: ...
 
 
@@ -156,10 +166,18 @@ class LocalStorage:
             raise FormatError(f"{path}: larger than the {limit} bytes allowed for this file")
         return data
 
-    def open_writer(self, path: str, *, direct: bool | None = None) -> SequentialWriter:
+    def create_file(self, path: str, size: int) -> None:
+        """Create (or truncate) ``path`` with its final size, so every writer can open it."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+
+    def open_writer(self, path: str, *, direct: bool | None = None) -> ExtentWriter:
         if direct is not False and _O_DIRECT:
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o644)
+                fd = os.open(path, os.O_WRONLY | _O_DIRECT)
             except OSError as e:
                 if direct or e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                     raise
@@ -167,33 +185,102 @@ class LocalStorage:
                 return _DirectWriter(path, fd)
         return _BufferedWriter(path)
 
+    def finish_file(self, path: str, fragments: list[tuple[int, bytes]], size: int) -> None:
+        """Owner: write the pages that fragments from every writer complete, fix the size, fsync."""
+        pages: dict[int, bytearray] = {}
+        for off, data in fragments:
+            pos = 0
+            while pos < len(data):
+                page = (off + pos) // ALIGN
+                within = (off + pos) % ALIGN
+                k = min(len(data) - pos, ALIGN - within)
+                buf = pages.setdefault(page, bytearray(ALIGN))
+                buf[within : within + k] = data[pos : pos + k]
+                pos += k
+        direct = bool(_O_DIRECT)
+        try:
+            fd = os.open(path, os.O_WRONLY | (_O_DIRECT if direct else 0))
+        except OSError as e:
+            if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            fd, direct = os.open(path, os.O_WRONLY), False
+        try:
+            if pages:
+                staging = _Staging.get(ALIGN)
+                try:
+                    for page in sorted(pages):
+                        staging.arr[:ALIGN] = np.frombuffer(pages[page], dtype=np.uint8)
+                        view = memoryview(staging.buf)[:ALIGN]
+                        try:
+                            os.pwrite(fd, view, page * ALIGN)
+                        finally:
+                            view.release()
+                finally:
+                    _Staging.put(staging)
+            os.ftruncate(fd, size)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
     def open_reader(self, path: str) -> RandomReader:
         return _Reader(path)
 
 
+class _Staging:
+    """Page-aligned staging buffers, kept across saves (first-touch of fresh memory costs
+    several times a copy into a touched buffer)."""
+
+    _free: list["_Staging"] = []
+    _lock = threading.Lock()
+
+    def __init__(self, size: int) -> None:
+        self.buf = mmap.mmap(-1, size)
+        self.arr = np.frombuffer(self.buf, dtype=np.uint8)
+        self.size = size
+
+    @classmethod
+    def get(cls, size: int) -> "_Staging":
+        with cls._lock:
+            for i, s in enumerate(cls._free):
+                if s.size >= size:
+                    return cls._free.pop(i)
+        return cls(size)
+
+    @classmethod
+    def put(cls, s: "_Staging") -> None:
+        with cls._lock:
+            if len(cls._free) < 4:
+                cls._free.append(s)
+                return
+        del s.arr
+        s.buf.close()
+
+
 class _BufferedWriter:
-    """Plain writes through the page cache; fsync on close."""
+    """Plain positional writes through the page cache; fsync on close. No fragments."""
 
     direct = False
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.fd = os.open(path, os.O_WRONLY)
         self.bytes_written = 0
 
-    def write(self, data: memoryview) -> None:
+    def write_at(self, offset: int, data: memoryview) -> None:
         view = memoryview(data).cast("B")
         while view:
-            n = os.pwrite(self.fd, view, self.bytes_written)
+            n = os.pwrite(self.fd, view, offset)
             self.bytes_written += n
+            offset += n
             view = view[n:]
 
-    def close(self) -> None:
+    def close(self) -> list[tuple[int, bytes]]:
         try:
             os.fsync(self.fd)
         finally:
             os.close(self.fd)
             self.fd = -1
+        return []
 
     def abort(self) -> None:
         if self.fd >= 0:
@@ -202,8 +289,10 @@ class _BufferedWriter:
 
 
 class _DirectWriter:
-    """O_DIRECT sequential writer: data is copied into two page-aligned staging buffers; one
-    fills while a helper thread writes the other, so the copy hides behind the disk."""
+    """O_DIRECT positional writer. A run of contiguous ``write_at`` calls is copied into a
+    page-aligned staging buffer at its in-page offset, so whole pages can be written
+    directly; two buffers alternate (one fills while a helper thread writes the other). The
+    partial pages at a run's ends become fragments for the owner."""
 
     direct = True
     STAGING = 32 << 20
@@ -211,62 +300,95 @@ class _DirectWriter:
     def __init__(self, path: str, fd: int) -> None:
         self.path = path
         self.fd = fd
-        self.bytes_written = 0  # bytes accepted (file size at close)
-        self._flushed = 0  # bytes on disk (multiple of ALIGN until close)
-        self._bufs = [mmap.mmap(-1, self.STAGING) for _ in range(2)]
-        self._arrs = [np.frombuffer(b, dtype=np.uint8) for b in self._bufs]
+        self.bytes_written = 0
+        self._stg = [_Staging.get(self.STAGING), _Staging.get(self.STAGING)]
         self._cur = 0
-        self._fill = 0
+        self._base = 0  # file offset of staging byte 0 (page aligned)
+        self._fill = 0  # bytes of staging in use (from 0; data starts at _skip)
+        self._skip = 0  # leading bytes of the buffer that are not ours (run started mid-page)
+        self._run_end = -1
         self._pending: list[Future | None] = [None, None]
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="unickpt-odirect")
-        self._lock = threading.Lock()
+        self._fragments: list[tuple[int, bytes]] = []
 
-    def _pwrite_all(self, buf: mmap.mmap, n: int, offset: int) -> None:
-        view = memoryview(buf)[:n]
-        done = 0
+    def _pwrite_all(self, view: memoryview, offset: int) -> None:
+        done, n = 0, len(view)
         try:
             while done < n:
                 done += os.pwrite(self.fd, view[done:], offset + done)
         finally:
             view.release()
 
-    def _submit(self) -> None:
-        i, n = self._cur, self._fill
-        padded = -(-n // ALIGN) * ALIGN
-        if padded != n:
-            self._arrs[i][n:padded] = 0
-        self._pending[i] = self._pool.submit(self._pwrite_all, self._bufs[i], padded, self._flushed)
-        self._flushed += n
-        self._cur, self._fill = 1 - i, 0
+    def _flush(self, final: bool) -> None:
+        """Write the whole pages of the current buffer; keep or emit the partial ones."""
+        i = self._cur
+        stg = self._stg[i]
+        lo, hi = self._skip, self._fill
+        if hi <= lo:
+            return
+        first_full = -(-lo // ALIGN) * ALIGN
+        last_full = (hi // ALIGN) * ALIGN
+        if lo % ALIGN:  # head fragment: the run started mid-page
+            end = min(first_full, hi)
+            self._fragments.append((self._base + lo, bytes(stg.arr[lo:end])))
+        tail = b""
+        if last_full > first_full:
+            view = memoryview(stg.buf)[first_full:last_full]
+            self._pending[i] = self._pool.submit(self._pwrite_all, view, self._base + first_full)
+        if hi > max(last_full, lo) and hi % ALIGN:
+            start = max(last_full, first_full)
+            if start < hi and start >= lo:
+                tail = bytes(stg.arr[start:hi])
+        next_base = self._base + last_full
+        # switch buffers; wait until the other one is free
+        self._cur = 1 - i
         fut = self._pending[self._cur]
         if fut is not None:
             fut.result()
             self._pending[self._cur] = None
+        if final:
+            if tail:
+                self._fragments.append((self._base + max(last_full, first_full), tail))
+            self._skip = self._fill = 0
+            return
+        # a run continues: carry the partial last page into the other buffer
+        self._base = next_base
+        self._skip = 0
+        self._fill = len(tail)
+        if tail:
+            self._stg[self._cur].arr[: len(tail)] = np.frombuffer(tail, dtype=np.uint8)
 
-    def write(self, data: memoryview) -> None:
+    def write_at(self, offset: int, data: memoryview) -> None:
         src = np.frombuffer(data, dtype=np.uint8)
-        i, n = 0, len(src)
+        n = len(src)
+        if n == 0:
+            return
+        if offset != self._run_end:
+            self._flush(final=True)
+            self._base = (offset // ALIGN) * ALIGN
+            self._skip = self._fill = offset - self._base
+        i = 0
         while i < n:
             k = min(n - i, self.STAGING - self._fill)
-            self._arrs[self._cur][self._fill : self._fill + k] = src[i : i + k]
+            self._stg[self._cur].arr[self._fill : self._fill + k] = src[i : i + k]
             self._fill += k
             i += k
             if self._fill == self.STAGING:
-                self._submit()
+                self._flush(final=False)
+        self._run_end = offset + n
         self.bytes_written += n
 
-    def close(self) -> None:
+    def close(self) -> list[tuple[int, bytes]]:
         try:
-            if self._fill:
-                self._submit()  # the tail is padded to ALIGN, then truncated below
+            self._flush(final=True)
             for j, fut in enumerate(self._pending):
                 if fut is not None:
                     fut.result()
                     self._pending[j] = None
-            os.ftruncate(self.fd, self.bytes_written)
             os.fsync(self.fd)
         finally:
             self._release()
+        return self._fragments
 
     def abort(self) -> None:
         for fut in self._pending:
@@ -282,10 +404,9 @@ class _DirectWriter:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        self._arrs = []
-        for b in self._bufs:
-            b.close()
-        self._bufs = []
+        for s in self._stg:
+            _Staging.put(s)
+        self._stg = []
 
 
 class _Reader:
