@@ -134,7 +134,7 @@ def load(
     bad: list[tuple[str, str]] = []
     try:
         with ph.phase("read"):
-            bytes_read, verified, bad = _read_all(entries, man, storage, ckpt, verify, progress)
+            bytes_read, verified, bad = _read_all(entries, man, storage, ckpt, verify, progress, comm.rank, comm.world)
         if verify == "full":
             with ph.phase("verify"):
                 b2, v2, bad2 = _verify_share(man, storage, ckpt, comm, {e.key for e in entries if e.layout.is_full})
@@ -236,13 +236,16 @@ def _check_file(reader: RandomReader, man: Manifest, fname: str) -> None:
             raise FormatError(f"{reader.path}: header entry of tensor {name!r} disagrees with the manifest")
 
 
-def _read_all(entries, man: Manifest, storage, ckpt, verify, progress):
+def _read_all(entries, man: Manifest, storage, ckpt, verify, progress, rank=0, world=1):
     files = _Files(storage, ckpt, man)
     scratch = None
     bad: list[tuple[str, str]] = []
     verified = 0
     nbytes = 0
-    todo = sorted(entries, key=lambda e: (man.tensors[e.key].file, man.tensors[e.key].begin))
+    # ranks start on different files, so concurrent readers stream different files
+    names = sorted(man.files)
+    first = {n: (i - rank * len(names) // max(world, 1)) % max(len(names), 1) for i, n in enumerate(names)}
+    todo = sorted(entries, key=lambda e: (first[man.tensors[e.key].file], man.tensors[e.key].begin))
     total = sum(e.layout.numel * e.local.element_size() for e in todo)
     try:
         for e in todo:

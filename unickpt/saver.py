@@ -147,6 +147,8 @@ def save(
                 result, fragments = _write_rank(plan, comm, by_key, storage, tmp, direct_io, ph, progress)
             except Exception as e:  # agreed below: no rank leaves the others waiting
                 err, fragments = e, []
+            finally:
+                storage.close()
             with ph.phase("finish"):
                 # partial pages at the edges of O_DIRECT runs go to the file's owner
                 blobs = comm.all_gather_bytes(_encode_fragments(fragments))

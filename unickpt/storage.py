@@ -72,6 +72,7 @@ class Storage(Protocol):
     def open_writer(self, path: str, *, direct: bool | None = None) -> ExtentWriter: ...
     def finish_file(self, path: str, fragments: list[tuple[int, bytes]], size: int) -> None: ...
     def open_reader(self, path: str) -> RandomReader: ...
+    def close(self) -> None: ...
 
 
 def storage_for(path: str | os.PathLike) -> tuple["Storage", str]:
@@ -182,8 +183,17 @@ class LocalStorage:
                 if direct or e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                     raise
             else:
-                return _DirectWriter(path, fd)
+                if getattr(self, "_engine", None) is None or not self._engine.stg:
+                    self._engine = _DirectEngine()
+                return _DirectWriter(path, fd, self._engine)
         return _BufferedWriter(path)
+
+    def close(self) -> None:
+        """Release shared write buffers (kept in a pool for the next save)."""
+        eng = getattr(self, "_engine", None)
+        self._engine = None
+        if eng is not None:
+            eng.release()
 
     def finish_file(self, path: str, fragments: list[tuple[int, bytes]], size: int) -> None:
         """Owner: write the pages that fragments from every writer complete, fix the size, fsync."""
@@ -249,7 +259,7 @@ class _Staging:
     @classmethod
     def put(cls, s: "_Staging") -> None:
         with cls._lock:
-            if len(cls._free) < 4:
+            if len(cls._free) < 6:
                 cls._free.append(s)
                 return
         del s.arr
@@ -288,28 +298,66 @@ class _BufferedWriter:
             self.fd = -1
 
 
+class _DirectEngine:
+    """Staging shared by every O_DIRECT writer of one storage object: two page-aligned
+    buffers (one fills while a helper thread writes the other). Writers are used from one
+    thread at a time; switching writers ends the previous writer's run."""
+
+    STAGING = 64 << 20  # large requests: this disk writes 64 MiB O_DIRECT requests ~15-30% faster than 32 MiB
+    BUFFERS = 3  # one fills while two writes are in flight: a single stream keeps the disk busy
+
+    def __init__(self) -> None:
+        self.stg = [_Staging.get(self.STAGING) for _ in range(self.BUFFERS)]
+        self.cur = 0
+        self.pending: list[Future | None] = [None] * self.BUFFERS
+        self.pool = ThreadPoolExecutor(self.BUFFERS - 1, thread_name_prefix="unickpt-odirect")
+        self.owner: "_DirectWriter | None" = None
+        self.users = 0
+
+    def next(self) -> None:
+        """Move to the next staging buffer, waiting until its previous write is done."""
+        self.cur = (self.cur + 1) % len(self.stg)
+        self.wait(self.cur)
+
+    def wait(self, i: int) -> None:
+        fut = self.pending[i]
+        self.pending[i] = None
+        if fut is not None:
+            fut.result()
+
+    def drain(self) -> None:
+        for i in range(len(self.pending)):
+            self.wait(i)
+
+    def release(self) -> None:
+        try:
+            self.drain()
+        finally:
+            self.pool.shutdown(wait=True)
+            for s in self.stg:
+                _Staging.put(s)
+            self.stg = []
+
+
 class _DirectWriter:
-    """O_DIRECT positional writer. A run of contiguous ``write_at`` calls is copied into a
-    page-aligned staging buffer at its in-page offset, so whole pages can be written
-    directly; two buffers alternate (one fills while a helper thread writes the other). The
-    partial pages at a run's ends become fragments for the owner."""
+    """O_DIRECT positional writer. A run of contiguous ``write_at`` calls is copied into the
+    engine's staging buffer at its in-page offset, so whole pages go to disk directly; the
+    partial pages at a run's ends become fragments for the file's owner."""
 
     direct = True
-    STAGING = 32 << 20
 
-    def __init__(self, path: str, fd: int) -> None:
+    def __init__(self, path: str, fd: int, engine: _DirectEngine) -> None:
         self.path = path
         self.fd = fd
+        self.eng = engine
+        engine.users += 1
         self.bytes_written = 0
-        self._stg = [_Staging.get(self.STAGING), _Staging.get(self.STAGING)]
-        self._cur = 0
         self._base = 0  # file offset of staging byte 0 (page aligned)
-        self._fill = 0  # bytes of staging in use (from 0; data starts at _skip)
-        self._skip = 0  # leading bytes of the buffer that are not ours (run started mid-page)
+        self._fill = 0  # staging bytes in use
+        self._skip = 0  # leading staging bytes that are not ours (run started mid-page)
         self._run_end = -1
-        self._pending: list[Future | None] = [None, None]
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="unickpt-odirect")
         self._fragments: list[tuple[int, bytes]] = []
+        self._closed = False
 
     def _pwrite_all(self, view: memoryview, offset: int) -> None:
         done, n = 0, len(view)
@@ -320,93 +368,88 @@ class _DirectWriter:
             view.release()
 
     def _flush(self, final: bool) -> None:
-        """Write the whole pages of the current buffer; keep or emit the partial ones."""
-        i = self._cur
-        stg = self._stg[i]
+        """Write the whole pages staged; emit partial edge pages as fragments on ``final``."""
+        eng = self.eng
+        i = eng.cur
+        stg = eng.stg[i]
         lo, hi = self._skip, self._fill
         if hi <= lo:
+            self._skip = self._fill = 0
             return
         first_full = -(-lo // ALIGN) * ALIGN
         last_full = (hi // ALIGN) * ALIGN
-        if lo % ALIGN:  # head fragment: the run started mid-page
-            end = min(first_full, hi)
-            self._fragments.append((self._base + lo, bytes(stg.arr[lo:end])))
-        tail = b""
+        if lo % ALIGN:  # the run started mid-page
+            self._fragments.append((self._base + lo, bytes(stg.arr[lo : min(first_full, hi)])))
+        if final and hi % ALIGN and max(last_full, first_full) < hi:
+            start = max(last_full, first_full)
+            self._fragments.append((self._base + start, bytes(stg.arr[start:hi])))
         if last_full > first_full:
             view = memoryview(stg.buf)[first_full:last_full]
-            self._pending[i] = self._pool.submit(self._pwrite_all, view, self._base + first_full)
-        if hi > max(last_full, lo) and hi % ALIGN:
-            start = max(last_full, first_full)
-            if start < hi and start >= lo:
-                tail = bytes(stg.arr[start:hi])
-        next_base = self._base + last_full
-        # switch buffers; wait until the other one is free
-        self._cur = 1 - i
-        fut = self._pending[self._cur]
-        if fut is not None:
-            fut.result()
-            self._pending[self._cur] = None
-        if final:
-            if tail:
-                self._fragments.append((self._base + max(last_full, first_full), tail))
-            self._skip = self._fill = 0
-            return
-        # a run continues: carry the partial last page into the other buffer
-        self._base = next_base
-        self._skip = 0
-        self._fill = len(tail)
-        if tail:
-            self._stg[self._cur].arr[: len(tail)] = np.frombuffer(tail, dtype=np.uint8)
+            eng.pending[i] = eng.pool.submit(self._pwrite_all, view, self._base + first_full)
+        eng.next()
+        # a run that continues (buffer full) starts page aligned in the other buffer
+        self._base += last_full
+        self._skip = self._fill = 0
 
     def write_at(self, offset: int, data: memoryview) -> None:
         src = np.frombuffer(data, dtype=np.uint8)
         n = len(src)
         if n == 0:
             return
+        eng = self.eng
+        if eng.owner is not self:
+            if eng.owner is not None:
+                eng.owner._end_run()
+            eng.owner = self
+            self._run_end = -1
         if offset != self._run_end:
             self._flush(final=True)
             self._base = (offset // ALIGN) * ALIGN
             self._skip = self._fill = offset - self._base
-        i = 0
+        i, cap = 0, eng.STAGING
         while i < n:
-            k = min(n - i, self.STAGING - self._fill)
-            self._stg[self._cur].arr[self._fill : self._fill + k] = src[i : i + k]
+            k = min(n - i, cap - self._fill)
+            eng.stg[eng.cur].arr[self._fill : self._fill + k] = src[i : i + k]
             self._fill += k
             i += k
-            if self._fill == self.STAGING:
+            if self._fill == cap:
                 self._flush(final=False)
         self._run_end = offset + n
         self.bytes_written += n
 
+    def _end_run(self) -> None:
+        self._flush(final=True)
+        self._run_end = -1
+        if self.eng.owner is self:
+            self.eng.owner = None
+
     def close(self) -> list[tuple[int, bytes]]:
         try:
-            self._flush(final=True)
-            for j, fut in enumerate(self._pending):
-                if fut is not None:
-                    fut.result()
-                    self._pending[j] = None
+            if self.eng.owner is self:
+                self._end_run()
+            self.eng.drain()
             os.fsync(self.fd)
         finally:
             self._release()
         return self._fragments
 
     def abort(self) -> None:
-        for fut in self._pending:
-            if fut is not None:
-                try:
-                    fut.result()
-                except OSError:
-                    pass
+        try:
+            self.eng.drain()
+        except OSError:
+            pass
         self._release()
 
     def _release(self) -> None:
-        self._pool.shutdown(wait=True)
+        if self._closed:
+            return
+        self._closed = True
+        if self.eng.owner is self:
+            self.eng.owner = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        for s in self._stg:
-            _Staging.put(s)
-        self._stg = []
+        self.eng.users -= 1
 
 
 class _Reader:
