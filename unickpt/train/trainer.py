@@ -1,0 +1,300 @@
+"""The validation trainer: a Llama-style model trained on real text under ZeRO stage 0-3 and
+tensor parallelism, checkpointed through unickpt, resumable under another strategy.
+
+Read top to bottom: configuration, the training step (forward per block, backward, ZeRO
+reduction, global-norm clipping, AdamW on partitions), evaluation, checkpointing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import unickpt
+
+from .data import TextData
+from .model import Llama, LlamaConfig, write_hf_config
+from .parallel import FlatUnit, Mesh, zero3_apply
+
+__all__ = ["ParallelConfig", "OptimConfig", "UnifiedCheckpoint", "Trainer"]
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelConfig:
+    zero_stage: int = 0
+    """0: data parallel; 1: + partitioned optimizer state; 2: + gradients; 3: + parameters."""
+    tp: int = 1
+    """Tensor-parallel degree; the data-parallel degree is world_size / tp."""
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0..3, got {self.zero_stage}")
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimConfig:
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay floor, as a fraction of ``lr``."""
+    warmup: int = 10
+    """Linear warmup steps."""
+    total_steps: int = 1000
+    """Length of the cosine schedule."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    clip: float = 1.0
+    """Global gradient-norm clipping threshold (0: off)."""
+
+    def lr_at(self, step: int) -> float:
+        if step <= self.warmup:
+            return self.lr * step / max(self.warmup, 1)
+        frac = min(1.0, (step - self.warmup) / max(self.total_steps - self.warmup, 1))
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+@dataclass(kw_only=True)
+class UnifiedCheckpoint:
+    """Checkpointing of a :class:`Trainer` through unickpt."""
+
+    dir: str
+    every: int = 0
+    """Save every N optimizer steps (0: only when ``Trainer.save()`` is called)."""
+    keep: int = 0
+    """Keep the newest K committed checkpoints (0: keep all)."""
+    async_save: bool = False
+    quant: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.async_save:
+            raise NotImplementedError("async_save is not implemented yet (open issue: async save)")
+        if self.quant is not None:
+            raise NotImplementedError("quant is not implemented yet (open issue: O1/O2 compression)")
+
+
+@dataclass
+class _Units:
+    embed: FlatUnit
+    layers: list[FlatUnit]
+    head: FlatUnit
+
+    def all(self) -> list[FlatUnit]:
+        return [self.embed, *self.layers, self.head]
+
+
+class Trainer:
+    def __init__(
+        self,
+        model: LlamaConfig,
+        data: TextData,
+        *,
+        parallel: ParallelConfig = ParallelConfig(),
+        optim: OptimConfig = OptimConfig(),
+        checkpoint: UnifiedCheckpoint | None = None,
+        global_batch: int = 8,
+        micro_batch: int = 4,
+        dtype: str = "fp32",
+        seed: int = 0,
+        eval_every: int = 0,
+        eval_samples: int = 32,
+        metrics_jsonl: str | None = None,
+        resume: str | None = None,
+    ) -> None:
+        self.cfg, self.data, self.parallel, self.optim, self.ckpt = model, data, parallel, optim, checkpoint
+        self.mesh = Mesh.build(parallel.tp)
+        dp = self.mesh.dp_size
+        if global_batch % dp or (global_batch // dp) % min(micro_batch, global_batch // dp):
+            raise ValueError(f"global_batch {global_batch} must split into dp={dp} shares of whole micro-batches of {micro_batch}")
+        self.global_batch, self.local_batch = global_batch, global_batch // dp
+        self.micro_batch = min(micro_batch, self.local_batch)
+        self.dtype_name, self.dtype = dtype, DTYPES[dtype]
+        self.seed, self.eval_every, self.eval_samples = seed, eval_every, eval_samples
+        self.metrics_jsonl = metrics_jsonl if self.mesh.rank == 0 else None
+        self.step = 0
+        torch.manual_seed(seed + self.mesh.rank)
+        self.model = Llama(model, self.mesh.tp)
+        self.model.init_weights(seed)
+        self.model.to(self.dtype)
+        self.units = self._build_units()
+        self.history: list[dict] = []
+        if resume == "auto" and checkpoint is not None and unickpt.latest(checkpoint.dir):
+            self.load(checkpoint.dir)
+
+    # -- setup ------------------------------------------------------------------------------
+
+    def _build_units(self) -> _Units:
+        info = {n: (p, shape, dim) for n, p, shape, dim in self.model.hf_params()}
+
+        def unit(name: str, names: list[str]) -> FlatUnit:
+            params = []
+            for n in names:
+                p, shape, dim = info[n]
+                offsets = [0] * len(shape)
+                if dim is not None:
+                    offsets[dim] = self.mesh.tp.rank * p.shape[dim]
+                params.append((n, p, shape, tuple(offsets), dim))
+            return FlatUnit(name, params, self.mesh, self.parallel.zero_stage, self.dtype)
+
+        layers = []
+        for i in range(self.cfg.num_hidden_layers):
+            pre = f"model.layers.{i}."
+            layers.append(unit(f"layer{i}", [n for n in info if n.startswith(pre)]))
+        return _Units(
+            unit("embed", ["model.embed_tokens.weight"]),
+            layers,
+            unit("head", ["model.norm.weight", "lm_head.weight"]),
+        )
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        m, u = self.model, self.units
+        x = zero3_apply(u.embed, m.embed_tokens, tokens)
+        cos, sin = m.rope(tokens.shape[1], self.dtype)
+        for blk, unit in zip(m.layers, u.layers):
+            x = zero3_apply(unit, lambda h, blk=blk: blk(h, cos, sin), x)
+        return zero3_apply(u.head, lambda h: m.lm_head(m.norm(h)), x)
+
+    def _loss_sum(self, batch: torch.Tensor) -> torch.Tensor:
+        logits = self._logits(batch[:, :-1])
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum")
+
+    # -- one optimizer step -------------------------------------------------------------------
+
+    def train_step(self) -> dict:
+        t0 = time.perf_counter()
+        B, T = self.global_batch, self.data.seq_len
+        start = self.step * B + self.mesh.dp_rank * self.local_batch
+        samples = self.data.samples(start, self.local_batch)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for i in range(0, self.local_batch, self.micro_batch):
+            mb = samples[i : i + self.micro_batch]
+            loss = self._loss_sum(mb) / (B * T)  # normalised by the *global* token count
+            loss.backward()
+            loss_sum += loss.detach().double()
+            if self.parallel.zero_stage < 3:
+                for u in self.units.all():
+                    u.after_backward()
+        grads = [u.reduced_grad() for u in self.units.all()]
+        sq = sum(u.sq_norm(g) for u, g in zip(self.units.all(), grads))
+        if self.mesh.world > 1:
+            sq = sq.clone()
+            dist.all_reduce(sq)
+            dist.all_reduce(loss_sum, group=self.mesh.dp_group)
+        norm = float(sq.sqrt())
+        if self.optim.clip and norm > self.optim.clip:
+            for g in grads:
+                g.mul_(self.optim.clip / (norm + 1e-6))
+        self.step += 1
+        lr = self.optim.lr_at(self.step)
+        b1, b2 = self.optim.betas
+        for u, g in zip(self.units.all(), grads):
+            u.step(g, lr, b1, b2, self.optim.eps, self.optim.weight_decay, self.step)
+        dt = time.perf_counter() - t0
+        rec = {"step": self.step, "loss": float(loss_sum), "lr": lr, "grad_norm": norm, "tokens_per_s": B * T / dt}
+        self._emit(rec)
+        return rec
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        n = min(self.eval_samples, len(self.data.eval_windows))
+        share = -(-n // self.mesh.dp_size)
+        lo = min(self.mesh.dp_rank * share, n)
+        total = torch.zeros(2, dtype=torch.float64)
+        windows = self.data.eval_windows[lo : min(lo + share, n)]
+        for i in range(0, len(windows), self.micro_batch):
+            b = windows[i : i + self.micro_batch]
+            total[0] += float(self._loss_sum(b))
+            total[1] += b[:, 1:].numel()
+        if self.mesh.world > 1:
+            dist.all_reduce(total, group=self.mesh.dp_group)
+        loss = float(total[0] / total[1])
+        self._emit({"event": "eval", "step": self.step, "eval_loss": loss})
+        return loss
+
+    def fit(self, steps: int) -> list[dict]:
+        """Train until optimizer step ``steps`` (a total: a resumed run continues to the same end)."""
+        out = []
+        while self.step < steps:
+            out.append(self.train_step())
+            if self.ckpt and self.ckpt.every and self.step % self.ckpt.every == 0:
+                self.save()
+            if self.eval_every and self.step % self.eval_every == 0 and self.step < steps:
+                self.evaluate()
+        self.evaluate()
+        return out
+
+    # -- checkpointing ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        model, master, m, v = {}, {}, {}, {}
+        for u in self.units.all():
+            st = u.state()
+            model.update(st["model"])
+            master.update(st["master"])
+            m.update(st["exp_avg"])
+            v.update(st["exp_avg_sq"])
+        return {
+            "model": model,
+            "master": master,
+            "optimizer": {"exp_avg": m, "exp_avg_sq": v},
+            "trainer": {
+                "step": self.step,
+                "consumed_samples": self.step * self.global_batch,
+                "data_seed": self.data.seed,
+                "seq_len": self.data.seq_len,
+                "global_batch": self.global_batch,
+                "optim": {k: list(x) if isinstance(x, tuple) else x for k, x in asdict(self.optim).items()},
+            },
+        }
+
+    def save(self) -> unickpt.SaveResult:
+        assert self.ckpt is not None
+        t0 = time.perf_counter()
+        path = os.path.join(self.ckpt.dir, f"step-{self.step:08d}")
+        strategy = {"zero_stage": self.parallel.zero_stage, "tp": self.parallel.tp, "dp": self.mesh.dp_size, "dtype": self.dtype_name}
+        res = unickpt.save(self.state_dict(), path, step=self.step, strategy=strategy, extra={"model_config": asdict(self.cfg)})
+        if self.mesh.rank == 0:
+            write_hf_config(os.path.join(path, "config.json"), self.cfg, {"fp32": "float32", "bf16": "bfloat16"}[self.dtype_name])
+            if self.ckpt.keep:
+                from unickpt.commit import committed_steps
+                from unickpt.storage import LocalStorage
+
+                for _, old in committed_steps(LocalStorage(), self.ckpt.dir)[: -self.ckpt.keep]:
+                    LocalStorage().remove_tree(old)
+        total = time.perf_counter() - t0
+        self._emit({"event": "save", "step": self.step, "blocking_s": total, "total_s": total, "bytes": res.bytes})
+        return res
+
+    def load(self, path: str) -> unickpt.LoadResult:
+        sd = self.state_dict()
+        res = unickpt.load(sd, path)
+        tr = sd["trainer"]
+        if tr["global_batch"] != self.global_batch or tr["seq_len"] != self.data.seq_len:
+            raise ValueError(
+                f"checkpoint was trained with global_batch {tr['global_batch']} and seq_len {tr['seq_len']}; "
+                f"this run uses {self.global_batch} and {self.data.seq_len}"
+            )
+        self.step = int(tr["step"])
+        for u in self.units.all():
+            if u.stage >= 1 and u.stage < 3 and self.mesh.dp_size > 1:
+                pass  # model pieces were loaded in place on every replica
+        return res
+
+    def _emit(self, rec: dict) -> None:
+        self.history.append(rec)
+        if self.metrics_jsonl:
+            with open(self.metrics_jsonl, "a") as f:
+                f.write(json.dumps(rec) + "\n")
