@@ -122,6 +122,8 @@ class Trainer:
         self.dtype_name, self.dtype = dtype, DTYPES[dtype]
         self.seed, self.eval_every, self.eval_samples = seed, eval_every, eval_samples
         self.metrics_jsonl = metrics_jsonl if self.mesh.rank == 0 else None
+        if self.metrics_jsonl and os.path.dirname(self.metrics_jsonl):
+            os.makedirs(os.path.dirname(self.metrics_jsonl), exist_ok=True)
         self.step = 0
         torch.manual_seed(seed + self.mesh.rank)
         self.model = Llama(model, self.mesh.tp)
@@ -279,6 +281,8 @@ class Trainer:
         return res
 
     def load(self, path: str) -> unickpt.LoadResult:
+        """Restore the whole training state from ``path`` (saved under any strategy)."""
+        t0 = time.perf_counter()
         sd = self.state_dict()
         res = unickpt.load(sd, path)
         tr = sd["trainer"]
@@ -288,9 +292,7 @@ class Trainer:
                 f"this run uses {self.global_batch} and {self.data.seq_len}"
             )
         self.step = int(tr["step"])
-        for u in self.units.all():
-            if u.stage >= 1 and u.stage < 3 and self.mesh.dp_size > 1:
-                pass  # model pieces were loaded in place on every replica
+        self._emit({"event": "load", "step": self.step, "seconds": time.perf_counter() - t0, "bytes_read": res.bytes_read, "path": res.path})
         return res
 
     def _emit(self, rec: dict) -> None:

@@ -1,0 +1,95 @@
+"""Train the validation model; launch with torchrun.
+
+    torchrun --standalone --nproc-per-node N examples/train.py --zero-stage S --tp T \
+        --steps K --save-every E --ckpt-dir D [--resume] [--dtype fp32|bf16] [--seed X] \
+        [--global-batch B] [--eval-every E] [--metrics-jsonl FILE]
+
+``--steps`` is the total optimizer step count: a resumed run continues to the same end.
+``--resume`` continues from the newest committed checkpoint under ``--ckpt-dir`` (saved
+under any strategy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from unickpt.train import LlamaConfig, OptimConfig, ParallelConfig, TextData, Trainer, UnifiedCheckpoint
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--stop-at", type=int, default=0, help="stop after this step, as if preempted")
+    ap.add_argument("--save-every", type=int, default=0)
+    ap.add_argument("--keep", type=int, default=0)
+    ap.add_argument("--ckpt-dir", default="runs/train/ckpt")
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--async-save", action="store_true")
+    ap.add_argument("--quant", choices=["O1", "O2"])
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--global-batch", type=int, default=16)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--eval-every", type=int, default=0)
+    ap.add_argument("--metrics-jsonl")
+    ap.add_argument("--log-every", type=int, default=10)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
+    cfg = LlamaConfig(
+        hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3 // 16 * 16 or 16,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
+    )
+    trainer = Trainer(
+        cfg,
+        TextData(seq_len=args.seq_len, seed=args.seed),
+        parallel=ParallelConfig(zero_stage=args.zero_stage, tp=args.tp),
+        optim=OptimConfig(lr=args.lr, warmup=max(1, args.steps // 20), total_steps=args.steps),
+        checkpoint=UnifiedCheckpoint(
+            dir=args.ckpt_dir, every=args.save_every, keep=args.keep, async_save=args.async_save, quant=args.quant
+        ),
+        global_batch=args.global_batch,
+        micro_batch=args.micro_batch,
+        dtype=args.dtype,
+        seed=args.seed,
+        eval_every=args.eval_every,
+        metrics_jsonl=args.metrics_jsonl,
+        resume="auto" if args.resume else None,
+    )
+    if rank == 0:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        print(f"world {world}: zero-{args.zero_stage}, tp {args.tp}, dp {world // args.tp}, {args.dtype}; "
+              f"starting at step {trainer.step} of {args.steps}", flush=True)
+    end = min(args.steps, args.stop_at) if args.stop_at else args.steps
+    while trainer.step < end:
+        rec = trainer.train_step()
+        if rank == 0 and (rec["step"] % args.log_every == 0 or rec["step"] == args.steps):
+            print(f"step {rec['step']:5d}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  {rec['tokens_per_s']:.0f} tok/s", flush=True)
+        if args.save_every and rec["step"] % args.save_every == 0:
+            trainer.save()
+        if args.eval_every and rec["step"] % args.eval_every == 0 and rec["step"] < args.steps:
+            trainer.evaluate()
+    ev = trainer.evaluate()
+    if rank == 0:
+        print(f"eval loss {ev:.4f} at step {trainer.step}", flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
