@@ -45,10 +45,15 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=0)
     ap.add_argument("--metrics-jsonl")
     ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL, one GPU per rank")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    device = "cpu"
+    if args.device == "cuda":
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        torch.cuda.set_device(device)
     if "RANK" in os.environ:
-        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     cfg = LlamaConfig(
@@ -70,6 +75,7 @@ def main() -> None:
         eval_every=args.eval_every,
         metrics_jsonl=args.metrics_jsonl,
         resume="auto" if args.resume else None,
+        device=device,
     )
     if rank == 0:
         world = dist.get_world_size() if dist.is_initialized() else 1

@@ -7,6 +7,7 @@
 """
 
 import os
+import re
 
 import pytest
 
@@ -16,7 +17,7 @@ STEPS = 6
 TOL = 1e-4
 
 
-def _train(rank, world, stage, tp, steps, ckpt_dir=None, save_at=None, resume=False):
+def _train(rank, world, stage, tp, steps, ckpt_dir=None, save_at=None, resume=False, dtype="fp32"):
     import torch
 
     from unickpt.train import LlamaConfig, OptimConfig, ParallelConfig, TextData, Trainer, UnifiedCheckpoint
@@ -33,6 +34,7 @@ def _train(rank, world, stage, tp, steps, ckpt_dir=None, save_at=None, resume=Fa
         global_batch=8,
         micro_batch=2,
         resume="auto" if resume else None,
+        dtype=dtype,
     )
     out = t.fit(steps)
     return [r["loss"] for r in out], t.history[-1]["eval_loss"]
@@ -71,10 +73,97 @@ def test_same_strategy_resume_is_bit_identical(tmp_path, reference):
     assert first + rest == full
 
 
-@pytest.mark.parametrize("src,dst", [((4, 2, 1), (2, 0, 2)), ((2, 3, 1), (1, 0, 1)), ((4, 1, 2), (2, 3, 1))])
-def test_cross_strategy_resume(tmp_path, reference, src, dst):
+def test_bf16_weights_fp32_master_resume_bit_identical(tmp_path):
     d = str(tmp_path / "ck")
-    (ws, ss, ts), (wd, sd_, td) = src, dst
-    first = dist.run(_train, ws, ss, ts, 3, d, 3)[0][0]
-    rest = dist.run(_train, wd, sd_, td, STEPS, d, None, True)[0][0]
-    _close(first + rest, reference[0])
+    first = dist.run(_train, 2, 1, 1, 3, d, 3, False, "bf16")[0][0]
+    rest = dist.run(_train, 2, 3, 1, STEPS, d, None, True, "bf16")[0][0]  # ZeRO-1 -> ZeRO-3, same dp
+    full = dist.run(_train, 2, 1, 1, STEPS, None, None, False, "bf16")[0][0]
+    assert first == full[:3]
+    _close(rest, full[3:], 1e-2)  # bf16 compute: looser, reduction order differs between stages
+    assert full[-1] < full[0]
+    import unickpt
+
+    _, man = unickpt.read_manifest(d)
+    roles = {r: {t.dtype for (rr, _), t in man.tensors.items() if rr == r} for r, _ in man.tensors}
+    assert roles["model"] == {"BF16"} and roles["master"] == {"F32"} and roles["optimizer"] == {"F32"}
+
+
+# The representative matrix: {stage 0-3} x {tp 1, 2} x world {1, 2, 4}.
+CONFIGS = {
+    "w1": (1, 0, 1),
+    "w2-z0": (2, 0, 1),
+    "w2-z1": (2, 1, 1),
+    "w2-z2": (2, 2, 1),
+    "w2-z3": (2, 3, 1),
+    "w2-tp2": (2, 0, 2),
+    "w4-z2": (4, 2, 1),
+    "w4-tp2-z1": (4, 1, 2),
+    "w4-tp2-z3": (4, 3, 2),
+}
+STOP = 3
+
+
+def _resume_all(rank, world, stage, tp, root, names):
+    """Resume every source checkpoint under one destination strategy, in one job."""
+    out = {}
+    for name in names:
+        out[name] = _train(rank, world, stage, tp, STEPS, os.path.join(root, name), None, True)[0]
+    return out
+
+
+@pytest.fixture(scope="module")
+def matrix_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trainer-matrix")
+    for name, (w, st, tp) in CONFIGS.items():
+        dist.run(_train, w, st, tp, STOP, str(root / name), STOP)
+    return str(root)
+
+
+@pytest.mark.parametrize("dst", sorted(CONFIGS))
+def test_cross_strategy_resume_matrix(matrix_root, reference, dst):
+    """Stop at step 3 under every strategy of the matrix, resume under ``dst``: the losses of
+    the resumed steps stay within 1e-4 relative of the uninterrupted single-process run
+    (measured: see docs/trainer.md)."""
+    w, st, tp = CONFIGS[dst]
+    resumed = dist.run(_resume_all, w, st, tp, matrix_root, sorted(CONFIGS))[0]
+    worst = 0.0
+    for src, losses in resumed.items():
+        assert len(losses) == STEPS - STOP, src
+        for x, y in zip(losses, reference[0][STOP:]):
+            worst = max(worst, abs(x - y) / abs(y))
+        _close(losses, reference[0][STOP:])
+    print(f"max relative loss difference resuming under {dst}: {worst:.2e}")
+
+
+def _mismatched_model(rank, world, root):
+    import torch
+
+    from unickpt.errors import ShapeMismatchError
+    from unickpt.train import LlamaConfig, ParallelConfig, TextData, Trainer, UnifiedCheckpoint
+
+    t = Trainer(
+        LlamaConfig(hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+        TextData(seq_len=32, max_bytes=1 << 20, seed=1),
+        parallel=ParallelConfig(zero_stage=1),
+        checkpoint=UnifiedCheckpoint(dir=root),
+        global_batch=8,
+        micro_batch=2,
+    )
+    before = [u.master.clone() for u in t.units.all()]
+    try:
+        t.load(root)
+    except ShapeMismatchError as e:
+        msg = str(e)
+    else:
+        msg = None
+    untouched = all(torch.equal(a, u.master) for a, u in zip(before, t.units.all())) and t.step == 0
+    return msg, untouched
+
+
+def test_checkpoint_of_another_model_is_refused_naming_the_tensor(matrix_root):
+    out = dist.run(_mismatched_model, 2, os.path.join(matrix_root, "w2-z1"))
+    for msg, untouched in out:
+        assert msg is not None
+        assert re.search(r"tensor 'model\.[a-z_.0-9]+' \(role model\) is stored with shape \[\d+, 32\]", msg), msg
+        assert "[256, 48]" in msg or "48]" in msg, msg
+        assert untouched  # validated before any byte was read

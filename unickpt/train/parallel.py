@@ -135,20 +135,21 @@ class FlatUnit:
             self.params.append(_Param(hf_name, p, tuple(full_shape), tuple(offsets), tuple(p.shape), pos, tp_dim is None))
             pos += p.numel()
         dp = mesh.dp_size
+        self.device = params[0][1].device if params else torch.device("cpu")
         self.numel = pos
         self.padded = -(-pos // dp) * dp
         self.part = self.padded // dp
         self.lo = mesh.dp_rank * self.part
-        full = torch.zeros(self.padded, dtype=torch.float32)
+        full = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
         for e in self.params:
             full[e.start : e.start + e.numel] = e.param.detach().reshape(-1).float()
         n_opt = self.padded if stage == 0 else self.part
         self.master = (full if stage == 0 else full[self.lo : self.lo + self.part]).clone()
-        self.exp_avg = torch.zeros(n_opt)
-        self.exp_avg_sq = torch.zeros(n_opt)
+        self.exp_avg = torch.zeros(n_opt, device=self.device)
+        self.exp_avg_sq = torch.zeros(n_opt, device=self.device)
         # stages 0-1 accumulate full gradients and all-reduce once per step; stages 2-3
         # reduce-scatter every micro-batch into this rank's partition
-        self._gacc = torch.zeros(self.padded if stage < 2 else self.part)
+        self._gacc = torch.zeros(self.padded if stage < 2 else self.part, device=self.device)
         if stage < 3:
             self.flat = full.to(dtype)
             self._bind(self.flat)
@@ -168,7 +169,7 @@ class FlatUnit:
         """Stage 3: materialise the full block from every rank's partition."""
         if self.stage < 3:
             return
-        buf = torch.empty(self.padded, dtype=self.dtype)
+        buf = torch.empty(self.padded, dtype=self.dtype, device=self.device)
         if self.mesh.dp_size == 1:
             buf.copy_(self.ppart)
         else:
@@ -179,13 +180,13 @@ class FlatUnit:
         if self.stage < 3:
             return
         for e in self.params:
-            e.param.data = torch.empty(0, dtype=self.dtype)
+            e.param.data = torch.empty(0, dtype=self.dtype, device=self.device)
 
     # -- gradients --------------------------------------------------------------------------
 
     def after_backward(self) -> None:
         """After each micro-batch: fold the parameters' gradients into the accumulator."""
-        g = torch.zeros(self.padded, dtype=torch.float32)
+        g = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
         for e in self.params:
             if e.param.grad is not None:
                 g[e.start : e.start + e.numel] = e.param.grad.reshape(-1).float()
@@ -193,7 +194,7 @@ class FlatUnit:
         if self.stage < 2:
             self._gacc += g
         elif self.mesh.dp_size > 1:
-            out = torch.empty(self.part)
+            out = torch.empty(self.part, device=self.device)
             _reduce_scatter(out, g, group=self.mesh.dp_group)
             self._gacc += out
         else:
@@ -211,9 +212,9 @@ class FlatUnit:
         """This rank's share of the global squared gradient norm: every element counted on
         exactly one rank (TP-replicated parameters on tp rank 0; stage 0 on dp rank 0)."""
         if self.stage == 0 and self.mesh.dp_rank != 0:
-            return torch.zeros((), dtype=torch.float64)
+            return torch.zeros((), dtype=torch.float64, device=self.device)
         base = 0 if self.stage == 0 else self.lo
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for e in self.params:
             if e.tp_replicated and self.mesh.tp.rank != 0:
                 continue
@@ -315,7 +316,7 @@ class _Zero3(torch.autograd.Function):
         return None, None, xin.grad if x.is_floating_point() else None, None
 
 
-_ANCHOR = torch.zeros((), requires_grad=True)  # keeps blocks fed by integer tokens in the graph
+_ANCHOR = torch.zeros((), requires_grad=True)  # keeps blocks fed by integer tokens in the graph (any device)
 
 
 def zero3_apply(unit: FlatUnit, fn, x: torch.Tensor) -> torch.Tensor:

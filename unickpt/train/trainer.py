@@ -111,6 +111,7 @@ class Trainer:
         eval_samples: int = 32,
         metrics_jsonl: str | None = None,
         resume: str | None = None,
+        device: str | torch.device = "cpu",
     ) -> None:
         self.cfg, self.data, self.parallel, self.optim, self.ckpt = model, data, parallel, optim, checkpoint
         self.mesh = Mesh.build(parallel.tp)
@@ -125,10 +126,11 @@ class Trainer:
         if self.metrics_jsonl and os.path.dirname(self.metrics_jsonl):
             os.makedirs(os.path.dirname(self.metrics_jsonl), exist_ok=True)
         self.step = 0
+        self.device = torch.device(device)
         torch.manual_seed(seed + self.mesh.rank)
         self.model = Llama(model, self.mesh.tp)
         self.model.init_weights(seed)
-        self.model.to(self.dtype)
+        self.model.to(device=self.device, dtype=self.dtype)
         self.units = self._build_units()
         self.history: list[dict] = []
         if resume == "auto" and checkpoint is not None and unickpt.latest(checkpoint.dir):
@@ -179,8 +181,8 @@ class Trainer:
         t0 = time.perf_counter()
         B, T = self.global_batch, self.data.seq_len
         start = self.step * B + self.mesh.dp_rank * self.local_batch
-        samples = self.data.samples(start, self.local_batch)
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        samples = self.data.samples(start, self.local_batch).to(self.device)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i in range(0, self.local_batch, self.micro_batch):
             mb = samples[i : i + self.micro_batch]
             loss = self._loss_sum(mb) / (B * T)  # normalised by the *global* token count
@@ -214,8 +216,8 @@ class Trainer:
         n = min(self.eval_samples, len(self.data.eval_windows))
         share = -(-n // self.mesh.dp_size)
         lo = min(self.mesh.dp_rank * share, n)
-        total = torch.zeros(2, dtype=torch.float64)
-        windows = self.data.eval_windows[lo : min(lo + share, n)]
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        windows = self.data.eval_windows[lo : min(lo + share, n)].to(self.device)
         for i in range(0, len(windows), self.micro_batch):
             b = windows[i : i + self.micro_batch]
             total[0] += float(self._loss_sum(b))
@@ -248,10 +250,13 @@ class Trainer:
             master.update(st["master"])
             m.update(st["exp_avg"])
             v.update(st["exp_avg_sq"])
+        rng = torch.get_rng_state()  # per-rank CPU generator state, one row per rank
+        world, n = self.mesh.world, rng.numel()
         return {
             "model": model,
             "master": master,
             "optimizer": {"exp_avg": m, "exp_avg_sq": v},
+            "rng": {"torch_cpu": unickpt.shard(rng.view(1, n), (world, n), offsets=(self.mesh.rank, 0))},
             "trainer": {
                 "step": self.step,
                 "consumed_samples": self.step * self.global_batch,
@@ -284,7 +289,16 @@ class Trainer:
         """Restore the whole training state from ``path`` (saved under any strategy)."""
         t0 = time.perf_counter()
         sd = self.state_dict()
-        res = unickpt.load(sd, path)
+        ckpt, man = unickpt.read_manifest(path)
+        rng_saved = man.tensors.get(("rng", "torch_cpu"))
+        rng_target = sd["rng"]["torch_cpu"]
+        if rng_saved is None or rng_saved.shape != rng_target.layout.shape:
+            # another world size: per-rank streams cannot map one to one; reseed per rank
+            del sd["rng"]
+            torch.manual_seed(self.seed * 7919 + self.mesh.rank + 1_000_003 * (man.step or 0))
+        res = unickpt.load(sd, ckpt)
+        if "rng" in sd:
+            torch.set_rng_state(sd["rng"]["torch_cpu"].local.reshape(-1).clone())
         tr = sd["trainer"]
         if tr["global_batch"] != self.global_batch or tr["seq_len"] != self.data.seq_len:
             raise ValueError(
