@@ -167,3 +167,33 @@ def test_checkpoint_of_another_model_is_refused_naming_the_tensor(matrix_root):
         assert re.search(r"tensor 'model\.[a-z_.0-9]+' \(role model\) is stored with shape \[\d+, 32\]", msg), msg
         assert "[256, 48]" in msg or "48]" in msg, msg
         assert untouched  # validated before any byte was read
+
+
+def test_retention_keeps_the_newest_and_options_not_built_yet_refuse(tmp_path):
+    import unickpt
+    from unickpt.train import LlamaConfig, TextData, Trainer, UnifiedCheckpoint
+
+    t = Trainer(
+        LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=4),
+        TextData(seq_len=16, max_bytes=1 << 18),
+        checkpoint=UnifiedCheckpoint(dir=str(tmp_path), every=1, keep=2),
+        global_batch=4,
+        micro_batch=4,
+        metrics_jsonl=str(tmp_path / "m" / "metrics.jsonl"),
+    )
+    t.fit(4)
+    assert sorted(os.listdir(tmp_path)) == ["m", "step-00000003", "step-00000004"]
+    assert unickpt.latest(tmp_path).endswith("step-00000004")
+    assert os.path.exists(tmp_path / "step-00000004" / "config.json")
+    import json
+
+    recs = [json.loads(x) for x in open(tmp_path / "m" / "metrics.jsonl")]
+    assert [r["step"] for r in recs if "loss" in r] == [1, 2, 3, 4]
+    assert all({"loss", "lr", "tokens_per_s"} <= r.keys() for r in recs if "loss" in r)
+    saves = [r for r in recs if r.get("event") == "save"]
+    assert len(saves) == 4 and all({"blocking_s", "total_s", "bytes"} <= r.keys() for r in saves)
+    assert [r for r in recs if r.get("event") == "eval"][-1]["step"] == 4
+    with pytest.raises(NotImplementedError, match="async"):
+        UnifiedCheckpoint(dir=str(tmp_path), async_save=True)
+    with pytest.raises(NotImplementedError, match="O1/O2"):
+        UnifiedCheckpoint(dir=str(tmp_path), quant="O1")
