@@ -59,7 +59,7 @@ def run(fn: Callable, world: int, *args: Any, timeout: float = 180, env: dict | 
     q = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world, port, args, q, dict(env or {})), daemon=True)
+        ctx.Process(target=_worker, args=(fn, r, world, port, args, q, dict(env or {})))
         for r in range(world)
     ]
     for p in procs:

@@ -3,6 +3,7 @@
 Public API::
 
     unickpt.save(state_dict, path, group=None, step=None, extra=None) -> SaveResult
+    unickpt.save(..., async_save=True) -> AsyncSave (wait(), done(), error)
     unickpt.load(state_dict, path, group=None, verify="auto") -> LoadResult
     unickpt.shard(local, shape, offsets=..., sizes=..., flat=..., replica=...) -> ShardedTensor
     unickpt.partition_flat(shapes, world, rank) -> ZeRO pieces of a flat buffer
@@ -17,6 +18,7 @@ __version__ = "0.1.0"
 from . import errors
 from .layout import Layout, ShardedTensor, partition_flat, shard
 from .loader import LoadResult, load, read_manifest
+from .async_save import AsyncSave
 from .saver import SaveResult, save
 
 
@@ -36,6 +38,7 @@ __all__ = [
     "save",
     "load",
     "SaveResult",
+    "AsyncSave",
     "LoadResult",
     "Layout",
     "ShardedTensor",

@@ -18,6 +18,7 @@ __all__ = [
     "LayoutError",
     "StateDictError",
     "DistributedError",
+    "AsyncSaveError",
 ]
 
 
@@ -71,3 +72,7 @@ class StateDictError(UnickptError, TypeError):
 
 class DistributedError(UnickptError, RuntimeError):
     """Another rank failed; the message carries that rank's error."""
+
+
+class AsyncSaveError(UnickptError, RuntimeError):
+    """An asynchronous save failed (on this rank or another one) or its writer process died."""

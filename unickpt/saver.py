@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import time
 import os
+import re
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,6 +34,7 @@ from .transport import Comm, node_id
 __all__ = ["save", "SaveResult"]
 
 DEFAULT_BUCKET = 256 << 20
+_EXTRA_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 _PLAN_CACHE: dict[tuple, SavePlan] = {}
 _PLAN_CACHE_MAX = 4
 
@@ -69,7 +72,10 @@ def save(
     direct_io: bool | None = None,
     strategy: Mapping[str, Any] | None = None,
     progress: ProgressFn | None = None,
-) -> SaveResult:
+    async_save: bool = False,
+    background_staging: bool = False,
+    extra_files: Mapping[str, str] | None = None,
+):
     """Save ``state_dict`` as the checkpoint directory ``path``; collective over ``group``.
 
     Every rank passes its own state dict: plain tensors (full, identical on every rank),
@@ -86,26 +92,62 @@ def save(
         direct_io: write with O_DIRECT (``None``: where the file system supports it).
         strategy: free-form description of the saving layout, stored for information.
         progress: called as ``progress(bytes_done, bytes_total)`` for this rank's writes.
+        async_save: return as soon as this rank's state is copied into a reused
+            shared-memory staging buffer; a persistent writer process per rank does the rest
+            (see :class:`~unickpt.AsyncSave`). The tensors may be modified once this returns.
+        background_staging: with ``async_save``, return even before the copy; call
+            ``handle.wait_staged()`` before modifying any tensor of the state dict.
+        extra_files: small text files (e.g. ``{"config.json": ...}``) written into the
+            checkpoint by rank 0 before the commit.
 
     Returns:
-        :class:`SaveResult` with files, bytes, seconds and per-phase timings.
+        :class:`SaveResult` with files, bytes, seconds and per-phase timings; with
+        ``async_save``, an :class:`~unickpt.AsyncSave` handle (``wait()`` gives the result).
 
     Example::
 
         unickpt.save({"model": model.state_dict(), "step": 100}, "ckpt/step-00000100", step=100)
     """
-    comm = Comm(group)
-    ph = Phases()
-    storage, final = storage_for(path)
     if bucket_bytes < 4096:
         raise ValueError(f"bucket_bytes must be at least 4096, got {bucket_bytes}")
+    if extra_files:
+        for n, text in extra_files.items():
+            if not _EXTRA_FILE.match(n) or n in (MANIFEST_NAME, INDEX_NAME) or not isinstance(text, str):
+                raise StateDictError(f"extra file {n!r}: use a bare name like 'config.json' with str content")
+    kw = dict(step=step, extra=extra, overwrite=overwrite, bucket_bytes=bucket_bytes, max_file_bytes=max_file_bytes,
+              direct_io=direct_io, strategy=strategy, extra_files=dict(extra_files or {}))
+    if async_save:
+        from .async_save import checkpointer
 
+        return checkpointer(group).save(state_dict, path, background_staging=background_staging, **kw)
+    return save_entries(Comm(group), None, state_dict, path, progress=progress, **kw)
+
+
+def save_entries(
+    comm: Comm,
+    flat: tuple[list[Entry], dict[str, Any]] | None,
+    state_dict: Mapping[str, Any] | None,
+    path,
+    *,
+    step,
+    extra,
+    overwrite,
+    bucket_bytes,
+    max_file_bytes,
+    direct_io,
+    strategy,
+    extra_files=None,
+    progress=None,
+) -> SaveResult:
+    """The synchronous save, from a state dict or from already flattened entries."""
+    ph = Phases()
+    storage, final = storage_for(path)
     err: BaseException | None = None
     entries: list[Entry] = []
     json_state: dict[str, Any] = {}
     with ph.phase("plan"):
         try:
-            entries, json_state = flatten(state_dict)
+            entries, json_state = flat if flat is not None else flatten(state_dict)
             if extra is not None and not _is_json(dict(extra)):
                 raise StateDictError("extra must be JSON-serialisable (None, bool, int, float, str, lists, dicts)")
             if strategy is not None and not _is_json(dict(strategy)):
@@ -142,6 +184,7 @@ def save(
             except Exception as e:
                 err = e
             comm.agree(err, "save (creating files)")
+            _fault_point("after-create")
         with ph.phase("write"):
             try:
                 result, fragments = _write_rank(plan, comm, by_key, storage, tmp, direct_io, ph, progress)
@@ -166,6 +209,8 @@ def save(
                     idx = man.hf_index()
                     if idx is not None:
                         storage.write_bytes(storage.join(tmp, INDEX_NAME), idx)
+                    for n, text in (extra_files or {}).items():
+                        storage.write_bytes(storage.join(tmp, n), text.encode())
                     storage.write_bytes(storage.join(tmp, MANIFEST_NAME), man.to_json())
                     _commit.publish(storage, tmp, final)
                 except Exception as e:
@@ -193,6 +238,14 @@ def save(
             ph.seconds.get("plan", 0), ph.seconds.get("write", 0), ph.seconds.get("commit", 0),
         )
     return res
+
+
+def _fault_point(name: str) -> None:
+    """Fault injection for tests: ``UNICKPT_FAULT=after-create:SECONDS`` sleeps there (the
+    temporary directory and its files exist), so a test can kill a process mid-save."""
+    spec = os.environ.get("UNICKPT_FAULT", "")
+    if spec.startswith(name + ":"):
+        time.sleep(float(spec.split(":", 1)[1]))
 
 
 def _agree_plan(comm: Comm, summary: bytes, bucket_bytes: int, max_file_bytes: int | None) -> SavePlan:

@@ -18,9 +18,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import unickpt
+from unickpt._metrics import log
 
 from .data import TextData
-from .model import Llama, LlamaConfig, write_hf_config
+from .model import Llama, LlamaConfig, hf_config
 from .parallel import FlatUnit, Mesh, zero3_apply
 
 __all__ = ["ParallelConfig", "OptimConfig", "UnifiedCheckpoint", "Trainer"]
@@ -75,11 +76,13 @@ class UnifiedCheckpoint:
     keep: int = 0
     """Keep the newest K committed checkpoints (0: keep all)."""
     async_save: bool = False
+    """Return to training once the state is copied into shared memory; a writer process saves."""
+    overlap: bool = True
+    """With ``async_save``: copy into staging while the next step's forward and backward run,
+    waiting only before that step's optimizer update (weights and moments change only there)."""
     quant: str | None = None
 
     def __post_init__(self) -> None:
-        if self.async_save:
-            raise NotImplementedError("async_save is not implemented yet (open issue: async save)")
         if self.quant is not None:
             raise NotImplementedError("quant is not implemented yet (open issue: O1/O2 compression)")
 
@@ -133,6 +136,9 @@ class Trainer:
         self.model.to(device=self.device, dtype=self.dtype)
         self.units = self._build_units()
         self.history: list[dict] = []
+        self._pending: unickpt.AsyncSave | None = None
+        if checkpoint is not None:
+            self._sweep(checkpoint.dir)
         if resume == "auto" and checkpoint is not None and unickpt.latest(checkpoint.dir):
             self.load(checkpoint.dir)
 
@@ -201,6 +207,8 @@ class Trainer:
         if self.optim.clip and norm > self.optim.clip:
             for g in grads:
                 g.mul_(self.optim.clip / (norm + 1e-6))
+        if self._pending is not None and not self._pending.staged():
+            self._pending.wait_staged()  # the update below changes what is being staged
         self.step += 1
         lr = self.optim.lr_at(self.step)
         b1, b2 = self.optim.betas
@@ -233,11 +241,13 @@ class Trainer:
         out = []
         while self.step < steps:
             out.append(self.train_step())
+            self.poll_save()
             if self.ckpt and self.ckpt.every and self.step % self.ckpt.every == 0:
                 self.save()
             if self.eval_every and self.step % self.eval_every == 0 and self.step < steps:
                 self.evaluate()
         self.evaluate()
+        self.wait_save()
         return out
 
     # -- checkpointing ---------------------------------------------------------------------------
@@ -267,23 +277,63 @@ class Trainer:
             },
         }
 
-    def save(self) -> unickpt.SaveResult:
+    def save(self):
+        """Checkpoint the current step. Synchronous, or with ``async_save`` a handle whose
+        completion is reported (metrics, config.json, retention) once it is committed."""
         assert self.ckpt is not None
         t0 = time.perf_counter()
         path = os.path.join(self.ckpt.dir, f"step-{self.step:08d}")
         strategy = {"zero_stage": self.parallel.zero_stage, "tp": self.parallel.tp, "dp": self.mesh.dp_size, "dtype": self.dtype_name}
-        res = unickpt.save(self.state_dict(), path, step=self.step, strategy=strategy, extra={"model_config": asdict(self.cfg)})
+        config = json.dumps(hf_config(self.cfg, {"fp32": "float32", "bf16": "bfloat16"}[self.dtype_name]), indent=2)
+        kw = dict(step=self.step, strategy=strategy, extra={"model_config": asdict(self.cfg)}, extra_files={"config.json": config})
+        if self.ckpt.async_save:
+            self.wait_save()  # back-pressure: one save in flight
+            t0 = time.perf_counter()
+            self._pending = unickpt.save(self.state_dict(), path, async_save=True, background_staging=self.ckpt.overlap, **kw)
+            self._pending_t0, self._pending_block = t0, time.perf_counter() - t0
+            return self._pending
+        res = unickpt.save(self.state_dict(), path, **kw)
+        total = time.perf_counter() - t0
+        self._after_save(res, total, total)
+        return res
+
+    def poll_save(self) -> None:
+        """Report a finished asynchronous save, if any (never blocks)."""
+        if self._pending is not None and self._pending.done():
+            self.wait_save()
+
+    def wait_save(self) -> None:
+        """Wait for the asynchronous save in flight; raise if it failed on any rank."""
+        h, self._pending = self._pending, None
+        if h is None:
+            return
+        res = h.wait()
+        blocking = self._pending_block + max(0.0, h.blocking_seconds - self._pending_block)
+        self._after_save(res, blocking, h.total_seconds or (time.perf_counter() - self._pending_t0))
+
+    def _after_save(self, res, blocking: float, total: float) -> None:
         if self.mesh.rank == 0:
-            write_hf_config(os.path.join(path, "config.json"), self.cfg, {"fp32": "float32", "bf16": "bfloat16"}[self.dtype_name])
             if self.ckpt.keep:
                 from unickpt.commit import committed_steps
                 from unickpt.storage import LocalStorage
 
                 for _, old in committed_steps(LocalStorage(), self.ckpt.dir)[: -self.ckpt.keep]:
                     LocalStorage().remove_tree(old)
-        total = time.perf_counter() - t0
-        self._emit({"event": "save", "step": self.step, "blocking_s": total, "total_s": total, "bytes": res.bytes})
-        return res
+        self._emit({"event": "save", "step": res.step, "blocking_s": blocking, "total_s": total, "bytes": res.bytes})
+
+    def _sweep(self, root: str) -> None:
+        """At start: remove temporary directories of interrupted saves (rank 0) and staging
+        segments of dead processes (every rank)."""
+        from unickpt.async_save import sweep_segments
+        from unickpt.commit import sweep_stale
+        from unickpt.storage import LocalStorage
+
+        sweep_segments()
+        if self.mesh.rank == 0 and os.path.isdir(root):
+            for p in sweep_stale(LocalStorage(), os.path.abspath(root)):
+                log.info("removed %s, left by an interrupted save", p)
+        if self.mesh.world > 1:
+            dist.barrier()
 
     def load(self, path: str) -> unickpt.LoadResult:
         """Restore the whole training state from ``path`` (saved under any strategy)."""

@@ -1,0 +1,184 @@
+"""Asynchronous save: staging semantics, identity with sync saves, failures, leaks."""
+
+import glob
+import os
+import signal
+import time
+
+import pytest
+import torch
+import xxhash
+
+import unickpt
+from tests import dist
+from unickpt.errors import AsyncSaveError
+
+
+def _state(rank, world, scale=1):
+    rows = 96 * scale
+    return {
+        "model": {f"w{i}": unickpt.shard(torch.full((rows, 40), float(i + 10 * rank)), (rows * world, 40), offsets=(rows * rank, 0)) for i in range(5)},
+        "optimizer": {"m": {"w0": unickpt.shard(torch.arange(rows * 40, dtype=torch.float32) + rank, (rows * 40 * world,), offsets=(rows * 40 * rank,))}},
+        "step": 7,
+    }
+
+
+def _digests(path):
+    _, man = unickpt.read_manifest(path)
+    out = {}
+    for k, t in man.tensors.items():
+        with open(os.path.join(path, t.file), "rb") as f:
+            f.seek(man.files[t.file].data_start + t.begin)
+            out[k] = xxhash.xxh3_64_hexdigest(f.read(t.nbytes))
+    return out
+
+
+def _mutate_after_call(rank, world, root):
+    sd = _state(rank, world)
+    h = unickpt.save(sd, os.path.join(root, "async"), step=1, async_save=True)
+    for v in sd["model"].values():
+        v.local.mul_(-3).add_(1)  # the caller owns its tensors again right away
+    sd["optimizer"]["m"]["w0"].local.zero_()
+    h2 = h.wait(timeout=120)
+    assert h.done() and h.error is None and h2.step == 1
+    h = unickpt.save(sd, os.path.join(root, "async-bg"), step=2, async_save=True, background_staging=True)
+    h.wait_staged()
+    for v in sd["model"].values():
+        v.local.add_(5)
+    h.wait(timeout=120)
+    unickpt.save(_state(rank, world), os.path.join(root, "sync"), step=1)
+    return h.blocking_seconds
+
+
+def test_bytes_are_the_state_at_call_time_and_equal_a_sync_save(tmp_path):
+    root = str(tmp_path)
+    dist.run(_mutate_after_call, 2, root)
+    assert _digests(os.path.join(root, "async")) == _digests(os.path.join(root, "sync"))
+    t = {"model": {f"w{i}": torch.zeros(192, 40) for i in range(5)}}
+    unickpt.load(t, os.path.join(root, "async-bg"))
+    assert torch.equal(t["model"]["w2"][:96], torch.full((96, 40), 2.0 * -3 + 1))
+    assert not glob.glob("/dev/shm/unickpt-*")
+
+
+def _writer_killed(rank, world, root):
+    os.environ["UNICKPT_FAULT"] = "after-create:3"
+    from unickpt.async_save import checkpointer
+
+    sd = _state(rank, world)
+    unickpt.save(sd, os.path.join(root, "step-00000001"), step=1, async_save=True).wait(timeout=120)
+    h = unickpt.save(sd, os.path.join(root, "step-00000002"), step=2, async_save=True)
+    if rank == 1:
+        time.sleep(1.5)  # the writers are inside the save: files created, data not yet written
+        os.kill(checkpointer()._proc.pid, signal.SIGKILL)
+    t0 = time.perf_counter()
+    try:
+        h.wait(timeout=120)
+    except AsyncSaveError as e:
+        err = str(e)
+    else:
+        err = None
+    waited = time.perf_counter() - t0
+    os.environ["UNICKPT_FAULT"] = ""
+    committed = unickpt.latest(root)
+    h = unickpt.save(sd, os.path.join(root, "step-00000003"), step=3, async_save=True)  # writers restart
+    h.wait(timeout=120)
+    return err, waited, committed
+
+
+def test_writer_killed_mid_write_raises_everywhere_and_later_saves_work(tmp_path):
+    root = str(tmp_path)
+    out = dist.run(_writer_killed, 2, root, timeout=300)
+    for err, waited, committed in out:
+        assert err is not None and "step-00000002" in err, err
+        assert waited < 60  # bounded: the peer notices the dead writer, no hang
+        assert committed.endswith("step-00000001")
+    assert "died" in out[1][0]
+    assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == ["step-00000001", "step-00000003"]
+    t = {"model": {f"w{i}": torch.zeros(192, 40) for i in range(5)}}
+    assert unickpt.load(t, root).step == 3
+    assert unickpt.load(t, os.path.join(root, "step-00000001")).step == 1
+
+
+def _train_then_die(rank, world, root):
+    from unickpt.train import LlamaConfig, TextData, Trainer, UnifiedCheckpoint
+
+    t = Trainer(
+        LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=4),
+        TextData(seq_len=16, max_bytes=1 << 18),
+        checkpoint=UnifiedCheckpoint(dir=root, async_save=True),
+        global_batch=4,
+        micro_batch=2,
+    )
+    t.train_step(), t.train_step()
+    t.save()
+    t.wait_save()
+    os.environ["UNICKPT_FAULT"] = "after-create:30"  # the next save hangs inside its write
+    from unickpt.async_save import checkpointer
+
+    checkpointer()._stop_writer(graceful=True)  # restart writers so they see the fault
+    t.train_step(), t.train_step()
+    t.save()
+    t._pending.wait_staged()
+    time.sleep(2)
+    os.kill(os.getpid(), signal.SIGKILL)  # the whole job dies mid-save
+
+
+def _resume(rank, world, root):
+    from unickpt.train import LlamaConfig, TextData, Trainer, UnifiedCheckpoint
+
+    t = Trainer(
+        LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=4),
+        TextData(seq_len=16, max_bytes=1 << 18),
+        checkpoint=UnifiedCheckpoint(dir=root, async_save=True),
+        global_batch=4,
+        micro_batch=2,
+        resume="auto",
+    )
+    return t.step, sorted(os.listdir(root))
+
+
+def test_whole_job_killed_mid_save_commits_nothing_and_resume_sweeps(tmp_path):
+    root = str(tmp_path)
+    with pytest.raises(RuntimeError, match="died"):
+        dist.run(_train_then_die, 2, root, timeout=120)
+    names = os.listdir(root)
+    assert "step-00000002" in names and "step-00000004" not in names
+    assert any(n.startswith(".step-00000004.tmp-") for n in names)  # the interrupted save
+    out = dist.run(_resume, 2, root)
+    for step, listing in out:
+        assert step == 2
+        assert listing == ["step-00000002"]  # stale temporary swept at start
+    assert not [p for p in glob.glob("/dev/shm/unickpt-*")]
+
+
+def _fifty(rank, world):
+    import psutil
+
+    from unickpt.async_save import checkpointer, shutdown
+
+    sd = _state(rank, world, scale=16)  # ~2.5 MB per rank
+    me = psutil.Process()
+    root = f"/tmp/unickpt-fifty-{os.getppid()}"
+    samples = []
+    for i in range(50):
+        h = unickpt.save(sd, os.path.join(root, f"s{i % 3}"), step=i, async_save=True, overwrite=True)
+        h.wait(timeout=120)
+        if i in (9, 49):
+            writer = psutil.Process(checkpointer()._proc.pid)
+            shm = sum(os.path.getsize(p) for p in glob.glob(f"/dev/shm/unickpt-{os.getpid()}-*"))
+            samples.append((me.memory_info().rss, writer.memory_info().rss, shm))
+    kids = [c.pid for c in me.children(recursive=True)]
+    shutdown()
+    time.sleep(0.5)
+    alive = [p for p in kids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    return samples, alive, glob.glob(f"/dev/shm/unickpt-{os.getpid()}-*")
+
+
+def test_fifty_async_saves_do_not_grow_memory_or_leak(tmp_path):
+    out = dist.run(_fifty, 2, timeout=300)
+    for samples, alive, segs in out:
+        (rss10, wrss10, shm10), (rss50, wrss50, shm50) = samples
+        assert shm10 == shm50 > 0  # one staging segment, reused
+        assert rss50 - rss10 < 32 << 20, (rss10, rss50)
+        assert wrss50 - wrss10 < 32 << 20, (wrss10, wrss50)
+        assert alive == [] and segs == []

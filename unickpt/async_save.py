@@ -1,0 +1,541 @@
+"""Asynchronous save: the caller only copies its state into shared memory.
+
+Per rank, one :class:`Checkpointer` owns
+
+* a **staging buffer**: a shared-memory segment (``/dev/shm/unickpt-<pid>-<n>``) allocated
+  once and reused, grown when the state grows; registered as pinned memory with CUDA
+  (``cudaHostRegister``) when CUDA is available, so device-to-host copies run at full speed;
+* a **persistent writer process** (spawned on first use) that maps the segment and runs the
+  ordinary synchronous save from it, on **its own gloo process group** with the other ranks'
+  writers (the trainer's group is never used from the background). It blocks on its pipe
+  while idle and dies with its parent (a watchdog thread notices the parent's death).
+
+A save is committed by the writers' group exactly as a synchronous save is: visible only
+once every rank's data is durable. If a writer fails or is killed, every other writer's
+collective fails (gloo sees the closed connection; a timeout bounds the rest), nothing is
+committed, and every rank raises :class:`~unickpt.errors.AsyncSaveError` at its next
+``save()`` or ``wait()``; the writers are then restarted on the next save.
+
+Back-pressure: a save first waits for the previous one (one staging buffer: extra host
+memory = the local state's size + the writer's bounded buckets).
+
+Commands travel as JSON over a pipe; tensors only through the shared segment. Nothing is
+pickled.
+"""
+
+from __future__ import annotations
+
+import atexit
+import glob
+import json
+import mmap
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import multiprocessing.util as mp_util
+import signal
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from ._copy import as_bytes
+from ._metrics import log
+from .errors import AsyncSaveError, StateDictError, UnickptError
+from .format import dtype_name
+from .layout import Layout, ShardedTensor
+from .state import Entry, _is_json, flatten
+from .transport import Comm
+
+__all__ = ["AsyncSave", "Checkpointer", "checkpointer", "shutdown"]
+
+SHM_DIR = "/dev/shm"
+ALIGN = 4096
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def _shm_prefix(pid: int | None = None) -> str:
+    return f"unickpt-{pid if pid is not None else os.getpid()}-"
+
+
+def sweep_segments() -> list[str]:
+    """Unlink staging segments left by processes that no longer exist (killed trainers)."""
+    removed = []
+    for p in glob.glob(os.path.join(SHM_DIR, "unickpt-*-*")):
+        try:
+            pid = int(os.path.basename(p).split("-")[1])
+        except (IndexError, ValueError):
+            continue
+        if pid != os.getpid() and not _alive(pid):
+            try:
+                os.unlink(p)
+                removed.append(p)
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class _Segment:
+    """A named shared-memory segment, mapped in this process."""
+
+    def __init__(self, name: str, size: int, create: bool) -> None:
+        self.name, self.size = name, size
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, (os.O_RDWR | os.O_CREAT | os.O_EXCL) if create else os.O_RDWR, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            self.mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.pinned = False
+
+    def pin(self) -> None:
+        if torch.cuda.is_available() and not self.pinned:
+            rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.size, 0)
+            self.pinned = int(rc) == 0 if not isinstance(rc, tuple) else int(rc[0]) == 0
+
+    def close(self, unlink: bool) -> None:
+        if self.pinned:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            except Exception:
+                pass
+        self.tensor = None  # type: ignore[assignment]
+        try:
+            self.mm.close()
+        except BufferError:  # a view is still alive somewhere; the mapping goes with it
+            pass
+        if unlink:
+            try:
+                os.unlink(os.path.join(SHM_DIR, self.name))
+            except FileNotFoundError:
+                pass
+
+
+@dataclass
+class _Staged:
+    entries: list[list]
+    size: int
+
+
+class AsyncSave:
+    """Handle of one asynchronous save."""
+
+    def __init__(self, owner: "Checkpointer", path: str, step: int | None) -> None:
+        self._owner = owner
+        self.path, self.step = path, step
+        self.t0 = time.perf_counter()
+        self.blocking_seconds = 0.0
+        self.staging_seconds = 0.0
+        self._staged = threading.Event()
+        self._stage_error: BaseException | None = None
+        self._result = None
+        self._error: BaseException | None = None
+        self._finished = False
+        self._surfaced = False  # the error was raised to the caller once
+        self.total_seconds: float | None = None
+
+    # -- staging -------------------------------------------------------------------------
+
+    def wait_staged(self) -> None:
+        """Block until the state has been copied into staging (the tensors may change after)."""
+        t = time.perf_counter()
+        self._staged.wait()
+        self.blocking_seconds += time.perf_counter() - t
+        if self._stage_error is not None:
+            raise AsyncSaveError(f"staging for {self.path} failed: {self._stage_error}") from self._stage_error
+
+    def staged(self) -> bool:
+        return self._staged.is_set()
+
+    # -- completion ------------------------------------------------------------------------
+
+    def done(self) -> bool:
+        """True once the writer has finished (successfully or not); never blocks."""
+        if not self._finished:
+            self._owner._poll(self, timeout=0)
+        return self._finished
+
+    @property
+    def error(self) -> BaseException | None:
+        self.done()
+        return self._error
+
+    def wait(self, timeout: float | None = None):
+        """Block until the checkpoint is durable and committed; return its SaveResult.
+
+        Raises :class:`AsyncSaveError` if it failed on any rank or a writer died.
+        """
+        self.wait_staged()
+        if not self._finished:
+            self._owner._poll(self, timeout=timeout)
+        if not self._finished:
+            raise AsyncSaveError(f"save of {self.path} still running after {timeout} s")
+        if self._error is not None:
+            self._surfaced = True
+            raise self._error
+        return self._result
+
+
+def _pick_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class Checkpointer:
+    """Staging buffer + persistent writer process of this rank, for one process group."""
+
+    def __init__(self, group=None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.group = group
+        self.timeout_s = timeout_s
+        self._seg: _Segment | None = None
+        self._old: list[_Segment] = []
+        self._proc = None
+        self._conn = None
+        self._last: AsyncSave | None = None
+        self._counter = 0
+        self._lock = threading.Lock()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def _start_writer(self, comm: Comm) -> None:
+        """Collective over the trainer's group (called from save(), in the caller's thread)."""
+        port = comm.broadcast_bytes(str(_pick_port()).encode() if comm.rank == 0 else None).decode()
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        env_node = os.environ.get("UNICKPT_NODE_ID") or os.environ.get("GROUP_RANK")
+        proc = ctx.Process(
+            target=_writer_main,
+            args=(child, comm.rank, comm.world, addr, int(port), self.timeout_s, os.getpid(), env_node),
+            name=f"unickpt-writer-{comm.rank}",
+            daemon=True,
+        )
+        proc.start()
+        child.close()
+        self._proc, self._conn = proc, parent
+
+    def _stop_writer(self, graceful: bool) -> None:
+        proc, conn = self._proc, self._conn
+        self._proc = self._conn = None
+        if proc is None:
+            return
+        if graceful and proc.is_alive():
+            try:
+                conn.send_bytes(b'{"op": "exit"}')
+                proc.join(timeout=5)
+            except (OSError, EOFError, BrokenPipeError):
+                pass
+        if proc.is_alive():
+            proc.kill()
+        proc.join(timeout=10)
+        try:
+            conn.close()
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        """Finish the pending save (errors are logged), stop the writer, free the segment."""
+        if self._last is not None and not self._last._finished:
+            try:
+                self._last.wait()
+            except UnickptError as e:
+                log.warning("pending asynchronous save failed at shutdown: %s", e)
+        self._stop_writer(graceful=True)
+        for seg in [self._seg, *self._old]:
+            if seg is not None:
+                seg.close(unlink=True)
+        self._seg, self._old = None, []
+
+    # -- save ----------------------------------------------------------------------------------
+
+    def save(self, state_dict: Mapping[str, Any], path, *, background_staging: bool = False, **kw) -> AsyncSave:
+        comm = Comm(self.group)
+        t0 = time.perf_counter()
+        prev_err: BaseException | None = None
+        surfaced = False
+        if self._last is not None:  # back-pressure: one save in flight
+            surfaced = self._last._surfaced
+            try:
+                self._last.wait()
+            except UnickptError as e:
+                prev_err = e
+        alive = self._proc is not None and self._proc.is_alive()
+        # every rank learns whether any rank's previous save failed, and restarts together
+        flags = comm.all_gather_bytes(json.dumps([prev_err is not None, alive]).encode())
+        states = [json.loads(f) for f in flags]
+        if any(s[0] for s in states) or not all(s[1] for s in states):
+            self._stop_writer(graceful=not any(s[0] for s in states) and alive)
+            self._last = None
+            if any(s[0] for s in states):
+                bad = [r for r, s in enumerate(states) if s[0]]
+                if self._proc is None:
+                    self._start_writer(comm)  # ready for the next save
+                if not surfaced:  # each failure is raised once per rank: here or by wait()
+                    raise prev_err or AsyncSaveError(f"the previous asynchronous save failed on rank(s) {bad}")
+            else:
+                self._start_writer(comm)
+
+        entries, json_state = flatten(state_dict)
+        extra = kw.get("extra")
+        if extra is not None and not _is_json(dict(extra)):
+            raise StateDictError("extra must be JSON-serialisable")
+        staged = self._layout(entries)
+        self._ensure_segment(staged.size)
+        handle = AsyncSave(self, os.fspath(path), kw.get("step"))
+        self._last = handle
+        cmd = {
+            "op": "save",
+            "shm": self._seg.name,
+            "shm_size": self._seg.size,
+            "entries": staged.entries,
+            "state": json_state,
+            "path": os.path.abspath(os.fspath(path)),
+            "kw": {k: v for k, v in kw.items()},
+        }
+
+        def stage() -> None:
+            t = time.perf_counter()
+            try:
+                self._copy(entries, staged)
+                self._conn.send_bytes(json.dumps(cmd).encode())
+            except BaseException as e:  # surfaced by wait_staged()/wait()
+                handle._stage_error = e
+                handle._error = AsyncSaveError(f"staging for {path} failed: {e}")
+                handle._finished = True
+            finally:
+                handle.staging_seconds = time.perf_counter() - t
+                handle._staged.set()
+
+        if background_staging:
+            threading.Thread(target=stage, name="unickpt-staging", daemon=True).start()
+            handle.blocking_seconds = time.perf_counter() - t0
+        else:
+            stage()
+            handle.blocking_seconds = time.perf_counter() - t0
+            if handle._stage_error is not None:
+                raise handle._error
+        return handle
+
+    def _layout(self, entries: list[Entry]) -> _Staged:
+        rows, pos = [], 0
+        for e in entries:
+            n = e.local.numel() * e.local.element_size()
+            lay = e.layout
+            rows.append([e.role, e.name, dtype_name(e.local.dtype), list(lay.shape), lay.to_json(), pos, n])
+            pos += -(-n // 64) * 64
+        return _Staged(rows, pos)
+
+    def _ensure_segment(self, size: int) -> None:
+        if self._seg is not None and self._seg.size >= size:
+            return
+        new = max(ALIGN, -(-int(size * 1.1) // ALIGN) * ALIGN)
+        self._counter += 1
+        seg = _Segment(f"{_shm_prefix()}{self._counter}", new, create=True)
+        seg.pin()
+        if self._seg is not None:
+            # the writer may still map the old one until its next command: unlink now (the
+            # mapping stays valid), close our side
+            self._seg.close(unlink=True)
+        self._seg = seg
+
+    def _copy(self, entries: list[Entry], staged: _Staged) -> None:
+        buf = self._seg.tensor
+        cuda = False
+        for e, row in zip(entries, staged.entries):
+            off, n = row[5], row[6]
+            if n == 0:
+                continue
+            dst = buf[off : off + n].view(e.local.dtype).view(e.local.shape)
+            src = e.local.detach()
+            if src.device.type == "cuda":
+                cuda = True
+                dst.copy_(src, non_blocking=self._seg.pinned)
+            else:
+                dst.copy_(src)
+        if cuda:
+            torch.cuda.synchronize()
+
+    # -- results ----------------------------------------------------------------------------------
+
+    def _poll(self, handle: AsyncSave, timeout: float | None) -> None:
+        """Collect the writer's answer for ``handle`` (or notice that the writer died)."""
+        with self._lock:
+            if handle._finished:
+                return
+            conn, proc = self._conn, self._proc
+            if conn is None or proc is None:
+                handle._error = AsyncSaveError(f"save of {handle.path}: no writer process")
+                handle._finished = True
+                return
+            ready = mpc.wait([conn, proc.sentinel], timeout)
+            if not ready:
+                return
+            msg = None
+            if conn in ready or conn.poll():
+                try:
+                    msg = json.loads(conn.recv_bytes())
+                except (EOFError, OSError):
+                    msg = None
+            handle.total_seconds = time.perf_counter() - handle.t0
+            handle._finished = True
+            if msg is None:
+                code = proc.exitcode if not proc.is_alive() else None
+                handle._error = AsyncSaveError(
+                    f"save of {handle.path}: the writer process of this rank died (exit code {code}); nothing was committed"
+                )
+            elif msg.get("ok"):
+                from .saver import SaveResult
+
+                r = msg["result"]
+                handle._result = SaveResult(**r)
+            else:
+                handle._error = AsyncSaveError(f"save of {handle.path} failed: {msg.get('error')}")
+
+
+_CHECKPOINTERS: dict[int, Checkpointer] = {}
+
+
+def checkpointer(group=None) -> Checkpointer:
+    """The process-wide checkpointer of ``group`` (created on first use)."""
+    key = id(group)
+    c = _CHECKPOINTERS.get(key)
+    if c is None:
+        if not _CHECKPOINTERS:
+            atexit.register(shutdown)
+            # multiprocessing children skip atexit: run before their daemonic writers are killed
+            mp_util.Finalize(None, shutdown, exitpriority=100)
+            sweep_segments()
+        c = _CHECKPOINTERS[key] = Checkpointer(group)
+    return c
+
+
+def shutdown() -> None:
+    """Wait for pending saves, stop writer processes and free staging memory."""
+    while _CHECKPOINTERS:
+        _, c = _CHECKPOINTERS.popitem()
+        try:
+            c.close()
+        except Exception as e:  # at exit: report, do not raise
+            log.warning("closing an asynchronous checkpointer failed: %s", e)
+
+
+# -- the writer process ------------------------------------------------------------------------
+
+
+def _watch_parent(parent_pid: int, segments: dict) -> None:
+    while True:
+        time.sleep(0.2)
+        if os.getppid() != parent_pid or not _alive(parent_pid):
+            for seg in list(segments.values()):
+                try:
+                    os.unlink(os.path.join(SHM_DIR, seg.name))
+                except (FileNotFoundError, AttributeError):
+                    pass
+            os._exit(3)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the thread that spawned it exits (the watchdog thread
+    covers other platforms within 0.2 s)."""
+    try:
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: float, parent_pid: int, node) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from .saver import save_entries
+
+    if node and "UNICKPT_NODE_ID" not in os.environ:
+        os.environ["UNICKPT_NODE_ID"] = node if not node.isdigit() else f"node{node}"
+    torch.set_num_threads(1)
+    _die_with_parent()
+    segments: dict[str, _Segment] = {}
+    threading.Thread(target=_watch_parent, args=(parent_pid, segments), daemon=True).start()
+
+    def on_term(signum, frame):  # the parent's multiprocessing terminates us at its exit
+        for seg in list(segments.values()):
+            try:
+                os.unlink(os.path.join(SHM_DIR, seg.name))
+            except FileNotFoundError:
+                pass
+        os._exit(4)
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    except Exception as e:
+        _reply(conn, {"ok": False, "error": f"writer group setup failed: {e}"})
+        return
+    comm = Comm(None)
+    while True:
+        try:
+            raw = conn.recv_bytes()
+        except (EOFError, OSError):
+            break  # parent gone
+        cmd = json.loads(raw)
+        if cmd.get("op") == "exit":
+            break
+        try:
+            seg = segments.get(cmd["shm"])
+            if seg is None:
+                for old in segments.values():
+                    old.close(unlink=False)
+                segments.clear()
+                seg = segments[cmd["shm"]] = _Segment(cmd["shm"], cmd["shm_size"], create=False)
+            entries = []
+            for role, name, dt, shape, lay, off, n in cmd["entries"]:
+                from .format import torch_dtype
+
+                layout = Layout.from_json(shape, lay)
+                local = seg.tensor[off : off + n].view(torch_dtype(dt)) if n else torch.empty(0, dtype=torch_dtype(dt))
+                entries.append(Entry(role, name, local, layout))
+            res = save_entries(comm, (entries, cmd["state"]), None, cmd["path"], **cmd["kw"])
+            _reply(conn, {"ok": True, "result": {
+                "path": res.path, "step": res.step, "files": res.files, "bytes": res.bytes,
+                "local_bytes": res.local_bytes, "seconds": res.seconds, "phases": res.phases,
+            }})
+        except Exception as e:
+            _reply(conn, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+            break  # the writers' group may be broken: the parent restarts us
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+    for seg in segments.values():
+        seg.close(unlink=False)
+
+
+def _reply(conn, obj: dict) -> None:
+    try:
+        conn.send_bytes(json.dumps(obj).encode())
+    except (OSError, BrokenPipeError):
+        pass
