@@ -90,6 +90,7 @@ def main() -> None:
             trainer.save()
         if args.eval_every and rec["step"] % args.eval_every == 0 and rec["step"] < args.steps:
             trainer.evaluate()
+    trainer.wait_save()  # an asynchronous save in flight: durable (and reported) before exit
     ev = trainer.evaluate()
     if rank == 0:
         print(f"eval loss {ev:.4f} at step {trainer.step}", flush=True)

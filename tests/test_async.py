@@ -34,6 +34,7 @@ def _digests(path):
 
 
 def _mutate_after_call(rank, world, root):
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # as under torchrun: writers must not rely on it
     sd = _state(rank, world)
     h = unickpt.save(sd, os.path.join(root, "async"), step=1, async_save=True)
     for v in sd["model"].values():

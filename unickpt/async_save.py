@@ -140,8 +140,9 @@ class AsyncSave:
         self._owner = owner
         self.path, self.step = path, step
         self.t0 = time.perf_counter()
-        self.blocking_seconds = 0.0
-        self.staging_seconds = 0.0
+        self.call_seconds = 0.0  # inside save(): back-pressure wait (+ the copy unless in background)
+        self.staging_wait_seconds = 0.0  # inside wait_staged()/wait() waiting for a background copy
+        self.staging_seconds = 0.0  # duration of the copy itself
         self._staged = threading.Event()
         self._stage_error: BaseException | None = None
         self._result = None
@@ -154,14 +155,20 @@ class AsyncSave:
 
     def wait_staged(self) -> None:
         """Block until the state has been copied into staging (the tensors may change after)."""
-        t = time.perf_counter()
-        self._staged.wait()
-        self.blocking_seconds += time.perf_counter() - t
+        if not self._staged.is_set():
+            t = time.perf_counter()
+            self._staged.wait()
+            self.staging_wait_seconds += time.perf_counter() - t
         if self._stage_error is not None:
             raise AsyncSaveError(f"staging for {self.path} failed: {self._stage_error}") from self._stage_error
 
     def staged(self) -> bool:
         return self._staged.is_set()
+
+    @property
+    def blocking_seconds(self) -> float:
+        """Time the caller was held: the call itself plus any wait for a background copy."""
+        return self.call_seconds + self.staging_wait_seconds
 
     # -- completion ------------------------------------------------------------------------
 
@@ -325,10 +332,10 @@ class Checkpointer:
 
         if background_staging:
             threading.Thread(target=stage, name="unickpt-staging", daemon=True).start()
-            handle.blocking_seconds = time.perf_counter() - t0
+            handle.call_seconds = time.perf_counter() - t0
         else:
             stage()
-            handle.blocking_seconds = time.perf_counter() - t0
+            handle.call_seconds = time.perf_counter() - t0
             if handle._stage_error is not None:
                 raise handle._error
         return handle
@@ -487,10 +494,11 @@ def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: f
 
     signal.signal(signal.SIGTERM, on_term)
     try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        # an explicit store: under torchrun, TORCHELASTIC_USE_AGENT_STORE would otherwise make
+        # every writer a client of a store that nobody serves
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(addr, port, world, is_master=(rank == 0), timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     except Exception as e:
         _reply(conn, {"ok": False, "error": f"writer group setup failed: {e}"})
         return

@@ -308,7 +308,7 @@ class Trainer:
         if h is None:
             return
         res = h.wait()
-        blocking = self._pending_block + max(0.0, h.blocking_seconds - self._pending_block)
+        blocking = self._pending_block + h.staging_wait_seconds  # the save() call + waiting for staging
         self._after_save(res, blocking, h.total_seconds or (time.perf_counter() - self._pending_t0))
 
     def _after_save(self, res, blocking: float, total: float) -> None:
