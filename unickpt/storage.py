@@ -303,8 +303,9 @@ class _DirectEngine:
     buffers (one fills while a helper thread writes the other). Writers are used from one
     thread at a time; switching writers ends the previous writer's run."""
 
-    STAGING = 64 << 20  # large requests: this disk writes 64 MiB O_DIRECT requests ~15-30% faster than 32 MiB
-    BUFFERS = 3  # one fills while two writes are in flight: a single stream keeps the disk busy
+    STAGING = 32 << 20
+    BUFFERS = 6  # one fills while up to five writes are in flight: short runs (one per tensor
+    # piece) still keep several requests queued, as one long sequential stream would
 
     def __init__(self) -> None:
         self.stg = [_Staging.get(self.STAGING) for _ in range(self.BUFFERS)]
@@ -463,6 +464,7 @@ class _Reader:
             raise CheckpointNotFoundError(f"{path}: file listed in the manifest is missing") from e
         self.size = os.fstat(self.fd).st_size
         self.bytes_read = 0
+        self._lock = threading.Lock()
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
 
@@ -477,7 +479,8 @@ class _Reader:
             if k <= 0:
                 raise FormatError(f"{self.path}: unexpected end of file at byte {offset + done}")
             done += k
-        self.bytes_read += n
+        with self._lock:  # reads may run on several threads
+            self.bytes_read += n
 
     def close(self) -> None:
         if self.fd >= 0:
