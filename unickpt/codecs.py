@@ -1,0 +1,314 @@
+"""Codecs for optimizer state and master weights. Pure torch, no I/O, no communication.
+
+Quantization groups are defined on the **full** tensor's row-major flattening, as
+consecutive ranges of ``group`` elements (the last one may be shorter), so any reader of any
+element range (another ZeRO partition, a TP block, one process) can decode exactly its slice:
+it needs the codes of its range and the scales of the groups the range touches.
+
+* O1 (8 bits): ``group`` = one row (``prod(shape[1:])`` elements; 2048-element blocks for
+  1-D tensors).  O2 (4 bits): blocks of ``block`` elements (default 64), two codes per byte,
+  element ``i`` in the low nibble of byte ``i // 2`` when ``i`` is even, the high nibble when
+  odd.
+* Adam's first moment ``m``: symmetric, ``q = round(m / s)`` with ``s = absmax / qmax``
+  (qmax 127 or 7) per group; an all-zero group has ``s = 0`` and decodes to 0.
+* The second moment ``v`` is not quantized directly: ``r = 1 / (sqrt(v) + eps)`` (``eps``
+  the optimizer's own) is quantized asymmetrically to ``[0, 2^bits - 1]`` with per-group min
+  and max, and ``v = (1/r - eps)^2`` on decode. ``max == min`` decodes to the min exactly.
+* Non-finite values, and negative ``v``, are refused with :class:`CodecError`.
+* Master weights: ``split_master`` keeps the low 16 bits of each fp32 master weight next to
+  the bf16 model weight (its round-to-nearest-even), and lists the rare elements the pair
+  cannot reproduce (ties whose rounding went up, NaN payloads) as exceptions, so
+  ``merge_master`` is bit-exact for every input.
+
+Work is done in chunks of whole groups (``CHUNK`` elements), which keeps temporaries in cache
+and memory bounded.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .errors import UnickptError
+
+__all__ = [
+    "CodecError",
+    "group_size",
+    "encode_m",
+    "decode_m",
+    "encode_v",
+    "decode_v",
+    "pack4",
+    "unpack4",
+    "split_master",
+    "merge_master",
+]
+
+CHUNK = 1 << 18  # elements per chunk (1 MiB of fp32: stays in cache)
+ROW_BLOCK_1D = 2048
+
+
+class CodecError(UnickptError, ValueError):
+    """A value cannot be encoded (non-finite, negative variance) or stored codes are inconsistent."""
+
+
+def group_size(shape: tuple[int, ...], bits: int, block: int = 64) -> int:
+    """Elements per quantization group of a tensor of ``shape`` (>= 1)."""
+    if bits == 4:
+        if block < 2 or block % 2:
+            raise ValueError(f"O2 block size must be an even number >= 2, got {block}")
+        return block
+    if len(shape) >= 2:
+        return max(1, math.prod(shape[1:]))
+    return ROW_BLOCK_1D
+
+
+def _qmax(bits: int) -> int:
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    return 127 if bits == 8 else 7
+
+
+def _chunks(n: int, group: int):
+    step = max(group, (CHUNK // group) * group)
+    for a in range(0, n, step):
+        yield a, min(n, a + step)
+
+
+def _grouped(x: torch.Tensor, group: int) -> torch.Tensor:
+    """(n_groups, group) view, the last group padded with zeros if needed."""
+    n = x.numel()
+    pad = (-n) % group
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad)])
+    return x.view(-1, group)
+
+
+def _check_finite(x: torch.Tensor, what: str, base: int = 0) -> None:
+    if not bool(torch.isfinite(x).all()):
+        bad = int((~torch.isfinite(x)).nonzero()[0, 0])
+        raise CodecError(
+            f"{what}: non-finite value {float(x.reshape(-1)[bad])} at element {bad + base}; refusing to quantize"
+        )
+
+
+# -- 4-bit packing ------------------------------------------------------------------------
+
+
+def pack4(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes in [0, 15] -> bytes, two per byte (even index in the low nibble)."""
+    c = codes.reshape(-1)
+    if c.numel() % 2:
+        c = torch.cat([c, c.new_zeros(1)])
+    w = c.contiguous().view(torch.int16)  # little-endian pairs: even code in the low byte
+    return (w & 0x000F).bitwise_or_((w >> 4) & 0x00F0).to(torch.uint8)
+
+
+def unpack4(packed: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """Codes of elements ``[start, start+count)`` from bytes holding elements from
+    ``2 * (start // 2)`` on (the byte containing element ``start`` first)."""
+    both = torch.empty(packed.numel() * 2, dtype=torch.uint8)
+    both[0::2] = packed & 0x0F
+    both[1::2] = packed >> 4
+    off = start % 2
+    return both[off : off + count]
+
+
+# -- group-wise helpers -------------------------------------------------------------------------
+
+
+def _aligned_chunks(start: int, count: int, group: int):
+    """Split ``[start, start+count)`` at group boundaries into pieces of about CHUNK elements:
+    ``(a, b)`` offsets relative to ``start``."""
+    step = max(group, (CHUNK // group) * group)
+    first = min(count, (-start) % group or 0)
+    pos = 0
+    if first:
+        yield 0, first
+        pos = first
+    while pos < count:
+        yield pos, min(count, pos + step)
+        pos += step
+
+
+def _per_group(x: torch.Tensor, start: int, group: int, buf: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """``x`` (elements from ``start``, not crossing a chunk) laid out in whole groups in
+    ``buf``: returns the (n_groups, group) view, the offset of x in it, and the first group."""
+    off = start % group
+    ng = -(-(off + x.numel()) // group)
+    view = buf[: ng * group]
+    if off or x.numel() != ng * group:
+        view.zero_()
+    view[off : off + x.numel()].copy_(x)
+    return view.view(ng, group), off, start // group
+
+
+def _codes(codes: torch.Tensor, bits: int, base: int, a: int, b: int) -> torch.Tensor:
+    """Codes of elements ``[base+a, base+b)`` as float, from the caller's codes starting at
+    element ``base`` (8 bits) or at byte ``base // 2`` (4 bits)."""
+    if bits == 8:
+        return codes[a:b]
+    first = (base % 2 + a) // 2
+    last = (base % 2 + b + 1) // 2
+    return unpack4(codes[first:last], base + a, b - a)
+
+
+# -- first moment: symmetric ----------------------------------------------------------------
+
+
+def encode_m(m: torch.Tensor, bits: int, group: int, what: str = "exp_avg") -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole groups of ``m`` (flat fp32) -> (codes, per-group scale). Codes: int8 for 8 bits
+    (one per element), packed uint8 for 4 bits (offset by 8, two per byte)."""
+    m = m.reshape(-1).float()
+    qmax = _qmax(bits)
+    n = m.numel()
+    scale = torch.empty(-(-n // group), dtype=torch.float32)
+    codes = torch.empty(n, dtype=torch.int8 if bits == 8 else torch.uint8)
+    buf = torch.empty(max(group, (CHUNK // group) * group) + group)
+    for a, b in _aligned_chunks(0, n, group):
+        g, off, g0 = _per_group(m[a:b], a, group, buf)
+        s = torch.maximum(g.amax(dim=1), g.amin(dim=1).neg_()).div_(qmax)  # amax/amin keep NaN
+        if not bool(torch.isfinite(s).all()):
+            _check_finite(m[a:b], what, a)
+        scale[g0 : g0 + len(s)] = s
+        inv = torch.where(s > 0, s.reciprocal(), torch.zeros_like(s))
+        g.mul_(inv[:, None]).round_().clamp_(-qmax, qmax)
+        q = g.view(-1)[off : off + (b - a)]
+        if bits == 4:
+            q.add_(8)
+        codes[a:b].copy_(q)
+    if bits == 4:
+        codes = pack4(codes)
+    return codes, scale
+
+
+def decode_m(codes: torch.Tensor, scale: torch.Tensor, bits: int, group: int, start: int, count: int) -> torch.Tensor:
+    """Elements ``[start, start+count)`` of the full tensor.
+
+    ``codes``: for 8 bits the codes of exactly that range; for 4 bits the packed bytes from
+    byte ``start // 2`` on. ``scale``: the scales of groups ``start // group`` onwards.
+    """
+    out = torch.empty(count, dtype=torch.float32)
+    buf = torch.empty(max(group, (CHUNK // group) * group) + group)
+    g_first = start // group
+    for a, b in _aligned_chunks(start, count, group):
+        g, off, g0 = _per_group(_codes(codes, bits, start, a, b), start + a, group, buf)
+        if bits == 4:
+            g.sub_(8)
+        g.mul_(scale[g0 - g_first : g0 - g_first + g.shape[0], None])
+        out[a:b] = g.view(-1)[off : off + (b - a)]
+    return out
+
+
+# -- second moment: asymmetric on r = 1 / (sqrt(v) + eps) -----------------------------------------
+
+
+def encode_v(v: torch.Tensor, bits: int, group: int, eps: float, what: str = "exp_avg_sq"):
+    """Whole groups of ``v`` -> (codes uint8 (packed for 4 bits), per-group min, per-group max) of r."""
+    v = v.reshape(-1).float()
+    if not eps > 0:
+        raise CodecError(f"{what}: eps must be > 0 to quantize 1/(sqrt(v)+eps), got {eps}")
+    levels = (1 << bits) - 1
+    n = v.numel()
+    n_groups = -(-n // group)
+    lo_all = torch.empty(n_groups, dtype=torch.float32)
+    hi_all = torch.empty(n_groups, dtype=torch.float32)
+    codes = torch.empty(n, dtype=torch.uint8)
+    buf = torch.empty(max(group, (CHUNK // group) * group) + group)
+    for a, b in _aligned_chunks(0, n, group):
+        k = b - a
+        g, _, g0 = _per_group(v[a:b], a, group, buf)
+        flat = g.view(-1)
+        if k % group:  # padding must not widen the last group's range: repeat a real value
+            flat[k:] = flat[k - 1]
+        vmin, vmax = g.amin(dim=1), g.amax(dim=1)
+        if not bool(torch.isfinite(vmax).all()):
+            _check_finite(v[a:b], what, a)
+        if bool((vmin < 0).any()):
+            bad = int((v[a:b] < 0).nonzero()[0, 0]) + a
+            raise CodecError(f"{what}: negative second moment at element {bad}")
+        # r is decreasing in v: its group extremes are the transforms of v's, bit for bit
+        lo = vmax.sqrt_().add_(eps).reciprocal_()
+        hi = vmin.sqrt_().add_(eps).reciprocal_()
+        g.sqrt_().add_(eps).reciprocal_()
+        lo_all[g0 : g0 + len(lo)] = lo
+        hi_all[g0 : g0 + len(hi)] = hi
+        span = hi - lo
+        inv = torch.where(span > 0, levels / span, torch.zeros_like(span))
+        g.sub_(lo[:, None]).mul_(inv[:, None]).round_().clamp_(0, levels)
+        codes[a:b].copy_(flat[:k])
+    if bits == 4:
+        codes = pack4(codes)
+    return codes, lo_all, hi_all
+
+
+def decode_v(codes, lo, hi, bits: int, group: int, eps: float, start: int, count: int) -> torch.Tensor:
+    """Elements ``[start, start+count)`` of v; arguments as in :func:`decode_m`."""
+    levels = (1 << bits) - 1
+    out = torch.empty(count, dtype=torch.float32)
+    buf = torch.empty(max(group, (CHUNK // group) * group) + group)
+    g_first = start // group
+    for a, b in _aligned_chunks(start, count, group):
+        g, off, g0 = _per_group(_codes(codes, bits, start, a, b), start + a, group, buf)
+        i = g0 - g_first
+        gl, gh = lo[i : i + g.shape[0], None], hi[i : i + g.shape[0], None]
+        g.mul_((gh - gl) / levels).add_(gl).reciprocal_().sub_(eps).clamp_(min=0).square_()
+        out[a:b] = g.view(-1)[off : off + (b - a)]
+    return out
+
+
+# -- master weights: bf16 model weight + 16-bit residual -------------------------------------------
+
+
+@dataclass(frozen=True)
+class Residual:
+    low: torch.Tensor  # uint16-in-int16: low 16 bits of each fp32 master weight
+    exc_index: torch.Tensor  # int64 flat indices whose (bf16, low) pair does not give the master
+    exc_bits: torch.Tensor  # int32 bit patterns of the master at those indices
+
+
+def _merge_bits(hi16: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """fp32 bit patterns (int32) from bf16 bits (int16) and low halves (int16).
+
+    Rounding went up (so the upper half is the bf16 value minus one) iff the low half is
+    above 0x8000, or exactly 0x8000 with an even bf16 value: iff ``low - (h & 1) >= 0x8000``.
+    """
+    h = hi16.to(torch.int32).bitwise_and_(0xFFFF)
+    lo = low.to(torch.int32).bitwise_and_(0xFFFF)
+    up = torch.bitwise_and(h, 1).neg_().add_(lo).ge_(0x8000)
+    return h.sub_(up.to(torch.int32)).bitwise_left_shift_(16).bitwise_or_(lo)
+
+
+def split_master(master: torch.Tensor, model_bf16: torch.Tensor) -> Residual:
+    """Residual of fp32 ``master`` against its bf16 model weight (same shape)."""
+    mb = master.reshape(-1).contiguous().view(torch.int32)
+    hb = model_bf16.reshape(-1).contiguous().view(torch.int16)
+    if mb.numel() != hb.numel():
+        raise CodecError(f"master has {mb.numel()} elements, the bf16 weight {hb.numel()}")
+    low = mb.to(torch.int16)  # keeps the low 16 bits
+    idx, bits = [], []
+    for a, b in _chunks(mb.numel(), 1):
+        diff = _merge_bits(hb[a:b], low[a:b]).ne_(mb[a:b])
+        if bool(diff.any()):
+            bad = diff.nonzero().reshape(-1)
+            idx.append(bad + a)
+            bits.append(mb[a:b][bad])
+    exc_index = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)
+    exc_bits = torch.cat(bits) if bits else torch.zeros(0, dtype=torch.int32)
+    return Residual(low, exc_index, exc_bits)
+
+
+def merge_master(model_bf16: torch.Tensor, low: torch.Tensor, exc_index: torch.Tensor, exc_bits: torch.Tensor,
+                 start: int = 0) -> torch.Tensor:
+    """fp32 master weights of elements ``[start, start+n)`` from the bf16 weights and low
+    halves of that range; exceptions are given by full-tensor index (others are ignored)."""
+    hb = model_bf16.reshape(-1).contiguous().view(torch.int16)
+    out = torch.empty(hb.numel(), dtype=torch.int32)
+    for a, b in _chunks(hb.numel(), 1):
+        out[a:b] = _merge_bits(hb[a:b], low.reshape(-1)[a:b])
+    if exc_index.numel():
+        sel = (exc_index >= start) & (exc_index < start + hb.numel())
+        out[exc_index[sel] - start] = exc_bits[sel]
+    return out.view(torch.float32)
