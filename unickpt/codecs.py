@@ -165,7 +165,7 @@ def encode_m(m: torch.Tensor, bits: int, group: int, what: str = "exp_avg") -> t
     qmax = _qmax(bits)
     n = m.numel()
     scale = torch.empty(-(-n // group), dtype=torch.float32)
-    codes = torch.empty(n, dtype=torch.int8 if bits == 8 else torch.uint8)
+    codes = torch.empty(n, dtype=torch.int8)  # float -> int8 conversion is vectorised, -> uint8 is not
     buf = torch.empty(max(group, (CHUNK // group) * group) + group)
     for a, b in _aligned_chunks(0, n, group):
         g, off, g0 = _per_group(m[a:b], a, group, buf)
@@ -180,7 +180,7 @@ def encode_m(m: torch.Tensor, bits: int, group: int, what: str = "exp_avg") -> t
             q.add_(8)
         codes[a:b].copy_(q)
     if bits == 4:
-        codes = pack4(codes)
+        codes = pack4(codes.view(torch.uint8))
     return codes, scale
 
 
