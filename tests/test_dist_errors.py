@@ -1,6 +1,7 @@
 """Failures on one rank surface on every rank, and nothing becomes visible."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -85,3 +86,59 @@ def test_write_failure_on_one_rank_commits_nothing(tmp_path):
     t = {"model": {f"t{i}": torch.zeros(128, 64) for i in range(6)}}
     assert unickpt.load(t, root).step == 1
     assert torch.equal(t["model"]["t3"], torch.full((128, 64), 3.0))
+
+
+def _progress_raises(rank, world, root):
+    def cb(done, total):
+        if rank == 1:
+            raise RuntimeError("callback bug")
+
+    sd = {"model": {f"t{i}": unickpt.shard(torch.full((300, 64), float(i)), (600, 64), offsets=(300 * rank, 0)) for i in range(3)}}
+    return unickpt.save(sd, root, bucket_bytes=8192, progress=cb).bytes
+
+
+def test_a_failing_progress_callback_does_not_stall_or_fail_the_save(tmp_path):
+    out = dist.run(_progress_raises, 2, str(tmp_path / "ck"), timeout=120)
+    assert out[0] == out[1] > 0
+
+
+def _cache_divergence(rank, world, root):
+    import torch.distributed as tdist
+
+    solo = tdist.new_group([0])  # collective: every rank creates it
+    sd = {"model": {"w": unickpt.shard(torch.full((4, 8), float(rank)), (8, 8), offsets=(4 * rank, 0))}}
+    unickpt.save(sd, os.path.join(root, "a"))  # plan cached on both ranks
+    if rank == 0:  # rank 0 alone saves over its own group: evicts the WORLD plan from its cache
+        for i in range(5):
+            unickpt.save({"model": {f"x{i}": torch.ones(i + 1)}}, os.path.join(root, f"solo{i}"), group=solo)
+    unickpt.save(sd, os.path.join(root, "b"))  # rank 1 still has the plan cached; rank 0 does not
+    return True
+
+
+def test_plan_cache_divergence_between_ranks_does_not_hang(tmp_path):
+    assert dist.run(_cache_divergence, 2, str(tmp_path), timeout=120) == [True, True]
+
+
+def _async_bad_state_on_one_rank(rank, world, root):
+    from unickpt.errors import StateDictError
+
+    sd = {"model": {"w": unickpt.shard(torch.ones(4, 8), (8, 8), offsets=(4 * rank, 0))}}
+    unickpt.save(sd, os.path.join(root, "step-00000001"), step=1, async_save=True).wait(timeout=120)
+    bad = dict(sd, junk=object()) if rank == 1 else sd
+    t0 = time.perf_counter()
+    try:
+        unickpt.save(bad, os.path.join(root, "step-00000002"), step=2, async_save=True).wait(timeout=120)
+    except (StateDictError, DistributedError) as e:
+        err = type(e).__name__
+    else:
+        err = None
+    waited = time.perf_counter() - t0
+    unickpt.save(sd, os.path.join(root, "step-00000003"), step=3, async_save=True).wait(timeout=120)
+    return err, waited
+
+
+def test_async_bad_state_on_one_rank_raises_everywhere_at_once(tmp_path):
+    out = dist.run(_async_bad_state_on_one_rank, 2, str(tmp_path), timeout=240)
+    assert out[1][0] == "StateDictError" and out[0][0] == "DistributedError"
+    assert all(w < 10 for _, w in out)
+    assert sorted(n for n in os.listdir(tmp_path) if not n.startswith(".")) == ["step-00000001", "step-00000003"]

@@ -257,3 +257,31 @@ def test_non_contiguous_and_view_targets(tmp_path):
 def test_errors_share_one_base_class():
     for name in unickpt.errors.__all__:
         assert issubclass(getattr(unickpt.errors, name), UnickptError)
+
+
+def test_reserved_names_bad_step_and_extra_files_are_refused(tmp_path):
+    with pytest.raises(StateDictError, match="reserved"):
+        unickpt.save({"model": {"__metadata__": torch.ones(1)}}, tmp_path / "a")
+    with pytest.raises(StateDictError, match="step must be an int"):
+        unickpt.save({"model": {"w": torch.ones(1)}}, tmp_path / "a", step=1.0)
+    with pytest.raises(StateDictError, match="extra file"):
+        unickpt.save({"model": {"w": torch.ones(1)}}, tmp_path / "a", extra_files={"model-00001-of-00001.safetensors": "x"})
+    with pytest.raises(StateDictError, match="extra file"):
+        unickpt.save({"model": {"w": torch.ones(1)}}, tmp_path / "a", extra_files={"../x.json": "x"})
+    unickpt.save({"model": {"w": torch.ones(1)}}, tmp_path / "a", extra_files={"config.json": "{}"})
+    assert (tmp_path / "a" / "config.json").read_text() == "{}"
+
+
+def test_manifest_parser_turns_every_oddity_into_format_errors(saved):
+    p, _ = saved
+    good = (p / "unickpt.json").read_text()
+    for bad in (
+        good.replace('"step":null', '"step":NaN'),
+        good.replace('"state":{}', '"state":{"x":' + "9" * 5000 + "}"),
+        good.replace('"state":{}', '"state":' + "[" * 100000 + "]" * 100000),
+        good.replace('"writer":0', '"writer":"abc"', 1),
+    ):
+        assert bad != good
+        (p / "unickpt.json").write_text(bad)
+        with pytest.raises(FormatError):
+            unickpt.load({"model": {"a": torch.zeros(3, 4)}}, p)

@@ -67,13 +67,15 @@ def sweep_segments() -> list[str]:
     for p in glob.glob(os.path.join(SHM_DIR, "unickpt-*-*")):
         try:
             pid = int(os.path.basename(p).split("-")[1])
-        except (IndexError, ValueError):
+            if os.stat(p).st_uid != os.getuid():
+                continue  # another user's: not ours to judge
+        except (IndexError, ValueError, OSError):
             continue
         if pid != os.getpid() and not _alive(pid):
             try:
                 os.unlink(p)
                 removed.append(p)
-            except FileNotFoundError:
+            except OSError:
                 pass
     return removed
 
@@ -97,10 +99,20 @@ class _Segment:
         fd = os.open(path, (os.O_RDWR | os.O_CREAT | os.O_EXCL) if create else os.O_RDWR, 0o600)
         try:
             if create:
-                os.ftruncate(fd, size)
+                try:  # reserve the pages now: a full tmpfs would otherwise SIGBUS the copy
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as e:
+                    os.close(fd)
+                    fd = -1
+                    os.unlink(path)
+                    raise AsyncSaveError(
+                        f"cannot reserve {size} bytes of shared memory in {SHM_DIR} for the staging buffer "
+                        f"({e.strerror}); enlarge {SHM_DIR} or save synchronously"
+                    ) from e
             self.mm = mmap.mmap(fd, size)
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.pinned = False
 
@@ -284,27 +296,28 @@ class Checkpointer:
             except UnickptError as e:
                 prev_err = e
         alive = self._proc is not None and self._proc.is_alive()
-        # every rank learns whether any rank's previous save failed, and restarts together
-        flags = comm.all_gather_bytes(json.dumps([prev_err is not None, alive]).encode())
+        # every rank learns whether any rank's previous save failed, and all take one branch
+        flags = comm.all_gather_bytes(json.dumps([prev_err is not None, alive, surfaced]).encode())
         states = [json.loads(f) for f in flags]
-        if any(s[0] for s in states) or not all(s[1] for s in states):
-            self._stop_writer(graceful=not any(s[0] for s in states) and alive)
+        failed = [r for r, s in enumerate(states) if s[0]]
+        if failed or not all(s[1] for s in states):
+            self._stop_writer(graceful=not failed and alive)
             self._last = None
-            if any(s[0] for s in states):
-                bad = [r for r, s in enumerate(states) if s[0]]
-                if self._proc is None:
-                    self._start_writer(comm)  # ready for the next save
-                if not surfaced:  # each failure is raised once per rank: here or by wait()
-                    raise prev_err or AsyncSaveError(f"the previous asynchronous save failed on rank(s) {bad}")
-            else:
-                self._start_writer(comm)
+            self._start_writer(comm)
+            if any(not states[r][2] for r in failed):  # not yet raised somewhere: raise everywhere
+                raise prev_err or AsyncSaveError(f"the previous asynchronous save failed on rank(s) {failed}")
 
-        entries, json_state = flatten(state_dict)
-        extra = kw.get("extra")
-        if extra is not None and not _is_json(dict(extra)):
-            raise StateDictError("extra must be JSON-serialisable")
-        staged = self._layout(entries)
-        self._ensure_segment(staged.size)
+        err: BaseException | None = None
+        try:
+            entries, json_state = flatten(state_dict)
+            extra = kw.get("extra")
+            if extra is not None and not _is_json(dict(extra)):
+                raise StateDictError("extra must be JSON-serialisable")
+            staged = self._layout(entries)
+            self._ensure_segment(staged.size)
+        except Exception as e:
+            err = e
+        comm.agree(err, "asynchronous save (preparing the staging buffer)")  # no writer is left waiting
         handle = AsyncSave(self, os.fspath(path), kw.get("step"))
         self._last = handle
         cmd = {
@@ -324,8 +337,11 @@ class Checkpointer:
                 self._conn.send_bytes(json.dumps(cmd).encode())
             except BaseException as e:  # surfaced by wait_staged()/wait()
                 handle._stage_error = e
-                handle._error = AsyncSaveError(f"staging for {path} failed: {e}")
-                handle._finished = True
+                try:  # the writers still meet: ours fails the save on every rank
+                    self._conn.send_bytes(json.dumps({"op": "abort", "error": f"{type(e).__name__}: {e}"}).encode())
+                except Exception:
+                    handle._error = AsyncSaveError(f"staging for {path} failed: {e}")
+                    handle._finished = True
             finally:
                 handle.staging_seconds = time.perf_counter() - t
                 handle._staged.set()
@@ -364,7 +380,7 @@ class Checkpointer:
 
     def _copy(self, entries: list[Entry], staged: _Staged) -> None:
         buf = self._seg.tensor
-        cuda = False
+        devices = set()
         for e, row in zip(entries, staged.entries):
             off, n = row[5], row[6]
             if n == 0:
@@ -372,12 +388,12 @@ class Checkpointer:
             dst = buf[off : off + n].view(e.local.dtype).view(e.local.shape)
             src = e.local.detach()
             if src.device.type == "cuda":
-                cuda = True
+                devices.add(src.device)
                 dst.copy_(src, non_blocking=self._seg.pinned)
             else:
                 dst.copy_(src)
-        if cuda:
-            torch.cuda.synchronize()
+        for dev in devices:  # the current device is per thread: wait on each one used
+            torch.cuda.synchronize(dev)
 
     # -- results ----------------------------------------------------------------------------------
 
@@ -493,6 +509,7 @@ def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: f
         os._exit(4)
 
     signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer, which may wait for us
     try:
         # an explicit store: under torchrun, TORCHELASTIC_USE_AGENT_STORE would otherwise make
         # every writer a client of a store that nobody serves
@@ -510,6 +527,12 @@ def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: f
             break  # parent gone
         cmd = json.loads(raw)
         if cmd.get("op") == "exit":
+            break
+        if cmd.get("op") == "abort":  # staging failed on our rank: fail this save on every writer
+            try:
+                comm.agree(AsyncSaveError(f"staging failed on rank {rank}: {cmd.get('error')}"), "save (reading the state dict)")
+            except Exception as e:
+                _reply(conn, {"ok": False, "error": f"{type(e).__name__}: {e}"})
             break
         try:
             seg = segments.get(cmd["shm"])

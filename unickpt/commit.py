@@ -104,17 +104,31 @@ def publish(storage: Storage, tmp: str, final: str) -> None:
     storage.fsync_dir(tmp)
     if storage.exists(final):
         if storage.exchange_dirs(tmp, final):
-            storage.fsync_dir(parent)
+            _fsync_quietly(storage, parent)
             storage.remove_tree(tmp)  # now holds the old checkpoint
             return
         aside = storage.join(parent, f".{storage.basename(final)}.old-{new_token()}")
         storage.rename_dir(final, aside)
-        storage.rename_dir(tmp, final)
-        storage.fsync_dir(parent)
+        try:
+            storage.rename_dir(tmp, final)
+        except BaseException:
+            storage.rename_dir(aside, final)  # put the old checkpoint back
+            raise
+        _fsync_quietly(storage, parent)
         storage.remove_tree(aside)
         return
     storage.rename_dir(tmp, final)
-    storage.fsync_dir(parent)
+    _fsync_quietly(storage, parent)
+
+
+def _fsync_quietly(storage: Storage, parent: str) -> None:
+    """After the rename the checkpoint is committed: a failing directory fsync is logged, not raised."""
+    try:
+        storage.fsync_dir(parent)
+    except OSError as e:
+        from ._metrics import log
+
+        log.warning("fsync of %s failed after commit: %s", parent, e)
 
 
 def require_parent(storage: Storage, final: str) -> None:

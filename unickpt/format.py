@@ -128,8 +128,8 @@ def parse_header(path: str, prefix: bytes, file_size: int) -> Header:
         raise _NeedMore(8 + n)
     try:
         obj = json.loads(prefix[8 : 8 + n].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(f"{path}: header is not valid JSON ({e})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise FormatError(f"{path}: header is not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(obj, dict):
         raise FormatError(f"{path}: header is not a JSON object")
     meta = obj.pop("__metadata__", None) or {}

@@ -133,10 +133,21 @@ class Manifest:
     @staticmethod
     def from_json(data: bytes, where: str) -> "Manifest":
         try:
-            obj = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise FormatError(f"{where}: manifest is not valid JSON ({e})") from None
-        return _parse(obj, where)
+            obj = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+            raise FormatError(f"{where}: manifest is not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
+        try:
+            return _parse(obj, where)
+        except (ValueError, TypeError, RecursionError) as e:
+            if isinstance(e, FormatError):
+                raise
+            raise FormatError(f"{where}: malformed manifest ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def _int(v, where: str) -> int:
+    if type(v) is not int:
+        raise FormatError(f"{where}: expected an integer, got {type(v).__name__}")
+    return v
 
 
 def _req(obj: dict, key: str, kind, where: str):
@@ -152,7 +163,11 @@ def _req(obj: dict, key: str, kind, where: str):
     return v
 
 
-_HEX = re.compile(r"^[0-9a-f]{16}$")
+_HEX = re.compile(r"[0-9a-f]{16}")
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not strict JSON")
 
 
 def _checksums(raw: list, nbytes: int, where: str) -> tuple[tuple[int, int, str], ...]:
@@ -163,7 +178,7 @@ def _checksums(raw: list, nbytes: int, where: str) -> tuple[tuple[int, int, str]
         if not (isinstance(c, list) and len(c) == 3 and type(c[0]) is int and type(c[1]) is int and isinstance(c[2], str)):
             raise FormatError(f"{where}: checksums must be [begin, end, hex] triples")
         b, e, h = c
-        if b != pos or e <= b or not _HEX.match(h):
+        if b != pos or e <= b or not _HEX.fullmatch(h):
             raise FormatError(f"{where}: checksum ranges must tile the tensor's bytes in order (got [{b}, {e}) at {pos})")
         out.append((b, e, h))
         pos = e
@@ -186,7 +201,7 @@ def _parse(obj: Any, where: str) -> Manifest:
     files: dict[str, FileEntry] = {}
     for name, f in _req(obj, "files", dict, where).items():
         w = f"{where}: file {name!r}"
-        if not _FILE.match(name):
+        if not _FILE.fullmatch(name):
             raise FormatError(f"{w}: not a valid checkpoint file name (role-NNNNN-of-NNNNN.safetensors, no path)")
         size = _req(f, "size", int, w)
         start = _req(f, "data_start", int, w)
@@ -196,7 +211,7 @@ def _parse(obj: Any, where: str) -> Manifest:
         files[name] = FileEntry(name, _req(f, "role", str, w), _req(f, "node", str, w), writer, size, start)
     tensors: dict[tuple[str, str], TensorEntry] = {}
     for role, group in _req(obj, "tensors", dict, where).items():
-        if not _ROLE.match(role) or not isinstance(group, dict):
+        if not _ROLE.fullmatch(role) or not isinstance(group, dict):
             raise FormatError(f"{where}: invalid role {role!r}")
         for name, t in group.items():
             w = f"{where}: tensor {name!r} (role {role})"
@@ -223,7 +238,7 @@ def _parse(obj: Any, where: str) -> Manifest:
                 raise FormatError(f"{w}: {e - b} bytes stored, expected {math.prod(shape) * itemsize(dtype)} for {dtype} {shape}")
             checksums = _checksums(_req(t, "checksums", list, w), e - b, w)
             tensors[(role, name)] = TensorEntry(
-                role, name, fname, dtype, tuple(shape), b, e, checksums, codec, int(t.get("writer", 0))
+                role, name, fname, dtype, tuple(shape), b, e, checksums, codec, _int(t.get("writer", 0), w)
             )
     state = obj.get("state") or {}
     extra = obj.get("extra") or {}

@@ -110,10 +110,6 @@ def save(
     """
     if bucket_bytes < 4096:
         raise ValueError(f"bucket_bytes must be at least 4096, got {bucket_bytes}")
-    if extra_files:
-        for n, text in extra_files.items():
-            if not _EXTRA_FILE.match(n) or n in (MANIFEST_NAME, INDEX_NAME) or not isinstance(text, str):
-                raise StateDictError(f"extra file {n!r}: use a bare name like 'config.json' with str content")
     kw = dict(step=step, extra=extra, overwrite=overwrite, bucket_bytes=bucket_bytes, max_file_bytes=max_file_bytes,
               direct_io=direct_io, strategy=strategy, extra_files=dict(extra_files or {}))
     if async_save:
@@ -152,6 +148,15 @@ def save_entries(
                 raise StateDictError("extra must be JSON-serialisable (None, bool, int, float, str, lists, dicts)")
             if strategy is not None and not _is_json(dict(strategy)):
                 raise StateDictError("strategy must be JSON-serialisable")
+            if step is not None and type(step) is not int:
+                raise StateDictError(f"step must be an int or None, got {type(step).__name__} {step!r}")
+            for n, text in (extra_files or {}).items():
+                if (not _EXTRA_FILE.fullmatch(n) or n in (MANIFEST_NAME, INDEX_NAME) or n.endswith(".safetensors")
+                        or not isinstance(text, str)):
+                    raise StateDictError(
+                        f"extra file {n!r}: use a bare name like 'config.json' (not a manifest, index or "
+                        ".safetensors name) with str content"
+                    )
             dtypes = [dtype_name(e.local.dtype) for e in entries]
             summary = encode_summary(entries, dtypes, node_id())
         except Exception as e:
@@ -256,7 +261,9 @@ def _agree_plan(comm: Comm, summary: bytes, bucket_bytes: int, max_file_bytes: i
 
     key = (id(comm.group), comm.world, digests, bucket_bytes, max_file_bytes, _plan.DIRECT_MIN_RUN)
     plan = _PLAN_CACHE.get(key)
-    if plan is not None:
+    # caches are per process: reuse only if every rank has the plan, so all run the same collectives
+    hits = comm.all_gather_bytes(b"1" if plan is not None else b"0")
+    if plan is not None and all(h == b"1" for h in hits):
         return plan
     summaries = [decode_summary(s) for s in comm.all_gather_bytes(summary)]
     err = None
@@ -402,10 +409,16 @@ def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, 
             s = sources[key] = _Source(by_key[key])
         return s
 
+    progress_off = [False]
+
     def note(n: int) -> None:
         done[0] += n
-        if progress is not None:
-            progress(done[0], total)
+        if progress is not None and not progress_off[0]:
+            try:
+                progress(done[0], total)
+            except Exception as e:  # a callback must not take the save (and its peers) down
+                log.warning("progress callback failed: %s", e)
+                progress_off[0] = True
 
     io = ThreadPoolExecutor(1, thread_name_prefix="unickpt-write")
     pending: list[Future | None] = [None, None]
@@ -439,11 +452,20 @@ def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, 
         for s, step in enumerate(plan.schedule(rank)):
             slot = s % 2
             reap(slot)
+            if io_error:  # keep serving peers with the right message sizes; write nothing more
+                _drain_step(step, comm)
+                continue
             need = sum(seg.nbytes for seg, whole in zip(step.segments, step.local_whole) if whole is None)
-            with ph.phase("gather"):
-                items = _run_step(step, comm, src, _bucket(slot, need) if need else None)
-            if io_error:
-                continue  # keep serving peers; nothing more is written
+            try:
+                with ph.phase("gather"):
+                    items = _run_step(step, comm, src, _bucket(slot, need) if need else None)
+            except _Unsent as e:  # failed before this step's transfers were posted
+                io_error.append(e.__cause__ or e)
+                _drain_step(step, comm)
+                continue
+            except Exception as e:  # after the transfers: later steps are drained above
+                io_error.append(e)
+                continue
             pending[slot] = io.submit(_write_items, items, writers, gathered, files)
             note(sum(int(v.numel()) for _, _, v, _ in items))
         reap(0)
@@ -475,8 +497,30 @@ def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, 
     return {"checksums": checks, "files": written, "bytes": sum(written.values())}, fragments
 
 
+class _Unsent(Exception):
+    """Preparing a step failed before any of its transfers was posted."""
+
+
+def _drain_step(step: Step, comm: Comm) -> None:
+    """Take part in a step's transfers without data (after a local error), so that peers
+    are not left waiting; what they receive from us is discarded with the failed save."""
+    sends = [(dst, torch.zeros(runs.numel * t.itemsize, dtype=torch.uint8)) for dst, t, runs in step.sends]
+    recvs = [(r, torch.empty(runs.numel * t.itemsize, dtype=torch.uint8)) for r, t, _, runs in step.recvs]
+    comm.exchange(sends, recvs)
+
+
 def _run_step(step: Step, comm: Comm, src, bucket: torch.Tensor | None):
-    """Assemble this rank's segments of one step; return ``(file_index, key, bytes)`` items."""
+    """Assemble this rank's segments of one step; return ``(file_index, key, bytes)`` items.
+    Raises :class:`_Unsent` if it fails before posting the step's transfers."""
+    try:
+        sends, recvs, scatters, offs = _prepare_step(step, src, bucket)
+    except Exception as e:
+        raise _Unsent(str(e)) from e
+    comm.exchange(sends, recvs)
+    return _finish_step(step, src, bucket, scatters, offs)
+
+
+def _prepare_step(step: Step, src, bucket):
     offs: list[int] = []
     pos = 0
     for seg, whole in zip(step.segments, step.local_whole):
@@ -517,7 +561,10 @@ def _run_step(step: Step, comm: Comm, src, bucket: torch.Tensor | None):
         window = s.host_range(lo, hi)
         base = offs[si]
         copy_runs(window, lruns.starts - lo // isz, bucket[base:], sruns.starts, lruns.lengths, isz)
-    comm.exchange(sends, recvs)
+    return sends, recvs, scatters, offs
+
+
+def _finish_step(step: Step, src, bucket, scatters, offs):
     for tmp, base, runs, isz in scatters:
         copy_runs(tmp, runs.local, bucket[base:], runs.starts, runs.lengths, isz)
     items = []

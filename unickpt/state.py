@@ -68,6 +68,8 @@ def flatten(state_dict: Mapping[str, Any]) -> tuple[list[Entry], dict[str, Any]]
     json_state: dict[str, Any] = {}
 
     def add(role: str, name: str, value: Any, where: str) -> None:
+        if name == "__metadata__" or not name:
+            raise StateDictError(f"{where!r}: tensor name {name!r} is reserved by safetensors")
         local, layout = layout_of(value)
         key = (role, name)
         if key in seen:

@@ -189,11 +189,15 @@ class LocalStorage:
         return _BufferedWriter(path)
 
     def close(self) -> None:
-        """Release shared write buffers (kept in a pool for the next save)."""
+        """Release shared write buffers (kept in a pool for the next save). Never raises:
+        write errors surface through the writers' ``close()``/``abort()``."""
         eng = getattr(self, "_engine", None)
         self._engine = None
         if eng is not None:
-            eng.release()
+            try:
+                eng.release()
+            except Exception:
+                pass
 
     def finish_file(self, path: str, fragments: list[tuple[int, bytes]], size: int) -> None:
         """Owner: write the pages that fragments from every writer complete, fix the size, fsync."""
@@ -222,7 +226,8 @@ class LocalStorage:
                         staging.arr[:ALIGN] = np.frombuffer(pages[page], dtype=np.uint8)
                         view = memoryview(staging.buf)[:ALIGN]
                         try:
-                            os.pwrite(fd, view, page * ALIGN)
+                            if os.pwrite(fd, view, page * ALIGN) != ALIGN:
+                                raise OSError(errno.EIO, f"short write of page {page}", path)
                         finally:
                             view.release()
                 finally:
@@ -299,9 +304,9 @@ class _BufferedWriter:
 
 
 class _DirectEngine:
-    """Staging shared by every O_DIRECT writer of one storage object: two page-aligned
-    buffers (one fills while a helper thread writes the other). Writers are used from one
-    thread at a time; switching writers ends the previous writer's run."""
+    """Staging shared by every O_DIRECT writer of one storage object: BUFFERS page-aligned
+    buffers (one fills while the others are written by helper threads). Writers are used
+    from one thread at a time; switching writers ends the previous writer's run."""
 
     STAGING = 32 << 20
     BUFFERS = 6  # one fills while up to five writes are in flight: short runs (one per tensor
@@ -327,8 +332,15 @@ class _DirectEngine:
             fut.result()
 
     def drain(self) -> None:
+        """Wait for every write in flight; then raise the first error, if any."""
+        first: BaseException | None = None
         for i in range(len(self.pending)):
-            self.wait(i)
+            try:
+                self.wait(i)
+            except BaseException as e:  # keep waiting: no write may outlive its buffer
+                first = first or e
+        if first is not None:
+            raise first
 
     def release(self) -> None:
         try:
@@ -437,7 +449,7 @@ class _DirectWriter:
     def abort(self) -> None:
         try:
             self.eng.drain()
-        except OSError:
+        except Exception:  # the error that made us abort is reported elsewhere
             pass
         self._release()
 

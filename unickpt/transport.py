@@ -56,9 +56,9 @@ class Comm:
             self.p2p_group = self.group
         else:  # NCCL & co: host tensors travel on a gloo group over the same ranks
             key = id(self.group)
-            if key not in _SIDE_GROUPS:
+            if key not in _SIDE_GROUPS:  # only the group's members call this: local synchronization
                 ranks = dist.get_process_group_ranks(self.group)
-                _SIDE_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo")
+                _SIDE_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
             self.p2p_group = _SIDE_GROUPS[key]
 
     # -- small collectives ---------------------------------------------------------------

@@ -156,7 +156,7 @@ class FlatUnit:
             self.ppart = None
         else:
             self.flat = None
-            self.ppart = full[self.lo : self.lo + self.part].to(dtype)
+            self.ppart = full[self.lo : self.lo + self.part].to(dtype).clone()  # not a view of `full`
             self.release()
 
     # -- parameter storage ------------------------------------------------------------------

@@ -318,7 +318,8 @@ class Trainer:
                 from unickpt.storage import LocalStorage
 
                 for _, old in committed_steps(LocalStorage(), self.ckpt.dir)[: -self.ckpt.keep]:
-                    LocalStorage().remove_tree(old)
+                    if os.path.abspath(old) != os.path.abspath(res.path):  # never the one just saved
+                        LocalStorage().remove_tree(old)
         self._emit({"event": "save", "step": res.step, "blocking_s": blocking, "total_s": total, "bytes": res.bytes})
 
     def _sweep(self, root: str) -> None:
@@ -340,6 +341,12 @@ class Trainer:
         t0 = time.perf_counter()
         sd = self.state_dict()
         ckpt, man = unickpt.read_manifest(path)
+        tr = man.state.get("trainer", {})
+        if tr.get("global_batch") != self.global_batch or tr.get("seq_len") != self.data.seq_len:
+            raise ValueError(  # checked before anything is loaded
+                f"{ckpt} was trained with global_batch {tr.get('global_batch')} and seq_len {tr.get('seq_len')}; "
+                f"this run uses {self.global_batch} and {self.data.seq_len}"
+            )
         rng_saved = man.tensors.get(("rng", "torch_cpu"))
         rng_target = sd["rng"]["torch_cpu"]
         if rng_saved is None or rng_saved.shape != rng_target.layout.shape:
@@ -349,13 +356,7 @@ class Trainer:
         res = unickpt.load(sd, ckpt)
         if "rng" in sd:
             torch.set_rng_state(sd["rng"]["torch_cpu"].local.reshape(-1).clone())
-        tr = sd["trainer"]
-        if tr["global_batch"] != self.global_batch or tr["seq_len"] != self.data.seq_len:
-            raise ValueError(
-                f"checkpoint was trained with global_batch {tr['global_batch']} and seq_len {tr['seq_len']}; "
-                f"this run uses {self.global_batch} and {self.data.seq_len}"
-            )
-        self.step = int(tr["step"])
+        self.step = int(sd["trainer"]["step"])
         self._emit({"event": "load", "step": self.step, "seconds": time.perf_counter() - t0, "bytes_read": res.bytes_read, "path": res.path})
         return res
 
