@@ -285,3 +285,13 @@ def test_manifest_parser_turns_every_oddity_into_format_errors(saved):
         (p / "unickpt.json").write_text(bad)
         with pytest.raises(FormatError):
             unickpt.load({"model": {"a": torch.zeros(3, 4)}}, p)
+
+
+def test_sweep_removes_only_temporaries(tmp_path):
+    unickpt.save({"model": {"w": torch.ones(3)}}, tmp_path / "step-00000001", step=1)
+    (tmp_path / ".step-00000002.tmp-0123456789abcdef").mkdir()
+    (tmp_path / ".step-00000001.old-0123456789abcdef").mkdir()
+    (tmp_path / "notes").mkdir()
+    removed = unickpt.sweep(tmp_path)
+    assert len(removed) == 2
+    assert sorted(os.listdir(tmp_path)) == ["notes", "step-00000001"]

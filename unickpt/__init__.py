@@ -8,6 +8,7 @@ Public API::
     unickpt.shard(local, shape, offsets=..., sizes=..., flat=..., replica=...) -> ShardedTensor
     unickpt.partition_flat(shapes, world, rank) -> ZeRO pieces of a flat buffer
     unickpt.latest(root) -> newest committed checkpoint under root (or None)
+    unickpt.sweep(root) -> remove temporaries of interrupted saves under root
     unickpt.read_manifest(path) -> (checkpoint dir, Manifest)
 """
 
@@ -20,6 +21,16 @@ from .layout import Layout, ShardedTensor, partition_flat, shard
 from .loader import LoadResult, load, read_manifest
 from .async_save import AsyncSave
 from .saver import SaveResult, save
+
+
+def sweep(root) -> list[str]:
+    """Remove temporary directories that interrupted saves left under ``root`` (call it at
+    start-up, when no save into ``root`` is in flight); return what was removed."""
+    from .commit import sweep_stale
+    from .storage import storage_for
+
+    storage, p = storage_for(root)
+    return sweep_stale(storage, p)
 
 
 def latest(root) -> str | None:
@@ -45,5 +56,6 @@ __all__ = [
     "shard",
     "partition_flat",
     "latest",
+    "sweep",
     "read_manifest",
 ]

@@ -269,13 +269,14 @@ class Checkpointer:
         except OSError:
             pass
 
-    def close(self) -> None:
-        """Finish the pending save (errors are logged), stop the writer, free the segment."""
+    def close(self, timeout: float = 120.0) -> None:
+        """Finish the pending save (errors are logged; at most ``timeout`` seconds), stop the
+        writer, free the segment."""
         if self._last is not None and not self._last._finished:
             try:
-                self._last.wait()
+                self._last.wait(timeout=timeout)
             except UnickptError as e:
-                log.warning("pending asynchronous save failed at shutdown: %s", e)
+                log.warning("pending asynchronous save did not complete at shutdown: %s", e)
         self._stop_writer(graceful=True)
         for seg in [self._seg, *self._old]:
             if seg is not None:
@@ -474,18 +475,6 @@ def _watch_parent(parent_pid: int, segments: dict) -> None:
             os._exit(3)
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when the thread that spawned it exits (the watchdog thread
-    covers other platforms within 0.2 s)."""
-    try:
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
-
-
 def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: float, parent_pid: int, node) -> None:
     import datetime
 
@@ -496,7 +485,6 @@ def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: f
     if node and "UNICKPT_NODE_ID" not in os.environ:
         os.environ["UNICKPT_NODE_ID"] = node if not node.isdigit() else f"node{node}"
     torch.set_num_threads(1)
-    _die_with_parent()
     segments: dict[str, _Segment] = {}
     threading.Thread(target=_watch_parent, args=(parent_pid, segments), daemon=True).start()
 

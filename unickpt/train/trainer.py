@@ -342,10 +342,11 @@ class Trainer:
         sd = self.state_dict()
         ckpt, man = unickpt.read_manifest(path)
         tr = man.state.get("trainer", {})
-        if tr.get("global_batch") != self.global_batch or tr.get("seq_len") != self.data.seq_len:
-            raise ValueError(  # checked before anything is loaded
-                f"{ckpt} was trained with global_batch {tr.get('global_batch')} and seq_len {tr.get('seq_len')}; "
-                f"this run uses {self.global_batch} and {self.data.seq_len}"
+        want = {"global_batch": self.global_batch, "seq_len": self.data.seq_len, "data_seed": self.data.seed}
+        got = {k: tr.get(k) for k in want}
+        if got != want:
+            raise ValueError(  # checked before anything is loaded: the data order would differ
+                f"{ckpt} was trained with {got}; this run uses {want}"
             )
         rng_saved = man.tensors.get(("rng", "torch_cpu"))
         rng_target = sd["rng"]["torch_cpu"]
