@@ -100,16 +100,21 @@ def test_writer_killed_mid_write_raises_everywhere_and_later_saves_work(tmp_path
     assert unickpt.load(t, os.path.join(root, "step-00000001")).step == 1
 
 
-def _train_then_die(rank, world, root):
+def _tiny_trainer(root, **kw):
     from unickpt.train import LlamaConfig, TextData, Trainer, UnifiedCheckpoint
 
-    t = Trainer(
+    return Trainer(
         LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=4),
         TextData(seq_len=16, max_bytes=1 << 18),
         checkpoint=UnifiedCheckpoint(dir=root, async_save=True),
         global_batch=4,
         micro_batch=2,
+        **kw,
     )
+
+
+def _train_then_die(rank, world, root):
+    t = _tiny_trainer(root)
     t.train_step(), t.train_step()
     t.save()
     t.wait_save()
@@ -125,16 +130,7 @@ def _train_then_die(rank, world, root):
 
 
 def _resume(rank, world, root):
-    from unickpt.train import LlamaConfig, TextData, Trainer, UnifiedCheckpoint
-
-    t = Trainer(
-        LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=4),
-        TextData(seq_len=16, max_bytes=1 << 18),
-        checkpoint=UnifiedCheckpoint(dir=root, async_save=True),
-        global_batch=4,
-        micro_batch=2,
-        resume="auto",
-    )
+    t = _tiny_trainer(root, resume="auto")
     return t.step, sorted(os.listdir(root))
 
 
