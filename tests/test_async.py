@@ -125,7 +125,10 @@ def _train_then_die(rank, world, root):
     t.train_step(), t.train_step()
     t.save()
     t._pending.wait_staged()
-    time.sleep(2)
+    deadline = time.monotonic() + 60  # until the writers are inside the save (files created)
+    while not glob.glob(os.path.join(root, ".step-00000004.tmp-*/*.safetensors")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
     os.kill(os.getpid(), signal.SIGKILL)  # the whole job dies mid-save
 
 
