@@ -403,11 +403,18 @@ def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, 
     total += sum(t.nbytes for f in files if f.writer == rank for t in f.tensors if not t.direct)
     done = [0]
 
+    # built up front, in this thread: the writer thread and the gather loop both read them
+    # (a lazy cache filled from two threads could copy a non-contiguous tensor twice)
+    try:
+        for k in {t.key for _, t, _, _, _ in extents} | {
+            t.key for st in plan.schedule(rank) for t in [*(x[1] for x in st.sends), *(x[0] for x in st.copies)]
+        }:
+            sources[k] = _Source(by_key[k])
+    except Exception as e:  # e.g. no memory for a contiguous copy: drain the steps, then raise
+        io_error.append(e)
+
     def src(key) -> _Source:
-        s = sources.get(key)
-        if s is None:
-            s = sources[key] = _Source(by_key[key])
-        return s
+        return sources[key]
 
     progress_off = [False]
 
