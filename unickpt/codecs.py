@@ -116,6 +116,16 @@ def unpack4(packed: torch.Tensor, start: int, count: int) -> torch.Tensor:
     return both[off : off + count]
 
 
+def _pack_into(out: torch.Tensor, start: int, q: torch.Tensor) -> None:
+    """Pack float codes in [0, 15] of elements ``[start, start+len(q))`` (``start`` even)
+    into ``out`` bytes, in float arithmetic on the cache-resident chunk."""
+    k = q.numel()
+    if k % 2:
+        q = torch.cat([q, q.new_zeros(1)])
+    pairs = q.view(-1, 2)
+    out[start // 2 : start // 2 + pairs.shape[0]].copy_(torch.addcmul(pairs[:, 0], pairs[:, 1], q.new_tensor(16.0)))
+
+
 # -- group-wise helpers -------------------------------------------------------------------------
 
 
@@ -165,7 +175,8 @@ def encode_m(m: torch.Tensor, bits: int, group: int, what: str = "exp_avg") -> t
     qmax = _qmax(bits)
     n = m.numel()
     scale = torch.empty(-(-n // group), dtype=torch.float32)
-    codes = torch.empty(n, dtype=torch.int8)  # float -> int8 conversion is vectorised, -> uint8 is not
+    # 8 bits: float -> int8 directly; 4 bits: packed per chunk while it is in cache
+    codes = torch.empty(n, dtype=torch.int8) if bits == 8 else torch.empty(-(-n // 2), dtype=torch.uint8)
     buf = torch.empty(max(group, (CHUNK // group) * group) + group)
     for a, b in _aligned_chunks(0, n, group):
         g, off, g0 = _per_group(m[a:b], a, group, buf)
@@ -177,10 +188,9 @@ def encode_m(m: torch.Tensor, bits: int, group: int, what: str = "exp_avg") -> t
         g.mul_(inv[:, None]).round_().clamp_(-qmax, qmax)
         q = g.view(-1)[off : off + (b - a)]
         if bits == 4:
-            q.add_(8)
-        codes[a:b].copy_(q)
-    if bits == 4:
-        codes = pack4(codes.view(torch.uint8))
+            _pack_into(codes, a, q.add_(8))
+        else:
+            codes[a:b].copy_(q)
     return codes, scale
 
 
@@ -215,7 +225,7 @@ def encode_v(v: torch.Tensor, bits: int, group: int, eps: float, what: str = "ex
     n_groups = -(-n // group)
     lo_all = torch.empty(n_groups, dtype=torch.float32)
     hi_all = torch.empty(n_groups, dtype=torch.float32)
-    codes = torch.empty(n, dtype=torch.uint8)
+    codes = torch.empty(n, dtype=torch.uint8) if bits == 8 else torch.empty(-(-n // 2), dtype=torch.uint8)
     buf = torch.empty(max(group, (CHUNK // group) * group) + group)
     for a, b in _aligned_chunks(0, n, group):
         k = b - a
@@ -238,9 +248,10 @@ def encode_v(v: torch.Tensor, bits: int, group: int, eps: float, what: str = "ex
         span = hi - lo
         inv = torch.where(span > 0, levels / span, torch.zeros_like(span))
         g.sub_(lo[:, None]).mul_(inv[:, None]).round_().clamp_(0, levels)
-        codes[a:b].copy_(flat[:k])
-    if bits == 4:
-        codes = pack4(codes)
+        if bits == 4:
+            _pack_into(codes, a, flat[:k])
+        else:
+            codes[a:b].copy_(flat[:k])
     return codes, lo_all, hi_all
 
 
