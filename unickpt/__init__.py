@@ -10,6 +10,7 @@ Public API::
     unickpt.latest(root) -> newest committed checkpoint under root (or None)
     unickpt.sweep(root) -> remove temporaries of interrupted saves under root
     unickpt.read_manifest(path) -> (checkpoint dir, Manifest)
+    unickpt.load_for_inference(path, dtype=..., tp_rank=..., tp_size=..., keys=...) -> model weights
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from . import errors
 from .layout import Layout, ShardedTensor, partition_flat, shard
 from .loader import LoadResult, load, read_manifest
 from .async_save import AsyncSave
+from .inference import load_for_inference
 from .saver import SaveResult, save
 
 
@@ -58,4 +60,5 @@ __all__ = [
     "latest",
     "sweep",
     "read_manifest",
+    "load_for_inference",
 ]

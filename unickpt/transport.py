@@ -19,7 +19,10 @@ import torch.distributed as dist
 
 from .errors import DistributedError, UnickptError
 
-__all__ = ["Comm", "node_id"]
+__all__ = ["Comm", "node_id", "LOCAL"]
+
+LOCAL = "local"
+"""Pass as ``group`` to load in this process alone, even under torch.distributed."""
 
 _SIDE_GROUPS: dict[int, object] = {}
 
@@ -38,7 +41,10 @@ class Comm:
     """A process group, or a single process when torch.distributed is not initialised."""
 
     def __init__(self, group=None) -> None:
-        self.active = dist.is_available() and dist.is_initialized()
+        # group="local": this process alone, even when torch.distributed is initialised
+        self.active = group != "local" and dist.is_available() and dist.is_initialized()
+        if group == "local":
+            group = None
         if not self.active:
             if group is not None:
                 raise DistributedError("a group was given but torch.distributed is not initialised")

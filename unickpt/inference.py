@@ -1,0 +1,91 @@
+"""Loading the model part of a checkpoint for inference: whole or tensor-parallel sliced,
+reading model bytes only (never optimizer or master files)."""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+from typing import Callable, Iterable, Mapping
+
+import torch
+
+from .errors import LayoutError, TensorMissingError
+from .layout import Layout, ShardedTensor
+from .loader import load, read_manifest
+from .transport import LOCAL
+
+__all__ = ["load_for_inference", "llama_tp_dim"]
+
+_COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight$")
+_ROW = re.compile(r"\.(o_proj|down_proj)\.weight$")
+
+
+def llama_tp_dim(name: str, shape: tuple[int, ...]) -> int | None:
+    """Megatron rules for Llama names: q/k/v/gate/up split rows (dim 0), o/down split columns
+    (dim 1); everything else (embeddings, norms, lm_head) is replicated."""
+    if _COLUMN.search(name):
+        return 0
+    if _ROW.search(name):
+        return 1
+    return None
+
+
+def load_for_inference(
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    tp_rank: int | None = None,
+    tp_size: int | None = None,
+    keys: Iterable[str] | None = None,
+    tp_dim: Callable[[str, tuple[int, ...]], int | None] = llama_tp_dim,
+) -> dict[str, torch.Tensor]:
+    """The model weights of the checkpoint at ``path`` (a checkpoint or a root of ``step-*``).
+
+    Args:
+        dtype: cast to this dtype (default: as stored).
+        device: where the returned tensors live.
+        tp_rank, tp_size: return this rank's tensor-parallel blocks, split by ``tp_dim``
+            (default: Megatron rules for Llama names); replicated tensors come whole.
+        keys: names or shell-style patterns (``"model.layers.0.*"``) to load; default all.
+
+    Works in one process whether or not torch.distributed is initialised (no collective).
+    """
+    if (tp_rank is None) != (tp_size is None):
+        raise ValueError("give both tp_rank and tp_size, or neither")
+    ckpt, man = read_manifest(path)
+    names = sorted(n for (r, n) in man.tensors if r == "model")
+    if not names:
+        raise TensorMissingError(f"{ckpt}: the checkpoint holds no model tensors")
+    if keys is not None:
+        pats = list(keys)
+        chosen = [n for n in names if any(n == p or fnmatch.fnmatchcase(n, p) for p in pats)]
+        missing = [p for p in pats if not any(n == p or fnmatch.fnmatchcase(n, p) for n in names)]
+        if missing:
+            raise TensorMissingError(f"{ckpt}: no model tensor matches {missing}")
+        names = chosen
+    targets: dict[str, ShardedTensor | torch.Tensor] = {}
+    for n in names:
+        st = man.tensors[("model", n)]
+        from .format import torch_dtype
+
+        sdt = torch_dtype(st.dtype)
+        dim = tp_dim(n, st.shape) if tp_size and tp_size > 1 else None
+        if dim is None:
+            targets[n] = torch.empty(st.shape, dtype=sdt)
+            continue
+        if st.shape[dim] % tp_size:
+            raise LayoutError(f"{ckpt}/{st.file}: tensor {n!r} dim {dim} of size {st.shape[dim]} does not split into tp_size={tp_size}")
+        k = st.shape[dim] // tp_size
+        offsets = [0] * len(st.shape)
+        sizes = list(st.shape)
+        offsets[dim], sizes[dim] = tp_rank * k, k
+        targets[n] = ShardedTensor(torch.empty(sizes, dtype=sdt), Layout(st.shape, tuple(offsets), tuple(sizes)))
+    load({"model": targets}, ckpt, group=LOCAL)
+    out = {}
+    for n, t in targets.items():
+        x = t.local if isinstance(t, ShardedTensor) else t
+        out[n] = x.to(device=device, dtype=dtype or x.dtype)
+    return out
+
