@@ -1,4 +1,5 @@
-"""Command line: ``unickpt inspect PATH [--json]`` and ``unickpt verify PATH``."""
+"""Command line: ``unickpt inspect PATH [--json]``, ``unickpt verify PATH``,
+``unickpt export SRC DST [--dtype bf16|fp16|fp32]``."""
 
 from __future__ import annotations
 
@@ -130,6 +131,35 @@ class _Bar:
             sys.stderr.write("\n")
 
 
+def _export(args) -> int:
+    from .export import DTYPE_NAMES, export_hf
+
+    bar = _Bar(1, "export") if not args.quiet else None
+
+    def progress(done: int, total: int) -> None:
+        if bar:
+            bar.total = max(total, 1)
+            bar.update(done)
+
+    res = export_hf(
+        args.src, args.dst, dtype=DTYPE_NAMES[args.dtype] if args.dtype else None,
+        max_shard_bytes=_size(args.max_shard_size), overwrite=args.overwrite, progress=progress,
+    )
+    if bar:
+        bar.close()
+    print(f"exported {res['tensors']} tensors ({human_bytes(res['bytes'])}) in {res['files']} files to {res['path']} "
+          f"in {res['seconds']:.2f} s ({res['gbps']:.2f} GB/s)")
+    return 0
+
+
+def _size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="unickpt", description="Unified distributed checkpoints.")
     p.add_argument("--version", action="version", version=f"unickpt {__version__}")
@@ -143,6 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     pv.add_argument("path")
     pv.add_argument("-q", "--quiet", action="store_true")
     pv.set_defaults(fn=_verify)
+    pe = sub.add_parser("export", help="write the model weights as a Hugging Face model folder")
+    pe.add_argument("src", help="checkpoint directory, or a root of step-* checkpoints (newest)")
+    pe.add_argument("dst", help="destination folder (created atomically)")
+    pe.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast the weights (default: as stored)")
+    pe.add_argument("--max-shard-size", default="5GiB", help="largest safetensors shard (default 5GiB)")
+    pe.add_argument("--overwrite", action="store_true", help="replace DST (kept intact until the new one is in place)")
+    pe.add_argument("-q", "--quiet", action="store_true")
+    pe.set_defaults(fn=_export)
     args = p.parse_args(argv)
     try:
         return args.fn(args)

@@ -81,10 +81,16 @@ def sweep_stale(storage: Storage, root: str, final_name: str | None = None) -> l
     return removed
 
 
-def check_destination(storage: Storage, final: str, overwrite: bool) -> None:
+def check_destination(storage: Storage, final: str, overwrite: bool, any_dir: bool = False) -> None:
+    """Refuse to replace what is at ``final`` unless asked; ``any_dir``: the destination is
+    not a checkpoint (an export folder), so any directory may be replaced with ``overwrite``."""
     if storage.exists(final):
         if not storage.isdir(final):
             raise CheckpointExistsError(f"{final}: exists and is not a directory")
+        if any_dir:
+            if not overwrite:
+                raise CheckpointExistsError(f"{final}: already exists (use --overwrite / overwrite=True to replace it)")
+            return
         if is_committed(storage, final) and not overwrite:
             raise CheckpointExistsError(f"{final}: a committed checkpoint is already there (pass overwrite=True to replace it)")
         if not is_committed(storage, final) and storage.listdir(final):

@@ -1,0 +1,131 @@
+"""`unickpt export`: the model part of a checkpoint as a Hugging Face model folder.
+
+Streams tensor by tensor (peak memory: the largest tensor, twice when casting), verifies
+every byte it reads against the checkpoint's checksums, writes ``model-0000i-of-0000n``
+safetensors shards, ``model.safetensors.index.json`` and ``config.json`` (when the
+checkpoint has one) into a temporary sibling, and renames it into place: DST appears
+complete or not at all, and an existing DST stays intact until the new one is in place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Callable
+
+import torch
+
+from . import commit as _commit
+from ._metrics import gbps, human_bytes, log
+from .errors import ChecksumError, TensorMissingError
+from .format import Hasher, build_header, dtype_name, order_key, torch_dtype
+from .loader import _check_file, read_manifest
+from .manifest import INDEX_NAME
+from .storage import storage_for
+
+__all__ = ["export_hf"]
+
+DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def export_hf(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 5 << 30,
+    overwrite: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict:
+    """Write the model weights of checkpoint ``src`` as a Hugging Face folder at ``dst``.
+
+    Returns figures: ``{"path", "files", "tensors", "bytes", "seconds", "gbps"}``.
+    """
+    t0 = time.perf_counter()
+    ckpt, man = read_manifest(src)
+    storage, final = storage_for(dst)
+    model = sorted((n for (r, n) in man.tensors if r == "model"))
+    if not model:
+        raise TensorMissingError(f"{ckpt}: no model tensors to export")
+    _commit.require_parent(storage, final)
+    _commit.check_destination(storage, final, overwrite, any_dir=True)
+    tmp = storage.join(storage.parent(final), _commit.tmp_name(storage.basename(final), _commit.new_token()))
+    storage.makedirs(tmp)
+    out_dtype = {n: dtype_name(dtype) if dtype is not None else man.tensors[("model", n)].dtype for n in model}
+    nbytes = {n: man.tensors[("model", n)].numel * torch_dtype(out_dtype[n]).itemsize for n in model}
+    # shards: tensors in safetensors order, cut at max_shard_bytes
+    order = sorted(model, key=lambda n: order_key(out_dtype[n], n))
+    shards: list[list[str]] = [[]]
+    size = 0
+    for n in order:
+        if shards[-1] and size + nbytes[n] > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(n)
+        size += nbytes[n]
+    total = sum(nbytes.values())
+    done = 0
+    readers: dict = {}
+    try:
+        weight_map = {}
+        for i, names in enumerate(shards, start=1):
+            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            header, infos = build_header(
+                ((n, out_dtype[n], man.tensors[("model", n)].shape) for n in names), {"format": "pt"}
+            )
+            path = storage.join(tmp, fname)
+            storage.create_file(path, len(header) + sum(nbytes[n] for n in names))
+            w = storage.open_writer(path)
+            try:
+                w.write_at(0, memoryview(header))
+                for n, info in zip(names, infos):
+                    x = _read_verified(storage, ckpt, man, n, readers)
+                    if x.dtype != torch_dtype(out_dtype[n]):
+                        x = x.to(torch_dtype(out_dtype[n]))
+                    data = x.reshape(-1).view(torch.uint8) if x.numel() else torch.empty(0, dtype=torch.uint8)
+                    w.write_at(len(header) + info.begin, memoryview(data.numpy()))
+                    weight_map[n] = fname
+                    done += nbytes[n]
+                    if progress is not None:
+                        progress(done, total)
+                frags = w.close()
+            except BaseException:
+                w.abort()
+                raise
+            storage.finish_file(path, frags, len(header) + sum(nbytes[n] for n in names))
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        storage.write_bytes(storage.join(tmp, INDEX_NAME), json.dumps(index, indent=2).encode())
+        cfg = storage.join(ckpt, "config.json")
+        if storage.exists(cfg):
+            conf = json.loads(storage.read_bytes(cfg, 1 << 20))
+            if dtype is not None:
+                conf["torch_dtype"] = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
+            storage.write_bytes(storage.join(tmp, "config.json"), json.dumps(conf, indent=2).encode())
+        _commit.publish(storage, tmp, final)
+    except BaseException:
+        storage.remove_tree(tmp)
+        raise
+    finally:
+        for r in readers.values():
+            r.close()
+        storage.close()
+    secs = time.perf_counter() - t0
+    log.info("exported %d tensors (%s) from %s to %s in %.2f s (%.2f GB/s)", len(model), human_bytes(total), ckpt, final, secs, gbps(total, secs))
+    return {"path": final, "files": len(shards), "tensors": len(model), "bytes": total, "seconds": secs, "gbps": gbps(total, secs)}
+
+
+def _read_verified(storage, ckpt, man, name: str, readers: dict) -> torch.Tensor:
+    st = man.tensors[("model", name)]
+    r = readers.get(st.file)
+    if r is None:
+        r = readers[st.file] = storage.open_reader(storage.join(ckpt, st.file))
+        _check_file(r, man, st.file)
+    x = torch.empty(st.shape, dtype=torch_dtype(st.dtype))
+    if st.nbytes:
+        buf = x.reshape(-1).view(torch.uint8)
+        r.readinto(man.files[st.file].data_start + st.begin, memoryview(buf.numpy()))
+        for b, e, h in st.checksums:
+            if Hasher.of(memoryview(buf[b:e].numpy())) != h:
+                raise ChecksumError(f"{ckpt}/{st.file}: tensor {name!r} bytes [{b}, {e}) do not match their checksum; nothing exported", [(st.file, name)])
+    return x
