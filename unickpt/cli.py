@@ -152,6 +152,36 @@ def _export(args) -> int:
     return 0
 
 
+def _reshard(args) -> int:
+    from .offline import reshard_offline
+
+    bar = _Bar(1, "reshard") if not args.quiet else None
+
+    def progress(done: int, total: int) -> None:
+        if bar:
+            bar.total = max(total, 1)
+            bar.update(done)
+
+    res = reshard_offline(
+        args.src, args.dst, drop_optimizer=args.drop_optimizer, master=args.master, quant=args.quant,
+        max_file_bytes=_size(args.max_file_size) if args.max_file_size else None, zstd=args.zstd,
+        overwrite=args.overwrite, progress=progress,
+    )
+    if bar:
+        bar.close()
+    print(f"wrote {res['tensors']} tensors ({human_bytes(res['bytes'])}) to {res['path']} in {res['seconds']:.2f} s")
+    return 0
+
+
+def _convert(args) -> int:
+    from .offline import convert_from_dcp
+
+    res = convert_from_dcp(args.from_dcp, args.dst, overwrite=args.overwrite)
+    print(f"converted {res['tensors']} tensors ({human_bytes(res['bytes'])}) to {res['path']} in {res['seconds']:.2f} s"
+          + (f"; skipped {len(res['skipped'])} non-tensor entries" if res["skipped"] else ""))
+    return 0
+
+
 def _size(text: str) -> int:
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
     t = text.strip().upper().removesuffix("B").removesuffix("I")
@@ -181,10 +211,26 @@ def main(argv: list[str] | None = None) -> int:
     pe.add_argument("--overwrite", action="store_true", help="replace DST (kept intact until the new one is in place)")
     pe.add_argument("-q", "--quiet", action="store_true")
     pe.set_defaults(fn=_export)
+    pr = sub.add_parser("reshard", help="rewrite a checkpoint offline (other file sizes, fewer roles), streaming")
+    pr.add_argument("src")
+    pr.add_argument("dst")
+    pr.add_argument("--quant", choices=["O0", "O1", "O2"], default="O0", help="O1/O2: not implemented yet")
+    pr.add_argument("--master", choices=["full", "residual", "drop"], default="full", help="residual: not implemented yet")
+    pr.add_argument("--drop-optimizer", action="store_true")
+    pr.add_argument("--max-file-size", help="split files beyond this size (e.g. 2GiB)")
+    pr.add_argument("--zstd", type=int, help="not implemented yet")
+    pr.add_argument("--overwrite", action="store_true")
+    pr.add_argument("-q", "--quiet", action="store_true")
+    pr.set_defaults(fn=_reshard)
+    pc = sub.add_parser("convert", help="import a torch.distributed.checkpoint directory, streaming")
+    pc.add_argument("--from-dcp", required=True, metavar="DCP_DIR")
+    pc.add_argument("dst")
+    pc.add_argument("--overwrite", action="store_true")
+    pc.set_defaults(fn=_convert)
     args = p.parse_args(argv)
     try:
         return args.fn(args)
-    except UnickptError as e:
+    except (UnickptError, NotImplementedError) as e:
         print(f"unickpt {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
 
