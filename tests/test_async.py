@@ -151,14 +151,13 @@ def test_whole_job_killed_mid_save_commits_nothing_and_resume_sweeps(tmp_path):
     assert not [p for p in glob.glob("/dev/shm/unickpt-*")]
 
 
-def _fifty(rank, world):
+def _fifty(rank, world, root):
     import psutil
 
     from unickpt.async_save import checkpointer, shutdown
 
     sd = _state(rank, world, scale=16)  # ~2.5 MB per rank
     me = psutil.Process()
-    root = f"/tmp/unickpt-fifty-{os.getppid()}"
     samples = []
     for i in range(50):
         h = unickpt.save(sd, os.path.join(root, f"s{i % 3}"), step=i, async_save=True, overwrite=True)
@@ -175,7 +174,7 @@ def _fifty(rank, world):
 
 
 def test_fifty_async_saves_do_not_grow_memory_or_leak(tmp_path):
-    out = dist.run(_fifty, 2, timeout=300)
+    out = dist.run(_fifty, 2, str(tmp_path), timeout=300)
     for samples, alive, segs in out:
         (rss10, wrss10, shm10), (rss50, wrss50, shm50) = samples
         assert shm10 == shm50 > 0  # one staging segment, reused

@@ -61,6 +61,7 @@ def test_reshard_bad_input_writes_nothing(src):
     assert sorted(os.listdir(tmp)) == ["src"]  # no destination, no temporary left
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_convert_from_dcp(tmp_path):
     import torch.distributed.checkpoint as dcp
 
