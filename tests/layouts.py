@@ -8,11 +8,9 @@ ZeRO, and DTensor placements on 1-D and 2-D meshes.
 
 from __future__ import annotations
 
-import math
 
 import torch
 
-import unickpt
 from unickpt.layout import Layout, ShardedTensor
 
 

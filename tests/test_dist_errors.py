@@ -3,7 +3,6 @@
 import os
 import time
 
-import pytest
 import torch
 
 import unickpt

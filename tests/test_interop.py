@@ -4,7 +4,6 @@ into plain single-process models."""
 
 import os
 
-import pytest
 import torch
 
 import unickpt

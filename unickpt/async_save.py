@@ -42,11 +42,10 @@ from typing import Any, Mapping
 
 import torch
 
-from ._copy import as_bytes
 from ._metrics import log
 from .errors import AsyncSaveError, StateDictError, UnickptError
 from .format import dtype_name
-from .layout import Layout, ShardedTensor
+from .layout import Layout
 from .state import Entry, _is_json, flatten
 from .transport import Comm
 
@@ -224,7 +223,6 @@ class Checkpointer:
         self.group = group
         self.timeout_s = timeout_s
         self._seg: _Segment | None = None
-        self._old: list[_Segment] = []
         self._proc = None
         self._conn = None
         self._last: AsyncSave | None = None
@@ -278,10 +276,9 @@ class Checkpointer:
             except UnickptError as e:
                 log.warning("pending asynchronous save did not complete at shutdown: %s", e)
         self._stop_writer(graceful=True)
-        for seg in [self._seg, *self._old]:
-            if seg is not None:
-                seg.close(unlink=True)
-        self._seg, self._old = None, []
+        if self._seg is not None:
+            self._seg.close(unlink=True)
+        self._seg = None
 
     # -- save ----------------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable
 
 import torch
 

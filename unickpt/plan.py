@@ -19,7 +19,7 @@ import numpy as np
 import xxhash
 import zstandard
 
-from .errors import LayoutError, StateDictError
+from .errors import LayoutError
 from .format import build_header, itemsize, order_key
 from .layout import Layout, Runs, intersect
 from .state import Entry

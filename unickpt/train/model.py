@@ -11,7 +11,6 @@ Embedding, norms and lm_head are replicated over TP.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
 
@@ -231,8 +230,3 @@ class Llama(nn.Module):
         for blk in self.layers:
             x = blk(x, cos, sin)
         return self.lm_head(self.norm(x))
-
-
-def write_hf_config(path: str, cfg: LlamaConfig, torch_dtype: str) -> None:
-    with open(path, "w") as f:
-        json.dump(hf_config(cfg, torch_dtype), f, indent=2)

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-import unickpt
 from unickpt.layout import Layout, ShardedTensor
 
 __all__ = ["TPGroup", "Mesh", "copy_to_tp", "reduce_from_tp", "FlatUnit", "zero3_apply"]
