@@ -130,20 +130,19 @@ class _Bar:
         if self.tty:
             sys.stderr.write("\n")
 
+    def progress(self, done: int, total: int) -> None:
+        """Use as a library ``progress=`` callback."""
+        self.total = max(total, 1)
+        self.update(done)
+
 
 def _export(args) -> int:
     from .export import DTYPE_NAMES, export_hf
 
     bar = _Bar(1, "export") if not args.quiet else None
-
-    def progress(done: int, total: int) -> None:
-        if bar:
-            bar.total = max(total, 1)
-            bar.update(done)
-
     res = export_hf(
         args.src, args.dst, dtype=DTYPE_NAMES[args.dtype] if args.dtype else None,
-        max_shard_bytes=_size(args.max_shard_size), overwrite=args.overwrite, progress=progress,
+        max_shard_bytes=_size(args.max_shard_size), overwrite=args.overwrite, progress=bar and bar.progress,
     )
     if bar:
         bar.close()
@@ -156,16 +155,10 @@ def _reshard(args) -> int:
     from .offline import reshard_offline
 
     bar = _Bar(1, "reshard") if not args.quiet else None
-
-    def progress(done: int, total: int) -> None:
-        if bar:
-            bar.total = max(total, 1)
-            bar.update(done)
-
     res = reshard_offline(
         args.src, args.dst, drop_optimizer=args.drop_optimizer, master=args.master, quant=args.quant,
         max_file_bytes=_size(args.max_file_size) if args.max_file_size else None, zstd=args.zstd,
-        overwrite=args.overwrite, progress=progress,
+        overwrite=args.overwrite, progress=bar and bar.progress,
     )
     if bar:
         bar.close()

@@ -18,9 +18,9 @@ import torch
 
 from . import commit as _commit
 from ._metrics import gbps, human_bytes, log
-from .errors import ChecksumError, TensorMissingError
-from .format import Hasher, build_header, dtype_name, order_key, torch_dtype
-from .loader import _check_file, read_manifest
+from .errors import TensorMissingError
+from .format import build_header, dtype_name, order_key, torch_dtype
+from .loader import read_manifest, read_whole
 from .manifest import INDEX_NAME
 from .storage import storage_for
 
@@ -80,7 +80,7 @@ def export_hf(
             try:
                 w.write_at(0, memoryview(header))
                 for n, info in zip(names, infos):
-                    x = _read_verified(storage, ckpt, man, n, readers)
+                    x = read_whole(storage, ckpt, man, "model", n, readers)
                     if x.dtype != torch_dtype(out_dtype[n]):
                         x = x.to(torch_dtype(out_dtype[n]))
                     data = x.reshape(-1).view(torch.uint8) if x.numel() else torch.empty(0, dtype=torch.uint8)
@@ -113,19 +113,3 @@ def export_hf(
     secs = time.perf_counter() - t0
     log.info("exported %d tensors (%s) from %s to %s in %.2f s (%.2f GB/s)", len(model), human_bytes(total), ckpt, final, secs, gbps(total, secs))
     return {"path": final, "files": len(shards), "tensors": len(model), "bytes": total, "seconds": secs, "gbps": gbps(total, secs)}
-
-
-def _read_verified(storage, ckpt, man, name: str, readers: dict) -> torch.Tensor:
-    st = man.tensors[("model", name)]
-    r = readers.get(st.file)
-    if r is None:
-        r = readers[st.file] = storage.open_reader(storage.join(ckpt, st.file))
-        _check_file(r, man, st.file)
-    x = torch.empty(st.shape, dtype=torch_dtype(st.dtype))
-    if st.nbytes:
-        buf = x.reshape(-1).view(torch.uint8)
-        r.readinto(man.files[st.file].data_start + st.begin, memoryview(buf.numpy()))
-        for b, e, h in st.checksums:
-            if Hasher.of(memoryview(buf[b:e].numpy())) != h:
-                raise ChecksumError(f"{ckpt}/{st.file}: tensor {name!r} bytes [{b}, {e}) do not match their checksum; nothing exported", [(st.file, name)])
-    return x

@@ -28,7 +28,7 @@ from .errors import (
     TensorMissingError,
     UnickptError,
 )
-from .format import Hasher, dtype_name, read_header
+from .format import Hasher, dtype_name, read_header, torch_dtype
 from .layout import Runs
 from .manifest import MANIFEST_LIMIT, MANIFEST_NAME, Manifest, TensorEntry
 from .state import Entry, apply_json_state, flatten
@@ -327,6 +327,28 @@ def _verify_read(st: TensorEntry, runs: Runs, isz: int, dest: torch.Tensor) -> t
         if Hasher.of(memoryview(dest[off : off + (e - b)].numpy())) != h:
             ok = False
     return ok, n
+
+
+def read_whole(storage, ckpt: str, man: Manifest, role: str, name: str, readers: dict) -> torch.Tensor:
+    """One stored tensor, whole, with every checksum range verified (offline tools).
+    ``readers`` caches open files (headers checked once); the caller closes them."""
+    st = man.tensors[(role, name)]
+    r = readers.get(st.file)
+    if r is None:
+        r = storage.open_reader(storage.join(ckpt, st.file))
+        readers[st.file] = r
+        _check_file(r, man, st.file)
+    x = torch.empty(st.shape, dtype=torch_dtype(st.dtype))
+    if st.nbytes:
+        buf = x.reshape(-1).view(torch.uint8)
+        r.readinto(man.files[st.file].data_start + st.begin, memoryview(buf.numpy()))
+        for b, e, h in st.checksums:
+            if Hasher.of(memoryview(buf[b:e].numpy())) != h:
+                raise ChecksumError(
+                    f"{ckpt}/{st.file}: tensor {name!r} (role {role}) bytes [{b}, {e}) do not match their checksum",
+                    [(st.file, name)],
+                )
+    return x
 
 
 def check_stored(reader: RandomReader, data_start: int, st: TensorEntry, buf: torch.Tensor) -> list[tuple[int, int]]:

@@ -20,9 +20,9 @@ import torch
 from . import __version__
 from . import commit as _commit
 from ._metrics import gbps, human_bytes, log
-from .errors import ChecksumError, FormatError, StateDictError
+from .errors import FormatError, StateDictError
 from .format import Hasher, build_header, dtype_name, itemsize, order_key, torch_dtype
-from .loader import _check_file, read_manifest
+from .loader import read_manifest, read_whole
 from .manifest import INDEX_NAME, MANIFEST_NAME, FileEntry, Manifest, TensorEntry
 from .storage import storage_for
 from .transport import node_id
@@ -136,7 +136,7 @@ def reshard_offline(
     total, done = sum(t.nbytes for t in keep), 0
     try:
         for role, name, _, _ in w.layout(entries, max_file_bytes):
-            w.write(role, name, _read_role(w.storage, ckpt, man, role, name, readers))
+            w.write(role, name, read_whole(w.storage, ckpt, man, role, name, readers))
             done += man.tensors[(role, name)].nbytes
             if progress:
                 progress(done, total)
@@ -151,22 +151,6 @@ def reshard_offline(
     secs = time.perf_counter() - t0
     log.info("resharded %s -> %s: %d tensors, %s in %.2f s", ckpt, path, len(keep), human_bytes(total), secs)
     return {"path": path, "tensors": len(keep), "bytes": total, "seconds": secs, "gbps": gbps(total, secs)}
-
-
-def _read_role(storage, ckpt, man, role, name, readers) -> torch.Tensor:
-    st = man.tensors[(role, name)]
-    r = readers.get(st.file)
-    if r is None:
-        r = readers[st.file] = storage.open_reader(storage.join(ckpt, st.file))
-        _check_file(r, man, st.file)
-    x = torch.empty(st.shape, dtype=torch_dtype(st.dtype))
-    if st.nbytes:
-        buf = x.reshape(-1).view(torch.uint8)
-        r.readinto(man.files[st.file].data_start + st.begin, memoryview(buf.numpy()))
-        for b, e, h in st.checksums:
-            if Hasher.of(memoryview(buf[b:e].numpy())) != h:
-                raise ChecksumError(f"{ckpt}/{st.file}: tensor {name!r} (role {role}) bytes [{b}, {e}) do not match their checksum; nothing written", [(st.file, name)])
-    return x
 
 
 def convert_from_dcp(dcp_dir, dst, *, overwrite: bool = False, progress: Progress = None) -> dict:

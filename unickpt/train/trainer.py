@@ -326,12 +326,10 @@ class Trainer:
         """At start: remove temporary directories of interrupted saves (rank 0) and staging
         segments of dead processes (every rank)."""
         from unickpt.async_save import sweep_segments
-        from unickpt.commit import sweep_stale
-        from unickpt.storage import LocalStorage
 
         sweep_segments()
         if self.mesh.rank == 0 and os.path.isdir(root):
-            for p in sweep_stale(LocalStorage(), os.path.abspath(root)):
+            for p in unickpt.sweep(root):
                 log.info("removed %s, left by an interrupted save", p)
         if self.mesh.world > 1:
             dist.barrier()
