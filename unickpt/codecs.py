@@ -180,7 +180,7 @@ def encode_m(m: torch.Tensor, bits: int, group: int, what: str = "exp_avg") -> t
     buf = torch.empty(max(group, (CHUNK // group) * group) + group)
     for a, b in _aligned_chunks(0, n, group):
         g, off, g0 = _per_group(m[a:b], a, group, buf)
-        s = torch.maximum(g.amax(dim=1), g.amin(dim=1).neg_()).div_(qmax)  # amax/amin keep NaN
+        s = torch.maximum(g.amax(dim=1), g.amin(dim=1).neg_()).abs_().div_(qmax)  # amax/amin keep NaN; abs: +0 for zero groups (max(0, -0) is either)
         if not bool(torch.isfinite(s).all()):
             _check_finite(m[a:b], what, a)
         scale[g0 : g0 + len(s)] = s
