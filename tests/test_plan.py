@@ -12,7 +12,7 @@ def _summaries(per_rank):
 
 
 def _row(role, name, dtype, lay: Layout):
-    return [role, name, dtype, list(lay.shape), *lay.to_json()]
+    return [role, name, dtype, list(lay.shape), *lay.to_json(), None]
 
 
 def zero_summaries(shapes, world, dtype="F32"):

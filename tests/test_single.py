@@ -295,3 +295,50 @@ def test_sweep_removes_only_temporaries(tmp_path):
     removed = unickpt.sweep(tmp_path)
     assert len(removed) == 2
     assert sorted(os.listdir(tmp_path)) == ["notes", "step-00000001"]
+
+
+def test_hostile_compressed_manifests_are_refused(tmp_path):
+    """Codec arguments, parts, residual exceptions and zstd frames are validated before a byte
+    of tensor data is read; a frame that does not decompress is a FormatError."""
+    sd = {"model": {"w": torch.randn(40, 20).bfloat16()}, "master": {"w": torch.randn(40, 20)},
+          "optimizer": {"exp_avg": {"w": torch.randn(40, 20)}, "exp_avg_sq": {"w": torch.rand(40, 20)}}}
+    p = tmp_path / "ck"
+    unickpt.save(sd, p, quant="O2", master="residual", zstd=3)
+
+    def target():
+        return {"master": {"w": torch.zeros(40, 20)},
+                "optimizer": {"exp_avg": {"w": torch.zeros(40, 20)}, "exp_avg_sq": {"w": torch.zeros(40, 20)}}}
+
+    unickpt.load(target(), p)
+    good = json.loads((p / "unickpt.json").read_text())
+    opt = next(n for n, f in good["files"].items() if f["role"] == "optimizer")
+
+    def mutate(fn):
+        bad = json.loads(json.dumps(good))
+        fn(bad)
+        return bad
+
+    cases = [
+        (lambda m: m["tensors"]["optimizer"]["exp_avg.w"].__setitem__("codec", "q3_magic"), "unknown codec"),
+        (lambda m: m["tensors"]["optimizer"]["exp_avg.w"]["codec_args"].__setitem__("group", 7), "even"),
+        (lambda m: m["tensors"]["optimizer"]["exp_avg_sq.w"]["codec_args"].__setitem__("eps", -1.0), "eps"),
+        (lambda m: m["tensors"]["optimizer"]["exp_avg.w"]["parts"].pop("scales"), "parts"),
+        (lambda m: m["tensors"]["optimizer"]["exp_avg.w"]["parts"]["codes"].__setitem__("shape", [10**9]), "needs"),
+        (lambda m: m["tensors"]["master"]["w"]["codec_args"].__setitem__("exceptions", [[10**6], [1]]), "exceptions"),
+        (lambda m: m["tensors"]["master"]["w"]["codec_args"].__setitem__("model", "nope"), "same shape"),
+        (lambda m: m["files"][opt]["frames"][0].__setitem__(1, 10**12), "frame"),
+        (lambda m: m["files"][opt].__setitem__("container", "rar"), "unknown container"),
+        (lambda m: m["files"][opt].__setitem__("stored_size", 10), "frame"),
+    ]
+    for fn, msg in cases:
+        (p / "unickpt.json").write_text(json.dumps(mutate(fn)))
+        with pytest.raises(FormatError, match=msg):
+            unickpt.load(target(), p)
+    (p / "unickpt.json").write_text(json.dumps(good))
+    f = p / opt
+    data = bytearray(f.read_bytes())
+    z = next(fr for fr in good["files"][opt]["frames"] if fr[4])
+    data[z[2] + z[3] // 2] ^= 0xFF  # inside a compressed frame
+    f.write_bytes(bytes(data))
+    with pytest.raises((FormatError, ChecksumError)):
+        unickpt.load(target(), p)

@@ -23,6 +23,7 @@ from .loader import LoadResult, load, read_manifest
 from .async_save import AsyncSave
 from .inference import load_for_inference
 from .saver import SaveResult, save
+from .compress import Compression
 
 
 def sweep(root) -> list[str]:
@@ -46,6 +47,7 @@ def latest(root) -> str | None:
 
 
 __all__ = [
+    "Compression",
     "__version__",
     "errors",
     "save",

@@ -43,11 +43,16 @@ def _inspect(args) -> int:
     if sb.get("strategy"):
         print(f"strategy     {json.dumps(sb['strategy'])}")
     print(f"size         {human_bytes(man.total_bytes)} in {len(man.files)} files, {len(man.tensors)} tensors")
+    if man.compression:
+        c = man.compression
+        print(f"compression  quant {c.get('quant') or 'O0'}, master {c.get('master', 'full')}, zstd {c.get('zstd') or 'off'}")
     for role, n in man.bytes_by_role().items():
         print(f"  {role:<11}{human_bytes(n):>12}  {roles.get(role, 0)} tensors")
     if args.tensors:
         for (role, name), t in sorted(man.tensors.items()):
-            print(f"  {role}/{name}  {t.dtype}{list(t.shape)}  {t.file}  {' '.join(c[2] for c in t.checksums)}")
+            codec = "" if t.codec == "raw" else f"  [{t.codec}]"
+            sums = [c[2] for *_, cs in t.stored() for c in cs]
+            print(f"  {role}/{name}  {t.dtype}{list(t.shape)}{codec}  {t.file}  {' '.join(sums[:4])}{' ...' if len(sums) > 4 else ''}")
     return 0
 
 
@@ -67,7 +72,7 @@ def verify_checkpoint(ckpt: str, man: Manifest, progress: bool = False) -> list[
     """Check every stored tensor against its checksum; return ``(file, tensor, reason)``."""
     import torch
 
-    from .loader import WINDOW, _check_file, check_stored
+    from .loader import WINDOW, check_stored, open_file
     from .storage import storage_for
 
     storage, _ = storage_for(ckpt)
@@ -82,20 +87,16 @@ def verify_checkpoint(ckpt: str, man: Manifest, progress: bool = False) -> list[
     for fname in sorted(by_file):
         ts = sorted(by_file[fname], key=lambda t: t.begin)
         try:
-            reader = storage.open_reader(storage.join(ckpt, fname))
+            reader = open_file(storage, ckpt, man, fname)
         except UnickptError as e:
             bad += [(fname, t.name, str(e)) for t in ts]
             continue
         try:
-            try:
-                _check_file(reader, man, fname)
-            except UnickptError as e:
-                bad += [(fname, t.name, str(e)) for t in ts]
-                continue
             base = man.files[fname].data_start
             for t in ts:
-                for b, e in check_stored(reader, base, t, buf):
-                    bad.append((fname, t.name, f"bytes [{b}, {e}) of the tensor do not match their checksum"))
+                for part, b, e in check_stored(reader, base, t, buf):
+                    what = f"part {part!r}" if part else "the tensor"
+                    bad.append((fname, t.name, f"bytes [{b}, {e}) of {what} do not match their checksum"))
                 done += t.nbytes
                 if bar:
                     bar.update(done)
@@ -162,7 +163,8 @@ def _reshard(args) -> int:
     )
     if bar:
         bar.close()
-    print(f"wrote {res['tensors']} tensors ({human_bytes(res['bytes'])}) to {res['path']} in {res['seconds']:.2f} s")
+    print(f"wrote {res['tensors']} tensors ({human_bytes(res['bytes'])}, {human_bytes(res['stored_bytes'])} on disk) "
+          f"to {res['path']} in {res['seconds']:.2f} s")
     return 0
 
 
@@ -207,11 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     pr = sub.add_parser("reshard", help="rewrite a checkpoint offline (other file sizes, fewer roles), streaming")
     pr.add_argument("src")
     pr.add_argument("dst")
-    pr.add_argument("--quant", choices=["O0", "O1", "O2"], default="O0", help="O1/O2: not implemented yet")
-    pr.add_argument("--master", choices=["full", "residual", "drop"], default="full", help="residual: not implemented yet")
+    pr.add_argument("--quant", choices=["O0", "O1", "O2"], default="O0", help="Adam moments: O1 8-bit, O2 4-bit (O0: as stored, decoded)")
+    pr.add_argument("--master", choices=["full", "residual", "drop"], default="full", help="fp32 masters: full, residual (bf16 + 2 bytes, bit-exact) or drop (rebuilt from the model)")
     pr.add_argument("--drop-optimizer", action="store_true")
     pr.add_argument("--max-file-size", help="split files beyond this size (e.g. 2GiB)")
-    pr.add_argument("--zstd", type=int, help="not implemented yet")
+    pr.add_argument("--zstd", type=int, metavar="LEVEL", help="zstd-frame optimizer and master files (model files stay plain)")
     pr.add_argument("--overwrite", action="store_true")
     pr.add_argument("-q", "--quiet", action="store_true")
     pr.set_defaults(fn=_reshard)
@@ -223,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         return args.fn(args)
-    except (UnickptError, NotImplementedError) as e:
+    except (UnickptError, NotImplementedError, ValueError) as e:
         print(f"unickpt {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
 

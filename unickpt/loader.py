@@ -29,7 +29,7 @@ from .errors import (
     UnickptError,
 )
 from .format import Hasher, dtype_name, read_header, torch_dtype
-from .layout import Runs
+from .layout import Layout, Runs
 from .manifest import MANIFEST_LIMIT, MANIFEST_NAME, Manifest, TensorEntry
 from .state import Entry, apply_json_state, flatten
 from .storage import RandomReader, Storage, storage_for
@@ -198,6 +198,22 @@ def _validate(entries: list[Entry], man: Manifest, ckpt: str, strict: bool) -> t
     return keep, missing
 
 
+def open_file(storage: Storage, ckpt: str, man: Manifest, fname: str) -> RandomReader:
+    """A reader of the logical (safetensors) bytes of a checkpoint file, header checked."""
+    r = storage.open_reader(storage.join(ckpt, fname))
+    fe = man.files[fname]
+    try:
+        if fe.container == "zstd":
+            from .container import ZstdReader
+
+            r = ZstdReader(r, [list(f) for f in fe.frames], fe.size, fe.stored_size)
+        _check_file(r, man, fname)
+    except BaseException:
+        r.close()
+        raise
+    return r
+
+
 class _Files:
     """Open readers, each header checked once against the manifest."""
 
@@ -209,14 +225,7 @@ class _Files:
     def get(self, fname: str) -> RandomReader:
         r = self.readers.get(fname)
         if r is None:
-            r = self.storage.open_reader(self.storage.join(self.ckpt, fname))
-            self.readers[fname] = r
-            try:
-                _check_file(r, self.man, fname)
-            except BaseException:
-                r.close()
-                del self.readers[fname]
-                raise
+            r = self.readers[fname] = open_file(self.storage, self.ckpt, self.man, fname)
         return r
 
     def close(self) -> None:
@@ -234,11 +243,12 @@ def _check_file(reader: RandomReader, man: Manifest, fname: str) -> None:
     if hdr.data_start != fe.data_start:
         raise FormatError(f"{reader.path}: data starts at {hdr.data_start}, the manifest records {fe.data_start}")
     for (role, name), t in man.tensors.items():
-        if t.file != fname:
+        if t.file != fname or t.codec == "from_model":
             continue
-        h = hdr.tensors.get(name)
-        if h is None or (h.begin, h.end) != (t.begin, t.end) or h.dtype != t.dtype or h.shape != t.shape:
-            raise FormatError(f"{reader.path}: header entry of tensor {name!r} disagrees with the manifest")
+        for _, key, dt, shape, b, e, _ in t.stored():
+            h = hdr.tensors.get(key)
+            if h is None or (h.begin, h.end) != (b, e) or h.dtype != dt or h.shape != shape:
+                raise FormatError(f"{reader.path}: header entry {key!r} of tensor {name!r} disagrees with the manifest")
 
 
 def _read_all(entries, man: Manifest, storage, ckpt, verify, progress, rank=0, world=1):
@@ -278,6 +288,15 @@ def _read_all(entries, man: Manifest, storage, ckpt, verify, progress, rank=0, w
     try:
         for e in todo:
             st = man.tensors[e.key]
+            if st.codec != "raw":
+                ok, n_checked = _read_coded(e, st, man, files, verify)
+                counts["verified"] += n_checked
+                if not ok:
+                    bad.append((st.file, st.name))
+                counts["bytes"] += e.layout.numel * e.local.element_size()
+                if progress is not None:
+                    progress(counts["bytes"], total)
+                continue
             reader = files.get(st.file)
             base = man.files[st.file].data_start + st.begin
             isz = e.local.element_size()
@@ -329,15 +348,128 @@ def _verify_read(st: TensorEntry, runs: Runs, isz: int, dest: torch.Tensor) -> t
     return ok, n
 
 
+CODED_WINDOW = 1 << 22  # elements of a coded tensor decoded at once
+
+
+class _StreamCheck:
+    """Verifies checksummed ranges of one stored region from reads arriving in ascending
+    order (windows may overlap or leave gaps; ranges not read whole are not counted)."""
+
+    def __init__(self, checksums) -> None:
+        self.ranges = list(checksums)
+        self.i = 0
+        self.pos = -1  # bytes before pos have been fed to the current range
+        self.h: Hasher | None = None
+        self.checked = 0
+        self.ok = True
+
+    def feed(self, b: int, data: torch.Tensor) -> None:
+        e = b + data.numel()
+        if b > self.pos:  # gap (or start): only ranges beginning at or after b can complete
+            self.h = None
+            self.pos = b
+        while self.i < len(self.ranges) and self.pos < e:
+            rb, re_, hx = self.ranges[self.i]
+            if self.pos >= re_:
+                self.i += 1
+                self.h = None
+                continue
+            if self.pos < rb:
+                self.pos = min(rb, e)
+                continue
+            if self.pos == rb and self.h is None:
+                self.h = Hasher()
+            stop = min(e, re_)
+            if self.h is not None:
+                self.h.update(memoryview(data[self.pos - b : stop - b].numpy()))
+            self.pos = stop
+            if stop == re_:
+                if self.h is not None:
+                    self.checked += 1
+                    self.ok &= self.h.hexdigest() == hx
+                self.h = None
+                self.i += 1
+
+
+def _split_runs(runs: Runs, cap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Runs cut into pieces of at most ``cap`` elements: (starts, lengths, local offsets)."""
+    starts, lengths, local = runs.starts, runs.lengths, runs.local
+    if len(lengths) == 0 or int(lengths.max()) <= cap:
+        return starts, lengths, local
+    reps = -(-lengths // cap)
+    idx = np.repeat(np.arange(len(lengths)), reps)
+    first = np.cumsum(reps) - reps
+    k = np.arange(int(reps.sum())) - np.repeat(first, reps)
+    s = starts[idx] + k * cap
+    ln = np.minimum(cap, lengths[idx] - k * cap)
+    lo = local[idx] + k * cap
+    return s, ln, lo
+
+
+def _read_coded(e: Entry, st: TensorEntry, man: Manifest, files: "_Files", verify) -> tuple[bool, int]:
+    """Decode this rank's runs of a coded tensor, window by window: the codes and scales (or
+    low halves and model weights) of each window are read, checked as they stream, decoded."""
+    from .compress import byte_ranges, decode_range
+
+    local = e.local.detach()
+    isz = local.element_size()
+    direct = local.device.type == "cpu" and local.is_contiguous()
+    out = local if direct else torch.empty(local.shape, dtype=local.dtype)
+    dest = as_bytes(out)
+    tag = st.tag
+    model = man.tensors[("model", st.args["model"])] if st.codec in ("residual16", "from_model") else None
+    exc = st.exceptions if st.codec == "residual16" else None
+    regions = [(p, man.files[st.file].data_start + part.begin, _StreamCheck(part.checksums)) for p, part in st.parts.items()]
+    if model is not None:
+        regions.append(("model", man.files[model.file].data_start + model.begin, _StreamCheck(model.checksums)))
+    starts, lengths, locs = _split_runs(e.layout.runs(), CODED_WINDOW)
+    ends = starts + lengths
+    i, n = 0, len(starts)
+    while i < n:
+        lo = int(starts[i])
+        j = max(i + 1, int(np.searchsorted(ends, lo + CODED_WINDOW, side="right")))
+        hi = int(ends[j - 1])
+        ranges = byte_ranges(tag, lo, hi) if st.codec != "from_model" else {}
+        if model is not None:
+            misz = torch_dtype(model.dtype).itemsize
+            ranges["model"] = (lo * misz, hi * misz)
+        got = {}
+        for p, base, check in regions:
+            b, end = ranges[p]
+            buf = torch.empty(end - b, dtype=torch.uint8)
+            if end > b:
+                files.get(model.file if p == "model" else st.file).readinto(base + b, memoryview(buf.numpy()))
+            if verify != "none":
+                check.feed(b, buf)
+            got[p] = buf
+        mt = got.pop("model").view(torch_dtype(model.dtype)) if model is not None else None
+        vals = decode_range(tag, got, lo, hi, mt, exc).to(local.dtype)
+        copy_runs(as_bytes(vals), starts[i:j] - lo, dest, locs[i:j], lengths[i:j], isz)
+        i = j
+    if not direct:
+        local.copy_(out)
+    ok = all(c.ok for _, _, c in regions)
+    return ok, sum(c.checked for _, _, c in regions)
+
+
 def read_whole(storage, ckpt: str, man: Manifest, role: str, name: str, readers: dict) -> torch.Tensor:
-    """One stored tensor, whole, with every checksum range verified (offline tools).
-    ``readers`` caches open files (headers checked once); the caller closes them."""
+    """One stored tensor, whole (coded tensors decoded), with every checksum range verified
+    (offline tools). ``readers`` caches open files (headers checked once); the caller closes them."""
     st = man.tensors[(role, name)]
-    r = readers.get(st.file)
-    if r is None:
-        r = storage.open_reader(storage.join(ckpt, st.file))
-        readers[st.file] = r
-        _check_file(r, man, st.file)
+    files = [st.file] + ([man.tensors[("model", st.args["model"])].file] if st.codec in ("residual16", "from_model") else [])
+    for f in files:
+        if f not in readers:
+            readers[f] = open_file(storage, ckpt, man, f)
+    if st.codec != "raw":
+        x = torch.empty(st.shape, dtype=torch_dtype(st.dtype))
+        shim = _Files(storage, ckpt, man)
+        shim.readers = readers
+        ok, _ = _read_coded(Entry(role, name, x, Layout.full(st.shape)), st, man, shim, "full")
+        if not ok:
+            raise ChecksumError(f"{ckpt}/{st.file}: tensor {name!r} (role {role}): stored bytes do not match their checksums",
+                                [(st.file, name)])
+        return x
+    r = readers[st.file]
     x = torch.empty(st.shape, dtype=torch_dtype(st.dtype))
     if st.nbytes:
         buf = x.reshape(-1).view(torch.uint8)
@@ -351,21 +483,23 @@ def read_whole(storage, ckpt: str, man: Manifest, role: str, name: str, readers:
     return x
 
 
-def check_stored(reader: RandomReader, data_start: int, st: TensorEntry, buf: torch.Tensor) -> list[tuple[int, int]]:
-    """Read every checksummed range of ``st`` through ``buf``; return the ranges that differ."""
+def check_stored(reader: RandomReader, data_start: int, st: TensorEntry, buf: torch.Tensor) -> list[tuple[str, int, int]]:
+    """Read every checksummed range of ``st`` (each part of a coded tensor) through ``buf``;
+    return ``(part, begin, end)`` of the ranges that differ."""
     bad = []
     cap = buf.numel()
-    for b, e, h in st.checksums:
-        hasher = Hasher()
-        pos = b
-        while pos < e:
-            k = min(cap, e - pos)
-            mv = memoryview(buf[:k].numpy())
-            reader.readinto(data_start + st.begin + pos, mv)
-            hasher.update(mv)
-            pos += k
-        if hasher.hexdigest() != h:
-            bad.append((b, e))
+    for part, _, _, _, begin, _, checksums in st.stored():
+        for b, e, h in checksums:
+            hasher = Hasher()
+            pos = b
+            while pos < e:
+                k = min(cap, e - pos)
+                mv = memoryview(buf[:k].numpy())
+                reader.readinto(data_start + begin + pos, mv)
+                hasher.update(mv)
+                pos += k
+            if hasher.hexdigest() != h:
+                bad.append((part, b, e))
     return bad
 
 

@@ -23,7 +23,8 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "unickpt.json"
 INDEX_NAME = "model.safetensors.index.json"
 MANIFEST_LIMIT = 1 << 30
-CODECS = ("raw",)
+CODECS = ("raw", "q8_sym", "q8_rinv", "q4_sym", "q4_rinv", "residual16", "from_model")
+QUANT = ("q8_sym", "q8_rinv", "q4_sym", "q4_rinv")
 
 _FILE = re.compile(r"^[a-z][a-z0-9_]{0,31}-\d{5,}-of-\d{5,}\.safetensors$")
 _ROLE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
@@ -35,11 +36,42 @@ class FileEntry:
     role: str
     node: str
     writer: int
-    size: int
+    size: int  # logical bytes (a safetensors file)
     data_start: int
+    container: str = "plain"  # "zstd": stored as frames (unickpt.container)
+    stored_size: int = -1
+    frames: tuple = ()
+
+    @property
+    def stored(self) -> int:
+        """Bytes on disk."""
+        return self.stored_size if self.container == "zstd" else self.size
 
     def to_json(self) -> dict:
-        return {"role": self.role, "node": self.node, "writer": self.writer, "size": self.size, "data_start": self.data_start}
+        out = {"role": self.role, "node": self.node, "writer": self.writer, "size": self.size, "data_start": self.data_start}
+        if self.container == "zstd":
+            out.update(container="zstd", stored_size=self.stored_size, frames=[list(f) for f in self.frames])
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One stored piece of a coded tensor: a safetensors entry ``key`` of its file."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+    checksums: tuple[tuple[int, int, str], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    def to_json(self) -> dict:
+        return {"key": self.key, "dtype": self.dtype, "shape": list(self.shape), "offsets": [self.begin, self.end],
+                "checksums": [list(c) for c in self.checksums]}
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,10 +86,33 @@ class TensorEntry:
     checksums: tuple[tuple[int, int, str], ...]  # (begin, end, xxh3) tiling the stored bytes
     codec: str = "raw"
     writer: int = 0
+    parts: dict[str, Part] = field(default_factory=dict)  # coded tensors: codes/scales, low16
+    args: dict[str, Any] = field(default_factory=dict)  # codec arguments (group, eps, model...)
 
     @property
     def nbytes(self) -> int:
+        """Stored bytes (all parts of a coded tensor; 0 for masters rebuilt from the model)."""
+        if self.codec != "raw":
+            return sum(p.nbytes for p in self.parts.values())
         return self.end - self.begin
+
+    def stored(self) -> list[tuple[str, str, str, tuple[int, ...], int, int, tuple]]:
+        """``(part, header key, dtype, shape, begin, end, checksums)`` of the bytes stored."""
+        if self.codec == "raw":
+            return [("", self.name, self.dtype, self.shape, self.begin, self.end, self.checksums)]
+        return [(k, p.key, p.dtype, p.shape, p.begin, p.end, p.checksums) for k, p in sorted(self.parts.items())]
+
+    @property
+    def tag(self) -> dict:
+        return {"codec": self.codec, **self.args}
+
+    @property
+    def exceptions(self):
+        """Residual masters: (global indices int64, fp32 bits int32) tensors."""
+        import torch
+
+        exc = self.args.get("exceptions") or [[], []]
+        return torch.tensor(exc[0], dtype=torch.int64), torch.tensor(exc[1], dtype=torch.int64).to(torch.int32)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -68,7 +123,7 @@ class TensorEntry:
         return math.prod(self.shape)
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "file": self.file,
             "dtype": self.dtype,
             "shape": list(self.shape),
@@ -77,6 +132,10 @@ class TensorEntry:
             "codec": self.codec,
             "writer": self.writer,
         }
+        if self.codec != "raw":
+            out["parts"] = {k: p.to_json() for k, p in sorted(self.parts.items())}
+            out["codec_args"] = self.args
+        return out
 
 
 @dataclass(slots=True)
@@ -90,6 +149,7 @@ class Manifest:
     created: str = ""
     checksum_algo: str = "xxh3_64"
     format_version: int = FORMAT_VERSION
+    compression: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
         roles: dict[str, dict[str, dict]] = {}
@@ -102,6 +162,7 @@ class Manifest:
             "created": self.created,
             "checksum_algo": self.checksum_algo,
             "saved_by": self.saved_by,
+            "compression": self.compression,
             "files": {n: f.to_json() for n, f in sorted(self.files.items())},
             "tensors": roles,
             "state": self.state,
@@ -111,12 +172,13 @@ class Manifest:
 
     @property
     def total_bytes(self) -> int:
-        return sum(f.size for f in self.files.values())
+        """Bytes on disk (compressed files count compressed)."""
+        return sum(f.stored for f in self.files.values())
 
     def bytes_by_role(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for f in self.files.values():
-            out[f.role] = out.get(f.role, 0) + f.size
+            out[f.role] = out.get(f.role, 0) + f.stored
         return dict(sorted(out.items()))
 
     def hf_index(self) -> bytes | None:
@@ -187,6 +249,57 @@ def _checksums(raw: list, nbytes: int, where: str) -> tuple[tuple[int, int, str]
     return tuple(out)
 
 
+def _parts(t: dict, codec: str, args: dict, dtype: str, shape: tuple[int, ...], fe: FileEntry, w: str) -> dict[str, Part]:
+    """Validate a coded tensor's arguments and parts against what its codec needs."""
+    from .compress import parts_of
+
+    n = math.prod(shape)
+    if codec in QUANT:
+        g = args.get("group")
+        if type(g) is not int or g < 1 or (codec.startswith("q4") and g % 2):
+            raise FormatError(f"{w}: codec {codec} needs an integer group >= 1 (even for 4 bits), got {g!r}")
+        if codec.endswith("rinv"):
+            eps = args.get("eps")
+            if not (type(eps) is float and math.isfinite(eps) and eps > 0):
+                raise FormatError(f"{w}: codec {codec} needs eps > 0, got {eps!r}")
+        if dtype not in ("F32", "BF16", "F16", "F64"):
+            raise FormatError(f"{w}: codec {codec} stores a floating tensor, not {dtype}")
+        expect = {p: (dt, sh) for p, dt, sh in parts_of({"codec": codec, **args}, shape)}
+    elif codec == "residual16":
+        if dtype != "F32":
+            raise FormatError(f"{w}: codec residual16 stores an F32 tensor, not {dtype}")
+        expect = {"low16": ("I16", shape)}
+        exc = args.get("exceptions", [[], []])
+        if not (isinstance(exc, list) and len(exc) == 2 and all(isinstance(x, list) for x in exc)
+                and len(exc[0]) == len(exc[1]) and all(type(i) is int and 0 <= i < n for i in exc[0])
+                and all(type(b) is int and -(1 << 31) <= b < (1 << 31) for b in exc[1])):
+            raise FormatError(f"{w}: residual16 exceptions must be [[indices < {n}], [int32 bits]] of equal length")
+    else:  # from_model
+        expect = {}
+    if not isinstance(args.get("model", ""), str):
+        raise FormatError(f"{w}: codec_args.model must be a tensor name")
+    raw = t.get("parts", {})
+    if not isinstance(raw, dict) or set(raw) != set(expect):
+        raise FormatError(f"{w}: codec {codec} has parts {sorted(expect)}, the manifest lists {sorted(raw) if isinstance(raw, dict) else raw!r}")
+    out = {}
+    for p, (dt, sh) in expect.items():
+        pw = f"{w} part {p!r}"
+        pj = raw[p]
+        key = _req(pj, "key", str, pw)
+        pdt = _req(pj, "dtype", str, pw)
+        psh = tuple(_req(pj, "shape", list, pw))
+        offs = _req(pj, "offsets", list, pw)
+        if pdt != dt or psh != tuple(sh):
+            raise FormatError(f"{pw}: stored as {pdt} {list(psh)}, codec {codec} needs {dt} {list(sh)}")
+        if len(offs) != 2 or not all(type(o) is int for o in offs):
+            raise FormatError(f"{pw}: offsets must be two integers")
+        b, e = offs
+        if not (0 <= b <= e <= fe.size - fe.data_start) or e - b != math.prod(sh) * itemsize(dt):
+            raise FormatError(f"{pw}: offsets [{b}, {e}) do not fit {dt} {list(sh)} inside file {fe.name!r}")
+        out[p] = Part(key, pdt, psh, b, e, _checksums(_req(pj, "checksums", list, pw), e - b, pw))
+    return out
+
+
 def _parse(obj: Any, where: str) -> Manifest:
     if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
         raise FormatError(f"{where}: not a unickpt manifest (field 'format' must be {FORMAT_NAME!r})")
@@ -208,7 +321,20 @@ def _parse(obj: Any, where: str) -> Manifest:
         writer = _req(f, "writer", int, w)
         if size < 0 or not (8 <= start <= size):
             raise FormatError(f"{w}: data_start {start} and size {size} are inconsistent")
-        files[name] = FileEntry(name, _req(f, "role", str, w), _req(f, "node", str, w), writer, size, start)
+        container = f.get("container", "plain")
+        if container == "zstd":
+            from .container import check_frames
+
+            stored = _req(f, "stored_size", int, w)
+            if stored < 0:
+                raise FormatError(f"{w}: stored_size must be >= 0")
+            frames = tuple(check_frames(_req(f, "frames", list, w), size, stored, w))
+            files[name] = FileEntry(name, _req(f, "role", str, w), _req(f, "node", str, w), writer, size, start,
+                                    "zstd", stored, frames)
+        elif container == "plain":
+            files[name] = FileEntry(name, _req(f, "role", str, w), _req(f, "node", str, w), writer, size, start)
+        else:
+            raise FormatError(f"{w}: unknown container {container!r} (this unickpt knows plain, zstd)")
     tensors: dict[tuple[str, str], TensorEntry] = {}
     for role, group in _req(obj, "tensors", dict, where).items():
         if not _ROLE.fullmatch(role) or not isinstance(group, dict):
@@ -236,10 +362,24 @@ def _parse(obj: Any, where: str) -> Manifest:
                 raise FormatError(f"{w}: offsets [{b}, {e}) fall outside file {fname!r}")
             if codec == "raw" and e - b != math.prod(shape) * itemsize(dtype):
                 raise FormatError(f"{w}: {e - b} bytes stored, expected {math.prod(shape) * itemsize(dtype)} for {dtype} {shape}")
-            checksums = _checksums(_req(t, "checksums", list, w), e - b, w)
+            parts: dict[str, Part] = {}
+            args: dict = {}
+            if codec == "raw":
+                checksums = _checksums(_req(t, "checksums", list, w), e - b, w)
+            else:
+                checksums = ()
+                args = _req(t, "codec_args", dict, w)
+                parts = _parts(t, codec, args, dtype, tuple(shape), fe, w)
             tensors[(role, name)] = TensorEntry(
-                role, name, fname, dtype, tuple(shape), b, e, checksums, codec, _int(t.get("writer", 0), w)
+                role, name, fname, dtype, tuple(shape), b, e, checksums, codec, _int(t.get("writer", 0), w), parts, args
             )
+    for (role, name), t in tensors.items():
+        if t.codec in ("residual16", "from_model"):
+            w = f"{where}: tensor {name!r} (role {role})"
+            m = tensors.get(("model", t.args.get("model")))
+            if m is None or m.codec != "raw" or m.shape != t.shape or (t.codec == "residual16" and m.dtype != "BF16"):
+                raise FormatError(f"{w}: codec {t.codec} needs a raw model tensor {t.args.get('model')!r} of the same shape"
+                                  f"{' in BF16' if t.codec == 'residual16' else ''}")
     state = obj.get("state") or {}
     extra = obj.get("extra") or {}
     saved_by = obj.get("saved_by") or {}
@@ -255,4 +395,5 @@ def _parse(obj: Any, where: str) -> Manifest:
         created=str(obj.get("created", "")),
         checksum_algo=str(obj.get("checksum_algo", "xxh3_64")),
         format_version=version,
+        compression=obj.get("compression") if isinstance(obj.get("compression"), dict) else {},
     )

@@ -21,6 +21,7 @@ import zstandard
 
 from .errors import LayoutError
 from .format import build_header, itemsize, order_key
+from .compress import QUANT_CODECS, stored_parts
 from .layout import Layout, Runs, intersect
 from .state import Entry
 
@@ -32,9 +33,11 @@ DIRECT_MIN_RUN = 256 << 10
 into the writer's file (same node only) instead of travelling to the writer."""
 
 
-def encode_summary(entries: list[Entry], dtypes: list[str], node: str) -> bytes:
+def encode_summary(entries: list[Entry], dtypes: list[str], node: str, tags: dict | None = None) -> bytes:
+    """``tags``: codec tag per entry key (see :mod:`unickpt.compress`)."""
+    tags = tags or {}
     rows = [
-        [e.role, e.name, dt, list(e.layout.shape), *e.layout.to_json()]
+        [e.role, e.name, dt, list(e.layout.shape), *e.layout.to_json(), tags.get(e.key)]
         for e, dt in zip(entries, dtypes)
     ]
     raw = json.dumps({"node": node, "t": rows}, separators=(",", ":")).encode()
@@ -62,6 +65,21 @@ class TensorPlan:
     begin: int = 0  # byte offsets inside the file's data section
     end: int = 0
     direct: bool = False  # holders write their own runs in place; nothing travels
+    codec: dict | None = None  # codec tag (unickpt.compress); None: stored as is
+    parts: dict[str, tuple[str, str, tuple[int, ...], int, int]] = field(default_factory=dict)
+    """Quantized tensors: part -> (header key, dtype, shape, begin, end) in the file."""
+
+    @property
+    def quantized(self) -> bool:
+        return self.codec is not None and self.codec["codec"] in QUANT_CODECS
+
+    def stored(self) -> list[tuple[str, str, str, tuple[int, ...]]]:
+        """``(part, header key, dtype, shape)`` of what the file holds for this tensor."""
+        return stored_parts(self.name, self.dtype, self.shape, self.codec)
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(math.prod(sh) * itemsize(dt) for _, _, dt, sh in self.stored())
 
     @property
     def key(self) -> tuple[str, str]:
@@ -106,10 +124,11 @@ class FilePlan:
     node: str
     tensors: list[TensorPlan]
     header: bytes = b""
+    zstd: int | None = None  # zstd level: the file is stored as zstd frames (unickpt.container)
 
     @property
     def data_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
+        return sum(t.stored_bytes for t in self.tensors)
 
     @property
     def size(self) -> int:
@@ -171,18 +190,21 @@ class SavePlan:
 
 
 def make_plan(
-    summaries: list[dict], *, bucket_bytes: int, max_file_bytes: int | None = None
+    summaries: list[dict], *, bucket_bytes: int, max_file_bytes: int | None = None, zstd: int | None = None
 ) -> SavePlan:
+    """``zstd``: level for the files of every role but ``model`` (model files stay plain)."""
     world = len(summaries)
     nodes = [str(s["node"]) for s in summaries]
     tensors: dict[tuple[str, str], TensorPlan] = {}
     for rank, s in enumerate(summaries):
-        for role, name, dtype, shape, offsets, sizes, flat, replica in s["t"]:
+        for role, name, dtype, shape, offsets, sizes, flat, replica, tag in s["t"]:
             shape = tuple(shape)
             lay = Layout.from_json(shape, [offsets, sizes, flat, replica])
             t = tensors.get((role, name))
             if t is None:
-                t = tensors[(role, name)] = TensorPlan(role, name, dtype, shape, [], [])
+                t = tensors[(role, name)] = TensorPlan(role, name, dtype, shape, [], [], codec=tag)
+            elif t.codec != tag:
+                raise LayoutError(f"tensor {name!r} (role {role}): ranks disagree on its codec ({t.codec} vs {tag})")
             elif t.dtype != dtype or t.shape != shape:
                 first = t.pieces[0][0] if t.pieces else "?"
                 raise LayoutError(
@@ -197,8 +219,12 @@ def make_plan(
             _check_tiling(t)
     _assign_writers(list(tensors.values()), world)
     for t in tensors.values():
-        t.direct = _can_write_direct(t, nodes)
+        # framed files are written by their owner only, frame by frame
+        t.direct = _can_write_direct(t, nodes) and not (zstd and t.role != "model")
     files = _make_files(tensors, world, nodes, max_file_bytes)
+    if zstd:
+        for f in files:
+            f.zstd = zstd if f.role != "model" else None
     chunks = _make_chunks(files, world, bucket_bytes)
     return SavePlan(world, nodes, tensors, files, chunks, bucket_bytes)
 
@@ -247,7 +273,7 @@ def _assign_writers(tensors: list[TensorPlan], world: int) -> None:
 
 
 def _can_write_direct(t: TensorPlan, nodes: list[str]) -> bool:
-    if t.nbytes == 0:
+    if t.nbytes == 0 or t.quantized:  # quantized: the writer encodes whole groups
         return False
     srcs = t.sources()
     if any(nodes[r] != nodes[t.writer] for r, _ in srcs):
@@ -288,9 +314,21 @@ def _make_files(tensors, world, nodes, max_file_bytes) -> list[FilePlan]:
         for i, (part, w) in enumerate(zip(parts, writers_of[role]), start=1):
             name = f"{role}-{i:05d}-of-{n:05d}.safetensors"
             meta = {"format": "pt", "unickpt_role": role}
-            header, infos = build_header(((t.name, t.dtype, t.shape) for t in part), meta)
-            for t, info in zip(part, infos):
-                t.file, t.begin, t.end = name, info.begin, info.end
+            stored = sorted(
+                ((key, dt, sh, t, p) for t in part for p, key, dt, sh in t.stored()),
+                key=lambda x: order_key(x[1], x[0]),
+            )
+            header, infos = build_header(((k, dt, sh) for k, dt, sh, _, _ in stored), meta)
+            for (key, dt, sh, t, p), info in zip(stored, infos):
+                t.file = name
+                if t.quantized:
+                    t.parts[p] = (key, dt, sh, info.begin, info.end)
+                else:
+                    t.begin, t.end = info.begin, info.end
+            for t in part:
+                if t.quantized:  # the span of its parts (ordering only: parts are read by offset)
+                    t.begin = min(x[3] for x in t.parts.values())
+                    t.end = max(x[4] for x in t.parts.values())
             files.append(FilePlan(name, role, w, nodes[w], part, header))
     return files
 
@@ -308,12 +346,13 @@ def _make_chunks(files: list[FilePlan], world: int, bucket_bytes: int) -> dict[i
                 if t.direct:
                     continue
                 start, n, isz = 0, t.numel, t.itemsize
+                g = t.codec["group"] if t.quantized else 1  # quantized: whole groups per segment
                 while start < n or (n == 0 and start == 0):
-                    take = min(n - start, max(room // isz, 0))
+                    take = min(n - start, max(room // isz, 0) // g * g)
                     if take == 0 and n > 0:
                         out.append(cur)
                         cur, room = [], bucket_bytes
-                        take = min(n - start, max(bucket_bytes // isz, 1))
+                        take = min(n - start, max(bucket_bytes // isz // g * g, g))
                     cur.append(Segment(t, fi, start, start + take))
                     room -= take * isz
                     start += take

@@ -24,8 +24,10 @@ from . import commit as _commit
 from ._copy import as_bytes, copy_runs
 from ._metrics import Phases, gbps, human_bytes, log
 from .errors import StateDictError, UnickptError
-from .format import Hasher, dtype_name
-from .manifest import INDEX_NAME, MANIFEST_NAME, FileEntry, Manifest, TensorEntry
+from .format import Hasher, dtype_name, torch_dtype
+from .container import ZstdWriter
+from .compress import EXCEPTION_WARN, Compression, encode_chunk, prepare
+from .manifest import INDEX_NAME, MANIFEST_NAME, FileEntry, Manifest, Part, TensorEntry
 from .plan import SavePlan, Step, decode_summary, encode_summary, extents_of, make_plan, summary_digest
 from .state import Entry, _is_json, flatten
 from .storage import Storage, storage_for
@@ -75,6 +77,10 @@ def save(
     async_save: bool = False,
     background_staging: bool = False,
     extra_files: Mapping[str, str] | None = None,
+    quant: str | None = None,
+    master: str | None = None,
+    zstd: int | None = None,
+    compression: Compression | None = None,
 ):
     """Save ``state_dict`` as the checkpoint directory ``path``; collective over ``group``.
 
@@ -99,6 +105,13 @@ def save(
             ``handle.wait_staged()`` before modifying any tensor of the state dict.
         extra_files: small text files (e.g. ``{"config.json": ...}``) written into the
             checkpoint by rank 0 before the commit.
+        quant: ``"O1"`` (8-bit) or ``"O2"`` (4-bit) Adam moments (``exp_avg``,
+            ``exp_avg_sq``), see docs/compression.md; ``None``/``"O0"`` stores them as they are.
+        master: ``"full"`` (default), ``"residual"`` (bit-exact fp32 masters from the bf16
+            model weights + 2 bytes/param) or ``"drop"`` (rebuilt from the model weights).
+        zstd: zstd level for optimizer and master files.
+        compression: a :class:`~unickpt.Compression` instead of quant/master/zstd (also sets
+            the optimizer's ``eps`` and the O2 block size).
 
     Returns:
         :class:`SaveResult` with files, bytes, seconds and per-phase timings; with
@@ -110,8 +123,10 @@ def save(
     """
     if bucket_bytes < 4096:
         raise ValueError(f"bucket_bytes must be at least 4096, got {bucket_bytes}")
+    comp = Compression.coerce(compression, quant=quant, master=master, zstd=zstd)
     kw = dict(step=step, extra=extra, overwrite=overwrite, bucket_bytes=bucket_bytes, max_file_bytes=max_file_bytes,
-              direct_io=direct_io, strategy=strategy, extra_files=dict(extra_files or {}))
+              direct_io=direct_io, strategy=strategy, extra_files=dict(extra_files or {}),
+              compression=comp.to_json() if comp.active else None)
     if async_save:
         from .async_save import checkpointer
 
@@ -134,8 +149,10 @@ def save_entries(
     strategy,
     extra_files=None,
     progress=None,
+    compression=None,
 ) -> SaveResult:
     """The synchronous save, from a state dict or from already flattened entries."""
+    comp = Compression.coerce(compression)
     ph = Phases()
     storage, final = storage_for(path)
     err: BaseException | None = None
@@ -157,12 +174,18 @@ def save_entries(
                         f"extra file {n!r}: use a bare name like 'config.json' (not a manifest, index or "
                         ".safetensors name) with str content"
                     )
-            dtypes = [dtype_name(e.local.dtype) for e in entries]
-            summary = encode_summary(entries, dtypes, node_id())
         except Exception as e:
             err = e
         comm.agree(err, "save (reading the state dict)")
-        plan = _agree_plan(comm, summary, bucket_bytes, max_file_bytes)
+        tags, exceptions, dropped = {}, {}, {}
+        try:  # collectives inside come before anything that can fail (see compress.prepare)
+            entries, tags, exceptions, dropped = prepare(entries, comp, lambda o: _gather_json(comm, o))
+            dtypes = [dtype_name(e.local.dtype) for e in entries]
+            summary = encode_summary(entries, dtypes, node_id(), tags)
+        except Exception as e:
+            err = e
+        comm.agree(err, "save (compressing the master weights)")
+        plan = _agree_plan(comm, summary, bucket_bytes, max_file_bytes, comp.zstd)
 
     # -- prepare the temporary directory ------------------------------------------------
     token = comm.broadcast_bytes(_commit.new_token().encode() if comm.rank == 0 else None).decode()
@@ -185,7 +208,7 @@ def save_entries(
         with ph.phase("create"):
             try:  # owners create their files at full size, so holders can write in place
                 for f in plan.files_of(comm.rank):
-                    storage.create_file(storage.join(tmp, f.name), f.size)
+                    storage.create_file(storage.join(tmp, f.name), 0 if f.zstd else f.size)
             except Exception as e:
                 err = e
             comm.agree(err, "save (creating files)")
@@ -193,6 +216,7 @@ def save_entries(
         with ph.phase("write"):
             try:
                 result, fragments = _write_rank(plan, comm, by_key, storage, tmp, direct_io, ph, progress)
+                result["exceptions"] = _exception_report(plan, comm.rank, exceptions)
             except Exception as e:  # agreed below: no rank leaves the others waiting
                 err, fragments = e, []
             finally:
@@ -210,7 +234,7 @@ def save_entries(
             reports = [json.loads(r) for r in comm.all_gather_bytes(json.dumps(result).encode())]
             if comm.rank == 0:
                 try:
-                    man = _manifest(plan, reports, step, json_state, dict(extra or {}), dict(strategy or {}))
+                    man = _manifest(plan, reports, step, json_state, dict(extra or {}), dict(strategy or {}), dropped, comp)
                     idx = man.hf_index()
                     if idx is not None:
                         storage.write_bytes(storage.join(tmp, INDEX_NAME), idx)
@@ -226,7 +250,7 @@ def save_entries(
             storage.remove_tree(tmp)
         raise
 
-    total = sum(f.size for f in plan.files)
+    total = sum(int(r.get("bytes", 0)) for r in reports)  # stored bytes (zstd files: compressed)
     res = SaveResult(
         path=final,
         step=step,
@@ -253,13 +277,13 @@ def _fault_point(name: str) -> None:
         time.sleep(float(spec.split(":", 1)[1]))
 
 
-def _agree_plan(comm: Comm, summary: bytes, bucket_bytes: int, max_file_bytes: int | None) -> SavePlan:
+def _agree_plan(comm: Comm, summary: bytes, bucket_bytes: int, max_file_bytes: int | None, zstd: int | None = None) -> SavePlan:
     """Exchange digests; reuse the cached plan when every rank's summary is unchanged,
     otherwise exchange the summaries themselves and plan again."""
     digests = tuple(comm.all_gather_bytes(summary_digest(summary)))
     from . import plan as _plan
 
-    key = (id(comm.group), comm.world, digests, bucket_bytes, max_file_bytes, _plan.DIRECT_MIN_RUN)
+    key = (id(comm.group), comm.world, digests, bucket_bytes, max_file_bytes, zstd, _plan.DIRECT_MIN_RUN)
     plan = _PLAN_CACHE.get(key)
     # caches are per process: reuse only if every rank has the plan, so all run the same collectives
     hits = comm.all_gather_bytes(b"1" if plan is not None else b"0")
@@ -268,7 +292,7 @@ def _agree_plan(comm: Comm, summary: bytes, bucket_bytes: int, max_file_bytes: i
     summaries = [decode_summary(s) for s in comm.all_gather_bytes(summary)]
     err = None
     try:
-        plan = make_plan(summaries, bucket_bytes=bucket_bytes, max_file_bytes=max_file_bytes)
+        plan = make_plan(summaries, bucket_bytes=bucket_bytes, max_file_bytes=max_file_bytes, zstd=zstd)
     except UnickptError as e:
         err = e
     comm.agree(err, "save (planning)")
@@ -278,35 +302,93 @@ def _agree_plan(comm: Comm, summary: bytes, bucket_bytes: int, max_file_bytes: i
     return plan
 
 
-def _manifest(plan: SavePlan, reports: list[dict], step, json_state, extra, strategy) -> Manifest:
+def _gather_json(comm: Comm, obj) -> list:
+    return [json.loads(b) for b in comm.all_gather_bytes(json.dumps(obj).encode())]
+
+
+def _exception_report(plan: SavePlan, rank: int, exceptions: dict) -> dict:
+    """Residual exceptions of the tensors this rank is a written source of."""
+    out = {}
+    for key, (idx, bits) in exceptions.items():
+        t = plan.tensors.get(key)
+        if t is not None and any(r == rank for r, _ in t.sources()) and len(idx):
+            out[f"{key[0]}/{key[1]}"] = [idx.tolist(), bits.tolist()]
+    return out
+
+
+def _tiled(ext: list, nbytes: int, what: str) -> tuple:
+    ext = sorted(tuple(e) for e in ext)
+    pos = 0
+    for b, e, _ in ext:
+        if b != pos:
+            raise UnickptError(f"{what}: checksummed ranges leave bytes {pos}..{b} unwritten")
+        pos = e
+    if pos != nbytes:
+        raise UnickptError(f"{what}: only {pos} of {nbytes} bytes were written")
+    return tuple(ext)
+
+
+def _manifest(plan: SavePlan, reports: list[dict], step, json_state, extra, strategy, dropped=None,
+              comp: Compression | None = None) -> Manifest:
     checksums: dict[str, list] = {}
     sizes: dict[str, int] = {}
+    excs: dict[str, list] = {}
+    framed: dict[str, dict] = {}
     for r in reports:
+        framed.update(r.get("zstd", {}))
         for k, ext in r.get("checksums", {}).items():
             checksums.setdefault(k, []).extend(ext)
         for name, n in r.get("files", {}).items():
             sizes[name] = sizes.get(name, 0) + n
+        for k, (idx, bits) in r.get("exceptions", {}).items():
+            e = excs.setdefault(k, [[], []])
+            e[0].extend(idx)
+            e[1].extend(bits)
     tensors = {}
     for t in plan.tensors.values():
-        ext = sorted(tuple(e) for e in checksums.get(f"{t.role}/{t.name}", []))
-        pos = 0
-        for b, e, _ in ext:
-            if b != pos:
-                raise UnickptError(f"tensor {t.name!r} (role {t.role}): checksummed ranges leave bytes {pos}..{b} unwritten")
-            pos = e
-        if pos != t.nbytes:
-            raise UnickptError(f"tensor {t.name!r} (role {t.role}): only {pos} of {t.nbytes} bytes were written")
-        tensors[t.key] = TensorEntry(
-            t.role, t.name, t.file, t.dtype, t.shape, t.begin, t.end, tuple(ext), "raw", t.writer
-        )
+        what = f"tensor {t.name!r} (role {t.role})"
+        k = f"{t.role}/{t.name}"
+        if t.codec is None:
+            ext = _tiled(checksums.get(k, []), t.nbytes, what)
+            tensors[t.key] = TensorEntry(t.role, t.name, t.file, t.dtype, t.shape, t.begin, t.end, ext, "raw", t.writer)
+            continue
+        codec = t.codec["codec"]
+        args = {a: v for a, v in t.codec.items() if a != "codec"}
+        if codec == "residual16":
+            idx, bits = excs.get(k, [[], []])
+            order = sorted(range(len(idx)), key=idx.__getitem__)
+            args["exceptions"] = [[idx[i] for i in order], [bits[i] for i in order]]
+            n = t.numel
+            if len(idx) > max(16, n * EXCEPTION_WARN):
+                log.warning("%s: %d of %d master elements are not reproduced by bf16 model + low 16 bits; the model "
+                            "weights are not the bf16 rounding of the master weights (stored as exceptions)", what, len(idx), n)
+            parts = {"low16": Part(f"{t.name}::low16", "I16", t.shape, t.begin, t.end, _tiled(checksums.get(k, []), t.nbytes, what))}
+            dtype = "F32"
+        else:
+            parts = {}
+            for p, (key, dt, sh, b, e) in t.parts.items():
+                parts[p] = Part(key, dt, sh, b, e, _tiled(checksums.get(f"{k}#{p}", []), e - b, f"{what} part {p}"))
+            dtype = t.dtype
+        tensors[t.key] = TensorEntry(t.role, t.name, t.file, dtype, t.shape, t.begin, t.end, (), codec, t.writer,
+                                     parts, args)
+    for (role, name), (dt, shape, model) in (dropped or {}).items():
+        m = tensors[("model", model)]
+        tensors[(role, name)] = TensorEntry(role, name, m.file, dt, tuple(shape), 0, 0, (), "from_model", m.writer,
+                                            {}, {"model": model})
     files = {}
     for f in plan.files:
         if sizes.get(f.name) != f.size:
             raise UnickptError(f"{f.name}: writers reported {sizes.get(f.name)} bytes, planned {f.size}")
-        files[f.name] = FileEntry(f.name, f.role, f.node, f.writer, f.size, len(f.header))
+        z = framed.get(f.name)
+        if z is not None:
+            frames = sorted(z["frames"])
+            files[f.name] = FileEntry(f.name, f.role, f.node, f.writer, f.size, len(f.header), "zstd", z["stored"], frames)
+        else:
+            files[f.name] = FileEntry(f.name, f.role, f.node, f.writer, f.size, len(f.header))
     from . import __version__
 
     return Manifest(
+        compression=comp.to_json() if comp is not None and comp.active else {},
         step=step,
         files=files,
         tensors=tensors,
@@ -344,6 +426,10 @@ def _finish_files(plan: SavePlan, rank: int, storage: Storage, tmp: str, blobs: 
             pos += n
     for fi in sorted(mine):
         f = plan.files[fi]
+        if f.zstd:  # written by its owner alone, fsynced on close
+            if frags[fi]:
+                raise UnickptError(f"{f.name}: framed file received in-place fragments")
+            continue
         storage.finish_file(storage.join(tmp, f.name), frags[fi], f.size)
 
 
@@ -394,7 +480,7 @@ def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, 
     extents.sort(key=lambda e: (e[0], e[1].begin + e[3] * e[1].itemsize))
     needed = sorted({i for i, f in enumerate(files) if f.writer == rank} | {e[0] for e in extents})
     writers = {}
-    gathered = {t.key: Hasher() for f in files if f.writer == rank for t in f.tensors if not t.direct}
+    gathered = {t.key: Hasher() for f in files if f.writer == rank for t in f.tensors if not t.direct and not t.quantized}
     checks: dict[str, list] = {}
     sources: dict[tuple[str, str], _Source] = {}
     io_error: list[BaseException] = []
@@ -451,7 +537,11 @@ def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, 
     try:
         try:
             for i in needed:
-                writers[i] = storage.open_writer(storage.join(tmp, files[i].name), direct=direct_io)
+                path_i = storage.join(tmp, files[i].name)
+                if files[i].zstd:
+                    writers[i] = ZstdWriter(storage.open_writer(path_i, direct=False), files[i].zstd)
+                else:
+                    writers[i] = storage.open_writer(path_i, direct=direct_io)
         except OSError as e:
             io_error.append(e)
         if not io_error:
@@ -473,16 +563,19 @@ def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, 
             except Exception as e:  # after the transfers: later steps are drained above
                 io_error.append(e)
                 continue
-            pending[slot] = io.submit(_write_items, items, writers, gathered, files)
-            note(sum(int(v.numel()) for _, _, v, _ in items))
+            pending[slot] = io.submit(_write_items, items, writers, gathered, files, checks)
+            note(sum(int(v.numel()) for _, _, v, _, _ in items))
         reap(0)
         reap(1)
         if io_error:
             raise io_error[0]
         note(sum(n * t.itemsize for _, t, _, _, n in extents))
         written = {}
+        framed = {}
         for i, w in writers.items():
             written[files[i].name] = w.bytes_written
+            if isinstance(w, ZstdWriter):
+                framed[files[i].name] = w
         fragments = []
         with ph.phase("fsync"):
             for i, w in list(writers.items()):
@@ -501,7 +594,9 @@ def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, 
     for k, h in gathered.items():
         t = plan.tensors[k]
         checks[f"{k[0]}/{k[1]}"] = [[0, t.nbytes, h.hexdigest()]] if t.nbytes else []
-    return {"checksums": checks, "files": written, "bytes": sum(written.values())}, fragments
+    zst = {n: {"stored": w.pos, "frames": w.frames} for n, w in framed.items()}
+    stored = sum(written.values()) + sum(w.pos - w.logical for w in framed.values())
+    return {"checksums": checks, "files": written, "bytes": stored, "zstd": zst}, fragments
 
 
 class _Unsent(Exception):
@@ -584,14 +679,28 @@ def _finish_step(step: Step, src, bucket, scatters, offs):
             view = src(t.key).host_range(whole * isz, whole * isz + seg.nbytes)
         else:
             view = bucket[offs[si] : offs[si] + seg.nbytes]
-        items.append((seg.file_index, t.key, view, t.begin + seg.start * isz))
+        items.append((seg.file_index, t, view, t.begin + seg.start * isz, seg.start))
     return items
 
 
-def _write_items(items, writers, hashers, files) -> None:
-    for fi, key, view, offset in items:
+def _write_items(items, writers, hashers, files, checks) -> None:
+    """Write one step's segments (runs on the writer thread); quantized segments (whole
+    groups) are encoded here, so encoding overlaps the next step's gather."""
+    for fi, t, view, offset, start in items:
         if view.numel() == 0:
             continue
+        hdr = len(files[fi].header)
+        if t.quantized:
+            if view.data_ptr() % 8:
+                view = view.clone()
+            x = view.view(torch_dtype(t.dtype))
+            for part, poff, data in encode_chunk(t.codec, x, start):
+                if data.numel() == 0:
+                    continue
+                mv = memoryview(data.numpy())
+                checks.setdefault(f"{t.role}/{t.name}#{part}", []).append([poff, poff + len(mv), Hasher.of(mv)])
+                writers[fi].write_at(hdr + t.parts[part][3] + poff, mv)
+            continue
         mv = memoryview(view.numpy())
-        hashers[key].update(mv)
-        writers[fi].write_at(len(files[fi].header) + offset, mv)
+        hashers[t.key].update(mv)
+        writers[fi].write_at(hdr + offset, mv)

@@ -1,0 +1,179 @@
+"""Quantized and residual checkpoints under resharding.
+
+Every layout family saves with O1 + residual masters and with O2 + dropped masters (ZeRO
+ranges and TP blocks cut through quantization groups: rows for O1, 64-element blocks for
+O2); every layout of every world size loads every checkpoint; each rank's pieces must equal
+the single-process dequantization of the full tensors, byte for byte (masters: the exact
+fp32 values for residual, the bf16 model weights for drop).
+"""
+
+import os
+
+import pytest
+import torch
+
+import unickpt
+from unickpt import codecs
+from tests import dist
+from tests.layouts import LAYOUTS, assert_same, build, zeros_like_full
+
+SAVE_LAYOUTS = ["full1", "zero3", "tpcol2", "tprow2", "tp2zero2", "dtensor2x2"]
+CONFIGS = {"o1-residual": dict(quant="O1", master="residual"), "o2-drop": dict(quant="O2", master="drop")}
+EPS = 1e-8
+WORLDS = sorted({w for w, _ in LAYOUTS.values()})
+
+
+def reference_q():
+    g = torch.Generator().manual_seed(1)
+    shapes = {"embed.weight": (37, 24), "layers.0.qkv.weight": (30, 24), "layers.0.o.weight": (24, 10),
+              "layers.0.norm.weight": (24,), "head.weight": (11, 130), "scalar": ()}
+    master = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+    # ties: the low half exactly 0x8000, half of them needing an exception
+    flat = master["embed.weight"].view(-1).view(torch.int32)
+    flat[::7] = (flat[::7] & ~0xFFFF) | 0x8000
+    model = {k: v.to(torch.bfloat16) for k, v in master.items()}
+    model["counter"] = torch.arange(13, dtype=torch.int64)
+    m = {k: torch.randn(s, generator=g) * 10.0 ** torch.randint(-6, 0, (), generator=g).item() for k, s in shapes.items()}
+    m["embed.weight"][3].zero_()  # an all-zero group
+    v = {k: torch.rand(s, generator=g) ** 4 * 1e-4 for k, s in shapes.items()}
+    v["layers.0.o.weight"][5].fill_(3e-7)  # max == min
+    return {"model": model, "master": master, "optimizer": {"exp_avg": m, "exp_avg_sq": v}}
+
+
+def expected(ref, quant, dropped=()):
+    """Full tensors a load must produce: single-process dequantization of the moments;
+    masters exact, except those stored as ``from_model`` (``dropped``)."""
+    bits = 8 if quant == "O1" else 4
+    out = {"model": dict(ref["model"]), "master": {}, "optimizer": {"exp_avg": {}, "exp_avg_sq": {}}}
+    for k, x in ref["master"].items():
+        out["master"][k] = ref["model"][k].float() if k in dropped else x.clone()
+    for k, x in ref["optimizer"]["exp_avg"].items():
+        gs = codecs.group_size(tuple(x.shape), bits)
+        c, s = codecs.encode_m(x, bits, gs)
+        out["optimizer"]["exp_avg"][k] = codecs.decode_m(c, s, bits, gs, 0, x.numel()).view(x.shape)
+    for k, x in ref["optimizer"]["exp_avg_sq"].items():
+        gs = codecs.group_size(tuple(x.shape), bits)
+        c, lo, hi = codecs.encode_v(x, bits, gs, EPS)
+        out["optimizer"]["exp_avg_sq"][k] = codecs.decode_v(c, lo, hi, bits, gs, EPS, 0, x.numel()).view(x.shape)
+    return out
+
+
+def _save(rank, world, root):
+    ref = reference_q()
+    for name in SAVE_LAYOUTS:
+        if LAYOUTS[name][0] != world:
+            continue
+        for cfg, kw in CONFIGS.items():
+            sd = build(name, ref, rank, world)
+            unickpt.save(sd, os.path.join(root, f"{name}-{cfg}"), bucket_bytes=4096, **kw)
+
+
+def _load(rank, world, root):
+    ref = reference_q()
+    zeros = zeros_like_full(ref)
+    done = 0
+    for cfg, kw in CONFIGS.items():
+        for src in SAVE_LAYOUTS:
+            _, man = unickpt.read_manifest(os.path.join(root, f"{src}-{cfg}"))
+            dropped = {n for (r, n), t in man.tensors.items() if r == "master" and t.codec == "from_model"}
+            want_full = expected(ref, kw["quant"], dropped)
+            for name, (w, _) in LAYOUTS.items():
+                if w != world:
+                    continue
+                target = build(name, zeros, rank, world)
+                unickpt.load(target, os.path.join(root, f"{src}-{cfg}"), verify="full")
+                assert_same(target, build(name, want_full, rank, world), f"{src}-{cfg} -> {name} (rank {rank})")
+                done += 1
+    return done
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("qmatrix"))
+    for w in sorted({LAYOUTS[n][0] for n in SAVE_LAYOUTS}):
+        dist.run(_save, w, root)
+    return root
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_quantized_checkpoints_load_under_every_layout(saved, world):
+    n = dist.run(_load, world, saved)[0]
+    assert n == len(CONFIGS) * len(SAVE_LAYOUTS) * sum(1 for w, _ in LAYOUTS.values() if w == world)
+
+
+def test_quantized_checkpoints_are_independent_of_the_saving_layout(saved):
+    """Same stored bytes (codes, scales) and manifest entries for the moments and model, whatever
+    the saving layout (masters: see the next test, their codec depends on the layout)."""
+    for cfg in CONFIGS:
+        first = None
+        for src in SAVE_LAYOUTS:
+            ckpt, man = unickpt.read_manifest(os.path.join(saved, f"{src}-{cfg}"))
+            got = {}
+            for key, t in man.tensors.items():
+                if key[0] == "master":
+                    continue
+                stored = []
+                for part, _, _, _, b, e, _ in t.stored():
+                    with open(os.path.join(ckpt, t.file), "rb") as f:
+                        f.seek(man.files[t.file].data_start + b)
+                        stored.append((part, f.read(e - b)))
+                got[key] = (t.codec, t.dtype, t.shape, {k: v for k, v in t.args.items()}, stored)
+            if first is None:
+                first = got
+            assert got == first, (cfg, src)
+
+
+def test_master_policy_applies_where_model_and_master_share_a_layout(saved):
+    """Full tensors, row/column blocks, ZeRO ranges (model and master buffers
+    partitioned alike): every master is residual/dropped. Where model and master pieces
+    differ on a rank (here the DTensor layout, which picks placements per tensor), those
+    masters fall back to full."""
+    for src in SAVE_LAYOUTS:
+        for cfg, codec in (("o1-residual", "residual16"), ("o2-drop", "from_model")):
+            _, man = unickpt.read_manifest(os.path.join(saved, f"{src}-{cfg}"))
+            codecs_ = {t.codec for (r, _), t in man.tensors.items() if r == "master"}
+            if src == "dtensor2x2":
+                assert codecs_ == {codec, "raw"}, (src, cfg, codecs_)
+            else:
+                assert codecs_ == {codec}, (src, cfg, codecs_)
+
+
+def test_sizes_and_codecs_recorded(saved):
+    ckpt, man = unickpt.read_manifest(os.path.join(saved, "tpcol2-o1-residual"))
+    assert man.compression["quant"] == "O1" and man.compression["master"] == "residual"
+    assert man.tensors[("optimizer", "exp_avg.embed.weight")].codec == "q8_sym"
+    assert man.tensors[("optimizer", "exp_avg_sq.embed.weight")].codec == "q8_rinv"
+    assert man.tensors[("optimizer", "exp_avg_sq.embed.weight")].args["eps"] == EPS
+    res = man.tensors[("master", "embed.weight")]
+    assert res.codec == "residual16" and res.nbytes == 37 * 24 * 2
+    assert len(res.args["exceptions"][0]) > 0  # the forced ties
+    ckpt, man = unickpt.read_manifest(os.path.join(saved, "tprow2-o2-drop"))
+    assert man.tensors[("master", "head.weight")].codec == "from_model"
+    assert man.bytes_by_role().get("master", 0) == 0
+    q = man.tensors[("optimizer", "exp_avg.head.weight")]
+    assert q.codec == "q4_sym" and q.parts["codes"].nbytes == 11 * 130 // 2 and q.args["group"] == 64
+
+
+def test_corrupted_scales_are_detected(saved, tmp_path):
+    import shutil
+
+    from unickpt.cli import verify_checkpoint
+
+    src = os.path.join(saved, "zero3-o1-residual")
+    dst = str(tmp_path / "bad")
+    shutil.copytree(src, dst)
+    ckpt, man = unickpt.read_manifest(dst)
+    t = man.tensors[("optimizer", "exp_avg_sq.head.weight")]
+    part = t.parts["scales"]
+    with open(os.path.join(dst, t.file), "r+b") as f:
+        f.seek(man.files[t.file].data_start + part.begin + 5)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    bad = verify_checkpoint(ckpt, man)
+    assert [(n, "scales" in why) for _, n, why in bad] == [("exp_avg_sq.head.weight", True)]
+    ref = reference_q()
+    target = zeros_like_full(ref)
+    with pytest.raises(unickpt.errors.ChecksumError, match="exp_avg_sq.head.weight"):
+        unickpt.load(target, dst)
+

@@ -1,0 +1,334 @@
+"""Compression policy: which tensors a save stores coded, how writers encode them, how any
+reader decodes any element range. The arithmetic lives in :mod:`unickpt.codecs`.
+
+A save with :class:`Compression` stores:
+
+* Adam moments (tensors of roles other than ``model``/``master`` whose dotted name has a
+  component ``exp_avg`` or ``exp_avg_sq``) quantized (O1: 8 bits, O2: 4 bits): two parts
+  per tensor in the same safetensors file, ``NAME::codes`` and ``NAME::scales``. Writers
+  receive whole quantization groups (the routing plan aligns its buckets to groups) and
+  encode them; no holder ever quantizes a partial group.
+* Master weights (role ``master``) whose model weight of the same name is stored too:
+  ``residual`` keeps the low 16 bits (part ``NAME::low16``, computed by the holders: it is
+  elementwise) plus a list of exceptions in the manifest, ``drop`` keeps nothing and
+  rebuilds the master from the model weight.
+
+Every coded tensor keeps its logical dtype and shape in the manifest, with ``codec`` and its
+arguments, so resharding loads decode exactly their slice.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import codecs as _c
+from .errors import StateDictError
+from .layout import Layout
+from .state import Entry
+
+__all__ = ["Compression", "QUANT_CODECS", "PART_LAYOUT", "tag_for", "prepare", "encode_chunk", "parts_of", "decode_range"]
+
+QUANT_CODECS = ("q8_sym", "q8_rinv", "q4_sym", "q4_rinv")
+MASTER_CODECS = ("residual16", "from_model")
+_FLOAT = ("F32", "BF16", "F16", "F64")
+EXCEPTION_WARN = 1 / 4096  # residual exceptions beyond this fraction: the model is not bf16(master)
+
+
+@dataclass(frozen=True)
+class Compression:
+    """What a save compresses.
+
+    Args:
+        quant: ``None``/``"O0"`` (moments stored as they are), ``"O1"`` (8 bits, one group per
+            row), ``"O2"`` (4 bits, groups of ``block`` elements).
+        master: ``"full"``, ``"residual"`` (bit-exact, 2 bytes/param next to a bf16 model
+            weight) or ``"drop"`` (rebuilt from the model weight on load: lossy unless the
+            model weight is fp32).
+        zstd: zstd level (1-22) for optimizer and master files, or ``None``.
+        eps: the optimizer's epsilon; ``r = 1/(sqrt(v)+eps)`` is what O1/O2 quantize.
+        block: O2 group size (even, >= 2).
+    """
+
+    quant: str | None = None
+    master: str = "full"
+    zstd: int | None = None
+    eps: float = 1e-8
+    block: int = 64
+
+    def __post_init__(self) -> None:
+        if self.quant == "O0":
+            object.__setattr__(self, "quant", None)
+        if self.quant not in (None, "O1", "O2"):
+            raise ValueError(f"quant must be None, 'O0', 'O1' or 'O2', got {self.quant!r}")
+        if self.master not in ("full", "residual", "drop"):
+            raise ValueError(f"master must be 'full', 'residual' or 'drop', got {self.master!r}")
+        if self.zstd is not None and (type(self.zstd) is not int or not 1 <= self.zstd <= 22):
+            raise ValueError(f"zstd must be None or a level 1..22, got {self.zstd!r}")
+        if not (isinstance(self.eps, (int, float)) and math.isfinite(self.eps) and self.eps > 0):
+            raise ValueError(f"eps must be a finite number > 0, got {self.eps!r}")
+        if type(self.block) is not int or self.block < 2 or self.block % 2:
+            raise ValueError(f"block must be an even integer >= 2, got {self.block!r}")
+
+    @property
+    def bits(self) -> int | None:
+        return {None: None, "O1": 8, "O2": 4}[self.quant]
+
+    @property
+    def active(self) -> bool:
+        return self.quant is not None or self.master != "full" or self.zstd is not None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def coerce(value: "Compression | dict | None", **kw) -> "Compression":
+        if isinstance(value, Compression):
+            if any(v is not None for v in kw.values()):
+                raise ValueError("pass either compression=Compression(...) or quant/master/zstd, not both")
+            return value
+        if isinstance(value, dict):
+            return Compression(**value)
+        return Compression(**{k: v for k, v in kw.items() if v is not None})
+
+
+def moment_kind(role: str, name: str) -> str | None:
+    """``"m"`` for exp_avg, ``"v"`` for exp_avg_sq, else None (model/master never)."""
+    if role in ("model", "master"):
+        return None
+    parts = name.split(".")
+    if "exp_avg_sq" in parts:
+        return "v"
+    if "exp_avg" in parts:
+        return "m"
+    return None
+
+
+def tag_for(role: str, name: str, dtype: str, shape: tuple[int, ...], comp: Compression) -> dict | None:
+    """Codec tag of a moment tensor (the same on every rank: names, dtypes, shapes only)."""
+    if comp.bits is None or dtype not in _FLOAT:
+        return None
+    kind = moment_kind(role, name)
+    if kind is None:
+        return None
+    g = _c.group_size(tuple(shape), comp.bits, comp.block)
+    tag = {"codec": f"q{comp.bits}_{'sym' if kind == 'm' else 'rinv'}", "group": g}
+    if kind == "v":
+        tag["eps"] = float(comp.eps)
+    return tag
+
+
+def _bits(codec: str) -> int:
+    return 8 if codec.startswith("q8") else 4
+
+
+def parts_of(tag: dict, shape: tuple[int, ...]) -> list[tuple[str, str, tuple[int, ...]]]:
+    """Stored parts of a quantized tensor: ``(suffix, dtype, shape)``."""
+    n = math.prod(shape)
+    codec, g = tag["codec"], tag["group"]
+    ng = -(-n // g)
+    bits = _bits(codec)
+    codes = (n,) if bits == 8 else (-(-n // 2),)
+    cdt = "I8" if codec == "q8_sym" else "U8"
+    scales = (ng,) if codec.endswith("sym") else (ng, 2)
+    return [("codes", cdt, codes), ("scales", "F32", scales)]
+
+
+PART_LAYOUT = parts_of  # documented name
+
+
+def stored_parts(name: str, dtype: str, shape: tuple[int, ...], tag: dict | None) -> list[tuple[str, str, str, tuple[int, ...]]]:
+    """``(part, safetensors key, dtype, shape)`` a file holds for a tensor with codec ``tag``
+    (part ``""``: the tensor itself, stored as is)."""
+    if tag is None:
+        return [("", name, dtype, tuple(shape))]
+    if tag["codec"] in QUANT_CODECS:
+        return [(p, f"{name}::{p}", dt, sh) for p, dt, sh in parts_of(tag, tuple(shape))]
+    if tag["codec"] == "residual16":
+        return [("low16", f"{name}::low16", "I16", tuple(shape))]
+    return []  # from_model: nothing stored
+
+
+# -- save side ------------------------------------------------------------------------------------
+
+
+def _model_offset(model: Layout, master: Layout) -> int | None:
+    """Where the master piece's elements start inside the model piece's local tensor when the
+    model piece holds them in the same order (same box, flat range inside); -1 when the model
+    piece is the whole tensor (elements found through the master's runs); None otherwise."""
+    if master.numel == 0:
+        return 0
+    if model.offsets == master.offsets and model.sizes == master.sizes:
+        box = math.prod(master.sizes)
+        mf = model.flat or (0, box)
+        sf = master.flat or (0, box)
+        if mf[0] <= sf[0] and sf[1] <= mf[1]:
+            return sf[0] - mf[0]
+    if model.is_full:
+        return -1
+    return None
+
+
+def prepare(entries: list[Entry], comp: Compression, gather_json) -> tuple[list[Entry], dict, dict, dict]:
+    """Apply the master policy locally. Returns ``(entries, tags, exceptions, dropped)``:
+    residual masters replaced by their low 16 bits (int16, same layout), dropped masters
+    removed; ``tags[key]`` the codec tag of each entry that has one; ``exceptions[key]`` =
+    (global indices, fp32 bits) for residual masters (this rank's elements);
+    ``dropped[key]`` = (dtype, shape, model name). ``gather_json(obj)`` all-gathers a JSON
+    value over the group (eligibility must be agreed: every rank transforms the same set).
+    """
+    from .format import dtype_name
+
+    tags: dict[tuple[str, str], dict] = {}
+    for e in entries:
+        t = tag_for(e.role, e.name, dtype_name(e.local.dtype), e.layout.shape, comp)
+        if t is not None:
+            tags[e.key] = t
+    if comp.master == "full":
+        return entries, tags, {}, {}
+    models = {e.name: e for e in entries if e.role == "model"}
+    bad, cand = [], {}
+    for e in entries:
+        if e.role != "master":
+            continue
+        m = models.get(e.name)
+        mdt = dtype_name(m.local.dtype) if m is not None else None
+        edt = dtype_name(e.local.dtype)
+        ok = (
+            m is not None
+            and m.layout.shape == e.layout.shape
+            and edt in _FLOAT
+            and (mdt == "BF16" and edt == "F32" if comp.master == "residual" else mdt in _FLOAT)
+            and _model_offset(m.layout, e.layout) is not None
+        )
+        (cand.__setitem__(e.name, e) if ok else bad.append(e.name))
+    everyone = gather_json({"bad": bad, "cand": sorted(cand)})
+    refused = set().union(*(set(x["bad"]) for x in everyone))
+    chosen = set().union(*(set(x["cand"]) for x in everyone)) - refused
+    if refused:
+        warnings.warn(
+            f"master={comp.master!r} does not apply to {len(refused)} master tensor(s) (no model weight of the same "
+            f"name, shape{' and bf16 dtype' if comp.master == 'residual' else ''} on the same rank), stored in full: "
+            f"{sorted(refused)[:5]}",
+            stacklevel=3,
+        )
+    out, exceptions, dropped = [], {}, {}
+    for e in entries:
+        if e.role != "master" or e.name not in chosen:
+            out.append(e)
+            continue
+        if e.name not in cand:  # another rank holds it; this rank has no piece worth keeping
+            if e.local.numel():
+                raise StateDictError(f"master {e.name!r}: ranks disagree on whether it can be {comp.master}")
+        if comp.master == "drop":
+            dropped[e.key] = (dtype_name(e.local.dtype), list(e.layout.shape), e.name)
+            continue
+        low, idx, bits = _residual_local(e, models[e.name])
+        exceptions[e.key] = (idx, bits)
+        out.append(Entry(e.role, e.name, low, e.layout))
+        tags[e.key] = {"codec": "residual16", "model": e.name}
+    if comp.master == "drop":
+        # every rank must list every dropped tensor, also those it holds no piece of
+        agreed = gather_json({"d": [[k[0], k[1], *v] for k, v in dropped.items()]})
+        for x in agreed:
+            for role, name, dt, shape, model in x["d"]:
+                dropped[(role, name)] = (dt, shape, model)
+    return out, tags, exceptions, dropped
+
+
+def _residual_local(master: Entry, model: Entry) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    """Low 16 bits of this rank's master piece (same shape and layout) and its exceptions,
+    against the model weight the checkpoint stores for the same elements."""
+    loc = master.local.detach().contiguous()
+    flat = loc.reshape(-1)
+    runs = master.layout.runs()
+    src = model.local.detach().contiguous().reshape(-1)
+    off = _model_offset(model.layout, master.layout)
+    if off == -1 and len(runs) > 1:
+        hb = torch.empty(flat.numel(), dtype=torch.bfloat16)
+        for g, n, lo in zip(runs.starts.tolist(), runs.lengths.tolist(), runs.local.tolist()):
+            hb[lo : lo + n] = src[g : g + n]
+    elif off == -1:
+        g0 = int(runs.starts[0]) if len(runs) else 0
+        hb = src[g0 : g0 + flat.numel()]
+    else:
+        hb = src[off : off + flat.numel()]
+    res = _c.split_master(flat, hb)
+    low = res.low.view(loc.shape)
+    li = res.exc_index.numpy()
+    if len(li):  # local element -> global element, through the runs
+        locals_ = runs.local
+        k = np.searchsorted(locals_, li, side="right") - 1
+        gi = runs.starts[k] + (li - locals_[k])
+    else:
+        gi = np.zeros(0, np.int64)
+    return low, gi.astype(np.int64), res.exc_bits.numpy().astype(np.int32)
+
+
+def encode_chunk(tag: dict, x: torch.Tensor, start: int) -> list[tuple[str, int, torch.Tensor]]:
+    """Encode elements ``[start, start+len(x))`` of a moment (``start`` on a group boundary,
+    the chunk whole groups or the tensor's end): ``(part, byte offset in part, bytes)``."""
+    codec, g = tag["codec"], tag["group"]
+    bits = _bits(codec)
+    if start % g:
+        raise ValueError(f"chunk start {start} is not on a group boundary ({g})")
+    x = x.reshape(-1).float()
+    coff = start if bits == 8 else start // 2
+    if codec.endswith("sym"):
+        codes, scale = _c.encode_m(x, bits, g)
+        scales = scale
+        soff = (start // g) * 4
+    else:
+        codes, lo, hi = _c.encode_v(x, bits, g, tag["eps"])
+        scales = torch.stack([lo, hi], dim=1)
+        soff = (start // g) * 8
+    return [("codes", coff, codes.reshape(-1).view(torch.uint8)), ("scales", soff, scales.reshape(-1).view(torch.uint8))]
+
+
+def chunk_elems(tag: dict, bucket_elems: int) -> int:
+    """Elements per gathered chunk of a quantized tensor: whole groups, at least one."""
+    g = tag["group"]
+    return max(g, (bucket_elems // g) * g)
+
+
+# -- load side --------------------------------------------------------------------------------
+
+
+def byte_ranges(tag: dict, lo: int, hi: int) -> dict[str, tuple[int, int]]:
+    """Byte ranges of each part needed to decode elements ``[lo, hi)``."""
+    codec = tag["codec"]
+    if codec == "residual16":
+        return {"low16": (2 * lo, 2 * hi)}
+    g = tag["group"]
+    bits = _bits(codec)
+    c = (lo, hi) if bits == 8 else (lo // 2, (hi + 1) // 2)
+    w = 4 if codec.endswith("sym") else 8
+    s = ((lo // g) * w, (-(-hi // g)) * w) if hi > lo else (0, 0)
+    return {"codes": c, "scales": s}
+
+
+def decode_range(tag: dict, parts: dict[str, torch.Tensor], lo: int, hi: int,
+                 model: torch.Tensor | None = None, exceptions: tuple | None = None) -> torch.Tensor:
+    """fp32 elements ``[lo, hi)`` from the bytes of :func:`byte_ranges` (and, for master
+    codecs, the model weight's elements ``[lo, hi)``)."""
+    codec = tag["codec"]
+    if codec == "from_model":
+        return model.float()
+    if codec == "residual16":
+        low = parts["low16"].view(torch.int16)
+        idx, bits = exceptions if exceptions is not None else (torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32))
+        return _c.merge_master(model.view(torch.bfloat16), low, idx, bits, start=lo)
+    g = tag["group"]
+    bits = _bits(codec)
+    codes = parts["codes"]
+    if codec == "q8_sym":
+        codes = codes.view(torch.int8)
+    if codec.endswith("sym"):
+        return _c.decode_m(codes, parts["scales"].view(torch.float32), bits, g, lo, hi - lo)
+    sc = parts["scales"].view(torch.float32).view(-1, 2)
+    return _c.decode_v(codes, sc[:, 0], sc[:, 1], bits, g, tag["eps"], lo, hi - lo)
