@@ -32,7 +32,9 @@ def main() -> None:
     ap.add_argument("--ckpt-dir", default="runs/train/ckpt")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--async-save", action="store_true")
-    ap.add_argument("--quant", choices=["O1", "O2"])
+    ap.add_argument("--quant", choices=["O0", "O1", "O2"], default="O0", help="Adam moments: O1 8-bit, O2 4-bit")
+    ap.add_argument("--master", choices=["full", "residual", "drop"], default="full", help="fp32 master weights in checkpoints")
+    ap.add_argument("--zstd", type=int, default=None, metavar="LEVEL", help="zstd for optimizer and master files")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--global-batch", type=int, default=16)
@@ -66,7 +68,8 @@ def main() -> None:
         parallel=ParallelConfig(zero_stage=args.zero_stage, tp=args.tp),
         optim=OptimConfig(lr=args.lr, warmup=max(1, args.steps // 20), total_steps=args.steps),
         checkpoint=UnifiedCheckpoint(
-            dir=args.ckpt_dir, every=args.save_every, keep=args.keep, async_save=args.async_save, quant=args.quant
+            dir=args.ckpt_dir, every=args.save_every, keep=args.keep, async_save=args.async_save,
+            quant=None if args.quant == "O0" else args.quant, master=args.master, zstd=args.zstd,
         ),
         global_batch=args.global_batch,
         micro_batch=args.micro_batch,

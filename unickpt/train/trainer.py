@@ -81,10 +81,16 @@ class UnifiedCheckpoint:
     """With ``async_save``: copy into staging while the next step's forward and backward run,
     waiting only before that step's optimizer update (weights and moments change only there)."""
     quant: str | None = None
+    """``"O1"`` (8-bit) or ``"O2"`` (4-bit) Adam moments; ``None``: stored as they are."""
+    master: str = "full"
+    """``"full"``, ``"residual"`` (bit-exact from the bf16 weights + 2 bytes/param; bf16 training
+    only, fp32 falls back to full) or ``"drop"`` (rebuilt from the model weights: exact for
+    fp32 training, lossy for bf16)."""
+    zstd: int | None = None
+    """zstd level for optimizer and master files."""
 
     def __post_init__(self) -> None:
-        if self.quant is not None:
-            raise NotImplementedError("quant is not implemented yet (open issue: O1/O2 compression)")
+        unickpt.Compression(quant=self.quant, master=self.master, zstd=self.zstd)  # validates
 
 
 @dataclass
@@ -285,7 +291,9 @@ class Trainer:
         path = os.path.join(self.ckpt.dir, f"step-{self.step:08d}")
         strategy = {"zero_stage": self.parallel.zero_stage, "tp": self.parallel.tp, "dp": self.mesh.dp_size, "dtype": self.dtype_name}
         config = json.dumps(hf_config(self.cfg, {"fp32": "float32", "bf16": "bfloat16"}[self.dtype_name]), indent=2)
-        kw = dict(step=self.step, strategy=strategy, extra={"model_config": asdict(self.cfg)}, extra_files={"config.json": config})
+        comp = unickpt.Compression(quant=self.ckpt.quant, master=self.ckpt.master, zstd=self.ckpt.zstd, eps=self.optim.eps)
+        kw = dict(step=self.step, strategy=strategy, extra={"model_config": asdict(self.cfg)},
+                  extra_files={"config.json": config}, compression=comp)
         if self.ckpt.async_save:
             self.wait_save()  # back-pressure: one save in flight
             t0 = time.perf_counter()
