@@ -23,7 +23,10 @@ from ._metrics import gbps, human_bytes, log
 from .errors import FormatError, StateDictError
 from .format import Hasher, build_header, dtype_name, itemsize, order_key, torch_dtype
 from .loader import read_manifest, read_whole
-from .manifest import INDEX_NAME, MANIFEST_NAME, FileEntry, Manifest, TensorEntry
+from .codecs import split_master
+from .compress import QUANT_CODECS, Compression, chunk_elems, encode_chunk, stored_parts, tag_for
+from .container import ZstdWriter
+from .manifest import INDEX_NAME, MANIFEST_NAME, FileEntry, Manifest, Part, TensorEntry
 from .storage import storage_for
 from .transport import node_id
 
@@ -33,9 +36,11 @@ Progress = Callable[[int, int], None] | None
 
 
 class _Writer:
-    """A new checkpoint written tensor by tensor, committed at the end."""
+    """A new checkpoint written tensor by tensor, committed at the end. Tensors may carry a
+    codec tag (:mod:`unickpt.compress`): quantized moments are encoded whole, residual
+    masters are split against their model weight; ``zstd`` frames every non-model file."""
 
-    def __init__(self, dst, overwrite: bool) -> None:
+    def __init__(self, dst, overwrite: bool, zstd: int | None = None) -> None:
         self.storage, self.final = storage_for(dst)
         _commit.require_parent(self.storage, self.final)
         _commit.check_destination(self.storage, self.final, overwrite)
@@ -43,63 +48,104 @@ class _Writer:
         _commit.sweep_stale(self.storage, parent, name)
         self.tmp = self.storage.join(parent, _commit.tmp_name(name, _commit.new_token()))
         self.storage.makedirs(self.tmp)
-        self.where: dict[tuple[str, str], tuple[str, Any]] = {}
+        self.zstd = zstd
+        self.where: dict[tuple[str, str], tuple[str, dict]] = {}  # key -> (file, part -> TensorInfo)
+        self.meta: dict[tuple[str, str], tuple[str, tuple[int, ...], dict | None]] = {}  # key -> (dtype, shape, tag)
         self.files: dict[str, tuple[str, bytes, int]] = {}  # name -> (role, header, size)
         self.writers: dict = {}
-        self.sums: dict[tuple[str, str], str] = {}
+        self.sums: dict[tuple[str, str, str], list] = {}
+        self.args: dict[tuple[str, str], dict] = {}
 
-    def layout(self, entries: list[tuple[str, str, str, tuple[int, ...]]], max_file_bytes: int | None) -> list:
-        """Assign files; returns the entries in write order."""
+    def layout(self, entries: list[tuple], max_file_bytes: int | None) -> list:
+        """Assign files to ``(role, name, dtype, shape[, tag])`` entries; returns them in write
+        order. Entries with a ``from_model`` tag store nothing."""
+        entries = [tuple(e) + (None,) * (5 - len(e)) for e in entries]
         order = []
+        for e in entries:
+            self.meta[(e[0], e[1])] = (e[2], tuple(e[3]), e[4])
         for role in sorted({e[0] for e in entries}):
             mine = sorted((e for e in entries if e[0] == role), key=lambda e: order_key(e[2], e[1]))
             parts, cur, size = [], [], 0
             for e in mine:
-                n = math.prod(e[3]) * itemsize(e[2])
+                n = sum(math.prod(sh) * itemsize(dt) for _, _, dt, sh in stored_parts(e[1], e[2], e[3], e[4]))
                 if cur and max_file_bytes and size + n > max_file_bytes:
                     parts.append(cur)
                     cur, size = [], 0
                 cur.append(e)
                 size += n
-            parts.append(cur)
+            parts = [p for p in parts + [cur] if any(stored_parts(*x[1:5]) for x in p)]
             for i, part in enumerate(parts, start=1):
                 fname = f"{role}-{i:05d}-of-{len(parts):05d}.safetensors"
-                header, infos = build_header(((e[1], e[2], e[3]) for e in part), {"format": "pt", "unickpt_role": role})
+                stored = sorted(((k, dt, sh, e, pt) for e in part for pt, k, dt, sh in stored_parts(*e[1:5])),
+                                key=lambda x: order_key(x[1], x[0]))
+                header, infos = build_header(((k, dt, sh) for k, dt, sh, _, _ in stored), {"format": "pt", "unickpt_role": role})
                 size = len(header) + sum(info.nbytes for info in infos)
                 self.files[fname] = (role, header, size)
                 path = self.storage.join(self.tmp, fname)
-                self.storage.create_file(path, size)
-                w = self.writers[fname] = self.storage.open_writer(path)
+                z = self.zstd if role != "model" else None
+                self.storage.create_file(path, 0 if z else size)
+                w = self.storage.open_writer(path, direct=False if z else None)
+                w = self.writers[fname] = ZstdWriter(w, z) if z else w
                 w.write_at(0, memoryview(header))
-                for e, info in zip(part, infos):
-                    self.where[(e[0], e[1])] = (fname, info)
-                    order.append(e)
+                for (_, _, _, e, pt), info in zip(stored, infos):
+                    self.where.setdefault((e[0], e[1]), (fname, {}))[1][pt] = info
+            order += [e for p in parts for e in p]
+        order += [e for e in entries if (e[0], e[1]) not in self.where]  # from_model
         return order
 
-    def write(self, role: str, name: str, x: torch.Tensor) -> None:
-        fname, info = self.where[(role, name)]
+    def _put(self, role, name, part: str, x: torch.Tensor, offset: int = 0) -> None:
+        fname, infos = self.where[(role, name)]
         header = self.files[fname][1]
         if x.numel():
-            data = x.contiguous().reshape(-1).view(torch.uint8)
-            mv = memoryview(data.numpy())
-            self.sums[(role, name)] = Hasher.of(mv)
-            self.writers[fname].write_at(len(header) + info.begin, mv)
+            mv = memoryview(x.contiguous().reshape(-1).view(torch.uint8).numpy())
+            self.sums.setdefault((role, name, part), []).append([offset, offset + len(mv), Hasher.of(mv)])
+            self.writers[fname].write_at(len(header) + infos[part].begin + offset, mv)
 
-    def commit(self, *, step, state, extra, strategy: dict) -> str:
+    def write(self, role: str, name: str, x: torch.Tensor, model: torch.Tensor | None = None) -> None:
+        """Store full tensor ``x`` as its tag says (``model``: the bf16 weight of a residual master)."""
+        tag = self.meta[(role, name)][2]
+        if tag is None:
+            self._put(role, name, "", x)
+        elif tag["codec"] in QUANT_CODECS:
+            step = chunk_elems(tag, 1 << 24)  # bounded temporaries for huge tensors
+            flat = x.reshape(-1)
+            for a in range(0, flat.numel(), step):
+                for part, off, data in encode_chunk(tag, flat[a : a + step], a):
+                    self._put(role, name, part, data, off)
+        elif tag["codec"] == "residual16":
+            res = split_master(x, model)
+            self._put(role, name, "low16", res.low)
+            self.args[(role, name)] = {"exceptions": [res.exc_index.tolist(), res.exc_bits.tolist()]}
+
+    def commit(self, *, step, state, extra, strategy: dict, compression: dict | None = None) -> str:
+        framed = {}
         for fname, w in self.writers.items():
             frags = w.close()
-            self.storage.finish_file(self.storage.join(self.tmp, fname), frags, self.files[fname][2])
+            if isinstance(w, ZstdWriter):
+                framed[fname] = w
+            else:
+                self.storage.finish_file(self.storage.join(self.tmp, fname), frags, self.files[fname][2])
         self.writers.clear()
         tensors = {}
-        for (role, name), (fname, info) in self.where.items():
-            ranges = ((0, info.nbytes, self.sums[(role, name)]),) if info.nbytes else ()
-            tensors[(role, name)] = TensorEntry(role, name, fname, info.dtype, info.shape, info.begin, info.end, ranges, "raw", 0)
-        files = {n: FileEntry(n, role, node_id(), 0, size, len(header)) for n, (role, header, size) in self.files.items()}
+        for (role, name), (dt, shape, tag) in self.meta.items():
+            if tag is not None and tag["codec"] == "from_model":
+                m = tensors.get(("model", tag["model"])) or self._entry("model", tag["model"])
+                tensors[(role, name)] = TensorEntry(role, name, m.file, dt, shape, 0, 0, (), "from_model", 0, {},
+                                                    {"model": tag["model"]})
+            else:
+                tensors[(role, name)] = self._entry(role, name)
+        files = {}
+        for n, (role, header, size) in self.files.items():
+            if n in framed:
+                files[n] = FileEntry(n, role, node_id(), 0, size, len(header), "zstd", framed[n].pos, tuple(sorted(framed[n].frames)))
+            else:
+                files[n] = FileEntry(n, role, node_id(), 0, size, len(header))
         man = Manifest(
             step=step, files=files, tensors=tensors, state=state, extra=extra,
             saved_by={"world_size": 1, "nodes": [node_id()], "strategy": strategy, "unickpt_version": __version__,
                       "torch_version": torch.__version__.split("+")[0]},
             created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            compression=compression or {},
         )
         idx = man.hf_index()
         if idx is not None:
@@ -109,6 +155,22 @@ class _Writer:
         self.storage.close()
         return self.final
 
+    def _entry(self, role: str, name: str) -> TensorEntry:
+        dt, shape, tag = self.meta[(role, name)]
+        fname, infos = self.where[(role, name)]
+
+        def sums(part: str, n: int) -> tuple:
+            return tuple(tuple(x) for x in sorted(self.sums.get((role, name, part), []))) if n else ()
+
+        if tag is None:
+            info = infos[""]
+            return TensorEntry(role, name, fname, info.dtype, info.shape, info.begin, info.end, sums("", info.nbytes), "raw", 0)
+        parts = {p: Part(i.name, i.dtype, i.shape, i.begin, i.end, sums(p, i.nbytes)) for p, i in infos.items()}
+        args = {k: v for k, v in tag.items() if k != "codec"}
+        args.update(self.args.get((role, name), {}))
+        b, e = min(i.begin for i in infos.values()), max(i.end for i in infos.values())
+        return TensorEntry(role, name, fname, dt, shape, b, e, (), tag["codec"], 0, parts, args)
+
     def abort(self) -> None:
         for w in self.writers.values():
             w.abort()
@@ -117,31 +179,47 @@ class _Writer:
 
 
 def reshard_offline(
-    src, dst, *, drop_optimizer: bool = False, master: str = "full", quant: str = "O0",
-    max_file_bytes: int | None = None, zstd: int | None = None, overwrite: bool = False, progress: Progress = None,
+    src, dst, *, drop_optimizer: bool = False, master: str = "full", quant: str | None = "O0",
+    max_file_bytes: int | None = None, zstd: int | None = None, eps: float | None = None, block: int = 64,
+    overwrite: bool = False, progress: Progress = None,
 ) -> dict:
-    """Rewrite checkpoint ``src`` at ``dst``: other file sizes, without the optimizer
-    (``drop_optimizer``) or the master weights (``master="drop"``); fresh checksums."""
-    if quant != "O0" or master == "residual" or zstd:
-        raise NotImplementedError("quantized, residual-master and zstd output need the compression issue; use quant O0, master full|drop")
-    if master not in ("full", "drop"):
-        raise ValueError(f"master must be full, residual or drop, got {master!r}")
+    """Rewrite checkpoint ``src`` at ``dst``, one tensor at a time: other file sizes, without
+    the optimizer (``drop_optimizer``), with the moments quantized (``quant`` O1/O2; O0
+    stores them decoded), masters ``full``/``residual``/``drop``, zstd-framed optimizer and
+    master files; fresh checksums. ``eps`` defaults to the source's (when it was quantized),
+    else 1e-8."""
     t0 = time.perf_counter()
     ckpt, man = read_manifest(src)
-    keep = [t for t in man.tensors.values()
-            if not (drop_optimizer and t.role == "optimizer") and not (master == "drop" and t.role == "master")]
-    entries = [(t.role, t.name, t.dtype, t.shape) for t in keep]
-    w = _Writer(dst, overwrite)
+    if eps is None:
+        eps = float((man.compression or {}).get("eps", 1e-8))
+    comp = Compression(quant=quant, master=master, zstd=zstd, eps=eps, block=block)
+    keep = [t for t in man.tensors.values() if not (drop_optimizer and t.role == "optimizer")]
+    models = {t.name: t for t in keep if t.role == "model"}
+    entries = []
+    for t in keep:
+        tag = tag_for(t.role, t.name, t.dtype, t.shape, comp)
+        m = models.get(t.name)
+        if t.role == "master" and m is not None and m.shape == t.shape:
+            if master == "drop":
+                tag = {"codec": "from_model", "model": t.name}
+            elif master == "residual" and t.dtype == "F32" and m.dtype == "BF16":
+                tag = {"codec": "residual16", "model": t.name}
+        entries.append((t.role, t.name, t.dtype, t.shape, tag))
+    w = _Writer(dst, overwrite, zstd)
     readers: dict = {}
-    total, done = sum(t.nbytes for t in keep), 0
+    total, done = sum(math.prod(t.shape) * itemsize(t.dtype) for t in keep), 0
     try:
-        for role, name, _, _ in w.layout(entries, max_file_bytes):
-            w.write(role, name, read_whole(w.storage, ckpt, man, role, name, readers))
-            done += man.tensors[(role, name)].nbytes
+        for role, name, dt, shape, tag in w.layout(entries, max_file_bytes):
+            if tag is None or tag["codec"] != "from_model":
+                x = read_whole(w.storage, ckpt, man, role, name, readers)
+                model = read_whole(w.storage, ckpt, man, "model", name, readers) if tag and tag["codec"] == "residual16" else None
+                w.write(role, name, x, model)
+            done += math.prod(shape) * itemsize(dt)
             if progress:
                 progress(done, total)
         strategy = dict(man.saved_by.get("strategy") or {}, resharded_from=ckpt)
-        path = w.commit(step=man.step, state=man.state, extra=man.extra, strategy=strategy)
+        path = w.commit(step=man.step, state=man.state, extra=man.extra, strategy=strategy,
+                        compression=comp.to_json() if comp.active else None)
     except BaseException:
         w.abort()
         raise
@@ -149,8 +227,11 @@ def reshard_offline(
         for r in readers.values():
             r.close()
     secs = time.perf_counter() - t0
-    log.info("resharded %s -> %s: %d tensors, %s in %.2f s", ckpt, path, len(keep), human_bytes(total), secs)
-    return {"path": path, "tensors": len(keep), "bytes": total, "seconds": secs, "gbps": gbps(total, secs)}
+    _, out = read_manifest(path)
+    log.info("resharded %s -> %s: %d tensors, %s -> %s on disk in %.2f s", ckpt, path, len(keep),
+             human_bytes(man.total_bytes), human_bytes(out.total_bytes), secs)
+    return {"path": path, "tensors": len(keep), "bytes": total, "stored_bytes": out.total_bytes, "seconds": secs,
+            "gbps": gbps(total, secs)}
 
 
 def convert_from_dcp(dcp_dir, dst, *, overwrite: bool = False, progress: Progress = None) -> dict:
@@ -185,7 +266,7 @@ def convert_from_dcp(dcp_dir, dst, *, overwrite: bool = False, progress: Progres
     total = sum(math.prod(e[3]) * itemsize(e[2]) for e in entries)
     done = 0
     try:
-        for role, name, dt, shape in w.layout(entries, None):
+        for role, name, dt, shape, _ in w.layout(entries, None):
             x = torch.empty(shape, dtype=torch_dtype(dt))
             dcp.load({keymap[(role, name)]: x}, storage_reader=FileSystemReader(os.fspath(dcp_dir)), no_dist=True)
             w.write(role, name, x)
