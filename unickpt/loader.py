@@ -32,7 +32,7 @@ from .format import Hasher, dtype_name, read_header, torch_dtype
 from .layout import Layout, Runs
 from .manifest import MANIFEST_LIMIT, MANIFEST_NAME, Manifest, TensorEntry
 from .state import Entry, apply_json_state, flatten
-from .storage import RandomReader, Storage, storage_for
+from .storage import RandomReader, Storage, per_node, storage_for
 from .transport import Comm
 
 __all__ = ["load", "LoadResult", "read_manifest", "Verify"]
@@ -56,14 +56,26 @@ class LoadResult:
     verified: int
     missing: list[str] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)
+    received: int = 0
+    """Bytes other ranks read for this one and sent (node-local checkpoints)."""
 
     @property
     def gbps(self) -> float:
         return gbps(self.bytes_read, self.seconds)
 
 
-def read_manifest(path: str | os.PathLike) -> tuple[str, Manifest]:
-    """Resolve ``path`` to a committed checkpoint and parse its manifest (single process)."""
+def read_manifest(path: str | os.PathLike, *, group=None) -> tuple[str, Manifest]:
+    """Resolve ``path`` to a committed checkpoint and parse its manifest.
+
+    Single process by default. With ``group`` (``"world"`` for the default group), collective:
+    one rank reads and shares the manifest (node-local paths: the lowest rank whose node
+    holds it), and the returned path keeps ``{node}`` so it can be passed to :func:`load`."""
+    if group is not None:
+        comm = Comm(None if group == "world" else group)
+        storage, p = storage_for(path)
+        ckpt, man = _find(comm, storage, p, per_node(path))
+        rel = "" if ckpt == p else storage.basename(ckpt)
+        return (os.path.join(os.fspath(path), rel) if rel else os.fspath(path)), man
     storage, p = storage_for(path)
     ckpt = _commit.resolve(storage, p)
     mpath = storage.join(ckpt, MANIFEST_NAME)
@@ -78,6 +90,7 @@ def load(
     verify: Verify = "auto",
     strict: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    bucket_bytes: int = 256 << 20,
 ) -> LoadResult:
     """Fill ``state_dict`` in place from the checkpoint at ``path``; collective over ``group``.
 
@@ -94,6 +107,9 @@ def load(
             ``"none"`` skips checks.
         strict: if False, targets absent from the checkpoint are left untouched and listed
             in ``LoadResult.missing`` instead of raising.
+        bucket_bytes: node-local checkpoints (``{node}`` in ``path``): pieces a rank's node
+            does not hold are read by ranks that hold them and sent, at most this many bytes
+            per reader and step.
 
     Raises:
         CheckpointNotFoundError, TensorMissingError, ShapeMismatchError, DtypeMismatchError
@@ -107,22 +123,7 @@ def load(
     err: BaseException | None = None
 
     with ph.phase("manifest"):
-        blob = b""
-        if comm.rank == 0:
-            try:
-                ckpt = _commit.resolve(storage, p)
-                blob = ckpt.encode() + b"\0" + storage.read_bytes(storage.join(ckpt, MANIFEST_NAME), MANIFEST_LIMIT)
-            except (UnickptError, OSError) as e:
-                err = e
-        comm.agree(err, "load (finding the checkpoint)")
-        blob = comm.broadcast_bytes(blob if comm.rank == 0 else None)
-        ckpt_b, _, mbytes = blob.partition(b"\0")
-        ckpt = ckpt_b.decode()
-        try:
-            man = Manifest.from_json(mbytes, storage.join(ckpt, MANIFEST_NAME))
-        except UnickptError as e:
-            err = e
-        comm.agree(err, "load (reading the manifest)")
+        ckpt, man = _find(comm, storage, p, per_node(path))
 
     with ph.phase("validate"):
         entries: list[Entry] = []
@@ -136,13 +137,37 @@ def load(
 
     bytes_read = 0
     verified = 0
+    received = 0
     bad: list[tuple[str, str]] = []
+    sees = set(man.files)
+    remote: list[Entry] = []
+    if per_node(path):  # node-local files: this rank reads what its node holds, the rest is sent
+        from .remote import files_needed
+
+        sees = {f for f in man.files if storage.exists(storage.join(ckpt, f))}
+        remote = [e for e in entries if e.layout.numel and not files_needed(man, e.key) <= sees]
+        entries = [e for e in entries if not (e.layout.numel and not files_needed(man, e.key) <= sees)]
     try:
         with ph.phase("read"):
-            bytes_read, verified, bad = _read_all(entries, man, storage, ckpt, verify, progress, comm.rank, comm.world)
+            try:
+                bytes_read, verified, bad = _read_all(entries, man, storage, ckpt, verify, progress, comm.rank, comm.world)
+            except Exception as e:
+                err = e
+            if per_node(path):
+                with ph.phase("exchange"):
+                    from .remote import load_remote
+
+                    def read_for_peers(proxies):
+                        return _read_all(proxies, man, storage, ckpt, verify, None, comm.rank, comm.world)
+
+                    b2, v2, bad2, received, e2 = load_remote(comm, remote, man, sees, read_for_peers, bucket_bytes)
+                    bytes_read, verified, bad = bytes_read + b2, verified + v2, bad + bad2
+                    err = err or e2
+            if err is not None:
+                raise err
         if verify == "full":
             with ph.phase("verify"):
-                b2, v2, bad2 = _verify_share(man, storage, ckpt, comm, {e.key for e in entries if e.layout.is_full})
+                b2, v2, bad2 = _verify_share(man, storage, ckpt, comm, {e.key for e in entries if e.layout.is_full}, sees)
                 bytes_read += b2
                 verified += v2
                 bad += bad2
@@ -164,12 +189,49 @@ def load(
         verified=verified,
         missing=missing,
         phases=dict(ph.seconds),
+        received=received,
     )
     log.info(
-        "rank %d loaded %d tensors from %s: read %s in %.2f s (%.2f GB/s), %d checksums verified",
+        "rank %d loaded %d tensors from %s: read %s in %.2f s (%.2f GB/s), %d checksums verified%s",
         comm.rank, res.tensors, ckpt, human_bytes(bytes_read), res.seconds, res.gbps, verified,
+        f", received {human_bytes(received)} from peers" if received else "",
     )
     return res
+
+
+def _find(comm: Comm, storage, p: str, node_local: bool) -> tuple[str, Manifest]:
+    """Resolve the checkpoint and share its manifest. Shared storage: rank 0 resolves. Node
+    storage: every rank resolves in its node's directory; the lowest rank that found it
+    sends the manifest, and every rank uses the same checkpoint name under its own root."""
+    err: BaseException | None = None
+    found, rel, mbytes = False, "", b""
+    if comm.rank == 0 or node_local:
+        try:
+            ckpt = _commit.resolve(storage, p)
+            rel = "" if ckpt == p else storage.basename(ckpt)
+            mbytes = storage.read_bytes(storage.join(ckpt, MANIFEST_NAME), MANIFEST_LIMIT)
+            found = True
+        except (UnickptError, OSError) as e:
+            err = e
+    if node_local:
+        flags = [b == b"1" for b in comm.all_gather_bytes(b"1" if found else b"0")]
+        src = flags.index(True) if any(flags) else 0
+        comm.agree(err if comm.rank == src else None, "load (finding the checkpoint on any node)")
+    else:
+        src = 0
+        comm.agree(err, "load (finding the checkpoint)")
+    blob = comm.broadcast_bytes(rel.encode() + b"\0" + mbytes if comm.rank == src else None, src=src)
+    rel_b, _, mbytes = blob.partition(b"\0")
+    rel = rel_b.decode()
+    ckpt = storage.join(p, rel) if rel else p
+    err = None
+    man = None
+    try:
+        man = Manifest.from_json(mbytes, storage.join(ckpt, MANIFEST_NAME))
+    except UnickptError as e:
+        err = e
+    comm.agree(err, "load (reading the manifest)")
+    return ckpt, man
 
 
 def _validate(entries: list[Entry], man: Manifest, ckpt: str, strict: bool) -> tuple[list[Entry], list[str]]:
@@ -525,12 +587,22 @@ def _read_windowed(reader, base: int, runs: Runs, isz: int, dest: torch.Tensor, 
         i = j
 
 
-def _verify_share(man: Manifest, storage, ckpt, comm: Comm, already: set) -> tuple[int, int, list]:
-    """verify="full": tensors are dealt to ranks by size; each checks its share whole."""
+def _verify_share(man: Manifest, storage, ckpt, comm: Comm, already: set, sees: set | None = None) -> tuple[int, int, list]:
+    """verify="full": tensors are dealt to ranks (that see their file) by size; each checks its
+    share whole."""
+    import json
+
     loads = [0] * comm.world
     mine: list[TensorEntry] = []
+    if sees is None or sees == set(man.files):
+        sees_all = [set(man.files)] * comm.world
+    else:
+        sees_all = [set(json.loads(b)) for b in comm.all_gather_bytes(json.dumps(sorted(sees)).encode())]
     for t in sorted(man.tensors.values(), key=lambda t: (-t.nbytes, t.role, t.name)):
-        r = min(range(comm.world), key=lambda k: (loads[k], k))
+        if t.codec == "from_model":
+            continue
+        cands = [k for k in range(comm.world) if t.file in sees_all[k]] or list(range(comm.world))
+        r = min(cands, key=lambda k: (loads[k], k))
         loads[r] += t.nbytes
         if r == comm.rank and t.key not in already:
             mine.append(t)

@@ -30,7 +30,7 @@ from .compress import EXCEPTION_WARN, Compression, encode_chunk, prepare
 from .manifest import INDEX_NAME, MANIFEST_NAME, FileEntry, Manifest, Part, TensorEntry
 from .plan import SavePlan, Step, decode_summary, encode_summary, extents_of, make_plan, summary_digest
 from .state import Entry, _is_json, flatten
-from .storage import Storage, storage_for
+from .storage import Storage, per_node, storage_for
 from .transport import Comm, node_id
 
 __all__ = ["save", "SaveResult"]
@@ -191,7 +191,13 @@ def save_entries(
     token = comm.broadcast_bytes(_commit.new_token().encode() if comm.rank == 0 else None).decode()
     parent, name = storage.parent(final), storage.basename(final)
     tmp = storage.join(parent, _commit.tmp_name(name, token))
-    if comm.rank == 0:
+    # node-local storage ({node} in the path): the first rank of every node manages that
+    # node's directory (its own copy of the manifest lists every node's files); else rank 0
+    if per_node(path):
+        dir_rank = plan.nodes.index(plan.nodes[comm.rank]) == comm.rank
+    else:
+        dir_rank = comm.rank == 0
+    if dir_rank:
         try:
             _commit.require_parent(storage, final)
             _commit.check_destination(storage, final, overwrite)
@@ -232,21 +238,35 @@ def save_entries(
         comm.agree(err, "save (writing)")
         with ph.phase("commit"):
             reports = [json.loads(r) for r in comm.all_gather_bytes(json.dumps(result).encode())]
+            blob = b""
             if comm.rank == 0:
                 try:
                     man = _manifest(plan, reports, step, json_state, dict(extra or {}), dict(strategy or {}), dropped, comp)
-                    idx = man.hf_index()
+                    blob = man.to_json()
+                except Exception as e:
+                    err = e
+            comm.agree(err, "save (manifest)")
+            if per_node(path):
+                blob = comm.broadcast_bytes(blob if comm.rank == 0 else None)
+            if dir_rank:
+                try:
+                    idx = Manifest.from_json(blob, MANIFEST_NAME).hf_index()
                     if idx is not None:
                         storage.write_bytes(storage.join(tmp, INDEX_NAME), idx)
                     for n, text in (extra_files or {}).items():
                         storage.write_bytes(storage.join(tmp, n), text.encode())
-                    storage.write_bytes(storage.join(tmp, MANIFEST_NAME), man.to_json())
+                    storage.write_bytes(storage.join(tmp, MANIFEST_NAME), blob)
+                except Exception as e:
+                    err = e
+            comm.agree(err, "save (writing the manifest)")
+            if dir_rank:  # manifests are everywhere: now every node's directory commits
+                try:
                     _commit.publish(storage, tmp, final)
                 except Exception as e:
                     err = e
             comm.agree(err, "save (commit)")
     except BaseException:
-        if comm.rank == 0:
+        if dir_rank:
             storage.remove_tree(tmp)
         raise
 

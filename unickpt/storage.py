@@ -75,9 +75,30 @@ class Storage(Protocol):
     def close(self) -> None: ...
 
 
-def storage_for(path: str | os.PathLike) -> tuple["Storage", str]:
-    """The storage for ``path`` and the path in that storage's terms."""
+NODE = "{node}"
+
+
+def per_node(path: str | os.PathLike) -> bool:
+    """True when ``path`` names node-local storage: it contains ``{node}``."""
+    return NODE in os.fspath(path)
+
+
+def expand_node(path: str | os.PathLike) -> str:
+    """``{node}`` replaced by this process's node identity (see :func:`unickpt.transport.node_id`)."""
+    from .transport import node_id
+
     p = os.fspath(path)
+    if NODE not in p:
+        return p
+    n = node_id()
+    if not n or "/" in n or n in (".", "..") or "\0" in n:
+        raise ValueError(f"node identity {n!r} cannot name a directory (set UNICKPT_NODE_ID)")
+    return p.replace(NODE, n)
+
+
+def storage_for(path: str | os.PathLike) -> tuple["Storage", str]:
+    """The storage for ``path`` and the path in that storage's terms (``{node}`` expanded)."""
+    p = expand_node(path)
     if "://" in p:
         scheme, rest = p.split("://", 1)
         if scheme == "file":

@@ -29,11 +29,14 @@ _SIDE_GROUPS: dict[int, object] = {}
 
 def node_id() -> str:
     """Identity of the node this process runs on: ``UNICKPT_NODE_ID``, else the launcher's
-    node rank (``GROUP_RANK`` under torchrun), else the host name."""
-    for var in ("UNICKPT_NODE_ID", "GROUP_RANK"):
+    node rank (``GROUP_RANK`` under torchrun, ``SLURM_NODEID`` under srun), else the host name."""
+    v = os.environ.get("UNICKPT_NODE_ID")
+    if v:
+        return v
+    for var in ("GROUP_RANK", "SLURM_NODEID"):
         v = os.environ.get(var)
         if v:
-            return v if var == "UNICKPT_NODE_ID" else f"node{v}"
+            return f"node{v}"
     return socket.gethostname()
 
 

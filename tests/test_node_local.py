@@ -1,0 +1,160 @@
+"""Node-local storage: ``{node}`` paths, and loads where ranks cannot read each other's disks.
+
+Nodes are simulated on one machine with ``UNICKPT_NODE_ID``; each node's directory is
+``ROOT/<node>/ck``. Every rank process refuses (by a patched file reader) to open anything
+outside its own node's directory, so a load can only succeed through the send/recv plan.
+
+Saved on 2 nodes x 2 ranks (TP 2 x ZeRO 2), O0 and O1 + residual masters; loaded on
+4 nodes x 1 rank (two nodes hold nothing), 2 x 1, 2 nodes with 2 + 1 ranks, and on one node
+(x 2, x 3) after the node directories were gathered onto it. O0 loads are bit-exact, O1 loads
+equal the single-process dequantization.
+"""
+
+import os
+import shutil
+
+import pytest
+
+import unickpt
+from tests import dist
+from tests.layouts import assert_same, build, zeros_like_full
+from tests.test_quant_matrix import expected, reference_q
+
+CONFIGS = {"o0": {}, "o1": dict(quant="O1", master="residual")}
+
+
+def _as_node(root: str, node: str) -> None:
+    """Make this process node ``node``: it may open files only under ROOT/<node>/."""
+    import unickpt.storage as st
+
+    os.environ["UNICKPT_NODE_ID"] = node
+    mine = os.path.join(root, node) + os.sep
+    orig = st._Reader.__init__
+
+    def guarded(self, path):
+        if not os.path.abspath(path).startswith(mine):
+            raise AssertionError(f"node {node} opened {path}, on another node's disk")
+        orig(self, path)
+
+    st._Reader.__init__ = guarded
+
+
+def _save(rank, world, root):
+    _as_node(root, f"n{rank // 2}")
+    ref = reference_q()
+    for cfg, kw in CONFIGS.items():
+        sd = build("tp2zero2", ref, rank, world)
+        sd["step"] = 7
+        r = unickpt.save(sd, os.path.join(root, "{node}", f"ck-{cfg}"), step=7, bucket_bytes=4096, **kw)
+    return r.files
+
+
+def _load(rank, world, root, nodes, layout):
+    _as_node(root, nodes[rank])
+    ref = reference_q()
+    out = []
+    for cfg, kw in CONFIGS.items():
+        path = os.path.join(root, "{node}", f"ck-{cfg}")
+        target = build(layout, zeros_like_full(ref), rank, world)
+        target["step"] = -1
+        res = unickpt.load(target, path, bucket_bytes=2048, verify="full")
+        assert target.pop("step") == 7 and res.step == 7
+        if cfg == "o0":
+            want = ref
+        else:
+            _, man = unickpt.read_manifest(os.path.join(root, nodes[0], f"ck-{cfg}"))
+            dropped = {n for (r, n), t in man.tensors.items() if r == "master" and t.codec == "from_model"}
+            want = expected(ref, "O1", dropped)
+        assert_same(target, build(layout, want, rank, world), f"{cfg} -> {layout} on {nodes} (rank {rank})")
+        out.append(res.received)
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("nodes"))
+    for n in ("n0", "n1"):
+        os.makedirs(os.path.join(root, n))
+    dist.run(_save, 4, root)
+    return root
+
+
+def test_each_node_holds_its_own_files_and_a_full_manifest(saved):
+    files = {}
+    for n in ("n0", "n1"):
+        for cfg in CONFIGS:
+            d = os.path.join(saved, n, f"ck-{cfg}")
+            assert os.path.exists(os.path.join(d, "unickpt.json")), d
+            _, man = unickpt.read_manifest(d)
+            here = {f for f in os.listdir(d) if f.endswith(".safetensors")}
+            assert here == {f for f, e in man.files.items() if e.node == n}, (n, cfg)
+            assert here, (n, cfg)
+            files.setdefault(cfg, set()).update(here)
+            assert files[cfg] <= set(man.files)
+    for cfg in CONFIGS:
+        assert files[cfg] == set(unickpt.read_manifest(os.path.join(saved, "n0", f"ck-{cfg}"))[1].files)
+
+
+@pytest.mark.parametrize(
+    "nodes,layout",
+    [(["n0", "n1", "n2", "n3"], "zero4"), (["n0", "n1"], "tpcol2"), (["n0", "n0", "n1"], "zero3"),
+     (["n1", "n0"], "dtensor2")],
+    ids=["4x1", "2x1", "2+1", "2x1-swapped"],
+)
+def test_loads_across_nodes_exchange_pieces(saved, nodes, layout):
+    out = dist.run(_load, len(nodes), saved, nodes, layout)
+    assert all(any(x) for x in zip(*out)), out  # some rank received pieces, for every config
+
+
+@pytest.mark.parametrize("world,layout", [(2, "tprow2"), (3, "tpcol3")], ids=["1x2", "1x3"])
+def test_one_node_after_gathering_the_files(saved, tmp_path, world, layout):
+    root = str(tmp_path)
+    for cfg in CONFIGS:
+        dst = os.path.join(root, "all", f"ck-{cfg}")
+        shutil.copytree(os.path.join(saved, "n0", f"ck-{cfg}"), dst)
+        src1 = os.path.join(saved, "n1", f"ck-{cfg}")
+        for f in os.listdir(src1):
+            if f.endswith(".safetensors"):
+                shutil.copy(os.path.join(src1, f), dst)
+    out = dist.run(_load, world, root, ["all"] * world, layout)
+    assert not any(x for o in out for x in o)  # everything local: no exchange
+
+
+def _load_missing(rank, world, root):
+    _as_node(root, f"n{rank}")
+    target = build("zero2", zeros_like_full(reference_q()), rank, world)
+    try:
+        unickpt.load(target, os.path.join(root, "{node}", "ck-o0"))
+    except unickpt.errors.UnickptError as e:
+        return str(e)
+    return None
+
+
+def test_a_file_no_rank_can_see_is_named(saved, tmp_path):
+    root = str(tmp_path)
+    shutil.copytree(os.path.join(saved, "n0"), os.path.join(root, "n0"))
+    os.makedirs(os.path.join(root, "n1"))  # node n1 lost its disk
+    msgs = dist.run(_load_missing, 2, root)
+    assert all(m and "cannot be read by any rank" in m and "n1" in m for m in msgs), msgs
+
+
+def _train_on_nodes(rank, world, root, nodes, stage, tp, steps, save_at, resume):
+    from tests.test_trainer import _train
+
+    _as_node(root, nodes[rank])
+    return _train(rank, world, stage, tp, steps, os.path.join(root, "{node}", "run"), save_at, resume)[0]
+
+
+def test_trainer_resumes_from_node_local_checkpoints(tmp_path):
+    """ZeRO-2 on 2 nodes x 2 ranks stops at step 3; TP 2 x ZeRO-1 on 4 nodes x 1 rank (two of
+    them without any file) resumes and matches the uninterrupted run."""
+    from tests.test_trainer import STEPS, STOP, _close, _train
+
+    root = str(tmp_path)
+    for n in ("n0", "n1", "n2", "n3"):
+        os.makedirs(os.path.join(root, n))
+    first = dist.run(_train_on_nodes, 4, root, ["n0", "n0", "n1", "n1"], 2, 1, STOP, STOP, False)[0]
+    assert sorted(os.listdir(os.path.join(root, "n1", "run"))) == [f"step-{STOP:08d}"]
+    rest = dist.run(_train_on_nodes, 4, root, ["n0", "n1", "n2", "n3"], 1, 2, 6, None, True)[0]
+    full = dist.run(_train, 4, 2, 1, STEPS)[0][0]
+    _close(first + rest, full)
