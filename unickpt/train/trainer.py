@@ -143,9 +143,10 @@ class Trainer:
         self.units = self._build_units()
         self.history: list[dict] = []
         self._pending: unickpt.AsyncSave | None = None
+        self._dir_rank = self._manages_directory(checkpoint.dir) if checkpoint is not None else False
         if checkpoint is not None:
             self._sweep(checkpoint.dir)
-        if resume == "auto" and checkpoint is not None and unickpt.latest(checkpoint.dir):
+        if resume == "auto" and checkpoint is not None and self._any_rank(unickpt.latest(checkpoint.dir) is not None):
             self.load(checkpoint.dir)
 
     # -- setup ------------------------------------------------------------------------------
@@ -319,13 +320,30 @@ class Trainer:
         blocking = self._pending_block + h.staging_wait_seconds  # the save() call + waiting for staging
         self._after_save(res, blocking, h.total_seconds or (time.perf_counter() - self._pending_t0))
 
+    def _manages_directory(self, root: str) -> bool:
+        """Rank 0; with node-local storage ({node} in the path) the first rank of each node."""
+        from unickpt.storage import per_node
+        from unickpt.transport import Comm, node_id
+
+        if not per_node(root):
+            return self.mesh.rank == 0
+        nodes = Comm(None).all_gather_bytes(node_id().encode())
+        return nodes.index(nodes[self.mesh.rank]) == self.mesh.rank
+
+    def _any_rank(self, flag: bool) -> bool:
+        if self.mesh.world == 1:
+            return flag
+        t = torch.tensor([int(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
     def _after_save(self, res, blocking: float, total: float) -> None:
-        if self.mesh.rank == 0:
+        if self._dir_rank:
             if self.ckpt.keep:
                 from unickpt.commit import committed_steps
-                from unickpt.storage import LocalStorage
+                from unickpt.storage import LocalStorage, expand_node
 
-                for _, old in committed_steps(LocalStorage(), self.ckpt.dir)[: -self.ckpt.keep]:
+                for _, old in committed_steps(LocalStorage(), expand_node(self.ckpt.dir))[: -self.ckpt.keep]:
                     if os.path.abspath(old) != os.path.abspath(res.path):  # never the one just saved
                         LocalStorage().remove_tree(old)
         self._emit({"event": "save", "step": res.step, "blocking_s": blocking, "total_s": total, "bytes": res.bytes})
@@ -335,8 +353,10 @@ class Trainer:
         segments of dead processes (every rank)."""
         from unickpt.async_save import sweep_segments
 
+        from unickpt.storage import expand_node
+
         sweep_segments()
-        if self.mesh.rank == 0 and os.path.isdir(root):
+        if self._dir_rank and os.path.isdir(expand_node(root)):
             for p in unickpt.sweep(root):
                 log.info("removed %s, left by an interrupted save", p)
         if self.mesh.world > 1:
@@ -346,7 +366,7 @@ class Trainer:
         """Restore the whole training state from ``path`` (saved under any strategy)."""
         t0 = time.perf_counter()
         sd = self.state_dict()
-        ckpt, man = unickpt.read_manifest(path)
+        ckpt, man = unickpt.read_manifest(path, group="world" if self.mesh.world > 1 else None)
         tr = man.state.get("trainer", {})
         want = {"global_batch": self.global_batch, "seq_len": self.data.seq_len, "data_seed": self.data.seed}
         got = {k: tr.get(k) for k in want}
