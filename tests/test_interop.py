@@ -66,3 +66,55 @@ def test_fsdp2_to_tensor_parallel_and_to_a_plain_model(tmp_path):
     unickpt.load(sd, os.path.join(root, "fsdp"))
     for k, v in want.items():
         assert torch.equal(plain.state_dict()[k], torch.tensor(v)), k
+
+
+def _trainer_and_fsdp2(rank, world, root):
+    """The validation trainer (ZeRO-2 x 2) saves; an FSDP2 (fully_shard) Llama of the same
+    config loads its weights (names mapped module -> HF by ``Llama.hf_params``), changes them
+    and saves; a TP-2 trainer loads those; its pieces, saved again, equal the FSDP2 weights."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from unickpt.train import LlamaConfig, ParallelConfig, TextData, Trainer, UnifiedCheckpoint
+    from unickpt.train.model import Llama
+
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    data = TextData(seq_len=16, max_bytes=1 << 18)
+    t = Trainer(cfg, data, parallel=ParallelConfig(zero_stage=2), checkpoint=UnifiedCheckpoint(dir=os.path.join(root, "tr")),
+                global_batch=4, micro_batch=2)
+    t.fit(2)
+    t.save()
+    full = {k: torch.zeros(v.layout.shape) for k, v in t.state_dict()["model"].items()}
+    unickpt.load({"model": full}, os.path.join(root, "tr"), group=unickpt.transport.LOCAL)
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = Llama(cfg)
+    for blk in model.layers:
+        fully_shard(blk, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    by_param = {id(p): hf for hf, p, _, _ in model.hf_params()}
+    hf = {fqn: by_param[id(p)] for fqn, p in model.named_parameters()}
+    msd = get_model_state_dict(model)
+    assert set(hf) == set(msd)
+    unickpt.load({"model": {hf[k]: v for k, v in msd.items()}}, os.path.join(root, "tr"))
+    set_model_state_dict(model, msd)
+    ok_in = all(torch.equal(p.full_tensor(), full[hf[k]]) for k, p in model.named_parameters())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-2.0)
+    msd = get_model_state_dict(model)
+    unickpt.save({"model": {hf[k]: v for k, v in msd.items()}}, os.path.join(root, "fsdp"))
+
+    t2 = Trainer(cfg, data, parallel=ParallelConfig(tp=2), global_batch=4, micro_batch=2)
+    pieces = t2.state_dict()["model"]
+    unickpt.load({"model": pieces}, os.path.join(root, "fsdp"))
+    unickpt.save({"model": pieces}, os.path.join(root, "tp-again"))
+    back = {k: torch.zeros(v.shape) for k, v in full.items()}
+    unickpt.load({"model": back}, os.path.join(root, "tp-again"), group=unickpt.transport.LOCAL)
+    ok_out = all(torch.equal(back[k], full[k] * -2.0) for k in full)
+    return ok_in, ok_out
+
+
+def test_trainer_layouts_and_fsdp2_reshard_both_ways(tmp_path):
+    assert dist.run(_trainer_and_fsdp2, 2, str(tmp_path)) == [(True, True)] * 2
