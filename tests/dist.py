@@ -30,7 +30,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world, port, args, q, env):
+def _worker(fn, rank, world, port, args, q, env, backend="gloo"):
     os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -38,8 +38,10 @@ def _worker(fn, rank, world, port, args, q, env):
 
     torch.set_num_threads(1)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(0)
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
         )
         out = fn(rank, world, *args)
         q.put((rank, True, out))
@@ -53,13 +55,15 @@ def _worker(fn, rank, world, port, args, q, env):
             pass
 
 
-def run(fn: Callable, world: int, *args: Any, timeout: float = 180, env: dict | None = None) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` processes; return the results by rank."""
+def run(fn: Callable, world: int, *args: Any, timeout: float = 180, env: dict | None = None,
+        backend: str = "gloo") -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` processes; return the results by rank.
+    ``backend="nccl"``: every rank on GPU 0 (one GPU: world 1 only)."""
     ctx = _ctx()
     q = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world, port, args, q, dict(env or {})))
+        ctx.Process(target=_worker, args=(fn, r, world, port, args, q, dict(env or {}), backend))
         for r in range(world)
     ]
     for p in procs:

@@ -260,14 +260,14 @@ def _residual_local(master: Entry, model: Entry) -> tuple[torch.Tensor, np.ndarr
         hb = src[off : off + flat.numel()]
     res = _c.split_master(flat, hb)
     low = res.low.view(loc.shape)
-    li = res.exc_index.numpy()
+    li = res.exc_index.cpu().numpy()
     if len(li):  # local element -> global element, through the runs
         locals_ = runs.local
         k = np.searchsorted(locals_, li, side="right") - 1
         gi = runs.starts[k] + (li - locals_[k])
     else:
         gi = np.zeros(0, np.int64)
-    return low, gi.astype(np.int64), res.exc_bits.numpy().astype(np.int32)
+    return low, gi.astype(np.int64), res.exc_bits.cpu().numpy().astype(np.int32)
 
 
 def encode_chunk(tag: dict, x: torch.Tensor, start: int) -> list[tuple[str, int, torch.Tensor]]:

@@ -218,15 +218,18 @@ class Llama(nn.Module):
             block, _ = tp_block(init_full(name, shape, seed, self.cfg), dim, self.tp)
             p.copy_(block)
 
-    def rope(self, t: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._rope is None or self._rope[0] < t or self._rope[1] != dtype:
+    def rope(self, t: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin tables (computed on the CPU, identical on every device), cached per device."""
+        device = torch.device(device)
+        r = self._rope
+        if r is None or r[0] < t or r[1] != dtype or r[2].device != device:
             cos, sin = rope_cache(self.cfg, max(t, 16), dtype)
-            self._rope = (max(t, 16), dtype, cos, sin)
+            self._rope = (max(t, 16), dtype, cos.to(device), sin.to(device))
         return self._rope[2][:t], self._rope[3][:t]
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(tokens)
-        cos, sin = self.rope(tokens.shape[1], x.dtype)
+        cos, sin = self.rope(tokens.shape[1], x.dtype, x.device)
         for blk in self.layers:
             x = blk(x, cos, sin)
         return self.lm_head(self.norm(x))

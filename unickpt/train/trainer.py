@@ -179,7 +179,7 @@ class Trainer:
     def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
         m, u = self.model, self.units
         x = zero3_apply(u.embed, m.embed_tokens, tokens)
-        cos, sin = m.rope(tokens.shape[1], self.dtype)
+        cos, sin = m.rope(tokens.shape[1], self.dtype, self.device)
         for blk, unit in zip(m.layers, u.layers):
             x = zero3_apply(unit, lambda h, blk=blk: blk(h, cos, sin), x)
         return zero3_apply(u.head, lambda h: m.lm_head(m.norm(h)), x)

@@ -1,0 +1,135 @@
+"""Async save of GPU-resident state: blocking time against the pinned device-to-host floor
+and DCP, one process, one GPU (run on a CUDA machine).
+
+    python bench/cuda_async.py [--gb 2.0] [--repeats 3] [--dir PATH]
+
+State: fp32 weights + Adam exp_avg + exp_avg_sq of a GPT-like shape list on ``cuda:0``.
+Figures are medians over ``--repeats`` rounds (after one warm-up save of each kind):
+
+  floor        copy of every tensor into an already-allocated pinned host buffer of the
+               same size (non_blocking, then synchronize): the least a save can block.
+  unickpt      ``unickpt.save(..., async_save=True)`` call (copies into its reused
+               shared-memory staging buffer, registered as pinned memory).
+  unickpt O1   the same with ``quant="O1"`` (quantization runs in the writer process: the
+               call should cost the same).
+  dcp          ``dcp.async_save`` (thread checkpointer, ``DefaultStager`` with pinned and
+               shared memory): call + ``staging_completion`` when the API returns one.
+  durable      call to committed, unickpt (``h.wait()``) and DCP (``result()``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+import unickpt
+
+
+def shapes(gb: float, hidden: int = 2048):
+    per_layer = 12 * hidden * hidden
+    n_layers = max(1, int(gb * 2**30 / 12 / per_layer))  # 3 fp32 tensors per parameter
+    out = [(50304, hidden)]
+    for _ in range(n_layers):
+        out += [(3 * hidden, hidden), (hidden, hidden), (4 * hidden, hidden), (hidden, 4 * hidden), (hidden,), (hidden,)]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gb", type=float, default=2.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dir", default=None)
+    args = ap.parse_args()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    dev = torch.device("cuda:0")
+    sh = shapes(args.gb)
+    state = {"model": {}, "optimizer": {"exp_avg": {}, "exp_avg_sq": {}}}
+    for i, s in enumerate(sh):
+        state["model"][f"t{i}"] = torch.randn(s, device=dev)
+        state["optimizer"]["exp_avg"][f"t{i}"] = torch.randn(s, device=dev) * 1e-3
+        state["optimizer"]["exp_avg_sq"][f"t{i}"] = torch.rand(s, device=dev) * 1e-6
+    tensors = [t for d in (state["model"], state["optimizer"]["exp_avg"], state["optimizer"]["exp_avg_sq"]) for t in d.values()]
+    nbytes = sum(t.numel() * 4 for t in tensors)
+    root = args.dir or tempfile.mkdtemp(prefix="unickpt-cuda-")
+    pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+
+    def floor():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for p, t in zip(pinned, tensors):
+            p.copy_(t, non_blocking=True)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def ours(i, **kw):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        h = unickpt.save(state, os.path.join(root, f"u{i}-{kw.get('quant', 'O0')}"), async_save=True, **kw)
+        blocking = time.perf_counter() - t0
+        h.wait()
+        return blocking, time.perf_counter() - t0
+
+    dcp_note = ""
+
+    def dcp(i):
+        import torch.distributed.checkpoint as dcp_
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        try:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            stager = DefaultStager(StagingOptions(True, True, True, True))
+            resp = dcp_.async_save(state, storage_writer=FileSystemWriter(os.path.join(root, f"d{i}"), sync_files=True),
+                                   async_stager=stager)
+        except (ImportError, TypeError):
+            resp = dcp_.async_save(state, storage_writer=FileSystemWriter(os.path.join(root, f"d{i}"), sync_files=True))
+        staging = getattr(resp, "staging_completion", None)
+        if staging is not None:
+            staging.result()
+        blocking = time.perf_counter() - t0
+        (resp.upload_completion if hasattr(resp, "upload_completion") else resp).result()
+        return blocking, time.perf_counter() - t0
+
+    floor()
+    ours(-1)
+    ours(-2, quant="O1")
+    try:
+        dcp(-1)
+    except Exception as e:  # report, do not hide
+        dcp_note = f"DCP async_save failed: {type(e).__name__}: {e}"
+    rows: dict[str, list] = {"floor": [], "unickpt": [], "unickpt O1": [], "dcp": []}
+    for i in range(args.repeats):
+        rows["floor"].append((floor(), 0.0))
+        rows["unickpt"].append(ours(i))
+        rows["unickpt O1"].append(ours(i, quant="O1"))
+        if not dcp_note:
+            rows["dcp"].append(dcp(i))
+        for d in os.listdir(root):
+            shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+    med = {k: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)) for k, v in rows.items() if v}
+    print(f"GPU state {nbytes / 1e9:.2f} GB ({torch.cuda.get_device_name(0)}), medians of {args.repeats}")
+    print(f"{'':<12}{'blocking s':>12}{'GB/s':>8}{'x floor':>9}{'x DCP':>8}{'durable s':>11}")
+    f = med["floor"][0]
+    for k, (b, d) in med.items():
+        xd = f"{b / med['dcp'][0]:.2f}" if "dcp" in med else "-"
+        print(f"{k:<12}{b:>12.3f}{nbytes / b / 1e9:>8.2f}{b / f:>9.2f}{xd:>8}{(f'{d:.2f}' if d else '-'):>11}")
+    if dcp_note:
+        print(dcp_note)
+    if not args.dir:
+        shutil.rmtree(root, ignore_errors=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""CUDA paths (skipped without a GPU; run on a GPU machine): device tensors saved and loaded
+(device-to-host per range, host-to-device on load), async staging into pinned shared memory,
+an NCCL group (pieces travel on its gloo side group), compression of device state, and the
+trainer on ``cuda``."""
+
+import os
+
+import pytest
+import torch
+
+import unickpt
+from tests import dist
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _state(device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    master = {"w": torch.randn(257, 96, generator=g), "b": torch.randn(96, generator=g)}
+    return {
+        "model": {k: v.to(torch.bfloat16).to(device) for k, v in master.items()},
+        "master": {k: v.to(device) for k, v in master.items()},
+        "optimizer": {"exp_avg": {k: (torch.randn(v.shape, generator=g) * 1e-3).to(device) for k, v in master.items()},
+                      "exp_avg_sq": {k: (torch.rand(v.shape, generator=g) * 1e-6).to(device) for k, v in master.items()}},
+        "trainer": {"step": 3},
+    }
+
+
+def _zeros(sd, device):
+    return {r: ({k: ({n: torch.zeros_like(t, device=device) for n, t in v.items()} if isinstance(v, dict)
+                     else torch.zeros_like(v, device=device)) for k, v in d.items()} if isinstance(d, dict) and r != "trainer" else {"step": 0})
+            for r, d in sd.items()}
+
+
+def _same(a, b):
+    for r in ("model", "master"):
+        for k in a[r]:
+            assert torch.equal(a[r][k].cpu(), b[r][k].cpu()), (r, k)
+    for m in ("exp_avg", "exp_avg_sq"):
+        for k in a["optimizer"][m]:
+            assert torch.equal(a["optimizer"][m][k].cpu(), b["optimizer"][m][k].cpu()), (m, k)
+
+
+def test_device_state_round_trip_sync_async_and_compressed(tmp_path):
+    sd = _state("cuda")
+    unickpt.save(sd, tmp_path / "sync")
+    h = unickpt.save(sd, tmp_path / "async", async_save=True)
+    for t in sd["master"].values():  # mutate on the device right after the call: staged already
+        t.add_(1.0)
+    h.wait()
+    sd = _state("cuda")  # the values both saves saw
+    for name in ("sync", "async"):
+        got = _zeros(sd, "cuda")
+        unickpt.load(got, tmp_path / name, verify="full")
+        _same(got, sd)
+        assert got["trainer"]["step"] == 3
+    cpu = _zeros(sd, "cpu")
+    unickpt.load(cpu, tmp_path / "async")
+    _same(cpu, sd)
+    # compressed, from device tensors: same bytes as from host copies of them
+    unickpt.save(sd, tmp_path / "q-dev", quant="O1", master="residual", zstd=3)
+    host = {r: ({k: ({n: t.cpu() for n, t in v.items()} if isinstance(v, dict) else v.cpu()) for k, v in d.items()}
+                if r != "trainer" else d) for r, d in sd.items()}
+    unickpt.save(host, tmp_path / "q-host", quant="O1", master="residual", zstd=3)
+    a, b = _zeros(sd, "cuda"), _zeros(sd, "cpu")
+    unickpt.load(a, tmp_path / "q-dev", verify="full")
+    unickpt.load(b, tmp_path / "q-host", verify="full")
+    _same(a, b)
+    assert all(torch.equal(a["master"][k].cpu(), sd["master"][k].cpu()) for k in sd["master"])
+
+
+def _nccl_job(rank, world, root):
+    import torch.distributed as dist_
+
+    assert dist_.get_backend() == "nccl"
+    sd = _state("cuda")
+    unickpt.save(sd, os.path.join(root, "nccl"), step=1)
+    h = unickpt.save(sd, os.path.join(root, "nccl-async"), step=2, async_save=True, quant="O2")
+    h.wait()
+    got = _zeros(sd, "cuda")
+    unickpt.load(got, os.path.join(root, "nccl"))
+    _same(got, sd)
+    got2 = _zeros(sd, "cuda")
+    unickpt.load(got2, os.path.join(root, "nccl-async"))
+    return True
+
+
+def test_nccl_group_uses_a_gloo_side_group(tmp_path):
+    assert dist.run(_nccl_job, 1, str(tmp_path), backend="nccl") == [True]
+
+
+def _gloo_two_ranks_on_one_gpu(rank, world, root):
+    """Two ranks, device pieces on the same GPU (gloo moves host copies): ZeRO-style halves
+    saved, then loaded as the other halves."""
+    full = torch.arange(10_000, dtype=torch.float32).reshape(100, 100)
+    lay = unickpt.partition_flat([(100, 100)], world, rank)[0][1]
+    local = full.reshape(-1)[lay.flat[0] : lay.flat[1]].clone().cuda()
+    unickpt.save({"model": {"w": unickpt.ShardedTensor(local, lay)}}, os.path.join(root, "g"))
+    other = unickpt.partition_flat([(100, 100)], world, 1 - rank)[0][1]
+    target = torch.zeros(other.numel, device="cuda")
+    unickpt.load({"model": {"w": unickpt.ShardedTensor(target, other)}}, os.path.join(root, "g"))
+    return bool(torch.equal(target.cpu(), full.reshape(-1)[other.flat[0] : other.flat[1]]))
+
+
+def test_two_ranks_with_device_pieces(tmp_path):
+    assert dist.run(_gloo_two_ranks_on_one_gpu, 2, str(tmp_path)) == [True, True]
+
+
+def _cuda_trainer(rank, world, ckpt, steps, resume):
+    from unickpt.train import LlamaConfig, OptimConfig, TextData, Trainer, UnifiedCheckpoint
+
+    t = Trainer(
+        LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4),
+        TextData(seq_len=32, max_bytes=1 << 20, seed=1),
+        optim=OptimConfig(lr=1e-2, warmup=2, total_steps=6),
+        checkpoint=UnifiedCheckpoint(dir=ckpt, every=3, async_save=True, quant="O1", master="residual") if ckpt else None,
+        global_batch=8, micro_batch=4, dtype="bf16", device="cuda:0", resume="auto" if resume else None,
+    )
+    return [r["loss"] for r in t.fit(steps)]
+
+
+def test_trainer_on_cuda_with_async_quantized_checkpoints(tmp_path):
+    d = str(tmp_path / "ck")
+    first = dist.run(_cuda_trainer, 1, d, 3, False, backend="nccl")[0]
+    rest = dist.run(_cuda_trainer, 1, d, 6, True, backend="nccl")[0]
+    full = dist.run(_cuda_trainer, 1, None, 6, False, backend="nccl")[0]
+    assert first == full[:3]
+    for a, b in zip(rest, full[3:]):
+        assert abs(a - b) <= 0.05 * abs(b), (rest, full)
