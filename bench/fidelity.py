@@ -17,6 +17,7 @@ the uninterrupted run. Targets (issue): O1 <= 0.1 % relative eval-loss drift, O2
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import tempfile
 
@@ -64,7 +65,13 @@ def main() -> None:
     mid = args.steps // 2
     cycles = [args.steps * k // 6 for k in range(1, 6)]
     base_train, base_eval = run(args, root, "base", [], None)
-    print(f"uninterrupted: {args.steps} steps, train loss (last 10) {base_train:.5f}, eval loss {base_eval:.5f}")
+    from unickpt.train.model import param_specs
+
+    cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3 // 16 * 16,
+                      num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=4)
+    n = sum(math.prod(s) for _, s, _ in param_specs(cfg))
+    print(f"uninterrupted: {n / 1e6:.2f} M parameters, {args.steps} steps, train loss (last 10) {base_train:.5f}, "
+          f"eval loss {base_eval:.5f}")
     print(f"{'resume':<26}{'train loss':>12}{'delta':>10}{'eval loss':>12}{'delta':>10}  target")
     cases = [
         ("O0 at midpoint", [mid], dict(master="residual"), None),
