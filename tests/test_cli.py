@@ -55,3 +55,19 @@ def test_verify_ok_then_corrupted(tmp_path):
 def test_not_a_checkpoint(tmp_path):
     r = _cli("inspect", str(tmp_path / "nope"))
     assert r.returncode == 2 and "CheckpointNotFoundError" in r.stderr
+
+
+def test_inspect_and_verify_a_compressed_checkpoint(tmp_path):
+    w = torch.randn(64, 48)
+    sd = {"model": {"w": w.bfloat16()}, "master": {"w": w},
+          "optimizer": {"exp_avg": {"w": torch.randn(64, 48)}, "exp_avg_sq": {"w": torch.rand(64, 48)}}}
+    unickpt.save(sd, tmp_path / "ck", quant="O2", master="residual", zstd=5)
+    info = json.loads(_cli("inspect", str(tmp_path / "ck"), "--json").stdout)
+    assert info["compression"]["quant"] == "O2" and info["compression"]["zstd"] == 5
+    assert info["codecs"] == {"q4_rinv": 1, "q4_sym": 1, "raw": 1, "residual16": 1}
+    assert {f["container"] for f in info["files"].values() if f["role"] != "model"} == {"zstd"}
+    assert sum(info["bytes_by_role"].values()) == sum(os.path.getsize(tmp_path / "ck" / f) for f in info["files"])
+    text = _cli("inspect", str(tmp_path / "ck"), "--tensors").stdout
+    assert "compression  quant O2, master residual, zstd 5" in text and "[q4_sym]" in text
+    r = _cli("verify", str(tmp_path / "ck"))
+    assert r.returncode == 0, r.stderr

@@ -13,6 +13,7 @@ equal the single-process dequantization.
 import os
 import shutil
 
+import numpy as np
 import pytest
 
 import unickpt
@@ -158,3 +159,47 @@ def test_trainer_resumes_from_node_local_checkpoints(tmp_path):
     rest = dist.run(_train_on_nodes, 4, root, ["n0", "n1", "n2", "n3"], 1, 2, 6, None, True)[0]
     full = dist.run(_train, 4, 2, 1, STEPS)[0][0]
     _close(first + rest, full)
+
+
+def test_remote_chunks_are_cut_only_where_checksummed_ranges_start():
+    from unickpt.layout import Layout
+    from unickpt.remote import _chunks
+
+    full = Layout.full((1000,))
+    bounds = np.array([0, 300, 600])
+    assert _chunks(full, bounds, 4, 400) == [(0, 300), (300, 600), (600, 1000)]  # ranges stay whole
+    assert _chunks(full, bounds, 4, 2400) == [(0, 600), (600, 1000)]
+    assert _chunks(full, bounds, 4, 1 << 20) == [(0, 1000)]
+    col = Layout((10, 100), (0, 50), (10, 50))  # column block: boundary 300 = row 3, col 0 -> local 150
+    assert _chunks(col, bounds, 4, 400) == [(0, 150), (150, 300), (300, 500)]
+
+
+def _load_corrupt(rank, world, root):
+    from tests.layouts import full
+
+    _as_node(root, f"n{rank}")
+    target = full(zeros_like_full(reference_q()), rank, world)  # every rank reads every tensor whole
+    try:
+        unickpt.load(target, os.path.join(root, "{node}", "ck-o0"), bucket_bytes=4096)
+    except unickpt.errors.UnickptError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def test_a_corrupted_byte_on_another_node_is_detected(saved, tmp_path):
+    """The rank that reads for a peer verifies what it sends: a flipped byte in node n1's
+    file fails the load on every rank (verify="auto"; ranks on n0 and n2 get n1's tensors
+    from the rank on n1)."""
+    root = str(tmp_path)
+    for n in ("n0", "n1"):
+        shutil.copytree(os.path.join(saved, n), os.path.join(root, n))
+    _, man = unickpt.read_manifest(os.path.join(root, "n1", "ck-o0"))
+    t = next(t for t in man.tensors.values() if man.files[t.file].node == "n1" and t.nbytes > 64)
+    with open(os.path.join(root, "n1", "ck-o0", t.file), "r+b") as f:
+        f.seek(man.files[t.file].data_start + t.begin + 17)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 1]))
+    msgs = dist.run(_load_corrupt, 3, root)
+    assert all(m and "checksum" in m.lower() for m in msgs), msgs
+    assert any(t.name in m for m in msgs), (t.name, msgs)

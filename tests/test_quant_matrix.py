@@ -30,7 +30,7 @@ def reference_q():
     master = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
     # ties: the low half exactly 0x8000, half of them needing an exception
     flat = master["embed.weight"].view(-1).view(torch.int32)
-    flat[::7] = (flat[::7] & ~0xFFFF) | 0x8000
+    flat[::97] = (flat[::97] & ~0xFFFF) | 0x8000
     model = {k: v.to(torch.bfloat16) for k, v in master.items()}
     model["counter"] = torch.arange(13, dtype=torch.int64)
     m = {k: torch.randn(s, generator=g) * 10.0 ** torch.randint(-6, 0, (), generator=g).item() for k, s in shapes.items()}
@@ -177,3 +177,19 @@ def test_corrupted_scales_are_detected(saved, tmp_path):
     with pytest.raises(unickpt.errors.ChecksumError, match="exp_avg_sq.head.weight"):
         unickpt.load(target, dst)
 
+
+
+def test_residual_falls_back_to_full_where_the_model_is_not_the_bf16_master(tmp_path):
+    """Unrelated bf16 weights would make half the elements exceptions: that master is stored
+    in full (with a warning), the others as residuals; every master loads bit-exact."""
+    g = torch.Generator().manual_seed(3)
+    master = {"a": torch.randn(64, 32, generator=g), "b": torch.randn(64, 32, generator=g)}
+    model = {"a": master["a"].bfloat16(), "b": torch.randn(64, 32, generator=g).bfloat16()}
+    with pytest.warns(UserWarning, match="not the bf16 rounding"):
+        unickpt.save({"model": model, "master": master}, tmp_path / "ck", master="residual")
+    _, man = unickpt.read_manifest(tmp_path / "ck")
+    assert man.tensors[("master", "a")].codec == "residual16"
+    assert man.tensors[("master", "b")].codec == "raw"
+    got = {"master": {k: torch.zeros_like(v) for k, v in master.items()}}
+    unickpt.load(got, tmp_path / "ck", verify="full")
+    assert all(torch.equal(got["master"][k], master[k]) for k in master)

@@ -300,7 +300,8 @@ def test_sweep_removes_only_temporaries(tmp_path):
 def test_hostile_compressed_manifests_are_refused(tmp_path):
     """Codec arguments, parts, residual exceptions and zstd frames are validated before a byte
     of tensor data is read; a frame that does not decompress is a FormatError."""
-    sd = {"model": {"w": torch.randn(40, 20).bfloat16()}, "master": {"w": torch.randn(40, 20)},
+    w = torch.randn(40, 20)
+    sd = {"model": {"w": w.bfloat16()}, "master": {"w": w},
           "optimizer": {"exp_avg": {"w": torch.randn(40, 20)}, "exp_avg_sq": {"w": torch.rand(40, 20)}}}
     p = tmp_path / "ck"
     unickpt.save(sd, p, quant="O2", master="residual", zstd=3)
@@ -321,6 +322,8 @@ def test_hostile_compressed_manifests_are_refused(tmp_path):
     cases = [
         (lambda m: m["tensors"]["optimizer"]["exp_avg.w"].__setitem__("codec", "q3_magic"), "unknown codec"),
         (lambda m: m["tensors"]["optimizer"]["exp_avg.w"]["codec_args"].__setitem__("group", 7), "even"),
+        (lambda m: m["tensors"]["optimizer"]["exp_avg.w"]["codec_args"].__setitem__("group", 1 << 40), "even"),
+        (lambda m: m["files"][opt]["frames"].append(list(m["files"][opt]["frames"][-1])), "frame"),
         (lambda m: m["tensors"]["optimizer"]["exp_avg_sq.w"]["codec_args"].__setitem__("eps", -1.0), "eps"),
         (lambda m: m["tensors"]["optimizer"]["exp_avg.w"]["parts"].pop("scales"), "parts"),
         (lambda m: m["tensors"]["optimizer"]["exp_avg.w"]["parts"]["codes"].__setitem__("shape", [10**9]), "needs"),
@@ -342,3 +345,28 @@ def test_hostile_compressed_manifests_are_refused(tmp_path):
     f.write_bytes(bytes(data))
     with pytest.raises((FormatError, ChecksumError)):
         unickpt.load(target(), p)
+
+
+def test_zstd_frames_are_bounded_by_the_stored_file():
+    """Frames may not share stored bytes (a tiny file could otherwise claim a huge logical
+    size), and a frame never decompresses past its declared length."""
+    import zstandard
+
+    from unickpt.container import ZstdReader, check_frames
+
+    with pytest.raises(FormatError, match="overlap"):
+        check_frames([[0, 10, 0, 10, 0], [10, 20, 0, 10, 0]], 20, 10, "f")
+    bomb = zstandard.ZstdCompressor().compress(bytes(64 << 20))  # 64 MiB of zeros, a few KiB stored
+
+    class Inner:
+        path, size, bytes_read = "f", len(bomb), 0
+
+        def readinto(self, off, out):
+            out[:] = bomb[off : off + len(out)]
+
+        def close(self):
+            pass
+
+    r = ZstdReader(Inner(), [[0, 4096, 0, len(bomb), 1]], 4096, len(bomb))
+    with pytest.raises(FormatError, match="expected 4096"):
+        r.readinto(0, memoryview(bytearray(16)))

@@ -15,6 +15,13 @@ from .loader import read_manifest
 from .manifest import Manifest
 
 
+def _codec_counts(man: Manifest) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for t in man.tensors.values():
+        out[t.codec] = out.get(t.codec, 0) + 1
+    return dict(sorted(out.items()))
+
+
 def _inspect(args) -> int:
     ckpt, man = read_manifest(args.path)
     roles: dict[str, int] = {}
@@ -29,7 +36,10 @@ def _inspect(args) -> int:
         "tensors_by_role": roles,
         "bytes": man.total_bytes,
         "bytes_by_role": man.bytes_by_role(),
-        "files": {n: {"role": f.role, "node": f.node, "writer": f.writer, "size": f.size} for n, f in man.files.items()},
+        "files": {n: {"role": f.role, "node": f.node, "writer": f.writer, "size": f.size, "stored": f.stored,
+                      "container": f.container} for n, f in man.files.items()},
+        "compression": man.compression,
+        "codecs": _codec_counts(man),
         "saved_by": man.saved_by,
         "extra": man.extra,
     }
@@ -45,7 +55,8 @@ def _inspect(args) -> int:
     print(f"size         {human_bytes(man.total_bytes)} in {len(man.files)} files, {len(man.tensors)} tensors")
     if man.compression:
         c = man.compression
-        print(f"compression  quant {c.get('quant') or 'O0'}, master {c.get('master', 'full')}, zstd {c.get('zstd') or 'off'}")
+        print(f"compression  quant {c.get('quant') or 'O0'}, master {c.get('master', 'full')}, zstd {c.get('zstd') or 'off'}; "
+              + ", ".join(f"{k} x{n}" for k, n in info["codecs"].items()))
     for role, n in man.bytes_by_role().items():
         print(f"  {role:<11}{human_bytes(n):>12}  {roles.get(role, 0)} tensors")
     if args.tensors:

@@ -38,6 +38,7 @@ QUANT_CODECS = ("q8_sym", "q8_rinv", "q4_sym", "q4_rinv")
 MASTER_CODECS = ("residual16", "from_model")
 _FLOAT = ("F32", "BF16", "F16", "F64")
 EXCEPTION_WARN = 1 / 4096  # residual exceptions beyond this fraction: the model is not bf16(master)
+EXCEPTION_LIMIT = 1 / 64  # beyond this fraction on any rank the master is stored in full instead
 
 
 @dataclass(frozen=True)
@@ -72,8 +73,8 @@ class Compression:
             raise ValueError(f"zstd must be None or a level 1..22, got {self.zstd!r}")
         if not (isinstance(self.eps, (int, float)) and math.isfinite(self.eps) and self.eps > 0):
             raise ValueError(f"eps must be a finite number > 0, got {self.eps!r}")
-        if type(self.block) is not int or self.block < 2 or self.block % 2:
-            raise ValueError(f"block must be an even integer >= 2, got {self.block!r}")
+        if type(self.block) is not int or not 2 <= self.block <= 1 << 20 or self.block % 2:
+            raise ValueError(f"block must be an even integer in 2..2^20, got {self.block!r}")
 
     @property
     def bits(self) -> int | None:
@@ -218,26 +219,44 @@ def prepare(entries: list[Entry], comp: Compression, gather_json) -> tuple[list[
             stacklevel=3,
         )
     out, exceptions, dropped = [], {}, {}
-    for e in entries:
-        if e.role != "master" or e.name not in chosen:
-            out.append(e)
-            continue
-        if e.name not in cand:  # another rank holds it; this rank has no piece worth keeping
-            if e.local.numel():
-                raise StateDictError(f"master {e.name!r}: ranks disagree on whether it can be {comp.master}")
-        if comp.master == "drop":
-            dropped[e.key] = (dtype_name(e.local.dtype), list(e.layout.shape), e.name)
-            continue
-        low, idx, bits = _residual_local(e, models[e.name])
-        exceptions[e.key] = (idx, bits)
-        out.append(Entry(e.role, e.name, low, e.layout))
-        tags[e.key] = {"codec": "residual16", "model": e.name}
     if comp.master == "drop":
+        for e in entries:
+            if e.role == "master" and e.name in chosen:
+                dropped[e.key] = (dtype_name(e.local.dtype), list(e.layout.shape), e.name)
         # every rank must list every dropped tensor, also those it holds no piece of
         agreed = gather_json({"d": [[k[0], k[1], *v] for k, v in dropped.items()]})
         for x in agreed:
             for role, name, dt, shape, model in x["d"]:
                 dropped[(role, name)] = (dt, shape, model)
+        return [e for e in entries if e.key not in dropped], tags, {}, dropped
+    # residual: split locally; a failure must not skip the collective below (peers would hang)
+    split: dict[str, tuple] = {}
+    error: BaseException | None = None
+    try:
+        for e in entries:
+            if e.role == "master" and e.name in chosen and e.name in cand:
+                split[e.name] = _residual_local(e, models[e.name])
+    except Exception as ex:
+        error = ex
+    excess = sorted(n for n, (_, gi, _) in split.items() if len(gi) > max(16, cand[n].layout.numel * EXCEPTION_LIMIT))
+    everyone = gather_json({"excess": excess})
+    if error is not None:
+        raise error
+    too_many = set().union(*(set(x["excess"]) for x in everyone))
+    if too_many:
+        warnings.warn(
+            f"master='residual': {len(too_many)} master tensor(s) are not the bf16 rounding of their model weights "
+            f"(more than 1/64 of the elements would be exceptions), stored in full: {sorted(too_many)[:5]}",
+            stacklevel=3,
+        )
+    for e in entries:
+        if e.role != "master" or e.name not in chosen or e.name in too_many:
+            out.append(e)
+            continue
+        low, idx, bits = split[e.name]  # chosen and held here: eligible here (else refused above)
+        exceptions[e.key] = (idx, bits)
+        out.append(Entry(e.role, e.name, low, e.layout))
+        tags[e.key] = {"codec": "residual16", "model": e.name}
     return out, tags, exceptions, dropped
 
 
@@ -250,7 +269,7 @@ def _residual_local(master: Entry, model: Entry) -> tuple[torch.Tensor, np.ndarr
     src = model.local.detach().contiguous().reshape(-1)
     off = _model_offset(model.layout, master.layout)
     if off == -1 and len(runs) > 1:
-        hb = torch.empty(flat.numel(), dtype=torch.bfloat16)
+        hb = torch.empty(flat.numel(), dtype=torch.bfloat16, device=src.device)
         for g, n, lo in zip(runs.starts.tolist(), runs.lengths.tolist(), runs.local.tolist()):
             hb[lo : lo + n] = src[g : g + n]
     elif off == -1:

@@ -15,7 +15,9 @@ appended to the file as they come.
 from __future__ import annotations
 
 import bisect
+import io
 import threading
+from collections import OrderedDict
 
 import zstandard
 
@@ -66,7 +68,9 @@ class ZstdWriter:
 
 
 def check_frames(frames, size: int, stored: int, where: str) -> list[tuple[int, int, int, int, int]]:
-    """Validate a manifest frame list: tiles ``[0, size)``, inside ``stored`` bytes, bounded."""
+    """Validate a manifest frame list: tiles ``[0, size)`` logically, frames bounded, and
+    their stored ranges tile ``[0, stored)`` without overlap (so the logical size is bounded
+    by what the file really holds: at most FRAME_MAX per stored frame)."""
     out = []
     pos = 0
     if not isinstance(frames, list):
@@ -83,6 +87,13 @@ def check_frames(frames, size: int, stored: int, where: str) -> list[tuple[int, 
         pos = e
     if pos != size:
         raise FormatError(f"{where}: frames cover {pos} of {size} logical bytes")
+    spos = 0
+    for _, _, off, n, _ in sorted(out, key=lambda f: f[2]):
+        if off != spos:
+            raise FormatError(f"{where}: stored frames overlap or leave a gap at byte {spos} of {stored}")
+        spos = off + n
+    if spos != stored:
+        raise FormatError(f"{where}: stored frames cover {spos} of {stored} bytes")
     return out
 
 
@@ -97,29 +108,45 @@ class ZstdReader:
         self.frames = check_frames(frames, size, stored, inner.path)
         self.starts = [f[0] for f in self.frames]
         self.size = size
-        self._local = threading.local()  # last decompressed frame, per thread (sequential small reads)
+        self._local = threading.local()  # a few decompressed frames, per thread (codes and scales alternate)
 
     @property
     def bytes_read(self) -> int:
         return self.inner.bytes_read
 
+    CACHE = 4
+
     def _frame(self, i: int) -> memoryview:
         cache = getattr(self._local, "c", None)
-        if cache is not None and cache[0] == i:
-            return cache[1]
+        if cache is None:
+            cache = self._local.c = OrderedDict()
+        if i in cache:
+            cache.move_to_end(i)
+            return cache[i]
         b, e, off, n, z = self.frames[i]
         buf = bytearray(n)
         self.inner.readinto(off, memoryview(buf))
         if z:
+            # never trust the frame's own content size: read at most one byte more than expected
             try:
-                data = zstandard.ZstdDecompressor().decompress(bytes(buf), max_output_size=e - b)
+                parts, want = [], e - b + 1
+                with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(buf)) as r:
+                    while want > 0:
+                        chunk = r.read(want)
+                        if not chunk:
+                            break
+                        parts.append(chunk)
+                        want -= len(chunk)
+                data = b"".join(parts)
             except zstandard.ZstdError as err:
                 raise FormatError(f"{self.path}: frame at logical byte {b} does not decompress ({err})") from None
             if len(data) != e - b:
-                raise FormatError(f"{self.path}: frame at logical byte {b} holds {len(data)} bytes, expected {e - b}")
+                raise FormatError(f"{self.path}: frame at logical byte {b} holds {len(data)}+ bytes, expected {e - b}")
             buf = data
         mv = memoryview(buf)
-        self._local.c = (i, mv)
+        cache[i] = mv
+        if len(cache) > self.CACHE:
+            cache.popitem(last=False)
         return mv
 
     def readinto(self, offset: int, out: memoryview) -> None:

@@ -117,6 +117,8 @@ def load(
     """
     if verify not in ("auto", "full", "none"):
         raise ValueError(f"verify must be 'auto', 'full' or 'none', got {verify!r}")
+    if type(bucket_bytes) is not int or bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
     comm = Comm(group)
     ph = Phases()
     storage, p = storage_for(path)
@@ -147,37 +149,37 @@ def load(
         sees = {f for f in man.files if storage.exists(storage.join(ckpt, f))}
         remote = [e for e in entries if e.layout.numel and not files_needed(man, e.key) <= sees]
         entries = [e for e in entries if not (e.layout.numel and not files_needed(man, e.key) <= sees)]
-    try:
-        with ph.phase("read"):
+    node_local = per_node(path)
+    with ph.phase("read"):
+        try:
+            bytes_read, verified, bad = _read_all(entries, man, storage, ckpt, verify, progress, comm.rank, comm.world)
+        except Exception as e:  # agreed below: every rank raises, none waits alone
+            err = e
+        if node_local:  # collective, also for a rank whose own reads failed
+            with ph.phase("exchange"):
+                from .remote import load_remote
+
+                def read_for_peers(proxies):
+                    return _read_all(proxies, man, storage, ckpt, verify, None, comm.rank, comm.world)
+
+                b2, v2, bad2, received, e2 = load_remote(comm, remote, man, sees, read_for_peers, bucket_bytes)
+                bytes_read, verified, bad = bytes_read + b2, verified + v2, bad + bad2
+                err = err or e2
+    comm.agree(err, "load (reading)")
+    if verify == "full":
+        with ph.phase("verify"):
             try:
-                bytes_read, verified, bad = _read_all(entries, man, storage, ckpt, verify, progress, comm.rank, comm.world)
-            except Exception as e:
-                err = e
-            if per_node(path):
-                with ph.phase("exchange"):
-                    from .remote import load_remote
-
-                    def read_for_peers(proxies):
-                        return _read_all(proxies, man, storage, ckpt, verify, None, comm.rank, comm.world)
-
-                    b2, v2, bad2, received, e2 = load_remote(comm, remote, man, sees, read_for_peers, bucket_bytes)
-                    bytes_read, verified, bad = bytes_read + b2, verified + v2, bad + bad2
-                    err = err or e2
-            if err is not None:
-                raise err
-        if verify == "full":
-            with ph.phase("verify"):
-                b2, v2, bad2 = _verify_share(man, storage, ckpt, comm, {e.key for e in entries if e.layout.is_full}, sees)
+                b2, v2, bad2 = _verify_share(man, storage, ckpt, comm, {e.key for e in entries if e.layout.is_full},
+                                             sees if node_local else None)
                 bytes_read += b2
                 verified += v2
                 bad += bad2
-        if bad:
-            raise ChecksumError(
-                "checksum mismatch: " + "; ".join(f"tensor {n!r} in {f}" for f, n in bad), bad
-            )
-    except Exception as e:  # agreed: every rank raises, none waits alone
-        err = e
-    comm.agree(err, "load (reading)")
+            except Exception as e:
+                err = e
+        comm.agree(err, "load (verifying)")
+    if bad:
+        err = ChecksumError("checksum mismatch: " + "; ".join(f"tensor {n!r} in {f}" for f, n in bad), bad)
+    comm.agree(err, "load (checksums)")
     apply_json_state(state_dict, man.state)
     res = LoadResult(
         path=ckpt,
@@ -358,6 +360,8 @@ def _read_all(entries, man: Manifest, storage, ckpt, verify, progress, rank=0, w
                 counts["bytes"] += e.layout.numel * e.local.element_size()
                 if progress is not None:
                     progress(counts["bytes"], total)
+                continue
+            if e.layout.numel == 0:  # nothing to read (its file may not even be on this node)
                 continue
             reader = files.get(st.file)
             base = man.files[st.file].data_start + st.begin
@@ -594,9 +598,9 @@ def _verify_share(man: Manifest, storage, ckpt, comm: Comm, already: set, sees: 
 
     loads = [0] * comm.world
     mine: list[TensorEntry] = []
-    if sees is None or sees == set(man.files):
+    if sees is None:  # shared storage: every rank sees every file
         sees_all = [set(man.files)] * comm.world
-    else:
+    else:  # node-local: every rank takes part, whatever it sees
         sees_all = [set(json.loads(b)) for b in comm.all_gather_bytes(json.dumps(sorted(sees)).encode())]
     for t in sorted(man.tensors.values(), key=lambda t: (-t.nbytes, t.role, t.name)):
         if t.codec == "from_model":

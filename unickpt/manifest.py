@@ -25,6 +25,7 @@ INDEX_NAME = "model.safetensors.index.json"
 MANIFEST_LIMIT = 1 << 30
 CODECS = ("raw", "q8_sym", "q8_rinv", "q4_sym", "q4_rinv", "residual16", "from_model")
 QUANT = ("q8_sym", "q8_rinv", "q4_sym", "q4_rinv")
+MAX_BLOCK = 1 << 20  # largest O2 block a reader accepts (bounds decoding scratch memory)
 
 _FILE = re.compile(r"^[a-z][a-z0-9_]{0,31}-\d{5,}-of-\d{5,}\.safetensors$")
 _ROLE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
@@ -255,9 +256,15 @@ def _parts(t: dict, codec: str, args: dict, dtype: str, shape: tuple[int, ...], 
 
     n = math.prod(shape)
     if codec in QUANT:
+        from .codecs import group_size
+
         g = args.get("group")
-        if type(g) is not int or g < 1 or (codec.startswith("q4") and g % 2):
-            raise FormatError(f"{w}: codec {codec} needs an integer group >= 1 (even for 4 bits), got {g!r}")
+        if codec.startswith("q8"):
+            ok = g == group_size(shape, 8)  # one row (2048 for 1-D): fixed by the shape
+        else:
+            ok = type(g) is int and 2 <= g <= MAX_BLOCK and g % 2 == 0
+        if type(g) is not int or not ok:
+            raise FormatError(f"{w}: codec {codec} needs group {group_size(shape, 8) if codec.startswith('q8') else 'even, 2..' + str(MAX_BLOCK)} for shape {list(shape)}, got {g!r}")
         if codec.endswith("rinv"):
             eps = args.get("eps")
             if not (type(eps) is float and math.isfinite(eps) and eps > 0):

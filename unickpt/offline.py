@@ -89,8 +89,8 @@ class _Writer:
                 w.write_at(0, memoryview(header))
                 for (_, _, _, e, pt), info in zip(stored, infos):
                     self.where.setdefault((e[0], e[1]), (fname, {}))[1][pt] = info
-            order += [e for p in parts for e in p]
-        order += [e for e in entries if (e[0], e[1]) not in self.where]  # from_model
+            order += [e for p in parts for e in p if (e[0], e[1]) in self.where]
+        order += [e for e in entries if (e[0], e[1]) not in self.where]  # from_model: nothing stored
         return order
 
     def _put(self, role, name, part: str, x: torch.Tensor, offset: int = 0) -> None:

@@ -3,7 +3,8 @@
 When each node keeps its files on its own disk (``{node}`` in the path), a rank can only
 read the files its node holds. Every rank announces the targets it cannot read (role, name,
 dtype, layout); every rank then computes the same plan: each missing piece, cut into chunks
-of at most ``bucket_bytes``, is assigned to the least-loaded rank that sees the file(s)
+of at most ``bucket_bytes`` cut where checksummed ranges start (a range longer than the
+bucket travels whole, so it is still verified), is assigned to the least-loaded rank that sees the file(s)
 holding it (a residual or dropped master also needs its model weight's file). Readers load
 each chunk exactly as the requester would (same byte ranges, same decoding of quantized
 state, same checksum checks) and send it; transfers run in steps bounded per reader.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ._copy import as_bytes
@@ -55,6 +57,50 @@ def _sub_layout(lay: Layout, a: int, b: int) -> Layout:
     return Layout(lay.shape, lay.offsets, lay.sizes, (f0 + a, f0 + b), lay.replica)
 
 
+def _boundaries(man: Manifest, key: tuple[str, str]) -> np.ndarray:
+    """Global element indices where a checksummed range of the stored tensor starts (the
+    primary region: raw bytes, codes, low halves, or the model weight of a dropped master)."""
+    st = man.tensors[key]
+    if st.codec == "raw":
+        sums, per = st.checksums, torch_dtype(st.dtype).itemsize
+    elif st.codec == "from_model":
+        m = man.tensors[("model", st.args["model"])]
+        sums, per = m.checksums, torch_dtype(m.dtype).itemsize
+    elif st.codec == "residual16":
+        m = man.tensors[("model", st.args["model"])]
+        low = {b // 2 for b, _, _ in st.parts["low16"].checksums}
+        return np.array(sorted(low | {b // torch_dtype(m.dtype).itemsize for b, _, _ in m.checksums}), dtype=np.int64)
+    else:
+        sums, per = st.parts["codes"].checksums, (1 if st.codec.startswith("q8") else 0.5)
+    return np.array(sorted({int(b / per) for b, _, _ in sums}), dtype=np.int64)
+
+
+def _chunks(lay: Layout, bounds: np.ndarray, isz: int, bucket: int) -> list[tuple[int, int]]:
+    """Local element ranges of ``lay``: cut only where a checksummed range starts (so a
+    reader checks every range the requester would have read whole), merged up to
+    ``bucket`` bytes; a range longer than the bucket stays whole."""
+    n = lay.numel
+    runs = lay.runs()
+    cuts = {0, n}
+    if len(bounds) and len(runs):
+        i = np.searchsorted(runs.starts, bounds, side="right") - 1
+        ok = i >= 0
+        i, b = i[ok], bounds[ok]
+        inside = b < runs.starts[i] + runs.lengths[i]
+        pos = np.where(inside, runs.local[i] + b - runs.starts[i], runs.local[i] + runs.lengths[i])
+        cuts.update(int(p) for p in pos if 0 < p < n)
+    edges = sorted(cuts)
+    out: list[tuple[int, int]] = []
+    start = 0
+    for a, b in zip(edges, edges[1:]):
+        if b - start > max(1, bucket // isz) and a > start:
+            out.append((start, a))
+            start = a
+    if n > start:
+        out.append((start, n))
+    return out
+
+
 def _plan(needs: list[list], sees: list[set[str]], man: Manifest, bucket: int) -> list[_Transfer]:
     world = len(needs)
     load = [0] * world
@@ -71,10 +117,7 @@ def _plan(needs: list[list], sees: list[set[str]], man: Manifest, bucket: int) -
                 missing.append((role, name, sorted(need)))
                 continue
             isz = torch_dtype(dt).itemsize
-            step_elems = max(1, bucket // isz)
-            n = lay.numel
-            for a in range(0, n, step_elems):
-                b = min(n, a + step_elems)
+            for a, b in _chunks(lay, _boundaries(man, (role, name)), isz, bucket):
                 s = min(cands, key=lambda k: (load[k], k))
                 nbytes = (b - a) * isz
                 load[s] += nbytes

@@ -333,7 +333,7 @@ class Trainer:
     def _any_rank(self, flag: bool) -> bool:
         if self.mesh.world == 1:
             return flag
-        t = torch.tensor([int(flag)])
+        t = torch.tensor([int(flag)], device=self.device)  # NCCL reduces device tensors only
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
