@@ -38,7 +38,7 @@ QUANT_CODECS = ("q8_sym", "q8_rinv", "q4_sym", "q4_rinv")
 MASTER_CODECS = ("residual16", "from_model")
 _FLOAT = ("F32", "BF16", "F16", "F64")
 EXCEPTION_WARN = 1 / 4096  # residual exceptions beyond this fraction: the model is not bf16(master)
-EXCEPTION_LIMIT = 1 / 64  # beyond this fraction on any rank the master is stored in full instead
+EXCEPTION_LIMIT = 1 / 1024  # beyond this on any rank: stored in full (ties alone are ~1/2^17; keeps manifests small)
 
 
 @dataclass(frozen=True)
@@ -246,7 +246,7 @@ def prepare(entries: list[Entry], comp: Compression, gather_json) -> tuple[list[
     if too_many:
         warnings.warn(
             f"master='residual': {len(too_many)} master tensor(s) are not the bf16 rounding of their model weights "
-            f"(more than 1/64 of the elements would be exceptions), stored in full: {sorted(too_many)[:5]}",
+            f"(more than 1/1024 of the elements would be exceptions), stored in full: {sorted(too_many)[:5]}",
             stacklevel=3,
         )
     for e in entries:
