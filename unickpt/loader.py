@@ -95,7 +95,8 @@ def load(
     """Fill ``state_dict`` in place from the checkpoint at ``path``; collective over ``group``.
 
     ``path`` is a checkpoint directory, or a root holding ``step-*`` checkpoints (the newest
-    committed one is used). Each target value may be a plain tensor (filled whole), a
+    committed one is used). With ``{node}`` in the path (node-local storage), each rank reads
+    what its node's directory holds and receives the rest from ranks that hold it. Each target value may be a plain tensor (filled whole), a
     :class:`~unickpt.ShardedTensor` or a ``DTensor``; the layout may differ in every way from
     the one that saved (world size, ZeRO ranges, TP blocks, placements). JSON leaves of the
     target are replaced by the saved values.

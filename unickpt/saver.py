@@ -91,6 +91,10 @@ def save(
     Args:
         path: checkpoint directory; built under a hidden temporary sibling and renamed into
             place at commit. Refuses to replace a committed checkpoint unless ``overwrite``.
+            A path containing ``{node}`` names node-local storage: each node writes its files
+            into the path with ``{node}`` replaced by its node id (``UNICKPT_NODE_ID``, the
+            launcher's node rank, or the host name), and every node's directory gets the
+            complete manifest.
         step: recorded in the manifest (``unickpt inspect`` shows it).
         extra: JSON-serialisable state stored in the manifest (scheduler, data position...).
         bucket_bytes: bound on the bytes a writer assembles at once (default 256 MiB).
