@@ -4,10 +4,11 @@ Nodes are simulated on one machine with ``UNICKPT_NODE_ID``; each node's directo
 ``ROOT/<node>/ck``. Every rank process refuses (by a patched file reader) to open anything
 outside its own node's directory, so a load can only succeed through the send/recv plan.
 
-Saved on 2 nodes x 2 ranks (TP 2 x ZeRO 2), O0 and O1 + residual masters; loaded on
+Saved on 2 nodes x 2 ranks (TP 2 x ZeRO 2), O0, O1 + residual masters and O2 + dropped
+masters (rebuilt from model weights that may sit on the other node); loaded on
 4 nodes x 1 rank (two nodes hold nothing), 2 x 1, 2 nodes with 2 + 1 ranks, and on one node
-(x 2, x 3) after the node directories were gathered onto it. O0 loads are bit-exact, O1 loads
-equal the single-process dequantization.
+(x 2, x 3) after the node directories were gathered onto it. O0 loads are bit-exact, O1/O2
+loads equal the single-process dequantization.
 """
 
 import os
@@ -21,7 +22,7 @@ from tests import dist
 from tests.layouts import assert_same, build, zeros_like_full
 from tests.test_quant_matrix import expected, reference_q
 
-CONFIGS = {"o0": {}, "o1": dict(quant="O1", master="residual")}
+CONFIGS = {"o0": {}, "o1": dict(quant="O1", master="residual"), "o2": dict(quant="O2", master="drop")}
 
 
 def _as_node(root: str, node: str) -> None:
@@ -65,7 +66,7 @@ def _load(rank, world, root, nodes, layout):
         else:
             _, man = unickpt.read_manifest(os.path.join(root, nodes[0], f"ck-{cfg}"))
             dropped = {n for (r, n), t in man.tensors.items() if r == "master" and t.codec == "from_model"}
-            want = expected(ref, "O1", dropped)
+            want = expected(ref, kw["quant"], dropped)
         assert_same(target, build(layout, want, rank, world), f"{cfg} -> {layout} on {nodes} (rank {rank})")
         out.append(res.received)
     return out
