@@ -33,7 +33,8 @@ def main() -> None:
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--async-save", action="store_true")
     ap.add_argument("--quant", choices=["O0", "O1", "O2"], default="O0", help="Adam moments: O1 8-bit, O2 4-bit")
-    ap.add_argument("--master", choices=["full", "residual", "drop"], default="full", help="fp32 master weights in checkpoints")
+    ap.add_argument("--master-weights", choices=["full", "residual", "drop"], default="full",
+                    help="fp32 master weights in checkpoints (not --master: torchrun would take it for --master-addr)")
     ap.add_argument("--zstd", type=int, default=None, metavar="LEVEL", help="zstd for optimizer and master files")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--seed", type=int, default=0)
@@ -69,7 +70,7 @@ def main() -> None:
         optim=OptimConfig(lr=args.lr, warmup=max(1, args.steps // 20), total_steps=args.steps),
         checkpoint=UnifiedCheckpoint(
             dir=args.ckpt_dir, every=args.save_every, keep=args.keep, async_save=args.async_save,
-            quant=None if args.quant == "O0" else args.quant, master=args.master, zstd=args.zstd,
+            quant=None if args.quant == "O0" else args.quant, master=args.master_weights, zstd=args.zstd,
         ),
         global_batch=args.global_batch,
         micro_batch=args.micro_batch,
