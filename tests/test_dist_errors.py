@@ -141,3 +141,21 @@ def test_async_bad_state_on_one_rank_raises_everywhere_at_once(tmp_path):
     assert out[1][0] == "StateDictError" and out[0][0] == "DistributedError"
     assert all(w < 10 for _, w in out)
     assert sorted(n for n in os.listdir(tmp_path) if not n.startswith(".")) == ["step-00000001", "step-00000003"]
+
+
+def _bad_dtype_with_compression(rank, world, root, master):
+    x = torch.ones(4, 4, dtype=torch.complex64 if rank == 1 else torch.bfloat16)  # unsupported on rank 1
+    sd = {"model": {"w": x}, "master": {"w": torch.ones(4, 4)}}
+    try:
+        unickpt.save(sd, root, master=master, quant="O1")
+    except UnickptError as e:
+        return type(e).__name__
+    return None
+
+
+def test_a_bad_state_on_one_rank_under_compression_raises_everywhere(tmp_path):
+    """The compression step's collectives stay paired when one rank's state is refused."""
+    for master in ("residual", "drop"):
+        out = dist.run(_bad_dtype_with_compression, 2, str(tmp_path / master), master, timeout=60)
+        assert out[1] == "FormatError" and out[0] in ("DistributedError", "StateDictError"), out
+        assert not os.path.exists(tmp_path / master)

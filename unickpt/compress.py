@@ -186,29 +186,42 @@ def prepare(entries: list[Entry], comp: Compression, gather_json) -> tuple[list[
     from .format import dtype_name
 
     tags: dict[tuple[str, str], dict] = {}
-    for e in entries:
-        t = tag_for(e.role, e.name, dtype_name(e.local.dtype), e.layout.shape, comp)
-        if t is not None:
-            tags[e.key] = t
+    bad: list[str] = []
+    cand: dict[str, Entry] = {}
+    models: dict[str, Entry] = {}
+    error: BaseException | None = None
+    try:  # nothing may skip the collectives below on one rank only: errors wait until after them
+        for e in entries:
+            t = tag_for(e.role, e.name, dtype_name(e.local.dtype), e.layout.shape, comp)
+            if t is not None:
+                tags[e.key] = t
+        if comp.master != "full":
+            models = {e.name: e for e in entries if e.role == "model"}
+            for e in entries:
+                if e.role != "master":
+                    continue
+                m = models.get(e.name)
+                mdt = dtype_name(m.local.dtype) if m is not None else None
+                edt = dtype_name(e.local.dtype)
+                ok = (
+                    m is not None
+                    and m.layout.shape == e.layout.shape
+                    and edt in _FLOAT
+                    and (mdt == "BF16" and edt == "F32" if comp.master == "residual" else mdt in _FLOAT)
+                    and _model_offset(m.layout, e.layout) is not None
+                )
+                (cand.__setitem__(e.name, e) if ok else bad.append(e.name))
+    except Exception as ex:
+        error = ex
     if comp.master == "full":
+        if error is not None:
+            raise error
         return entries, tags, {}, {}
-    models = {e.name: e for e in entries if e.role == "model"}
-    bad, cand = [], {}
-    for e in entries:
-        if e.role != "master":
-            continue
-        m = models.get(e.name)
-        mdt = dtype_name(m.local.dtype) if m is not None else None
-        edt = dtype_name(e.local.dtype)
-        ok = (
-            m is not None
-            and m.layout.shape == e.layout.shape
-            and edt in _FLOAT
-            and (mdt == "BF16" and edt == "F32" if comp.master == "residual" else mdt in _FLOAT)
-            and _model_offset(m.layout, e.layout) is not None
-        )
-        (cand.__setitem__(e.name, e) if ok else bad.append(e.name))
-    everyone = gather_json({"bad": bad, "cand": sorted(cand)})
+    everyone = gather_json({"bad": bad, "cand": sorted(cand), "err": error is not None})
+    if error is not None:
+        raise error
+    if any(x["err"] for x in everyone):  # every rank stops here, so later collectives stay paired
+        raise StateDictError(f"master={comp.master!r}: another rank failed to inspect its state dict")
     refused = set().union(*(set(x["bad"]) for x in everyone))
     chosen = set().union(*(set(x["cand"]) for x in everyone)) - refused
     if refused:
@@ -240,7 +253,7 @@ def prepare(entries: list[Entry], comp: Compression, gather_json) -> tuple[list[
         error = ex
     excess = sorted(n for n, (_, gi, _) in split.items() if len(gi) > max(16, cand[n].layout.numel * EXCEPTION_LIMIT))
     everyone = gather_json({"excess": excess})
-    if error is not None:
+    if error is not None:  # the last collective here: the saver's agreement pairs the rest
         raise error
     too_many = set().union(*(set(x["excess"]) for x in everyone))
     if too_many:
