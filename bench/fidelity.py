@@ -24,7 +24,6 @@ import tempfile
 
 import torch
 
-import unickpt
 from unickpt.train import LlamaConfig, OptimConfig, TextData, Trainer, UnifiedCheckpoint
 
 

@@ -148,16 +148,23 @@ class _Bar:
         self.update(done)
 
 
+def _with_bar(label: str, quiet: bool, fn):
+    """Run ``fn(progress)`` with a progress bar on stderr (none with ``quiet``)."""
+    bar = _Bar(1, label) if not quiet else None
+    try:
+        return fn(bar and bar.progress)
+    finally:
+        if bar:
+            bar.close()
+
+
 def _export(args) -> int:
     from .export import DTYPE_NAMES, export_hf
 
-    bar = _Bar(1, "export") if not args.quiet else None
-    res = export_hf(
+    res = _with_bar("export", args.quiet, lambda progress: export_hf(
         args.src, args.dst, dtype=DTYPE_NAMES[args.dtype] if args.dtype else None,
-        max_shard_bytes=_size(args.max_shard_size), overwrite=args.overwrite, progress=bar and bar.progress,
-    )
-    if bar:
-        bar.close()
+        max_shard_bytes=_size(args.max_shard_size), overwrite=args.overwrite, progress=progress,
+    ))
     print(f"exported {res['tensors']} tensors ({human_bytes(res['bytes'])}) in {res['files']} files to {res['path']} "
           f"in {res['seconds']:.2f} s ({res['gbps']:.2f} GB/s)")
     return 0
@@ -166,14 +173,11 @@ def _export(args) -> int:
 def _reshard(args) -> int:
     from .offline import reshard_offline
 
-    bar = _Bar(1, "reshard") if not args.quiet else None
-    res = reshard_offline(
+    res = _with_bar("reshard", args.quiet, lambda progress: reshard_offline(
         args.src, args.dst, drop_optimizer=args.drop_optimizer, master=args.master, quant=args.quant,
         max_file_bytes=_size(args.max_file_size) if args.max_file_size else None, zstd=args.zstd,
-        overwrite=args.overwrite, progress=bar and bar.progress,
-    )
-    if bar:
-        bar.close()
+        overwrite=args.overwrite, progress=progress,
+    ))
     print(f"wrote {res['tensors']} tensors ({human_bytes(res['bytes'])}, {human_bytes(res['stored_bytes'])} on disk) "
           f"to {res['path']} in {res['seconds']:.2f} s")
     return 0
@@ -182,7 +186,8 @@ def _reshard(args) -> int:
 def _convert(args) -> int:
     from .offline import convert_from_dcp
 
-    res = convert_from_dcp(args.from_dcp, args.dst, overwrite=args.overwrite)
+    res = _with_bar("convert", args.quiet,
+                    lambda progress: convert_from_dcp(args.from_dcp, args.dst, overwrite=args.overwrite, progress=progress))
     print(f"converted {res['tensors']} tensors ({human_bytes(res['bytes'])}) to {res['path']} in {res['seconds']:.2f} s"
           + (f"; skipped {len(res['skipped'])} non-tensor entries" if res["skipped"] else ""))
     return 0
@@ -232,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     pc.add_argument("--from-dcp", required=True, metavar="DCP_DIR")
     pc.add_argument("dst")
     pc.add_argument("--overwrite", action="store_true")
+    pc.add_argument("-q", "--quiet", action="store_true")
     pc.set_defaults(fn=_convert)
     args = p.parse_args(argv)
     try:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -32,7 +31,7 @@ from .errors import StateDictError
 from .layout import Layout
 from .state import Entry
 
-__all__ = ["Compression", "QUANT_CODECS", "PART_LAYOUT", "tag_for", "prepare", "encode_chunk", "parts_of", "decode_range"]
+__all__ = ["Compression", "QUANT_CODECS", "tag_for", "prepare", "encode_chunk", "parts_of", "stored_parts", "decode_range"]
 
 QUANT_CODECS = ("q8_sym", "q8_rinv", "q4_sym", "q4_rinv")
 MASTER_CODECS = ("residual16", "from_model")
@@ -138,9 +137,6 @@ def parts_of(tag: dict, shape: tuple[int, ...]) -> list[tuple[str, str, tuple[in
     cdt = "I8" if codec == "q8_sym" else "U8"
     scales = (ng,) if codec.endswith("sym") else (ng, 2)
     return [("codes", cdt, codes), ("scales", "F32", scales)]
-
-
-PART_LAYOUT = parts_of  # documented name
 
 
 def stored_parts(name: str, dtype: str, shape: tuple[int, ...], tag: dict | None) -> list[tuple[str, str, str, tuple[int, ...]]]:

@@ -8,6 +8,7 @@ tensor byte is read, so a mismatch never half-fills a state dict.
 
 from __future__ import annotations
 
+import json
 import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -73,8 +74,7 @@ def read_manifest(path: str | os.PathLike, *, group=None) -> tuple[str, Manifest
     if group is not None:
         comm = Comm(None if group == "world" else group)
         storage, p = storage_for(path)
-        ckpt, man = _find(comm, storage, p, per_node(path))
-        rel = "" if ckpt == p else storage.basename(ckpt)
+        _, rel, man = _find(comm, storage, p, per_node(path))
         return (os.path.join(os.fspath(path), rel) if rel else os.fspath(path)), man
     storage, p = storage_for(path)
     ckpt = _commit.resolve(storage, p)
@@ -125,8 +125,9 @@ def load(
     storage, p = storage_for(path)
     err: BaseException | None = None
 
+    node_local = per_node(path)
     with ph.phase("manifest"):
-        ckpt, man = _find(comm, storage, p, per_node(path))
+        ckpt, _, man = _find(comm, storage, p, node_local)
 
     with ph.phase("validate"):
         entries: list[Entry] = []
@@ -144,13 +145,14 @@ def load(
     bad: list[tuple[str, str]] = []
     sees = set(man.files)
     remote: list[Entry] = []
-    if per_node(path):  # node-local files: this rank reads what its node holds, the rest is sent
+    if node_local:  # node-local files: this rank reads what its node holds, the rest is sent
         from .remote import files_needed
 
         sees = {f for f in man.files if storage.exists(storage.join(ckpt, f))}
-        remote = [e for e in entries if e.layout.numel and not files_needed(man, e.key) <= sees]
-        entries = [e for e in entries if not (e.layout.numel and not files_needed(man, e.key) <= sees)]
-    node_local = per_node(path)
+        local = []
+        for e in entries:
+            (remote if e.layout.numel and not files_needed(man, e.key) <= sees else local).append(e)
+        entries = local
     with ph.phase("read"):
         try:
             bytes_read, verified, bad = _read_all(entries, man, storage, ckpt, verify, progress, comm.rank, comm.world)
@@ -202,10 +204,11 @@ def load(
     return res
 
 
-def _find(comm: Comm, storage, p: str, node_local: bool) -> tuple[str, Manifest]:
-    """Resolve the checkpoint and share its manifest. Shared storage: rank 0 resolves. Node
-    storage: every rank resolves in its node's directory; the lowest rank that found it
-    sends the manifest, and every rank uses the same checkpoint name under its own root."""
+def _find(comm: Comm, storage, p: str, node_local: bool) -> tuple[str, str, Manifest]:
+    """Resolve the checkpoint and share its manifest: ``(checkpoint path, its name under
+    p or "", manifest)``. Shared storage: rank 0 resolves. Node storage: every rank resolves
+    in its node's directory; the lowest rank that found it sends the manifest, and every
+    rank uses the same checkpoint name under its own root."""
     err: BaseException | None = None
     found, rel, mbytes = False, "", b""
     if comm.rank == 0 or node_local:
@@ -234,7 +237,7 @@ def _find(comm: Comm, storage, p: str, node_local: bool) -> tuple[str, Manifest]
     except UnickptError as e:
         err = e
     comm.agree(err, "load (reading the manifest)")
-    return ckpt, man
+    return ckpt, rel, man
 
 
 def _validate(entries: list[Entry], man: Manifest, ckpt: str, strict: bool) -> tuple[list[Entry], list[str]]:
@@ -308,7 +311,7 @@ def _check_file(reader: RandomReader, man: Manifest, fname: str) -> None:
     if hdr.data_start != fe.data_start:
         raise FormatError(f"{reader.path}: data starts at {hdr.data_start}, the manifest records {fe.data_start}")
     for (role, name), t in man.tensors.items():
-        if t.file != fname or t.codec == "from_model":
+        if t.file != fname:
             continue
         for _, key, dt, shape, b, e, _ in t.stored():
             h = hdr.tensors.get(key)
@@ -491,6 +494,7 @@ def _read_coded(e: Entry, st: TensorEntry, man: Manifest, files: "_Files", verif
         regions.append(("model", man.files[model.file].data_start + model.begin, _StreamCheck(model.checksums)))
     starts, lengths, locs = _split_runs(e.layout.runs(), CODED_WINDOW)
     ends = starts + lengths
+    scratch: dict[str, torch.Tensor] = {}  # per region, reused across windows
     i, n = 0, len(starts)
     while i < n:
         lo = int(starts[i])
@@ -503,7 +507,9 @@ def _read_coded(e: Entry, st: TensorEntry, man: Manifest, files: "_Files", verif
         got = {}
         for p, base, check in regions:
             b, end = ranges[p]
-            buf = torch.empty(end - b, dtype=torch.uint8)
+            if p not in scratch or scratch[p].numel() < end - b:
+                scratch[p] = torch.empty(end - b, dtype=torch.uint8)
+            buf = scratch[p][: end - b]
             if end > b:
                 files.get(model.file if p == "model" else st.file).readinto(base + b, memoryview(buf.numpy()))
             if verify != "none":
@@ -595,8 +601,6 @@ def _read_windowed(reader, base: int, runs: Runs, isz: int, dest: torch.Tensor, 
 def _verify_share(man: Manifest, storage, ckpt, comm: Comm, already: set, sees: set | None = None) -> tuple[int, int, list]:
     """verify="full": tensors are dealt to ranks (that see their file) by size; each checks its
     share whole."""
-    import json
-
     loads = [0] * comm.world
     mine: list[TensorEntry] = []
     if sees is None:  # shared storage: every rank sees every file

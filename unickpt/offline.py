@@ -13,7 +13,7 @@ import datetime as _dt
 import math
 import os
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 

@@ -242,19 +242,19 @@ def save_entries(
         comm.agree(err, "save (writing)")
         with ph.phase("commit"):
             reports = [json.loads(r) for r in comm.all_gather_bytes(json.dumps(result).encode())]
-            blob = b""
+            blob, idx = b"", None
             if comm.rank == 0:
                 try:
                     man = _manifest(plan, reports, step, json_state, dict(extra or {}), dict(strategy or {}), dropped, comp)
-                    blob = man.to_json()
+                    blob, idx = man.to_json(), man.hf_index()
                 except Exception as e:
                     err = e
             comm.agree(err, "save (manifest)")
-            if per_node(path):
+            if per_node(path):  # every node's directory gets the same manifest and index
                 blob = comm.broadcast_bytes(blob if comm.rank == 0 else None)
+                idx = comm.broadcast_bytes((idx or b"") if comm.rank == 0 else None) or None
             if dir_rank:
                 try:
-                    idx = Manifest.from_json(blob, MANIFEST_NAME).hf_index()
                     if idx is not None:
                         storage.write_bytes(storage.join(tmp, INDEX_NAME), idx)
                     for n, text in (extra_files or {}).items():
