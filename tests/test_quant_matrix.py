@@ -193,3 +193,18 @@ def test_residual_falls_back_to_full_where_the_model_is_not_the_bf16_master(tmp_
     got = {"master": {k: torch.zeros_like(v) for k, v in master.items()}}
     unickpt.load(got, tmp_path / "ck", verify="full")
     assert all(torch.equal(got["master"][k], master[k]) for k in master)
+
+
+@pytest.mark.parametrize("quant", ["O1", "O2"])
+def test_empty_scalar_and_odd_sized_moments_round_trip(tmp_path, quant):
+    """Empty tensors, 0-d tensors and sizes not divisible by the group, saved compressed with
+    zstd, load equal to the single-process dequantization."""
+    g = torch.Generator().manual_seed(4)
+    m = {"empty": torch.zeros(0, 5), "scalar": torch.tensor(3.5), "odd": torch.randn(3, 67, generator=g), "vec": torch.randn(131, generator=g)}
+    v = {k: x.abs() * 1e-5 for k, x in m.items()}
+    unickpt.save({"optimizer": {"exp_avg": m, "exp_avg_sq": v}}, tmp_path / "ck", quant=quant, zstd=1)
+    want = expected({"model": {}, "master": {}, "optimizer": {"exp_avg": m, "exp_avg_sq": v}}, quant)
+    got = {"optimizer": {"exp_avg": {k: torch.full_like(x, 7.0) for k, x in m.items()},
+                         "exp_avg_sq": {k: torch.full_like(x, 7.0) for k, x in v.items()}}}
+    unickpt.load(got, tmp_path / "ck", verify="full")
+    assert_same(got, {"optimizer": want["optimizer"]}, quant)

@@ -11,6 +11,7 @@ from typing import Callable, Iterable
 import torch
 
 from .errors import LayoutError, TensorMissingError
+from .format import torch_dtype
 from .layout import Layout, ShardedTensor
 from .loader import load, read_manifest
 from .transport import LOCAL
@@ -68,8 +69,6 @@ def load_for_inference(
     targets: dict[str, ShardedTensor | torch.Tensor] = {}
     for n in names:
         st = man.tensors[("model", n)]
-        from .format import torch_dtype
-
         sdt = torch_dtype(st.dtype)
         dim = tp_dim(n, st.shape) if tp_size and tp_size > 1 else None
         if dim is None:

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .errors import CheckpointNotFoundError, FormatError
+from .errors import CheckpointNotFoundError, DistributedError, FormatError
 
 __all__ = ["Storage", "LocalStorage", "storage_for", "ExtentWriter", "RandomReader"]
 
@@ -92,7 +92,7 @@ def expand_node(path: str | os.PathLike) -> str:
         return p
     n = node_id()
     if not n or "/" in n or n in (".", "..") or "\0" in n:
-        raise ValueError(f"node identity {n!r} cannot name a directory (set UNICKPT_NODE_ID)")
+        raise DistributedError(f"node identity {n!r} cannot name a directory in {p!r} (set UNICKPT_NODE_ID)")
     return p.replace(NODE, n)
 
 
