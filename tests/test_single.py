@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import unickpt
+from tests.crafted import seal, seal_text
 from unickpt.errors import (
     ChecksumError,
     CheckpointExistsError,
@@ -107,10 +108,25 @@ def test_existing_checkpoint_is_never_replaced_silently(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ck"]
 
 
+def _dead_owner(tmp_dir) -> None:
+    """Owner record of a process that has exited, as an interrupted save leaves it."""
+    import json
+    import socket
+    import subprocess
+
+    import psutil
+
+    p = subprocess.Popen(["true"])
+    started = psutil.Process(p.pid).create_time()
+    p.wait()
+    (tmp_dir / ".owner").write_text(json.dumps({"host": socket.gethostname(), "pid": p.pid, "started": started}))
+
+
 def test_uncommitted_checkpoints_are_invisible_and_swept(tmp_path):
     unickpt.save({"model": {"w": torch.ones(3)}}, tmp_path / "step-00000001", step=1)
-    # an interrupted save: data present, no manifest, temporary name
+    # an interrupted save: data present, no manifest, temporary name, its owner gone
     (tmp_path / ".step-00000002.tmp-0123456789abcdef").mkdir()
+    _dead_owner(tmp_path / ".step-00000002.tmp-0123456789abcdef")
     (tmp_path / ".step-00000002.tmp-0123456789abcdef" / "model-00001-of-00001.safetensors").write_bytes(b"x" * 10)
     # a final-looking directory without manifest is not a checkpoint either
     (tmp_path / "step-00000003").mkdir()
@@ -199,17 +215,17 @@ def test_truncated_file_and_hostile_manifest(saved, tmp_path):
     bad = json.loads(json.dumps(man))
     first = next(iter(bad["files"]))
     bad["files"]["../../etc/passwd"] = bad["files"].pop(first)
-    (p / "unickpt.json").write_text(json.dumps(bad))
+    (p / "unickpt.json").write_bytes(seal(bad))
     with pytest.raises(FormatError, match="not a valid checkpoint file name"):
         unickpt.load({"model": {"a": torch.zeros(3, 4)}}, p)
     bad = json.loads(json.dumps(man))
     bad["format_version"] = 99
-    (p / "unickpt.json").write_text(json.dumps(bad))
+    (p / "unickpt.json").write_bytes(seal(bad))
     with pytest.raises(FormatError, match="format_version 99"):
         unickpt.load({"model": {"a": torch.zeros(3, 4)}}, p)
     bad = json.loads(json.dumps(man))
     bad["tensors"]["model"]["a"]["offsets"] = [0, 10**12]
-    (p / "unickpt.json").write_text(json.dumps(bad))
+    (p / "unickpt.json").write_bytes(seal(bad))
     with pytest.raises(FormatError, match="tensor 'a'"):
         unickpt.load({"model": {"a": torch.zeros(3, 4)}}, p)
     (p / "unickpt.json").write_text("{not json")
@@ -223,6 +239,15 @@ def test_hostile_safetensors_header(saved):
     data = bytearray(f.read_bytes())
     data[:8] = struct.pack("<Q", 1 << 40)
     f.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match="header does not match its checksum"):  # damage is caught first
+        unickpt.load({"model": {"a": torch.zeros(3, 4)}}, p)
+    # an attacker rewrites the header checksum too: the parser still refuses the header
+    import xxhash
+
+    man = json.loads((p / "unickpt.json").read_bytes())
+    fe = man["files"]["model-00001-of-00001.safetensors"]
+    fe["header_xxh3"] = xxhash.xxh3_64_hexdigest(bytes(data[: fe["data_start"]]))
+    (p / "unickpt.json").write_bytes(seal(man))
     with pytest.raises(FormatError, match="header length"):
         unickpt.load({"model": {"a": torch.zeros(3, 4)}}, p)
 
@@ -282,7 +307,7 @@ def test_manifest_parser_turns_every_oddity_into_format_errors(saved):
         good.replace('"writer":0', '"writer":"abc"', 1),
     ):
         assert bad != good
-        (p / "unickpt.json").write_text(bad)
+        (p / "unickpt.json").write_bytes(seal_text(bad))
         with pytest.raises(FormatError):
             unickpt.load({"model": {"a": torch.zeros(3, 4)}}, p)
 
@@ -290,11 +315,34 @@ def test_manifest_parser_turns_every_oddity_into_format_errors(saved):
 def test_sweep_removes_only_temporaries(tmp_path):
     unickpt.save({"model": {"w": torch.ones(3)}}, tmp_path / "step-00000001", step=1)
     (tmp_path / ".step-00000002.tmp-0123456789abcdef").mkdir()
+    _dead_owner(tmp_path / ".step-00000002.tmp-0123456789abcdef")
     (tmp_path / ".step-00000001.old-0123456789abcdef").mkdir()
     (tmp_path / "notes").mkdir()
     removed = unickpt.sweep(tmp_path)
     assert len(removed) == 2
     assert sorted(os.listdir(tmp_path)) == ["notes", "step-00000001"]
+
+
+def test_sweep_keeps_temporaries_of_live_or_unknown_owners_until_stale(tmp_path):
+    import json
+    import socket
+    import time
+
+    import psutil
+
+    live = tmp_path / ".step-00000005.tmp-00000000000000aa"
+    live.mkdir()
+    me = psutil.Process()
+    (live / ".owner").write_text(json.dumps({"host": socket.gethostname(), "pid": me.pid, "started": me.create_time()}))
+    unknown = tmp_path / ".step-00000006.tmp-00000000000000bb"  # no owner record (or another host)
+    unknown.mkdir()
+    (unknown / "model-00001-of-00001.safetensors").write_bytes(b"x")
+    assert unickpt.sweep(tmp_path) == []
+    old = time.time() - 7 * 3600
+    for p in (unknown, unknown / "model-00001-of-00001.safetensors"):
+        os.utime(p, (old, old))
+    assert unickpt.sweep(tmp_path) == [str(unknown)]
+    assert live.exists()
 
 
 def test_hostile_compressed_manifests_are_refused(tmp_path):
@@ -334,10 +382,10 @@ def test_hostile_compressed_manifests_are_refused(tmp_path):
         (lambda m: m["files"][opt].__setitem__("stored_size", 10), "frame"),
     ]
     for fn, msg in cases:
-        (p / "unickpt.json").write_text(json.dumps(mutate(fn)))
+        (p / "unickpt.json").write_bytes(seal(mutate(fn)))
         with pytest.raises(FormatError, match=msg):
             unickpt.load(target(), p)
-    (p / "unickpt.json").write_text(json.dumps(good))
+    (p / "unickpt.json").write_bytes(seal(good))
     f = p / opt
     data = bytearray(f.read_bytes())
     z = next(fr for fr in good["files"][opt]["frames"] if fr[4])

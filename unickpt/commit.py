@@ -1,26 +1,62 @@
-"""Atomic commit: a checkpoint is either complete and valid, or invisible.
+"""The write transaction: a directory (checkpoint or exported folder) appears complete or
+not at all, never replaces what it did not mean to, and leaves nothing a sweep can lose.
 
-A save writes into a hidden sibling ``.NAME.tmp-TOKEN``; every data file is fsynced by its
-writer; the coordinator then writes the index and, last, the manifest, fsyncs the
-directory, renames it to ``NAME`` and fsyncs the parent. A directory is a *committed*
-checkpoint iff its name is final and it holds ``unickpt.json``. "Latest" is found by
-scanning ``step-*`` directories, never through a pointer file that could run ahead of
-durable data.
+Call order (one :class:`Transaction` per destination; in a multi-rank save the
+*coordinator* is the rank that manages the directory, every rank builds the object with the
+same ``token`` to learn the temporary path):
+
+=====================  ===========  ====================================================
+call                   who          what holds when it returns
+=====================  ===========  ====================================================
+``begin()``            coordinator  the destination may be written (or
+                                    :class:`CheckpointExistsError`); what it holds now is
+                                    recorded; temporaries of dead owners are swept; the
+                                    hidden ``.NAME.tmp-TOKEN`` exists with an owner record
+``path(name)``         any          where file ``name`` goes; writers create, write and
+                                    fsync their files themselves (``ExtentWriter.close``)
+``put(name, data)``    coordinator  a small file (index, config) is written and fsynced
+``commit(manifest)``   coordinator  under the parent's lock: the destination still holds
+                                    what ``begin`` saw (else :class:`CheckpointExistsError`);
+                                    the manifest is written last and fsynced, the owner
+                                    record removed, the directory fsynced and renamed into
+                                    place (never over another checkpoint), the parent
+                                    fsynced: the new directory is durable and visible. A
+                                    replaced one is gone only once the new one is in place
+``abort()``            coordinator  the temporary is removed (never the destination)
+=====================  ===========  ====================================================
+
+A directory is a *committed* checkpoint iff its name is final and it holds ``unickpt.json``.
+"Latest" is found by scanning ``step-*`` directories, never through a pointer file that
+could run ahead of durable data.
+
+Sweeping (:func:`sweep_stale`, under the same lock as commits) removes a temporary only when
+its owner is provably gone: the owner record names a process of this host that no longer
+runs, or (another host, or no record) nothing in it changed for ``STALE_AFTER`` seconds. A
+checkpoint moved aside by an overwrite that was interrupted between its two renames (stores
+without an atomic exchange) is put back; the newest committed checkpoint is never deleted.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import socket
+import time
 import uuid
 
 from .errors import CheckpointExistsError, CheckpointNotFoundError
 from .manifest import MANIFEST_NAME
 from .storage import Storage
 
-__all__ = ["step_dirname", "tmp_name", "is_committed", "committed_steps", "resolve", "sweep_stale", "publish"]
+__all__ = ["Transaction", "step_dirname", "is_committed", "committed_steps", "resolve", "sweep_stale"]
 
 _STEP = re.compile(r"^step-(\d+)$")
-_TMP = re.compile(r"^\.(.+)\.(tmp|old)-[0-9a-f]{8,32}$")
+_TMP = re.compile(r"^\.(.+)\.(tmp|old|del)-([0-9a-f]{8,32})$")
+OWNER = ".owner"
+STALE_AFTER = 6 * 3600.0
+"""Seconds without change after which a temporary whose owner cannot be checked (another
+host, or no owner record) counts as abandoned."""
 
 
 def step_dirname(step: int) -> str:
@@ -35,12 +71,17 @@ def tmp_name(final_name: str, token: str) -> str:
     return f".{final_name}.tmp-{token}"
 
 
+def _aside_name(final_name: str, token: str) -> str:
+    return f".{final_name}.old-{token}"
+
+
 def is_committed(storage: Storage, path: str) -> bool:
     return storage.isdir(path) and storage.exists(storage.join(path, MANIFEST_NAME))
 
 
 def committed_steps(storage: Storage, root: str) -> list[tuple[int, str]]:
-    """``(step, path)`` of committed ``step-*`` checkpoints under ``root``, oldest first."""
+    """``(step, path)`` of committed ``step-*`` checkpoints under ``root``, oldest first
+    (links are not followed: a checkpoint is a real directory under its root)."""
     out = []
     for name in storage.listdir(root):
         m = _STEP.match(name)
@@ -54,77 +95,225 @@ def committed_steps(storage: Storage, root: str) -> list[tuple[int, str]]:
 def resolve(storage: Storage, path: str) -> str:
     """A committed checkpoint directory: ``path`` itself, or the newest committed
     ``step-*`` checkpoint under it."""
-    if is_committed(storage, path):
+    if _committed_or_link(storage, path):
         return path
     steps = committed_steps(storage, path)
     if steps:
         return steps[-1][1]
-    if storage.isdir(path):
+    if storage.isdir(path) or _is_dir_link(path):
         raise CheckpointNotFoundError(
             f"{path}: no committed checkpoint here ({MANIFEST_NAME} missing) and no committed step-* checkpoint below"
         )
     raise CheckpointNotFoundError(f"{path}: no such checkpoint directory")
 
 
-def sweep_stale(storage: Storage, root: str, final_name: str | None = None) -> list[str]:
-    """Remove temporary directories left by interrupted saves (all, or those of one name).
+def _is_dir_link(path: str) -> bool:
+    try:
+        return os.path.isdir(path)
+    except (OSError, ValueError):
+        return False
 
-    Only call this when no save into ``root`` is in flight.
-    """
+
+def _committed_or_link(storage: Storage, path: str) -> bool:
+    """The path a user names may itself be a link to a checkpoint (their choice); what is
+    inside it is never followed through links."""
+    return (storage.isdir(path) or _is_dir_link(path)) and storage.exists(storage.join(path, MANIFEST_NAME))
+
+
+def _owner_record() -> dict:
+    import psutil
+
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "pid": pid, "started": psutil.Process(pid).create_time(), "time": time.time()}
+
+
+def _owner_alive(storage: Storage, tmp: str, now: float) -> bool:
+    """False only when the temporary's owner is provably gone (see the module doc)."""
+    import psutil
+
+    try:
+        rec = json.loads(storage.read_bytes(storage.join(tmp, OWNER), 4096))
+        host, pid, started = rec["host"], int(rec["pid"]), float(rec["started"])
+    except Exception:  # no (readable) record: judge by age
+        return now - storage.mtime(tmp) < STALE_AFTER
+    if host != socket.gethostname():
+        return now - storage.mtime(tmp) < STALE_AFTER
+    try:
+        proc = psutil.Process(pid)
+        return abs(proc.create_time() - started) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
+    except psutil.Error:
+        return True
+
+
+def sweep_stale(storage: Storage, root: str, final_name: str | None = None) -> list[str]:
+    """Remove temporaries of interrupted writes under ``root`` (all, or those of one name)
+    whose owner is provably gone, and put back checkpoints an interrupted overwrite moved
+    aside. Returns the removed paths. Safe to call while other saves are in flight."""
     removed = []
-    for name in storage.listdir(root):
-        m = _TMP.match(name)
-        if m and (final_name is None or m.group(1) == final_name):
+    if not storage.isdir(root):
+        return removed
+    with storage.lock(root):
+        now = time.time()
+        for name in storage.listdir(root):
+            m = _TMP.match(name)
+            if not m or (final_name is not None and m.group(1) != final_name):
+                continue
             p = storage.join(root, name)
+            final = storage.join(root, m.group(1))
+            if m.group(2) == "old":  # an overwrite moved the old checkpoint here
+                if not storage.exists(final):
+                    storage.rename_dir(p, final)  # the new one never arrived: restore
+                    from ._metrics import log
+
+                    log.warning("restored %s from %s (an overwrite was interrupted)", final, p)
+                    continue
+                if not is_committed(storage, final):
+                    continue  # keep it until a committed checkpoint is in place
+            elif m.group(2) == "tmp" and _owner_alive(storage, p, now):
+                continue
             storage.remove_tree(p)
             removed.append(p)
     return removed
 
 
-def check_destination(storage: Storage, final: str, overwrite: bool, any_dir: bool = False) -> None:
-    """Refuse to replace what is at ``final`` unless asked; ``any_dir``: the destination is
-    not a checkpoint (an export folder), so any directory may be replaced with ``overwrite``."""
-    if storage.exists(final):
-        if not storage.isdir(final):
+def retire(storage: Storage, path: str) -> None:
+    """Delete a committed checkpoint without ever leaving half of it visible: it is renamed
+    to a hidden ``.NAME.del-TOKEN`` first (atomic), then removed; a crash in between leaves
+    a directory that any sweep removes."""
+    parent, name = storage.parent(path), storage.basename(path)
+    gone = storage.join(parent, f".{name}.del-{new_token()}")
+    with storage.lock(parent):
+        storage.rename_dir(path, gone)
+    _fsync_quietly(storage, parent)
+    storage.remove_tree(gone)
+
+
+def prune(storage: Storage, root: str, keep: int, protect: str | None = None) -> list[str]:
+    """Retire all but the newest ``keep`` committed ``step-*`` checkpoints under ``root``
+    (never ``protect``); return the retired paths."""
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, got {keep}")
+    out = []
+    for _, old in committed_steps(storage, root)[:-keep]:
+        if protect is None or storage.basename(old) != storage.basename(protect):
+            retire(storage, old)
+            out.append(old)
+    return out
+
+
+class Transaction:
+    """One atomic write of directory ``final`` (see the module doc for the call order).
+
+    ``folder=True``: the destination is not a checkpoint (an exported model folder), so any
+    directory there may be replaced with ``overwrite``.
+    """
+
+    def __init__(self, storage: Storage, final: str, *, overwrite: bool = False, token: str | None = None,
+                 folder: bool = False) -> None:
+        self.storage, self.final, self.overwrite, self.folder = storage, final, overwrite, folder
+        self.token = token or new_token()
+        self.parent, self.name = storage.parent(final), storage.basename(final)
+        self.tmp = storage.join(self.parent, tmp_name(self.name, self.token))
+        self._seen: tuple | None = None
+        self._began = False
+
+    def path(self, name: str) -> str:
+        return self.storage.join(self.tmp, name)
+
+    def _state(self) -> tuple | None:
+        """What the destination holds now: None (nothing), or an identity of the checkpoint
+        (its manifest) or folder there."""
+        s = self.storage
+        if not s.exists(self.final):
+            return None
+        if self.folder or not is_committed(s, self.final):
+            return ("dir", s.identity(self.final))
+        return ("checkpoint", s.identity(s.join(self.final, MANIFEST_NAME)))
+
+    def _check_destination(self) -> None:
+        s, final = self.storage, self.final
+        if not s.exists(final):
+            return
+        if not s.isdir(final):
             raise CheckpointExistsError(f"{final}: exists and is not a directory")
-        if any_dir:
-            if not overwrite:
+        if self.folder:
+            if not self.overwrite:
                 raise CheckpointExistsError(f"{final}: already exists (use --overwrite / overwrite=True to replace it)")
             return
-        if is_committed(storage, final) and not overwrite:
-            raise CheckpointExistsError(f"{final}: a committed checkpoint is already there (pass overwrite=True to replace it)")
-        if not is_committed(storage, final) and storage.listdir(final):
-            raise CheckpointExistsError(
-                f"{final}: exists, is not a checkpoint and is not empty; refusing to replace it"
-            )
+        if is_committed(s, final):
+            if not self.overwrite:
+                raise CheckpointExistsError(
+                    f"{final}: a committed checkpoint is already there (pass overwrite=True to replace it)")
+        elif s.listdir(final):
+            raise CheckpointExistsError(f"{final}: exists, is not a checkpoint and is not empty; refusing to replace it")
 
+    def begin(self) -> None:
+        s = self.storage
+        if not s.isdir(self.parent):
+            s.makedirs(self.parent)
+        self._check_destination()
+        self._seen = self._state()
+        sweep_stale(s, self.parent, self.name)
+        s.makedirs(self.tmp)
+        self._began = True
+        s.write_bytes(self.path(OWNER), json.dumps(_owner_record()).encode())
 
-def publish(storage: Storage, tmp: str, final: str) -> None:
-    """Make ``tmp`` (complete, fsynced) visible as ``final`` atomically.
+    def put(self, name: str, data: bytes) -> None:
+        self.storage.write_bytes(self.path(name), data)
 
-    An existing checkpoint at ``final`` stays intact until the new one is in place: the two
-    are swapped atomically where the OS can (renameat2), else the old one is moved aside
-    first and removed only after the new one is visible.
-    """
-    parent = storage.parent(final)
-    storage.fsync_dir(tmp)
-    if storage.exists(final):
-        if storage.exchange_dirs(tmp, final):
-            _fsync_quietly(storage, parent)
-            storage.remove_tree(tmp)  # now holds the old checkpoint
+    def commit(self, manifest: bytes | None = None) -> None:
+        s = self.storage
+        with s.lock(self.parent):
+            if self._state() != self._seen:
+                raise CheckpointExistsError(
+                    f"{self.final}: another write committed here while this one was running; "
+                    "nothing of this one was published")
+            self._check_destination()
+            if manifest is not None:
+                s.write_bytes(self.path(MANIFEST_NAME), manifest)
+            s.remove_file(self.path(OWNER))
+            s.fsync_dir(self.tmp)
+            self._publish()
+
+    def _publish(self) -> None:
+        s, final, tmp = self.storage, self.final, self.tmp
+        if not s.exists(final):
+            s.rename_dir(tmp, final)
+        elif not s.listdir(final) and not self.folder:  # an empty directory stood there
+            s.remove_tree(final)
+            s.rename_dir(tmp, final)
+        elif s.exchange_dirs(tmp, final):
+            _fsync_quietly(s, self.parent)
+            s.remove_tree(tmp)  # now holds the replaced directory
             return
-        aside = storage.join(parent, f".{storage.basename(final)}.old-{new_token()}")
-        storage.rename_dir(final, aside)
-        try:
-            storage.rename_dir(tmp, final)
-        except BaseException:
-            storage.rename_dir(aside, final)  # put the old checkpoint back
-            raise
-        _fsync_quietly(storage, parent)
-        storage.remove_tree(aside)
-        return
-    storage.rename_dir(tmp, final)
-    _fsync_quietly(storage, parent)
+        else:  # no atomic exchange: move the old one aside (a sweep puts it back if we die here)
+            aside = s.join(self.parent, _aside_name(self.name, self.token))
+            s.rename_dir(final, aside)
+            _fault_point("between-renames")
+            try:
+                s.rename_dir(tmp, final)
+            except BaseException:
+                s.rename_dir(aside, final)
+                raise
+            _fsync_quietly(s, self.parent)
+            s.remove_tree(aside)
+            return
+        _fsync_quietly(s, self.parent)
+
+    def abort(self) -> None:
+        if self._began:
+            self.storage.remove_tree(self.tmp)
+
+
+def _fault_point(name: str) -> None:
+    """Fault injection for tests: ``UNICKPT_FAULT=NAME:SECONDS`` sleeps at the named point
+    (after-create, after-data, before-commit, between-renames, ...) so that a test can kill
+    the process there."""
+    spec = os.environ.get("UNICKPT_FAULT", "")
+    if spec.startswith(name + ":"):
+        time.sleep(float(spec.split(":", 1)[1]))
 
 
 def _fsync_quietly(storage: Storage, parent: str) -> None:
@@ -135,9 +324,3 @@ def _fsync_quietly(storage: Storage, parent: str) -> None:
         from ._metrics import log
 
         log.warning("fsync of %s failed after commit: %s", parent, e)
-
-
-def require_parent(storage: Storage, final: str) -> None:
-    parent = storage.parent(final)
-    if not storage.isdir(parent):
-        storage.makedirs(parent)

@@ -19,6 +19,9 @@ __all__ = [
     "StateDictError",
     "DistributedError",
     "AsyncSaveError",
+    "StorageError",
+    "CheckpointChangedError",
+    "InvalidArgumentError",
 ]
 
 
@@ -76,3 +79,26 @@ class DistributedError(UnickptError, RuntimeError):
 
 class AsyncSaveError(UnickptError, RuntimeError):
     """An asynchronous save failed (on this rank or another one) or its writer process died."""
+
+
+class StorageError(UnickptError, OSError):
+    """The storage failed (disk full, I/O error, permission...): ``errno`` and ``filename``
+    are those of the underlying :class:`OSError`."""
+
+
+class CheckpointChangedError(UnickptError):
+    """The checkpoint was replaced (or removed) while it was being read; load it again."""
+
+
+class InvalidArgumentError(UnickptError, ValueError):
+    """An argument of a unickpt function is out of its range (the message says which)."""
+
+
+def as_typed(exc: BaseException) -> BaseException:
+    """``exc`` itself if typed (or not an error of the storage); an :class:`OSError` becomes a
+    :class:`StorageError` with the same errno, message and file name."""
+    if isinstance(exc, OSError) and not isinstance(exc, UnickptError):
+        new = StorageError(exc.errno, exc.strerror or str(exc), exc.filename) if exc.errno else StorageError(str(exc))
+        new.__cause__ = exc
+        return new
+    return exc

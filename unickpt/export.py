@@ -18,9 +18,9 @@ import torch
 
 from . import commit as _commit
 from ._metrics import gbps, human_bytes, log
-from .errors import TensorMissingError
-from .format import build_header, dtype_name, order_key, torch_dtype
-from .loader import read_manifest, read_whole
+from .errors import CheckpointNotFoundError, ChecksumError, FormatError, TensorMissingError
+from .format import Hasher, build_header, dtype_name, order_key, torch_dtype
+from .loader import open_files, read_manifest, read_whole
 from .manifest import INDEX_NAME
 from .storage import storage_for
 
@@ -48,10 +48,19 @@ def export_hf(
     model = sorted((n for (r, n) in man.tensors if r == "model"))
     if not model:
         raise TensorMissingError(f"{ckpt}: no model tensors to export")
-    _commit.require_parent(storage, final)
-    _commit.check_destination(storage, final, overwrite, any_dir=True)
-    tmp = storage.join(storage.parent(final), _commit.tmp_name(storage.basename(final), _commit.new_token()))
-    storage.makedirs(tmp)
+    readers: dict = {}
+    # the source files are checked (regular, of the recorded size, headers intact) before
+    # anything of the claimed size is created
+    open_files(storage, ckpt, man, {man.tensors[("model", n)].file for n in model}, readers)
+    try:
+        conf = _config(storage, ckpt, man, dtype)
+        txn = _commit.Transaction(storage, final, overwrite=overwrite, folder=True)
+        txn.begin()
+    except BaseException:
+        for r in readers.values():
+            r.close()
+        raise
+    tmp = txn.tmp
     out_dtype = {n: dtype_name(dtype) if dtype is not None else man.tensors[("model", n)].dtype for n in model}
     nbytes = {n: man.tensors[("model", n)].numel * torch_dtype(out_dtype[n]).itemsize for n in model}
     # shards: tensors in safetensors order, cut at max_shard_bytes
@@ -66,7 +75,6 @@ def export_hf(
         size += nbytes[n]
     total = sum(nbytes.values())
     done = 0
-    readers: dict = {}
     try:
         weight_map = {}
         for i, names in enumerate(shards, start=1):
@@ -95,16 +103,12 @@ def export_hf(
                 raise
             storage.finish_file(path, frags, len(header) + sum(nbytes[n] for n in names))
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        storage.write_bytes(storage.join(tmp, INDEX_NAME), json.dumps(index, indent=2).encode())
-        cfg = storage.join(ckpt, "config.json")
-        if storage.exists(cfg):
-            conf = json.loads(storage.read_bytes(cfg, 1 << 20))
-            if dtype is not None:
-                conf["torch_dtype"] = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
-            storage.write_bytes(storage.join(tmp, "config.json"), json.dumps(conf, indent=2).encode())
-        _commit.publish(storage, tmp, final)
+        txn.put(INDEX_NAME, json.dumps(index, indent=2).encode())
+        if conf is not None:
+            txn.put("config.json", json.dumps(conf, indent=2).encode())
+        txn.commit()
     except BaseException:
-        storage.remove_tree(tmp)
+        txn.abort()
         raise
     finally:
         for r in readers.values():
@@ -113,3 +117,39 @@ def export_hf(
     secs = time.perf_counter() - t0
     log.info("exported %d tensors (%s) from %s to %s in %.2f s (%.2f GB/s)", len(model), human_bytes(total), ckpt, final, secs, gbps(total, secs))
     return {"path": final, "files": len(shards), "tensors": len(model), "bytes": total, "seconds": secs, "gbps": gbps(total, secs)}
+
+
+CONFIG_LIMIT = 1 << 20
+
+
+def _config(storage, ckpt: str, man, dtype) -> dict | None:
+    """The checkpoint's ``config.json`` (a regular file, checked against the manifest's
+    checksum from format 2 on), with ``torch_dtype`` updated; None if there is none."""
+    path = storage.join(ckpt, "config.json")
+    listed = man.aux.get("config.json")
+    if not storage.exists(path):
+        if listed is not None:
+            raise CheckpointNotFoundError(f"{path}: listed in the manifest but missing")
+        return None
+    data = storage.read_bytes(path, CONFIG_LIMIT)
+    if listed is not None:
+        if (len(data), Hasher.of(data)) != tuple(listed):
+            raise ChecksumError(f"{path}: does not match the size and checksum the manifest records", [("config.json", "")])
+    elif man.format_version >= 2:
+        raise FormatError(f"{path}: not part of the checkpoint (the manifest does not list it); pass it with "
+                          "save(..., extra_files={'config.json': ...}) or remove it")
+    else:
+        log.warning("%s: format %d checkpoints do not checksum config.json; copied unverified", path, man.format_version)
+    try:
+        conf = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise FormatError(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:120]})") from None
+    if not isinstance(conf, dict):
+        raise FormatError(f"{path}: must hold a JSON object, not {type(conf).__name__}")
+    if dtype is not None:
+        conf["torch_dtype"] = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
+    return conf
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not strict JSON")

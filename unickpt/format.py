@@ -30,9 +30,16 @@ __all__ = [
     "parse_header",
     "Hasher",
     "HEADER_LIMIT",
+    "CHECK_BLOCK",
+    "block_sums",
+    "BlockHasher",
 ]
 
 DATA_ALIGN = 4096
+CHECK_BLOCK = 1 << 20
+"""Checksummed ranges are cut at multiples of this many bytes of their tensor (or part), so
+a reader of any slice verifies the bytes it returns by reading at most one block more at
+each end of a run."""
 HEADER_LIMIT = 100 << 20  # safetensors' own limit
 
 DTYPES: dict[str, torch.dtype] = {
@@ -199,3 +206,52 @@ class Hasher:
     @staticmethod
     def of(data) -> str:
         return xxhash.xxh3_64_hexdigest(data)
+
+    @staticmethod
+    def of128(data) -> str:
+        return xxhash.xxh3_128_hexdigest(data)
+
+
+def block_sums(data, start: int, block: int = CHECK_BLOCK) -> list[list]:
+    """``[begin, end, xxh3]`` of ``data``, the bytes at offset ``start`` of their tensor,
+    cut at multiples of ``block``."""
+    mv = memoryview(data).cast("B")
+    out = []
+    pos, end = start, start + len(mv)
+    while pos < end:
+        stop = min(end, (pos // block + 1) * block)
+        out.append([pos, stop, xxhash.xxh3_64_hexdigest(mv[pos - start : stop - start])])
+        pos = stop
+    return out
+
+
+class BlockHasher:
+    """:func:`block_sums` of a tensor's bytes fed in order, from offset 0."""
+
+    def __init__(self, block: int = CHECK_BLOCK) -> None:
+        self.block = block
+        self.pos = 0
+        self.start = 0
+        self._h = xxhash.xxh3_64()
+        self.ranges: list[list] = []
+
+    def update(self, data) -> None:
+        mv = memoryview(data).cast("B")
+        i = 0
+        while i < len(mv):
+            k = min(len(mv) - i, (self.pos // self.block + 1) * self.block - self.pos)
+            self._h.update(mv[i : i + k])
+            i += k
+            self.pos += k
+            if self.pos % self.block == 0:
+                self._cut()
+
+    def _cut(self) -> None:
+        if self.pos > self.start:
+            self.ranges.append([self.start, self.pos, self._h.hexdigest()])
+        self._h = xxhash.xxh3_64()
+        self.start = self.pos
+
+    def finish(self) -> list[list]:
+        self._cut()
+        return self.ranges

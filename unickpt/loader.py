@@ -22,6 +22,7 @@ from . import commit as _commit
 from ._copy import as_bytes, copy_runs
 from ._metrics import Phases, gbps, human_bytes, log
 from .errors import (
+    CheckpointChangedError,
     ChecksumError,
     DtypeMismatchError,
     FormatError,
@@ -31,7 +32,7 @@ from .errors import (
 )
 from .format import Hasher, dtype_name, read_header, torch_dtype
 from .layout import Layout, Runs
-from .manifest import MANIFEST_LIMIT, MANIFEST_NAME, Manifest, TensorEntry
+from .manifest import MANIFEST_NAME, Manifest, TensorEntry, manifest_cap
 from .state import Entry, apply_json_state, flatten
 from .storage import RandomReader, Storage, per_node, storage_for
 from .transport import Comm
@@ -79,7 +80,32 @@ def read_manifest(path: str | os.PathLike, *, group=None) -> tuple[str, Manifest
     storage, p = storage_for(path)
     ckpt = _commit.resolve(storage, p)
     mpath = storage.join(ckpt, MANIFEST_NAME)
-    return ckpt, Manifest.from_json(storage.read_bytes(mpath, MANIFEST_LIMIT), mpath)
+    return ckpt, Manifest.from_json(read_manifest_bytes(storage, ckpt), mpath)
+
+
+def read_manifest_bytes(storage: Storage, ckpt: str) -> bytes:
+    """The manifest's bytes, refused beyond what a checkpoint of this size can need
+    (:func:`~unickpt.manifest.manifest_cap`), so a crafted manifest cannot exhaust memory."""
+    total = 0
+    for name in storage.listdir(ckpt):
+        if name != MANIFEST_NAME:
+            ident = storage.identity(storage.join(ckpt, name))
+            total += ident[3] if ident else 0
+    return storage.read_bytes(storage.join(ckpt, MANIFEST_NAME), manifest_cap(total))
+
+
+def open_files(storage: Storage, ckpt: str, man: Manifest, names, readers: dict) -> None:
+    """Open (and check: regular file, recorded size, intact header) each of ``names`` into
+    ``readers`` before anything is allocated or created from the manifest's claims."""
+    try:
+        for f in sorted(names):
+            if f not in readers:
+                readers[f] = open_file(storage, ckpt, man, f)
+    except BaseException:
+        for r in readers.values():
+            r.close()
+        readers.clear()
+        raise
 
 
 def load(
@@ -157,7 +183,7 @@ def load(
         try:
             bytes_read, verified, bad = _read_all(entries, man, storage, ckpt, verify, progress, comm.rank, comm.world)
         except Exception as e:  # agreed below: every rank raises, none waits alone
-            err = e
+            err = _changed(storage, ckpt, man) or e
         if node_local:  # collective, also for a rank whose own reads failed
             with ph.phase("exchange"):
                 from .remote import load_remote
@@ -181,7 +207,8 @@ def load(
                 err = e
         comm.agree(err, "load (verifying)")
     if bad:
-        err = ChecksumError("checksum mismatch: " + "; ".join(f"tensor {n!r} in {f}" for f, n in bad), bad)
+        err = _changed(storage, ckpt, man) or ChecksumError(
+            "checksum mismatch: " + "; ".join(f"tensor {n!r} in {f}" for f, n in bad), bad)
     comm.agree(err, "load (checksums)")
     apply_json_state(state_dict, man.state)
     res = LoadResult(
@@ -204,6 +231,17 @@ def load(
     return res
 
 
+def _changed(storage: Storage, ckpt: str, man: Manifest) -> CheckpointChangedError | None:
+    """After a failed read: the error to report if the checkpoint was replaced meanwhile."""
+    try:
+        now = Hasher.of128(storage.read_bytes(storage.join(ckpt, MANIFEST_NAME), 1 << 30))
+    except UnickptError:
+        now = None
+    if now == man.source_digest:
+        return None
+    return CheckpointChangedError(f"{ckpt}: the checkpoint was replaced or removed while it was being read; load it again")
+
+
 def _find(comm: Comm, storage, p: str, node_local: bool) -> tuple[str, str, Manifest]:
     """Resolve the checkpoint and share its manifest: ``(checkpoint path, its name under
     p or "", manifest)``. Shared storage: rank 0 resolves. Node storage: every rank resolves
@@ -215,7 +253,7 @@ def _find(comm: Comm, storage, p: str, node_local: bool) -> tuple[str, str, Mani
         try:
             ckpt = _commit.resolve(storage, p)
             rel = "" if ckpt == p else storage.basename(ckpt)
-            mbytes = storage.read_bytes(storage.join(ckpt, MANIFEST_NAME), MANIFEST_LIMIT)
+            mbytes = read_manifest_bytes(storage, ckpt)
             found = True
         except (UnickptError, OSError) as e:
             err = e
@@ -307,6 +345,12 @@ def _check_file(reader: RandomReader, man: Manifest, fname: str) -> None:
     fe = man.files[fname]
     if reader.size != fe.size:
         raise FormatError(f"{reader.path}: {reader.size} bytes on disk, the manifest records {fe.size} (truncated or replaced?)")
+    if fe.header_xxh3:  # format >= 2: every header byte (metadata, padding) is checksummed
+        head = bytearray(min(fe.data_start, reader.size))
+        reader.readinto(0, memoryview(head))
+        if Hasher.of(head) != fe.header_xxh3:
+            raise ChecksumError(f"{reader.path}: safetensors header does not match its checksum in the manifest",
+                                [(fname, "")])
     hdr = read_header(reader)
     if hdr.data_start != fe.data_start:
         raise FormatError(f"{reader.path}: data starts at {hdr.data_start}, the manifest records {fe.data_start}")
@@ -325,8 +369,14 @@ def _read_all(entries, man: Manifest, storage, ckpt, verify, progress, rank=0, w
     stream with read-ahead would); short runs go through a window. Each target is finished
     (copied back if needed, verified) once its reads are done."""
     files = _Files(storage, ckpt, man)
-    scratch = None
+    scratch: list[torch.Tensor] = []
     bad: list[tuple[str, str]] = []
+
+    def _scratch() -> torch.Tensor:
+        if not scratch:
+            scratch.append(torch.empty(WINDOW, dtype=torch.uint8))
+        return scratch[0]
+
     counts = {"verified": 0, "bytes": 0}
     # ranks start on different files, so concurrent readers stream different files
     names = sorted(man.files)
@@ -338,17 +388,19 @@ def _read_all(entries, man: Manifest, storage, ckpt, verify, progress, rank=0, w
     in_flight = [0]
 
     def finish(item) -> None:
-        st, runs, isz, dest, local, direct, futs = item
+        st, runs, isz, dest, local, direct, futs, checked = item
         for f in futs:
             f.result()
         in_flight[0] -= runs.numel * isz if futs else 0
+        if checked is None and verify != "none":  # read straight into dest: verify around it
+            checked = _verify_direct(files.get(st.file), man.files[st.file].data_start + st.begin, st, runs, isz, dest,
+                                     _scratch())
+        if checked is not None:
+            counts["verified"] += checked[1]
+            if not checked[0]:
+                bad.append((st.file, st.name))
         if not direct:
             local.copy_(dest.view(local.dtype).reshape(local.shape))
-        if verify != "none":
-            ok, n_checked = _verify_read(st, runs, isz, dest)
-            counts["verified"] += n_checked
-            if not ok:
-                bad.append((st.file, st.name))
         counts["bytes"] += runs.numel * isz
         if progress is not None:
             progress(counts["bytes"], total)
@@ -375,6 +427,7 @@ def _read_all(entries, man: Manifest, storage, ckpt, verify, progress, rank=0, w
             dest = as_bytes(local) if direct else torch.empty(local.numel() * isz, dtype=torch.uint8)
             runs = e.layout.runs()
             futs = []
+            checked = None if verify != "none" else (True, 0)
             if len(runs) and runs.numel:
                 mean = runs.numel * isz / len(runs)
                 if len(runs) == 1 or mean >= DIRECT_RUN:
@@ -385,10 +438,8 @@ def _read_all(entries, man: Manifest, storage, ckpt, verify, progress, rank=0, w
                             futs.append(pool.submit(reader.readinto, base + g * isz + a, mv))
                     in_flight[0] += runs.numel * isz
                 else:
-                    if scratch is None:
-                        scratch = torch.empty(WINDOW, dtype=torch.uint8)
-                    _read_windowed(reader, base, runs, isz, dest, scratch)
-            pending.append((st, runs, isz, dest, local, direct, futs))
+                    checked = _read_spans(reader, base, st, runs, isz, dest, _scratch(), verify != "none")
+            pending.append((st, runs, isz, dest, local, direct, futs, checked))
             while pending and (in_flight[0] > READ_AHEAD or not pending[0][6] or len(pending) > 256):
                 finish(pending.popleft())
         while pending:
@@ -399,45 +450,46 @@ def _read_all(entries, man: Manifest, storage, ckpt, verify, progress, rank=0, w
     return files.bytes_read, counts["verified"], bad
 
 
-def _verify_read(st: TensorEntry, runs: Runs, isz: int, dest: torch.Tensor) -> tuple[bool, int]:
-    """Check the checksummed ranges of ``st`` that one contiguous run of the read covers."""
-    if not len(runs):
-        return True, 0
-    b_starts = runs.starts * isz
-    b_ends = b_starts + runs.lengths * isz
-    b_local = runs.local * isz
-    ok, n = True, 0
-    for b, e, h in st.checksums:
-        i = int(np.searchsorted(b_starts, b, side="right")) - 1
-        if i < 0 or b_ends[i] < e:
-            continue
-        off = int(b_local[i] + (b - b_starts[i]))
-        n += 1
-        if Hasher.of(memoryview(dest[off : off + (e - b)].numpy())) != h:
-            ok = False
-    return ok, n
-
-
 CODED_WINDOW = 1 << 22  # elements of a coded tensor decoded at once
 
 
 class _StreamCheck:
-    """Verifies checksummed ranges of one stored region from reads arriving in ascending
-    order (windows may overlap or leave gaps; ranges not read whole are not counted)."""
+    """Verifies the checksummed ranges of one stored region from reads arriving in ascending
+    order (reads may overlap or leave gaps). Readers first :meth:`touch` the bytes they will
+    return, which widens them to whole checksummed ranges; :attr:`ok` is true only when every
+    touched range was fed whole and matched."""
 
     def __init__(self, checksums) -> None:
         self.ranges = list(checksums)
+        self.begins = np.array([c[0] for c in self.ranges], dtype=np.int64)
+        self.ends = np.array([c[1] for c in self.ranges], dtype=np.int64)
+        self.touched = np.zeros(len(self.ranges), dtype=bool)
+        self.done = np.zeros(len(self.ranges), dtype=bool)
         self.i = 0
         self.pos = -1  # bytes before pos have been fed to the current range
         self.h: Hasher | None = None
         self.checked = 0
-        self.ok = True
+        self.matched = True
+
+    def touch(self, b: int, e: int) -> tuple[int, int]:
+        """Mark the ranges that bytes ``[b, e)`` fall in; return the span they cover."""
+        if e <= b or not len(self.ranges):
+            return b, e
+        i0 = max(int(np.searchsorted(self.begins, b, side="right")) - 1, 0)
+        i1 = max(int(np.searchsorted(self.begins, e - 1, side="right")) - 1, i0)
+        self.touched[i0 : i1 + 1] = True
+        return min(b, int(self.begins[i0])), max(e, int(self.ends[i1]))
+
+    @property
+    def ok(self) -> bool:
+        return self.matched and not bool((self.touched & ~self.done).any())
 
     def feed(self, b: int, data: torch.Tensor) -> None:
         e = b + data.numel()
         if b > self.pos:  # gap (or start): only ranges beginning at or after b can complete
             self.h = None
             self.pos = b
+            self.i = max(int(np.searchsorted(self.ends, b, side="right")), 0) if len(self.ranges) else 0
         while self.i < len(self.ranges) and self.pos < e:
             rb, re_, hx = self.ranges[self.i]
             if self.pos >= re_:
@@ -456,9 +508,78 @@ class _StreamCheck:
             if stop == re_:
                 if self.h is not None:
                     self.checked += 1
-                    self.ok &= self.h.hexdigest() == hx
+                    self.done[self.i] = True
+                    self.matched &= self.h.hexdigest() == hx
                 self.h = None
                 self.i += 1
+
+
+def _feed_file(reader, base: int, b: int, e: int, check: _StreamCheck, scratch: torch.Tensor) -> None:
+    """Feed bytes ``[b, e)`` of a region (at ``base`` in the file) to ``check`` through ``scratch``."""
+    cap = scratch.numel()
+    while b < e:
+        k = min(cap, e - b)
+        buf = scratch[:k]
+        reader.readinto(base + b, memoryview(buf.numpy()))
+        check.feed(b, buf)
+        b += k
+
+
+def _verify_direct(reader, base: int, st: TensorEntry, runs: Runs, isz: int, dest: torch.Tensor,
+                   scratch: torch.Tensor) -> tuple[bool, int]:
+    """Verify the runs read straight into ``dest``: each checksummed range a run touches is
+    hashed from the run's bytes in ``dest`` plus the bytes around it (read now, at most one
+    range at each end of a run)."""
+    check = _StreamCheck(st.checksums)
+    starts = (runs.starts * isz).tolist()
+    ends = ((runs.starts + runs.lengths) * isz).tolist()
+    local = (runs.local * isz).tolist()
+    prev = 0
+    for i, (rs, re_, lo) in enumerate(zip(starts, ends, local)):
+        hb, te = check.touch(rs, re_)
+        hb = max(hb, prev)
+        if hb < rs:
+            _feed_file(reader, base, hb, rs, check, scratch)
+        check.feed(rs, dest[lo : lo + re_ - rs])
+        te = min(te, starts[i + 1]) if i + 1 < len(starts) else te
+        if re_ < te:
+            _feed_file(reader, base, re_, te, check, scratch)
+        prev = max(te, re_)
+    return check.ok, check.checked
+
+
+def _read_spans(reader, base: int, st: TensorEntry, runs: Runs, isz: int, dest: torch.Tensor,
+                scratch: torch.Tensor, verify: bool) -> tuple[bool, int]:
+    """Short runs (column blocks, small pieces): read the whole checksummed ranges they touch
+    through ``scratch``, verify them as they stream, and scatter the runs into ``dest``."""
+    check = _StreamCheck(st.checksums if verify else ())
+    s_el, l_el, lo_el = runs.starts, runs.lengths, runs.local
+    e_el = s_el + l_el
+    spans: list[list[int]] = []
+    for rs, re_ in zip((s_el * isz).tolist(), (e_el * isz).tolist()):
+        b, e = check.touch(rs, re_)
+        if spans and b <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], e)
+        else:
+            spans.append([b, e])
+    cap = (scratch.numel() // isz) * isz
+    for b, e in spans:
+        pos = (b // isz) * isz
+        e = -(-e // isz) * isz
+        while pos < e:
+            k = min(cap, e - pos)
+            buf = scratch[:k]
+            reader.readinto(base + pos, memoryview(buf.numpy()))
+            if verify:
+                check.feed(pos, buf)
+            p_el, q_el = pos // isz, (pos + k) // isz
+            a = np.maximum(s_el, p_el)
+            z = np.minimum(e_el, q_el)
+            m = z > a
+            if m.any():
+                copy_runs(buf, a[m] - p_el, dest, lo_el[m] + (a[m] - s_el[m]), z[m] - a[m], isz)
+            pos += k
+    return check.ok, check.checked
 
 
 def _split_runs(runs: Runs, cap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -507,14 +628,15 @@ def _read_coded(e: Entry, st: TensorEntry, man: Manifest, files: "_Files", verif
         got = {}
         for p, base, check in regions:
             b, end = ranges[p]
-            if p not in scratch or scratch[p].numel() < end - b:
-                scratch[p] = torch.empty(end - b, dtype=torch.uint8)
-            buf = scratch[p][: end - b]
-            if end > b:
-                files.get(model.file if p == "model" else st.file).readinto(base + b, memoryview(buf.numpy()))
+            eb, ee = check.touch(b, end) if verify != "none" else (b, end)  # whole checksummed ranges
+            if p not in scratch or scratch[p].numel() < ee - eb:
+                scratch[p] = torch.empty(ee - eb, dtype=torch.uint8)
+            buf = scratch[p][: ee - eb]
+            if ee > eb:
+                files.get(model.file if p == "model" else st.file).readinto(base + eb, memoryview(buf.numpy()))
             if verify != "none":
-                check.feed(b, buf)
-            got[p] = buf
+                check.feed(eb, buf)
+            got[p] = buf[b - eb : end - eb]
         mt = got.pop("model").view(torch_dtype(model.dtype)) if model is not None else None
         vals = decode_range(tag, got, lo, hi, mt, exc).to(local.dtype)
         copy_runs(as_bytes(vals), starts[i:j] - lo, dest, locs[i:j], lengths[i:j], isz)
@@ -574,28 +696,6 @@ def check_stored(reader: RandomReader, data_start: int, st: TensorEntry, buf: to
             if hasher.hexdigest() != h:
                 bad.append((part, b, e))
     return bad
-
-
-def _read_windowed(reader, base: int, runs: Runs, isz: int, dest: torch.Tensor, scratch: torch.Tensor) -> None:
-    """Read consecutive runs through a window of at most ``scratch`` bytes, then scatter."""
-    starts, lengths, local = runs.starts, runs.lengths, runs.local
-    ends = starts + lengths
-    cap = scratch.numel() // isz
-    i, n = 0, len(runs)
-    while i < n:
-        lo = int(starts[i])
-        if int(ends[i]) - lo > cap:  # a single long run: straight into the target
-            a, ln = int(local[i]) * isz, int(lengths[i]) * isz
-            reader.readinto(base + lo * isz, memoryview(dest[a : a + ln].numpy()))
-            i += 1
-            continue
-        j = int(np.searchsorted(ends, lo + cap, side="right"))
-        j = max(j, i + 1)
-        hi = int(ends[j - 1])
-        win = scratch[: (hi - lo) * isz]
-        reader.readinto(base + lo * isz, memoryview(win.numpy()))
-        copy_runs(win, starts[i:j] - lo, dest, local[i:j], lengths[i:j], isz)
-        i = j
 
 
 def _verify_share(man: Manifest, storage, ckpt, comm: Comm, already: set, sees: set | None = None) -> tuple[int, int, list]:

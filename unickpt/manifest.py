@@ -3,6 +3,13 @@
 A manifest is plain JSON (never pickle). Loading validates every field a hostile or damaged
 manifest could use to mislead a reader: file names are bare names inside the checkpoint
 directory, offsets agree with dtype and shape, roles and codecs are known.
+
+From format 2 on the manifest protects itself and everything beside the tensor bytes: its
+last member ``manifest_xxh3_128`` is the xxh3-128 of the text before it (closed by ``}``),
+each file entry records the xxh3-64 of its safetensors header (``header_xxh3``), and
+``aux`` records size and xxh3-64 of the other files of the checkpoint (the Hugging Face
+index, ``config.json``). These detect damage (bit flips, truncation, a mixed-up file), not
+forgery: whoever can write the checkpoint can rewrite its checksums.
 """
 
 from __future__ import annotations
@@ -13,19 +20,44 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import xxhash
+
 from .errors import FormatError
 from .format import DTYPES, itemsize
 
 __all__ = ["Manifest", "FileEntry", "TensorEntry", "FORMAT_VERSION", "MANIFEST_NAME", "INDEX_NAME"]
 
 FORMAT_NAME = "unickpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST_NAME = "unickpt.json"
 INDEX_NAME = "model.safetensors.index.json"
 MANIFEST_LIMIT = 1 << 30
+MANIFEST_BASE = 16 << 20  # a manifest may always be this large; beyond, 4 bytes per checkpoint byte
+DIGEST_KEY = "manifest_xxh3_128"
+_DIGEST_TAIL = re.compile(rb',"manifest_xxh3_128":"([0-9a-f]{32})"\}\s*\Z')
+_AUX = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 CODECS = ("raw", "q8_sym", "q8_rinv", "q4_sym", "q4_rinv", "residual16", "from_model")
 QUANT = ("q8_sym", "q8_rinv", "q4_sym", "q4_rinv")
 MAX_BLOCK = 1 << 20  # largest O2 block a reader accepts (bounds decoding scratch memory)
+
+RESERVED = "::"  # separates a coded tensor's name from its part in safetensors keys
+_BAD_NAME = re.compile(r"[\x00-\x1f\x7f]")
+NAME_LIMIT = 4096
+
+
+def name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a stored tensor, or None: empty, ``__metadata__``, contains
+    the reserved separator ``::`` or control characters, or longer than NAME_LIMIT."""
+    if not name or name == "__metadata__":
+        return f"{name!r} is reserved by safetensors"
+    if RESERVED in name:
+        return f"{name!r} contains '{RESERVED}', which unickpt reserves for the parts of coded tensors"
+    if _BAD_NAME.search(name):
+        return f"{name!r} contains control characters"
+    if len(name) > NAME_LIMIT:
+        return f"a name of {len(name)} characters is longer than the {NAME_LIMIT} allowed"
+    return None
+
 
 _FILE = re.compile(r"^[a-z][a-z0-9_]{0,31}-\d{5,}-of-\d{5,}\.safetensors$")
 _ROLE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
@@ -42,6 +74,7 @@ class FileEntry:
     container: str = "plain"  # "zstd": stored as frames (unickpt.container)
     stored_size: int = -1
     frames: tuple = ()
+    header_xxh3: str = ""  # of the safetensors header, bytes [0, data_start) (format >= 2)
 
     @property
     def stored(self) -> int:
@@ -50,6 +83,8 @@ class FileEntry:
 
     def to_json(self) -> dict:
         out = {"role": self.role, "node": self.node, "writer": self.writer, "size": self.size, "data_start": self.data_start}
+        if self.header_xxh3:
+            out["header_xxh3"] = self.header_xxh3
         if self.container == "zstd":
             out.update(container="zstd", stored_size=self.stored_size, frames=[list(f) for f in self.frames])
         return out
@@ -151,6 +186,8 @@ class Manifest:
     checksum_algo: str = "xxh3_64"
     format_version: int = FORMAT_VERSION
     compression: dict[str, Any] = field(default_factory=dict)
+    aux: dict[str, tuple[int, str]] = field(default_factory=dict)  # other files: name -> (size, xxh3)
+    source_digest: str = ""  # xxh3-128 of the bytes this manifest was parsed from
 
     def to_json(self) -> bytes:
         roles: dict[str, dict[str, dict]] = {}
@@ -168,8 +205,10 @@ class Manifest:
             "tensors": roles,
             "state": self.state,
             "extra": self.extra,
+            "aux": {n: list(v) for n, v in sorted(self.aux.items())},
         }
-        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+        body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+        return body[:-1] + b',"' + DIGEST_KEY.encode() + b'":"' + xxhash.xxh3_128_hexdigest(body).encode() + b'"}'
 
     @property
     def total_bytes(self) -> int:
@@ -195,16 +234,36 @@ class Manifest:
 
     @staticmethod
     def from_json(data: bytes, where: str) -> "Manifest":
+        containers = data.count(b"{") + data.count(b"[")
+        if containers > len(data) // 8 + 64:  # bounds parse memory (~15x the text at most)
+            raise FormatError(f"{where}: {containers} JSON objects/arrays in {len(data)} bytes: not a manifest")
+        m = _DIGEST_TAIL.search(data)
+        digest_ok = m is not None and xxhash.xxh3_128_hexdigest(data[: m.start()] + b"}") == m.group(1).decode()
         try:
-            obj = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+            obj = json.loads(data.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite_float)
         except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+            if m is not None and not digest_ok:
+                raise FormatError(f"{where}: manifest is damaged (its checksum does not match its content)") from None
             raise FormatError(f"{where}: manifest is not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
+        if isinstance(obj, dict) and type(obj.get("format_version")) is int and 2 <= obj["format_version"] <= FORMAT_VERSION:
+            if m is None:
+                raise FormatError(f"{where}: manifest of format {obj['format_version']} lacks its checksum "
+                                  f"({DIGEST_KEY!r} as its last member): damaged or truncated")
+            if not digest_ok:
+                raise FormatError(f"{where}: manifest is damaged (its checksum does not match its content)")
         try:
-            return _parse(obj, where)
-        except (ValueError, TypeError, RecursionError) as e:
+            man = _parse(obj, where)
+            man.source_digest = xxhash.xxh3_128_hexdigest(data)
+            return man
+        except (ValueError, TypeError, RecursionError, AttributeError, KeyError, OverflowError) as e:
             if isinstance(e, FormatError):
                 raise
             raise FormatError(f"{where}: malformed manifest ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def manifest_cap(checkpoint_bytes: int) -> int:
+    """Largest manifest a checkpoint of ``checkpoint_bytes`` bytes of other files can need."""
+    return min(MANIFEST_LIMIT, MANIFEST_BASE + 4 * max(checkpoint_bytes, 0))
 
 
 def _int(v, where: str) -> int:
@@ -233,6 +292,13 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not strict JSON")
 
 
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise ValueError(f"{text[:40]} is not a finite number")
+    return v
+
+
 def _checksums(raw: list, nbytes: int, where: str) -> tuple[tuple[int, int, str], ...]:
     """Checksummed ranges must tile ``[0, nbytes)`` in order."""
     out = []
@@ -250,7 +316,8 @@ def _checksums(raw: list, nbytes: int, where: str) -> tuple[tuple[int, int, str]
     return tuple(out)
 
 
-def _parts(t: dict, codec: str, args: dict, dtype: str, shape: tuple[int, ...], fe: FileEntry, w: str) -> dict[str, Part]:
+def _parts(t: dict, codec: str, args: dict, dtype: str, shape: tuple[int, ...], fe: FileEntry, w: str,
+           name: str) -> dict[str, Part]:
     """Validate a coded tensor's arguments and parts against what its codec needs."""
     from .compress import parts_of
 
@@ -279,8 +346,9 @@ def _parts(t: dict, codec: str, args: dict, dtype: str, shape: tuple[int, ...], 
         exc = args.get("exceptions", [[], []])
         if not (isinstance(exc, list) and len(exc) == 2 and all(isinstance(x, list) for x in exc)
                 and len(exc[0]) == len(exc[1]) and all(type(i) is int and 0 <= i < n for i in exc[0])
+                and all(a < b for a, b in zip(exc[0], exc[0][1:]))
                 and all(type(b) is int and -(1 << 31) <= b < (1 << 31) for b in exc[1])):
-            raise FormatError(f"{w}: residual16 exceptions must be [[indices < {n}], [int32 bits]] of equal length")
+            raise FormatError(f"{w}: residual16 exceptions must be [[increasing indices < {n}], [int32 bits]] of equal length")
     else:  # from_model
         expect = {}
     if not isinstance(args.get("model", ""), str):
@@ -293,6 +361,8 @@ def _parts(t: dict, codec: str, args: dict, dtype: str, shape: tuple[int, ...], 
         pw = f"{w} part {p!r}"
         pj = raw[p]
         key = _req(pj, "key", str, pw)
+        if key != f"{name}{RESERVED}{p}":
+            raise FormatError(f"{pw}: stored under key {key!r}, expected the tensor's name + '{RESERVED}{p}'")
         pdt = _req(pj, "dtype", str, pw)
         psh = tuple(_req(pj, "shape", list, pw))
         offs = _req(pj, "offsets", list, pw)
@@ -328,6 +398,9 @@ def _parse(obj: Any, where: str) -> Manifest:
         writer = _req(f, "writer", int, w)
         if size < 0 or not (8 <= start <= size):
             raise FormatError(f"{w}: data_start {start} and size {size} are inconsistent")
+        hx = f.get("header_xxh3", "")
+        if version >= 2 and not (isinstance(hx, str) and _HEX.fullmatch(hx)):
+            raise FormatError(f"{w}: 'header_xxh3' must be 16 hex digits")
         container = f.get("container", "plain")
         if container == "zstd":
             from .container import check_frames
@@ -337,9 +410,10 @@ def _parse(obj: Any, where: str) -> Manifest:
                 raise FormatError(f"{w}: stored_size must be >= 0")
             frames = tuple(check_frames(_req(f, "frames", list, w), size, stored, w))
             files[name] = FileEntry(name, _req(f, "role", str, w), _req(f, "node", str, w), writer, size, start,
-                                    "zstd", stored, frames)
+                                    "zstd", stored, frames, hx)
         elif container == "plain":
-            files[name] = FileEntry(name, _req(f, "role", str, w), _req(f, "node", str, w), writer, size, start)
+            files[name] = FileEntry(name, _req(f, "role", str, w), _req(f, "node", str, w), writer, size, start,
+                                    header_xxh3=hx)
         else:
             raise FormatError(f"{w}: unknown container {container!r} (this unickpt knows plain, zstd)")
     tensors: dict[tuple[str, str], TensorEntry] = {}
@@ -348,6 +422,9 @@ def _parse(obj: Any, where: str) -> Manifest:
             raise FormatError(f"{where}: invalid role {role!r}")
         for name, t in group.items():
             w = f"{where}: tensor {name!r} (role {role})"
+            why = name_problem(name)
+            if why:
+                raise FormatError(f"{where}: invalid tensor name: {why}")
             fname = _req(t, "file", str, w)
             if fname not in files:
                 raise FormatError(f"{w}: file {fname!r} is not listed in 'files'")
@@ -376,7 +453,7 @@ def _parse(obj: Any, where: str) -> Manifest:
             else:
                 checksums = ()
                 args = _req(t, "codec_args", dict, w)
-                parts = _parts(t, codec, args, dtype, tuple(shape), fe, w)
+                parts = _parts(t, codec, args, dtype, tuple(shape), fe, w, name)
             tensors[(role, name)] = TensorEntry(
                 role, name, fname, dtype, tuple(shape), b, e, checksums, codec, _int(t.get("writer", 0), w), parts, args
             )
@@ -392,6 +469,19 @@ def _parse(obj: Any, where: str) -> Manifest:
     saved_by = obj.get("saved_by") or {}
     if not isinstance(state, dict) or not isinstance(extra, dict) or not isinstance(saved_by, dict):
         raise FormatError(f"{where}: 'state', 'extra' and 'saved_by' must be objects")
+    _typed_fields(saved_by, _SAVED_BY, f"{where}: saved_by")
+    compression = obj.get("compression") or {}
+    if not isinstance(compression, dict):
+        raise FormatError(f"{where}: 'compression' must be an object")
+    _typed_fields(compression, _COMPRESSION, f"{where}: compression")
+    if not isinstance(obj.get("created", ""), str) or not isinstance(obj.get("checksum_algo", ""), str):
+        raise FormatError(f"{where}: 'created' and 'checksum_algo' must be strings")
+    aux: dict[str, tuple[int, str]] = {}
+    for n, v in (obj.get("aux") or {}).items() if isinstance(obj.get("aux") or {}, dict) else [(None, None)]:
+        if not (isinstance(n, str) and _AUX.fullmatch(n) and n != MANIFEST_NAME and isinstance(v, list) and len(v) == 2
+                and type(v[0]) is int and v[0] >= 0 and isinstance(v[1], str) and _HEX.fullmatch(v[1])):
+            raise FormatError(f"{where}: 'aux' must map bare file names to [size, xxh3] (entry {n!r})")
+        aux[n] = (v[0], v[1])
     return Manifest(
         step=step,
         files=files,
@@ -402,5 +492,28 @@ def _parse(obj: Any, where: str) -> Manifest:
         created=str(obj.get("created", "")),
         checksum_algo=str(obj.get("checksum_algo", "xxh3_64")),
         format_version=version,
-        compression=obj.get("compression") if isinstance(obj.get("compression"), dict) else {},
+        compression=compression,
+        aux=aux,
     )
+
+
+def _str_list(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+def _pos_float(v) -> bool:
+    return type(v) in (int, float) and math.isfinite(v) and v > 0
+
+
+_SAVED_BY = {"world_size": lambda v: type(v) is int and v >= 1, "nodes": _str_list, "strategy": lambda v: isinstance(v, dict),
+             "unickpt_version": lambda v: isinstance(v, str), "torch_version": lambda v: isinstance(v, str)}
+_COMPRESSION = {"quant": lambda v: v in (None, "O0", "O1", "O2"), "master": lambda v: v in ("full", "residual", "drop"),
+                "zstd": lambda v: v is None or (type(v) is int and -131072 <= v <= 22), "eps": _pos_float,
+                "block": lambda v: type(v) is int and 2 <= v <= MAX_BLOCK}
+
+
+def _typed_fields(obj: dict, checks: dict, where: str) -> None:
+    """Free-form objects that tools read: known fields must have their type."""
+    for k, ok in checks.items():
+        if k in obj and not ok(obj[k]):
+            raise FormatError(f"{where}: field {k!r} has an unexpected value {str(obj[k])[:60]!r}")

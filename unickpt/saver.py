@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import time
 import os
 import re
 import struct
@@ -24,7 +23,7 @@ from . import commit as _commit
 from ._copy import as_bytes, copy_runs
 from ._metrics import Phases, gbps, human_bytes, log
 from .errors import StateDictError, UnickptError
-from .format import Hasher, dtype_name, torch_dtype
+from .format import BlockHasher, Hasher, block_sums, dtype_name, torch_dtype
 from .container import ZstdWriter
 from .compress import EXCEPTION_WARN, Compression, encode_chunk, prepare
 from .manifest import INDEX_NAME, MANIFEST_NAME, FileEntry, Manifest, Part, TensorEntry
@@ -193,8 +192,8 @@ def save_entries(
 
     # -- prepare the temporary directory ------------------------------------------------
     token = comm.broadcast_bytes(_commit.new_token().encode() if comm.rank == 0 else None).decode()
-    parent, name = storage.parent(final), storage.basename(final)
-    tmp = storage.join(parent, _commit.tmp_name(name, token))
+    txn = _commit.Transaction(storage, final, overwrite=overwrite, token=token)
+    tmp = txn.tmp
     # node-local storage ({node} in the path): the first rank of every node manages that
     # node's directory (its own copy of the manifest lists every node's files); else rank 0
     if per_node(path):
@@ -203,10 +202,7 @@ def save_entries(
         dir_rank = comm.rank == 0
     if dir_rank:
         try:
-            _commit.require_parent(storage, final)
-            _commit.check_destination(storage, final, overwrite)
-            _commit.sweep_stale(storage, parent, name)
-            storage.makedirs(tmp)
+            txn.begin()
         except Exception as e:
             err = e
     comm.agree(err, "save (preparing the directory)")
@@ -222,7 +218,7 @@ def save_entries(
             except Exception as e:
                 err = e
             comm.agree(err, "save (creating files)")
-            _fault_point("after-create")
+            _commit._fault_point("after-create")
         with ph.phase("write"):
             try:
                 result, fragments = _write_rank(plan, comm, by_key, storage, tmp, direct_io, ph, progress)
@@ -240,13 +236,16 @@ def save_entries(
                     except Exception as e:
                         err = e
         comm.agree(err, "save (writing)")
+        _commit._fault_point("after-data")
         with ph.phase("commit"):
             reports = [json.loads(r) for r in comm.all_gather_bytes(json.dumps(result).encode())]
             blob, idx = b"", None
             if comm.rank == 0:
                 try:
                     man = _manifest(plan, reports, step, json_state, dict(extra or {}), dict(strategy or {}), dropped, comp)
-                    blob, idx = man.to_json(), man.hf_index()
+                    idx = man.hf_index()
+                    man.aux = _aux({INDEX_NAME: idx} if idx is not None else {}, extra_files)
+                    blob = man.to_json()
                 except Exception as e:
                     err = e
             comm.agree(err, "save (manifest)")
@@ -256,22 +255,24 @@ def save_entries(
             if dir_rank:
                 try:
                     if idx is not None:
-                        storage.write_bytes(storage.join(tmp, INDEX_NAME), idx)
+                        txn.put(INDEX_NAME, idx)
                     for n, text in (extra_files or {}).items():
-                        storage.write_bytes(storage.join(tmp, n), text.encode())
-                    storage.write_bytes(storage.join(tmp, MANIFEST_NAME), blob)
+                        txn.put(n, text.encode())
+                    if per_node(path):
+                        txn.put(MANIFEST_NAME, blob)
                 except Exception as e:
                     err = e
             comm.agree(err, "save (writing the manifest)")
-            if dir_rank:  # manifests are everywhere: now every node's directory commits
+            _commit._fault_point("before-commit")
+            if dir_rank:  # (node-local: manifests are everywhere, now every node's directory commits)
                 try:
-                    _commit.publish(storage, tmp, final)
+                    txn.commit(None if per_node(path) else blob)
                 except Exception as e:
                     err = e
             comm.agree(err, "save (commit)")
     except BaseException:
         if dir_rank:
-            storage.remove_tree(tmp)
+            txn.abort()
         raise
 
     total = sum(int(r.get("bytes", 0)) for r in reports)  # stored bytes (zstd files: compressed)
@@ -293,12 +294,13 @@ def save_entries(
     return res
 
 
-def _fault_point(name: str) -> None:
-    """Fault injection for tests: ``UNICKPT_FAULT=after-create:SECONDS`` sleeps there (the
-    temporary directory and its files exist), so a test can kill a process mid-save."""
-    spec = os.environ.get("UNICKPT_FAULT", "")
-    if spec.startswith(name + ":"):
-        time.sleep(float(spec.split(":", 1)[1]))
+def _aux(files: Mapping[str, bytes], extra_files: Mapping[str, str] | None) -> dict[str, tuple[int, str]]:
+    """Size and checksum of the checkpoint's other files (index, extra files), for the manifest."""
+    out = {n: (len(b), Hasher.of(b)) for n, b in files.items()}
+    for n, text in (extra_files or {}).items():
+        b = text.encode()
+        out[n] = (len(b), Hasher.of(b))
+    return out
 
 
 def _agree_plan(comm: Comm, summary: bytes, bucket_bytes: int, max_file_bytes: int | None, zstd: int | None = None) -> SavePlan:
@@ -406,9 +408,10 @@ def _manifest(plan: SavePlan, reports: list[dict], step, json_state, extra, stra
         z = framed.get(f.name)
         if z is not None:
             frames = sorted(z["frames"])
-            files[f.name] = FileEntry(f.name, f.role, f.node, f.writer, f.size, len(f.header), "zstd", z["stored"], frames)
+            files[f.name] = FileEntry(f.name, f.role, f.node, f.writer, f.size, len(f.header), "zstd", z["stored"], frames,
+                                      Hasher.of(f.header))
         else:
-            files[f.name] = FileEntry(f.name, f.role, f.node, f.writer, f.size, len(f.header))
+            files[f.name] = FileEntry(f.name, f.role, f.node, f.writer, f.size, len(f.header), header_xxh3=Hasher.of(f.header))
     from . import __version__
 
     return Manifest(
@@ -504,7 +507,7 @@ def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, 
     extents.sort(key=lambda e: (e[0], e[1].begin + e[3] * e[1].itemsize))
     needed = sorted({i for i, f in enumerate(files) if f.writer == rank} | {e[0] for e in extents})
     writers = {}
-    gathered = {t.key: Hasher() for f in files if f.writer == rank for t in f.tensors if not t.direct and not t.quantized}
+    gathered = {t.key: BlockHasher() for f in files if f.writer == rank for t in f.tensors if not t.direct and not t.quantized}
     checks: dict[str, list] = {}
     sources: dict[tuple[str, str], _Source] = {}
     io_error: list[BaseException] = []
@@ -555,7 +558,7 @@ def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, 
             view = src(t.key).host_range(lo * isz, (lo + n) * isz)
             mv = memoryview(view.numpy())
             start = g * isz
-            checks.setdefault(f"{t.role}/{t.name}", []).append([start, start + n * isz, Hasher.of(mv)])
+            checks.setdefault(f"{t.role}/{t.name}", []).extend(block_sums(mv, start))
             writers[fi].write_at(len(files[fi].header) + t.begin + start, mv)
 
     try:
@@ -616,8 +619,7 @@ def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, 
     finally:
         io.shutdown(wait=True)
     for k, h in gathered.items():
-        t = plan.tensors[k]
-        checks[f"{k[0]}/{k[1]}"] = [[0, t.nbytes, h.hexdigest()]] if t.nbytes else []
+        checks[f"{k[0]}/{k[1]}"] = h.finish()
     zst = {n: {"stored": w.pos, "frames": w.frames} for n, w in framed.items()}
     stored = sum(written.values()) + sum(w.pos - w.logical for w in framed.values())
     return {"checksums": checks, "files": written, "bytes": stored, "zstd": zst}, fragments
@@ -722,7 +724,7 @@ def _write_items(items, writers, hashers, files, checks) -> None:
                 if data.numel() == 0:
                     continue
                 mv = memoryview(data.numpy())
-                checks.setdefault(f"{t.role}/{t.name}#{part}", []).append([poff, poff + len(mv), Hasher.of(mv)])
+                checks.setdefault(f"{t.role}/{t.name}#{part}", []).extend(block_sums(mv, poff))
                 writers[fi].write_at(hdr + t.parts[part][3] + poff, mv)
             continue
         mv = memoryview(view.numpy())

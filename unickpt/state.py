@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .errors import StateDictError
+from .manifest import name_problem
 from .layout import Layout, ShardedTensor, _is_dtensor, layout_of
 
 __all__ = ["Entry", "flatten", "apply_json_state"]
@@ -68,8 +69,9 @@ def flatten(state_dict: Mapping[str, Any]) -> tuple[list[Entry], dict[str, Any]]
     json_state: dict[str, Any] = {}
 
     def add(role: str, name: str, value: Any, where: str) -> None:
-        if name == "__metadata__" or not name:
-            raise StateDictError(f"{where!r}: tensor name {name!r} is reserved by safetensors")
+        why = name_problem(name)
+        if why:
+            raise StateDictError(f"{where!r}: cannot store a tensor under this name: {why}")
         local, layout = layout_of(value)
         key = (role, name)
         if key in seen:

@@ -9,17 +9,19 @@ interface; until then a URL with a scheme other than ``file://`` raises
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
 import shutil
+import stat
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 import numpy as np
 
-from .errors import CheckpointNotFoundError, DistributedError, FormatError
+from .errors import CheckpointExistsError, CheckpointNotFoundError, DistributedError, FormatError, StorageError
 
 __all__ = ["Storage", "LocalStorage", "storage_for", "ExtentWriter", "RandomReader"]
 
@@ -55,6 +57,17 @@ class RandomReader(Protocol):
 
 
 class Storage(Protocol):
+    """What save, load and the commit transaction (:mod:`unickpt.commit`) need of a store.
+
+    Reads (``read_bytes``, ``open_reader``) open only regular files, never through a
+    symbolic link, and never block on FIFOs or devices: anything else is a
+    :class:`~unickpt.errors.FormatError` naming the path. ``listdir`` lists real entries;
+    ``isdir`` is false for a link to a directory. ``rename_dir`` never replaces an existing
+    destination (:class:`~unickpt.errors.CheckpointExistsError`); ``exchange_dirs`` swaps two
+    directories atomically or returns False where the store cannot; ``lock`` serialises the
+    commits and sweeps of one parent directory between processes of this machine.
+    """
+
     def join(self, *parts: str) -> str: ...
     def parent(self, path: str) -> str: ...
     def basename(self, path: str) -> str: ...
@@ -63,9 +76,13 @@ class Storage(Protocol):
     def listdir(self, path: str) -> list[str]: ...
     def makedirs(self, path: str) -> None: ...
     def remove_tree(self, path: str) -> None: ...
+    def remove_file(self, path: str) -> None: ...
     def rename_dir(self, src: str, dst: str) -> None: ...
     def exchange_dirs(self, a: str, b: str) -> bool: ...
     def fsync_dir(self, path: str) -> None: ...
+    def lock(self, path: str) -> contextlib.AbstractContextManager: ...
+    def identity(self, path: str) -> tuple | None: ...
+    def mtime(self, path: str) -> float: ...
     def write_bytes(self, path: str, data: bytes) -> None: ...
     def read_bytes(self, path: str, limit: int) -> bytes: ...
     def create_file(self, path: str, size: int) -> None: ...
@@ -110,6 +127,39 @@ def storage_for(path: str | os.PathLike) -> tuple["Storage", str]:
     return LocalStorage(), os.path.abspath(p)
 
 
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def open_regular(path: str) -> tuple[int, os.stat_result]:
+    """``(fd, stat)`` of ``path`` opened read-only, only if it is a regular file reached without
+    following a symbolic link; never blocks (FIFOs, devices). Typed errors name the path."""
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{path}: no such file") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise FormatError(f"{path}: is a symbolic link (or a loop of them); checkpoint files must be regular "
+                              "files inside the checkpoint directory") from None
+        if e.errno == errno.ENOTDIR:
+            raise CheckpointNotFoundError(f"{path}: a component of the path is not a directory") from None
+        if e.errno == errno.ENXIO:  # a socket, or a FIFO without writer on some systems
+            raise FormatError(f"{path}: is not a regular file") from None
+        raise StorageError(e.errno, e.strerror, path) from None
+    try:
+        st = os.fstat(fd)
+    except OSError as e:
+        os.close(fd)
+        raise StorageError(e.errno, e.strerror, path) from None
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        kind = next((k for test, k in _KINDS if test(st.st_mode)), "not a regular file")
+        raise FormatError(f"{path}: is {kind}, not a regular file")
+    return fd, st
+
+
 class LocalStorage:
     """POSIX file system. Writes are durable once ``close()`` returns (fsync)."""
 
@@ -126,13 +176,56 @@ class LocalStorage:
         return os.path.lexists(path)
 
     def isdir(self, path: str) -> bool:
-        return os.path.isdir(path)
+        """A real directory (a symbolic link to one is not)."""
+        try:
+            return stat.S_ISDIR(os.lstat(path).st_mode)
+        except (OSError, ValueError):
+            return False
 
     def listdir(self, path: str) -> list[str]:
         try:
             return sorted(os.listdir(path))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return []
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise FormatError(f"{path}: a loop of symbolic links") from None
+            raise StorageError(e.errno, e.strerror, path) from None
+
+    @contextlib.contextmanager
+    def lock(self, path: str):
+        """Exclusive lock on directory ``path`` (flock): commits and sweeps of one parent
+        directory never interleave between processes of this machine."""
+        import fcntl
+
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def identity(self, path: str) -> tuple | None:
+        """What tells one file or directory from its replacement; None if absent."""
+        try:
+            st = os.lstat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def mtime(self, path: str) -> float:
+        """Newest modification time of ``path`` and of the entries directly inside it."""
+        try:
+            t = os.lstat(path).st_mtime
+            with os.scandir(path) as it:
+                for e in it:
+                    try:
+                        t = max(t, e.stat(follow_symlinks=False).st_mtime)
+                    except OSError:
+                        pass
+            return t
+        except OSError:
+            return 0.0
 
     def makedirs(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
@@ -140,25 +233,38 @@ class LocalStorage:
     def remove_tree(self, path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
+    def remove_file(self, path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
     def rename_dir(self, src: str, dst: str) -> None:
-        os.rename(src, dst)  # atomic; fails if dst is a non-empty directory
+        """Atomic rename that never replaces ``dst`` (renameat2 RENAME_NOREPLACE; where that
+        is unavailable, a plain rename, which still refuses a non-empty ``dst``)."""
+        rc = _renameat2(src, dst, 1)  # RENAME_NOREPLACE
+        if rc is None:
+            if os.path.lexists(dst) and not (os.path.isdir(dst) and not os.path.islink(dst) and not os.listdir(dst)):
+                raise CheckpointExistsError(f"{dst}: already exists; refusing to replace it")
+            try:
+                os.rename(src, dst)
+            except OSError as e:
+                if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise CheckpointExistsError(f"{dst}: already exists; refusing to replace it") from None
+                raise
+            return
+        if rc == errno.EEXIST:
+            raise CheckpointExistsError(f"{dst}: already exists; refusing to replace it")
+        if rc:
+            raise OSError(rc, os.strerror(rc), dst)
 
     def exchange_dirs(self, a: str, b: str) -> bool:
         """Atomically swap two directories (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            fn = libc.renameat2
-        except (OSError, AttributeError):
+        rc = _renameat2(a, b, 2)  # RENAME_EXCHANGE
+        if rc is None:
             return False
-        AT_FDCWD, RENAME_EXCHANGE = -100, 2
-        rc = fn(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE)
-        if rc != 0:
-            err = ctypes.get_errno()
-            if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
-                return False
-            raise OSError(err, os.strerror(err), a)
+        if rc:
+            raise OSError(rc, os.strerror(rc), a)
         return True
 
     def fsync_dir(self, path: str) -> None:
@@ -179,11 +285,15 @@ class LocalStorage:
             os.close(fd)
 
     def read_bytes(self, path: str, limit: int) -> bytes:
+        """The content of regular file ``path`` (see :func:`open_regular`), at most ``limit`` bytes."""
+        fd, st = open_regular(path)
         try:
-            with open(path, "rb") as f:
+            if st.st_size > limit:
+                raise FormatError(f"{path}: {st.st_size} bytes, larger than the {limit} bytes allowed for this file")
+            with os.fdopen(fd, "rb", closefd=False) as f:
                 data = f.read(limit + 1)
-        except FileNotFoundError as e:
-            raise CheckpointNotFoundError(f"{path}: no such file") from e
+        finally:
+            os.close(fd)
         if len(data) > limit:
             raise FormatError(f"{path}: larger than the {limit} bytes allowed for this file")
         return data
@@ -260,6 +370,27 @@ class LocalStorage:
 
     def open_reader(self, path: str) -> RandomReader:
         return _Reader(path)
+
+
+_RENAMEAT2 = []
+
+
+def _renameat2(src: str, dst: str, flags: int) -> int | None:
+    """renameat2(2): 0, an errno, or None where the call or the flag is unsupported."""
+    if not _RENAMEAT2:
+        try:
+            import ctypes
+
+            _RENAMEAT2.append((ctypes, ctypes.CDLL(None, use_errno=True).renameat2))
+        except (OSError, AttributeError):
+            _RENAMEAT2.append(None)
+    if _RENAMEAT2[0] is None or os.environ.get("UNICKPT_NO_RENAMEAT2"):
+        return None
+    ctypes, fn = _RENAMEAT2[0]
+    if fn(-100, os.fsencode(src), -100, os.fsencode(dst), flags) == 0:  # AT_FDCWD
+        return 0
+    err = ctypes.get_errno()
+    return None if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP) else err
 
 
 class _Staging:
@@ -492,10 +623,10 @@ class _Reader:
     def __init__(self, path: str) -> None:
         self.path = path
         try:
-            self.fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError as e:
-            raise CheckpointNotFoundError(f"{path}: file listed in the manifest is missing") from e
-        self.size = os.fstat(self.fd).st_size
+            self.fd, st = open_regular(path)
+        except CheckpointNotFoundError:
+            raise CheckpointNotFoundError(f"{path}: file listed in the manifest is missing") from None
+        self.size = st.st_size
         self.bytes_read = 0
         self._lock = threading.Lock()
         if hasattr(os, "posix_fadvise"):

@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .errors import DistributedError, UnickptError
+from .errors import DistributedError, UnickptError, as_typed
 
 __all__ = ["Comm", "node_id", "LOCAL"]
 
@@ -109,6 +109,8 @@ class Comm:
         :class:`DistributedError` quoting the first failure, so no rank goes on alone into a
         later collective and hangs.
         """
+        if error is not None:
+            error = as_typed(error)
         if not self.active or self.world == 1:
             if error is not None:
                 raise error

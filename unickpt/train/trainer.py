@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import unickpt
+from unickpt import commit as _commit
 from unickpt._metrics import log
 
 from .data import TextData
@@ -340,12 +341,9 @@ class Trainer:
     def _after_save(self, res, blocking: float, total: float) -> None:
         if self._dir_rank:
             if self.ckpt.keep:
-                from unickpt.commit import committed_steps
-                from unickpt.storage import LocalStorage, expand_node
-
-                for _, old in committed_steps(LocalStorage(), expand_node(self.ckpt.dir))[: -self.ckpt.keep]:
-                    if os.path.abspath(old) != os.path.abspath(res.path):  # never the one just saved
-                        LocalStorage().remove_tree(old)
+                _commit._fault_point("retention")
+                for old in unickpt.prune(self.ckpt.dir, self.ckpt.keep):
+                    log.info("retention: deleted %s", old)
         self._emit({"event": "save", "step": res.step, "blocking_s": blocking, "total_s": total, "bytes": res.bytes})
 
     def _sweep(self, root: str) -> None:
