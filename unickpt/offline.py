@@ -20,13 +20,13 @@ import torch
 from . import __version__
 from . import commit as _commit
 from ._metrics import gbps, human_bytes, log
-from .errors import FormatError, StateDictError
-from .format import Hasher, build_header, dtype_name, itemsize, order_key, torch_dtype
+from .errors import FormatError, StateDictError, UnickptError
+from .format import Hasher, block_sums, build_header, dtype_name, itemsize, order_key, torch_dtype
 from .loader import read_manifest, read_whole
 from .codecs import split_master
 from .compress import QUANT_CODECS, Compression, chunk_elems, encode_chunk, stored_parts, tag_for
 from .container import ZstdWriter
-from .manifest import INDEX_NAME, MANIFEST_NAME, FileEntry, Manifest, Part, TensorEntry
+from .manifest import INDEX_NAME, FileEntry, name_problem, Manifest, Part, TensorEntry
 from .storage import storage_for
 from .transport import node_id
 
@@ -42,12 +42,9 @@ class _Writer:
 
     def __init__(self, dst, overwrite: bool, zstd: int | None = None) -> None:
         self.storage, self.final = storage_for(dst)
-        _commit.require_parent(self.storage, self.final)
-        _commit.check_destination(self.storage, self.final, overwrite)
-        parent, name = self.storage.parent(self.final), self.storage.basename(self.final)
-        _commit.sweep_stale(self.storage, parent, name)
-        self.tmp = self.storage.join(parent, _commit.tmp_name(name, _commit.new_token()))
-        self.storage.makedirs(self.tmp)
+        self.txn = _commit.Transaction(self.storage, self.final, overwrite=overwrite)
+        self.txn.begin()
+        self.tmp = self.txn.tmp
         self.zstd = zstd
         self.where: dict[tuple[str, str], tuple[str, dict]] = {}  # key -> (file, part -> TensorInfo)
         self.meta: dict[tuple[str, str], tuple[str, tuple[int, ...], dict | None]] = {}  # key -> (dtype, shape, tag)
@@ -98,7 +95,7 @@ class _Writer:
         header = self.files[fname][1]
         if x.numel():
             mv = memoryview(x.contiguous().reshape(-1).view(torch.uint8).numpy())
-            self.sums.setdefault((role, name, part), []).append([offset, offset + len(mv), Hasher.of(mv)])
+            self.sums.setdefault((role, name, part), []).extend(block_sums(mv, offset))
             self.writers[fname].write_at(len(header) + infos[part].begin + offset, mv)
 
     def write(self, role: str, name: str, x: torch.Tensor, model: torch.Tensor | None = None) -> None:
@@ -137,9 +134,10 @@ class _Writer:
         files = {}
         for n, (role, header, size) in self.files.items():
             if n in framed:
-                files[n] = FileEntry(n, role, node_id(), 0, size, len(header), "zstd", framed[n].pos, tuple(sorted(framed[n].frames)))
+                files[n] = FileEntry(n, role, node_id(), 0, size, len(header), "zstd", framed[n].pos,
+                                     tuple(sorted(framed[n].frames)), Hasher.of(header))
             else:
-                files[n] = FileEntry(n, role, node_id(), 0, size, len(header))
+                files[n] = FileEntry(n, role, node_id(), 0, size, len(header), header_xxh3=Hasher.of(header))
         man = Manifest(
             step=step, files=files, tensors=tensors, state=state, extra=extra,
             saved_by={"world_size": 1, "nodes": [node_id()], "strategy": strategy, "unickpt_version": __version__,
@@ -149,9 +147,9 @@ class _Writer:
         )
         idx = man.hf_index()
         if idx is not None:
-            self.storage.write_bytes(self.storage.join(self.tmp, INDEX_NAME), idx)
-        self.storage.write_bytes(self.storage.join(self.tmp, MANIFEST_NAME), man.to_json())
-        _commit.publish(self.storage, self.tmp, self.final)
+            self.txn.put(INDEX_NAME, idx)
+            man.aux = {INDEX_NAME: (len(idx), Hasher.of(idx))}
+        self.txn.commit(man.to_json())
         self.storage.close()
         return self.final
 
@@ -175,7 +173,7 @@ class _Writer:
         for w in self.writers.values():
             w.abort()
         self.storage.close()
-        self.storage.remove_tree(self.tmp)
+        self.txn.abort()
 
 
 def reshard_offline(
@@ -241,15 +239,15 @@ def convert_from_dcp(dcp_dir, dst, *, overwrite: bool = False, progress: Progres
     import re
 
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from .dcp_safe import SafeFileSystemReader, read_dcp_metadata
+
     t0 = time.perf_counter()
-    reader = FileSystemReader(os.fspath(dcp_dir))
-    try:
-        meta = reader.read_metadata()
-    except Exception as e:
-        raise FormatError(f"{dcp_dir}: not a torch.distributed.checkpoint directory ({type(e).__name__}: {e})") from None
+    # untrusted input: .metadata is unpickled only through dcp_safe's allow-list (DCP's own
+    # reader runs plain pickle.load on it) and validated; FormatError otherwise
+    meta = read_dcp_metadata(dcp_dir)
     role_re = re.compile(r"[a-z][a-z0-9_]{0,31}")
     entries, skipped, keymap = [], [], {}
     for key, md in sorted(meta.state_dict_metadata.items()):
@@ -258,8 +256,9 @@ def convert_from_dcp(dcp_dir, dst, *, overwrite: bool = False, progress: Progres
             continue
         head, _, rest = key.partition(".")
         role, name = (head, rest) if rest and role_re.fullmatch(head) else ("other", key)
-        if name == "__metadata__":
-            raise StateDictError(f"{dcp_dir}: key {key!r} maps to a reserved tensor name")
+        why = name_problem(name)
+        if why:
+            raise StateDictError(f"{dcp_dir}: key {key!r} cannot be imported: {why}")
         entries.append((role, name, dtype_name(md.properties.dtype), tuple(md.size)))
         keymap[(role, name)] = key
     w = _Writer(dst, overwrite)
@@ -268,7 +267,16 @@ def convert_from_dcp(dcp_dir, dst, *, overwrite: bool = False, progress: Progres
     try:
         for role, name, dt, shape, _ in w.layout(entries, None):
             x = torch.empty(shape, dtype=torch_dtype(dt))
-            dcp.load({keymap[(role, name)]: x}, storage_reader=FileSystemReader(os.fspath(dcp_dir)), no_dist=True)
+            # tensor entries only: DCP unpickles non-tensor (bytes) entries with weights_only=False
+            try:
+                dcp.load({keymap[(role, name)]: x}, storage_reader=SafeFileSystemReader(dcp_dir, metadata=meta),
+                         no_dist=True)
+            except CheckpointException as e:  # a BaseException: unwrap what the reader raised
+                inner = next((exc for exc, _ in e.failures.values()), None)
+                if isinstance(inner, UnickptError):
+                    raise inner from None
+                raise FormatError(f"{dcp_dir}: cannot read tensor {keymap[(role, name)]!r} "
+                                  f"({type(inner).__name__}: {inner})") from None
             w.write(role, name, x)
             done += x.numel() * x.element_size()
             if progress:
