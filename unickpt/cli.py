@@ -15,6 +15,12 @@ from .loader import read_manifest
 from .manifest import Manifest
 
 
+def _safe(v) -> str:
+    """Text from a checkpoint, printable: control characters (terminal escape sequences a
+    crafted manifest could carry) are shown escaped."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(v))
+
+
 def _codec_counts(man: Manifest) -> dict[str, int]:
     out: dict[str, int] = {}
     for t in man.tensors.values():
@@ -46,12 +52,12 @@ def _inspect(args) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
-    print(f"checkpoint   {ckpt}")
-    print(f"format       unickpt v{man.format_version}, step {man.step}, created {man.created}")
+    print(f"checkpoint   {_safe(ckpt)}")
+    print(f"format       unickpt v{man.format_version}, step {man.step}, created {_safe(man.created)}")
     sb = man.saved_by
-    print(f"saved by     {sb.get('world_size', '?')} ranks on {len(sb.get('nodes', []))} node(s), unickpt {sb.get('unickpt_version', '?')}")
+    print(f"saved by     {sb.get('world_size', '?')} ranks on {len(sb.get('nodes', []))} node(s), unickpt {_safe(sb.get('unickpt_version', '?'))}")
     if sb.get("strategy"):
-        print(f"strategy     {json.dumps(sb['strategy'])}")
+        print(f"strategy     {_safe(json.dumps(sb['strategy']))}")
     print(f"size         {human_bytes(man.total_bytes)} in {len(man.files)} files, {len(man.tensors)} tensors")
     if man.compression:
         c = man.compression
@@ -63,19 +69,24 @@ def _inspect(args) -> int:
         for (role, name), t in sorted(man.tensors.items()):
             codec = "" if t.codec == "raw" else f"  [{t.codec}]"
             sums = [c[2] for *_, cs in t.stored() for c in cs]
-            print(f"  {role}/{name}  {t.dtype}{list(t.shape)}{codec}  {t.file}  {' '.join(sums[:4])}{' ...' if len(sums) > 4 else ''}")
+            print(f"  {role}/{_safe(name)}  {t.dtype}{list(t.shape)}{codec}  {t.file}  {' '.join(sums[:4])}{' ...' if len(sums) > 4 else ''}")
     return 0
 
 
 def _verify(args) -> int:
-    ckpt, man = read_manifest(args.path)
+    ckpt, man = read_manifest(args.path)  # (format >= 2: the manifest's own checksum is checked here)
     bad = verify_checkpoint(ckpt, man, progress=not args.quiet)
     if bad:
         for f, n, why in bad:
-            print(f"BAD  {f}: tensor {n!r}: {why}", file=sys.stderr)
-        print(f"{len(bad)} of {len(man.tensors)} tensors failed verification", file=sys.stderr)
+            print(f"BAD  {f}: {'tensor ' + repr(_safe(n)) + ': ' if n else ''}{why}", file=sys.stderr)
+        tensors = {(f, n) for f, n, _ in bad if n}
+        others = sorted({f for f, n, _ in bad if not n})
+        print(f"{len(tensors)} of {len(man.tensors)} tensors failed verification"
+              + (f"; so did {', '.join(others)}" if others else ""), file=sys.stderr)
         return 1
-    print(f"ok: {len(man.tensors)} tensors in {len(man.files)} files match their checksums")
+    extra = f" and {len(man.aux)} other files" if man.aux else ""
+    note = "" if man.format_version >= 2 else " (format 1: the manifest, headers and other files carry no checksum)"
+    print(f"ok: {len(man.tensors)} tensors in {len(man.files)} files{extra} match their checksums{note}")
     return 0
 
 
@@ -83,6 +94,7 @@ def verify_checkpoint(ckpt: str, man: Manifest, progress: bool = False) -> list[
     """Check every stored tensor against its checksum; return ``(file, tensor, reason)``."""
     import torch
 
+    from .format import Hasher
     from .loader import WINDOW, check_stored, open_file
     from .storage import storage_for
 
@@ -115,6 +127,14 @@ def verify_checkpoint(ckpt: str, man: Manifest, progress: bool = False) -> list[
             reader.close()
     if bar:
         bar.close()
+    for name, (size, digest) in sorted(man.aux.items()):  # index, config.json...
+        try:
+            data = storage.read_bytes(storage.join(ckpt, name), max(size, 0))
+        except UnickptError as e:
+            bad.append((name, "", str(e)))
+            continue
+        if len(data) != size or Hasher.of(data) != digest:
+            bad.append((name, "", "does not match the size and checksum the manifest records"))
     return bad
 
 
@@ -242,8 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         return args.fn(args)
-    except (UnickptError, NotImplementedError, ValueError) as e:
-        print(f"unickpt {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
+    except (UnickptError, NotImplementedError, ValueError, OSError) as e:
+        print(f"unickpt {args.cmd}: {type(e).__name__}: {_safe(e)}", file=sys.stderr)
         return 2
 
 

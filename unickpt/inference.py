@@ -10,10 +10,11 @@ from typing import Callable, Iterable
 
 import torch
 
-from .errors import LayoutError, TensorMissingError
+from .errors import InvalidArgumentError, LayoutError, TensorMissingError
 from .format import torch_dtype
 from .layout import Layout, ShardedTensor
-from .loader import load, read_manifest
+from .loader import load, open_files, read_manifest
+from .storage import storage_for
 from .transport import LOCAL
 
 __all__ = ["load_for_inference", "llama_tp_dim"]
@@ -54,7 +55,9 @@ def load_for_inference(
     Works in one process whether or not torch.distributed is initialised (no collective).
     """
     if (tp_rank is None) != (tp_size is None):
-        raise ValueError("give both tp_rank and tp_size, or neither")
+        raise InvalidArgumentError("give both tp_rank and tp_size, or neither")
+    if tp_size is not None and not (type(tp_size) is int and tp_size >= 1 and type(tp_rank) is int and 0 <= tp_rank < tp_size):
+        raise InvalidArgumentError(f"need an integer tp_size >= 1 and 0 <= tp_rank < tp_size, got tp_rank={tp_rank!r}, tp_size={tp_size!r}")
     ckpt, man = read_manifest(path)
     names = sorted(n for (r, n) in man.tensors if r == "model")
     if not names:
@@ -66,11 +69,21 @@ def load_for_inference(
         if missing:
             raise TensorMissingError(f"{ckpt}: no model tensor matches {missing}")
         names = chosen
+    # the files are checked (regular, of the recorded size, headers intact) before the shapes
+    # the manifest claims are allocated
+    storage, _ = storage_for(ckpt)
+    readers: dict = {}
+    open_files(storage, ckpt, man, {man.tensors[("model", n)].file for n in names}, readers)
+    for r in readers.values():
+        r.close()
     targets: dict[str, ShardedTensor | torch.Tensor] = {}
     for n in names:
         st = man.tensors[("model", n)]
         sdt = torch_dtype(st.dtype)
         dim = tp_dim(n, st.shape) if tp_size and tp_size > 1 else None
+        if dim is not None and not (type(dim) is int and 0 <= dim < len(st.shape)):
+            raise LayoutError(f"{ckpt}/{st.file}: tensor {n!r} of shape {list(st.shape)} has no dimension {dim!r} to split "
+                              "for tensor parallelism (tp_dim must return a dimension of the tensor, or None)")
         if dim is None:
             targets[n] = torch.empty(st.shape, dtype=sdt)
             continue

@@ -22,7 +22,7 @@ from . import commit as _commit
 from ._metrics import gbps, human_bytes, log
 from .errors import FormatError, StateDictError, UnickptError
 from .format import Hasher, block_sums, build_header, dtype_name, itemsize, order_key, torch_dtype
-from .loader import read_manifest, read_whole
+from .loader import open_files, read_manifest, read_whole
 from .codecs import split_master
 from .compress import QUANT_CODECS, Compression, chunk_elems, encode_chunk, stored_parts, tag_for
 from .container import ZstdWriter
@@ -203,8 +203,16 @@ def reshard_offline(
             elif master == "residual" and t.dtype == "F32" and m.dtype == "BF16":
                 tag = {"codec": "residual16", "model": t.name}
         entries.append((t.role, t.name, t.dtype, t.shape, tag))
-    w = _Writer(dst, overwrite, zstd)
-    readers: dict = {}
+    readers: dict = {}  # every source file checked before anything of the claimed size is created
+    open_files(storage_for(ckpt)[0], ckpt, man, {man.tensors[(t.role, t.name)].file for t in keep if t.codec != "from_model"}
+               | {man.tensors[("model", t.args["model"])].file for t in keep if t.codec in ("residual16", "from_model")},
+               readers)
+    try:
+        w = _Writer(dst, overwrite, zstd)
+    except BaseException:
+        for r in readers.values():
+            r.close()
+        raise
     total, done = sum(math.prod(t.shape) * itemsize(t.dtype) for t in keep), 0
     try:
         for role, name, dt, shape, tag in w.layout(entries, max_file_bytes):

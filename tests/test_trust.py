@@ -1,0 +1,345 @@
+"""Trust findings of issue #10, each tried as an attacker or an unlucky operator would: every
+byte a load returns is verified in every layout, nothing outside the checkpoint is read,
+the manifest protects itself, concurrent saves never lose a checkpoint, hostile inputs get
+typed errors in bounded time and memory."""
+
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import unickpt
+from tests.crafted import seal
+from unickpt.errors import (
+    CheckpointChangedError,
+    CheckpointExistsError,
+    ChecksumError,
+    FormatError,
+    InvalidArgumentError,
+    LayoutError,
+    StateDictError,
+    UnickptError,
+)
+from unickpt.format import CHECK_BLOCK
+from unickpt.manifest import Manifest
+
+H = 512  # a 512 x 512 fp32 tensor is exactly one checksum block (1 MiB)
+
+
+def _state():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model": {
+            "layers.0.self_attn.q_proj.weight": torch.randn(64, 32, generator=g).to(torch.bfloat16),
+            "layers.0.self_attn.o_proj.weight": torch.randn(32, 64, generator=g).to(torch.bfloat16),
+            "big": torch.randn(4 * H, H, generator=g),  # 4 blocks
+            "norm": torch.ones(32),
+        },
+        "step": 3,
+    }
+
+
+@pytest.fixture
+def ck(tmp_path):
+    p = tmp_path / "ck"
+    unickpt.save(_state(), p, step=3, extra={"lr": 0.001}, extra_files={"config.json": json.dumps({"hidden_size": 32})})
+    return p
+
+
+def _flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def _flip_tensor(p, name, byte, role="model"):
+    _, man = unickpt.read_manifest(p)
+    t = man.tensors[(role, name)]
+    _flip(p / t.file, man.files[t.file].data_start + t.begin + byte)
+
+
+def _cli(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "unickpt.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+# -- finding 3: every byte a load returns is verified, in every layout ------------------------
+
+
+@pytest.mark.parametrize("layout", ["rows", "columns", "flat"])
+def test_a_bit_flip_next_to_a_slice_is_caught_in_every_layout(ck, layout):
+    name = "layers.0.self_attn.o_proj.weight"  # 32 x 64 bf16: one checksum block
+    _flip_tensor(ck, name, 40 * 2 + 1)  # row 0, column 40: outside every slice below
+    if layout == "rows":
+        t = unickpt.shard(torch.zeros(16, 64, dtype=torch.bfloat16), (32, 64), offsets=(16, 0))
+    elif layout == "columns":
+        t = unickpt.shard(torch.zeros(32, 32, dtype=torch.bfloat16), (32, 64), offsets=(0, 0))
+    else:
+        t = unickpt.shard(torch.zeros(100, dtype=torch.bfloat16), (32, 64), flat=(1000, 1100))
+    with pytest.raises(ChecksumError, match=name):
+        unickpt.load({"model": {name: t}}, ck, group="local")
+    if layout == "columns":  # the slice that holds the flipped bit fails as well, of course
+        t2 = unickpt.shard(torch.zeros(32, 32, dtype=torch.bfloat16), (32, 64), offsets=(0, 32))
+        with pytest.raises(ChecksumError):
+            unickpt.load({"model": {name: t2}}, ck, group="local")
+
+
+def test_only_the_blocks_a_slice_touches_are_read_and_verified(ck):
+    _flip_tensor(ck, "big", 3 * CHECK_BLOCK + 5)  # block 3 of 4
+    head = unickpt.shard(torch.zeros(H + 7, H), (4 * H, H), offsets=(0, 0))  # blocks 0-1
+    res = unickpt.load({"model": {"big": head}}, ck, group="local")
+    assert res.verified == 2 and torch.equal(head.local, _state()["model"]["big"][: H + 7])
+    tail = unickpt.shard(torch.zeros(3, H), (4 * H, H), offsets=(3 * H + 100, 0))
+    with pytest.raises(ChecksumError, match="'big'"):
+        unickpt.load({"model": {"big": tail}}, ck, group="local")
+
+
+def test_inference_tp_slices_export_and_reshard_verify_what_they_read(ck, tmp_path):
+    _flip_tensor(ck, "layers.0.self_attn.q_proj.weight", 2)  # row 0: tp_rank 1 reads rows 32..63
+    with pytest.raises(ChecksumError):
+        unickpt.load_for_inference(ck, tp_rank=1, tp_size=2)
+    from unickpt.export import export_hf
+    from unickpt.offline import reshard_offline
+
+    with pytest.raises(ChecksumError):
+        export_hf(ck, tmp_path / "hf")
+    with pytest.raises(ChecksumError):
+        reshard_offline(ck, tmp_path / "re")
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "re").exists()
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+
+
+# -- finding 4: the manifest, headers, index and config are protected -------------------------
+
+
+def test_every_single_bit_flip_in_the_manifest_is_refused(ck):
+    good = (ck / "unickpt.json").read_bytes()
+    for i in range(len(good)):
+        for bit in (0, 5):
+            bad = bytearray(good)
+            bad[i] ^= 1 << bit
+            with pytest.raises(FormatError):
+                Manifest.from_json(bytes(bad), "m")
+
+
+def test_verify_covers_headers_index_and_config(ck, tmp_path):
+    assert _cli("verify", ck, "-q").returncode == 0
+    _, man = unickpt.read_manifest(ck)
+    f = next(n for n in man.files if n.startswith("model"))
+    for target, off in ((ck / f, man.files[f].data_start - 3), (ck / "model.safetensors.index.json", 10),
+                        (ck / "config.json", 3)):
+        orig = target.read_bytes()
+        _flip(target, off)
+        r = _cli("verify", ck, "-q")
+        assert r.returncode == 1 and target.name in r.stderr, (target, r.stderr)
+        target.write_bytes(orig)
+    from unickpt.export import export_hf
+
+    _flip(ck / "config.json", 3)
+    with pytest.raises(ChecksumError, match="config.json"):
+        export_hf(ck, tmp_path / "hf")
+
+
+def test_residual_exceptions_must_be_increasing(tmp_path):
+    w = torch.randn(8, 8).to(torch.bfloat16)
+    p = tmp_path / "r"
+    unickpt.save({"model": {"w": w}, "master": {"w": w.float()}}, p, master="residual")
+    man = json.loads((p / "unickpt.json").read_bytes())
+    args = man["tensors"]["master"]["w"]["codec_args"]
+    args["exceptions"] = [[3, 3], [0, 0]]  # one element patched twice
+    (p / "unickpt.json").write_bytes(seal(man))
+    with pytest.raises(FormatError, match="increasing"):
+        unickpt.read_manifest(p)
+
+
+# -- finding 1 and 8: nothing outside the checkpoint, no hangs ------------------------------
+
+
+def test_symlinks_out_of_the_checkpoint_are_refused_without_echoing_bytes(ck, tmp_path):
+    secret = tmp_path / "credentials"
+    secret.write_text("SECRET-TOKEN " * 100)
+    (ck / "config.json").unlink()
+    os.symlink(secret, ck / "config.json")
+    r = _cli("export", ck, tmp_path / "hf", "-q")
+    assert r.returncode == 2 and "symbolic link" in r.stderr and "SECRET" not in r.stderr + r.stdout
+    assert not (tmp_path / "hf").exists()
+    _, man = unickpt.read_manifest(ck)
+    f = next(n for n in man.files if n.startswith("model"))
+    os.rename(ck / f, tmp_path / "moved")
+    os.symlink(tmp_path / "moved", ck / f)
+    with pytest.raises(FormatError, match="symbolic link"):
+        unickpt.load({"model": {"norm": torch.zeros(32)}}, ck, group="local")
+    r = _cli("verify", ck, "-q")
+    assert r.returncode == 1 and "SECRET" not in r.stderr
+
+
+@pytest.mark.parametrize("which", ["manifest", "data", "config"])
+def test_a_fifo_anywhere_never_blocks(ck, tmp_path, which):
+    _, man = unickpt.read_manifest(ck)
+    name = {"manifest": "unickpt.json", "data": next(iter(man.files)), "config": "config.json"}[which]
+    (ck / name).unlink()
+    os.mkfifo(ck / name)
+    for cmd in (["inspect", ck], ["verify", ck, "-q"], ["export", ck, tmp_path / "hf", "-q"]):
+        r = _cli(*cmd, timeout=60)  # a hang fails with TimeoutExpired
+        if which == "manifest" or cmd[0] != "inspect":
+            assert r.returncode in (1, 2) and "FIFO" in r.stderr + r.stdout, (cmd, r.stderr)
+
+
+def test_manifest_memory_and_size_bombs_are_refused(ck, tmp_path):
+    man = json.loads((ck / "unickpt.json").read_bytes())
+    man["extra"] = {"x": [{}] * 200_000}  # 26x its size in memory once parsed
+    (ck / "unickpt.json").write_bytes(seal(man))
+    with pytest.raises(FormatError, match="objects/arrays"):
+        unickpt.read_manifest(ck)
+    man["extra"] = {"x": "a" * (40 << 20)}  # far more than a 4 MB checkpoint can need
+    (ck / "unickpt.json").write_bytes(seal(man))
+    with pytest.raises(FormatError, match="larger than"):
+        unickpt.read_manifest(ck)
+
+
+def test_claims_are_checked_against_the_files_before_allocating_or_creating(ck, tmp_path):
+    man = json.loads((ck / "unickpt.json").read_bytes())
+    t = man["tensors"]["model"]["norm"]
+    t["dtype"], t["shape"] = "U8", [1 << 47]
+    t["offsets"] = [t["offsets"][0], t["offsets"][0] + (1 << 47)]
+    t["checksums"] = [[0, 1 << 47, "0" * 16]]
+    fe = man["files"][t["file"]]
+    fe["size"] = fe["data_start"] + (1 << 48)
+    (ck / "unickpt.json").write_bytes(seal(man))
+    with pytest.raises(FormatError, match="bytes on disk"):
+        unickpt.load_for_inference(ck, keys=["norm"])
+    from unickpt.export import export_hf
+    from unickpt.offline import reshard_offline
+
+    with pytest.raises(FormatError, match="bytes on disk"):
+        export_hf(ck, tmp_path / "hf")
+    with pytest.raises(FormatError, match="bytes on disk"):
+        reshard_offline(ck, tmp_path / "re")
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+# -- finding 7: reserved names ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["w::codes", "w::low16", "a\x1b[2Jb", ""])
+def test_names_that_collide_with_internal_keys_are_refused_before_writing(tmp_path, name):
+    with pytest.raises(StateDictError):
+        unickpt.save({"model": {name: torch.ones(2), "ok": torch.ones(2)}}, tmp_path / "ck")
+    assert os.listdir(tmp_path) == []
+
+
+# -- finding 9: typed errors -------------------------------------------------------------------
+
+
+def test_odd_files_and_values_get_typed_errors(ck, tmp_path):
+    (ck / "unickpt.json").rename(tmp_path / "m.json")
+    (ck / "unickpt.json").mkdir()
+    with pytest.raises(FormatError, match="directory"):
+        unickpt.read_manifest(ck)
+    (ck / "unickpt.json").rmdir()
+    (tmp_path / "m.json").rename(ck / "unickpt.json")
+    os.symlink("loop", tmp_path / "loop")
+    with pytest.raises(UnickptError):
+        unickpt.read_manifest(tmp_path / "loop")
+    with pytest.raises(InvalidArgumentError):
+        unickpt.load_for_inference(ck, tp_rank=0, tp_size=0)
+    with pytest.raises(LayoutError, match="no dimension"):
+        unickpt.load_for_inference(ck, tp_rank=0, tp_size=2, tp_dim=lambda n, s: 1)  # 'norm' is 1-D
+    good = json.loads((ck / "unickpt.json").read_bytes())
+    for mutate, cmd in (
+        (lambda m: m["saved_by"].update(nodes=5), "inspect"),
+        (lambda m: m["saved_by"].update(strategy=[1]), "reshard"),
+        (lambda m: m["compression"].update(eps="x"), "reshard"),
+    ):
+        m = json.loads(json.dumps(good))
+        mutate(m)
+        (ck / "unickpt.json").write_bytes(seal(m))
+        args = [cmd, ck] + ([tmp_path / "re"] if cmd == "reshard" else [])
+        r = _cli(*args)
+        assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    text = seal(good).replace(b'"lr":0.001', b'"lr":1e999')
+    from tests.crafted import seal_text
+
+    (ck / "unickpt.json").write_bytes(seal_text(text.decode()))
+    with pytest.raises(FormatError, match="finite"):
+        unickpt.read_manifest(ck)
+
+
+def test_config_json_that_is_not_an_object_or_nests_deeply(tmp_path):
+    from unickpt.export import export_hf
+
+    for i, text in enumerate(["[1, 2]", "[" * 100000 + "]" * 100000]):
+        p = tmp_path / f"c{i}"
+        unickpt.save({"model": {"w": torch.ones(2)}}, p, extra_files={"config.json": text})
+        with pytest.raises(FormatError, match="config.json"):
+            export_hf(p, tmp_path / f"hf{i}")
+
+
+def test_inspect_escapes_control_characters(ck):
+    m = json.loads((ck / "unickpt.json").read_bytes())
+    m["created"] = "\x1b]0;pwned\x07\x1b[2J"
+    m["saved_by"]["unickpt_version"] = "\x1b[31m"
+    (ck / "unickpt.json").write_bytes(seal(m))
+    r = _cli("inspect", ck)
+    assert r.returncode == 0 and "\x1b" not in r.stdout and "\\x1b" in r.stdout
+
+
+def test_a_load_racing_an_overwrite_says_the_checkpoint_changed(ck, monkeypatch):
+    from unickpt import loader
+
+    real = loader._validate
+
+    def validate_then_overwrite(*a, **kw):
+        out = real(*a, **kw)
+        other = _state()
+        other["model"]["big"] = torch.zeros(2 * H, H)  # other files, other sizes
+        unickpt.save({"model": {**other["model"], "big": other["model"]["big"]}}, ck, overwrite=True)
+        return out
+
+    monkeypatch.setattr(loader, "_validate", validate_then_overwrite)
+    with pytest.raises(CheckpointChangedError, match="replaced"):
+        unickpt.load({"model": {"big": torch.zeros(4 * H, H)}}, ck, group="local")
+
+
+# -- finding 5: concurrent saves to one path ----------------------------------------------------
+
+
+def _save_proc(path, value, overwrite, fault, q):
+    if fault:
+        os.environ["UNICKPT_FAULT"] = fault
+    try:
+        unickpt.save({"model": {"w": torch.full((4,), float(value))}}, path, overwrite=overwrite)
+        q.put((value, "ok"))
+    except BaseException as e:
+        q.put((value, type(e).__name__))
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_concurrent_saves_to_one_path_never_lose_the_winner(tmp_path, overwrite):
+    p = str(tmp_path / "ck")
+    if overwrite:
+        unickpt.save({"model": {"w": torch.zeros(4)}}, p)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    slow = ctx.Process(target=_save_proc, args=(p, 1, overwrite, "before-commit:4", q))
+    slow.start()
+    deadline = time.monotonic() + 60
+    while not [n for n in os.listdir(tmp_path) if ".tmp-" in n] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    fast = ctx.Process(target=_save_proc, args=(p, 2, overwrite, "", q))
+    fast.start()
+    fast.join(60)
+    slow.join(60)
+    out = dict(q.get(timeout=5) for _ in range(2))
+    assert out == {2: "ok", 1: CheckpointExistsError.__name__}, out
+    t = {"model": {"w": torch.zeros(4)}}
+    unickpt.load(t, p)
+    assert torch.equal(t["model"]["w"], torch.full((4,), 2.0))
+    assert os.listdir(tmp_path) == ["ck"]
