@@ -76,6 +76,7 @@ KINDS = ("model", "exp_avg", "exp_avg_sq")
 OPS = (
     "memcpy", "write_buffered", "write_direct", "read_cold",
     "unickpt_save", "unickpt_load", "unickpt_load_reshard",
+    "unickpt_load_noverify", "unickpt_load_reshard_noverify",
     "dcp_save", "dcp_load", "dcp_load_reshard",
 )
 LABELS = {
@@ -83,10 +84,14 @@ LABELS = {
     "write_direct": "write O_DIRECT+fsync", "read_cold": "read cold",
     "unickpt_save": "unickpt save", "unickpt_load": "unickpt load",
     "unickpt_load_reshard": "unickpt load reshard", "dcp_save": "dcp save",
+    "unickpt_load_noverify": "  same, verify=none", "unickpt_load_reshard_noverify": "  same, verify=none",
     "dcp_load": "dcp load", "dcp_load_reshard": "dcp load reshard",
 }
 FLOOR_OF = {"unickpt_save": "write_direct", "dcp_save": "write_direct", "unickpt_load": "read_cold",
-            "unickpt_load_reshard": "read_cold", "dcp_load": "read_cold", "dcp_load_reshard": "read_cold"}
+            "unickpt_load_reshard": "read_cold", "dcp_load": "read_cold", "dcp_load_reshard": "read_cold",
+            "unickpt_load_noverify": "read_cold", "unickpt_load_reshard_noverify": "read_cold"}
+VERIFY_OF = {"unickpt_load": "unickpt_load_noverify", "unickpt_load_reshard": "unickpt_load_reshard_noverify"}
+VERIFY_TARGET = 0.05  # verification may cost at most 5% of a cold load
 DCP_OF = {"unickpt_save": "dcp_save", "unickpt_load": "dcp_load", "unickpt_load_reshard": "dcp_load_reshard"}
 TARGETS = {"unickpt_save": 1.15, "unickpt_load": 1.15, "unickpt_load_reshard": 1.15}
 
@@ -333,7 +338,7 @@ def rank_job(rank: int, world: int, cfg: dict) -> dict:
 
     res: dict = {op: {"seconds": [], "io": []} for op in OPS}
     res["unickpt_save"].update(phases=[], bytes=[], local_bytes=[])
-    for op in ("unickpt_load", "unickpt_load_reshard"):
+    for op in ("unickpt_load", "unickpt_load_reshard", "unickpt_load_noverify", "unickpt_load_reshard_noverify"):
         res[op].update(phases=[], bytes_read=[])
     res["meta"] = {"local_bytes": st.local_bytes, "total_bytes": st.total_bytes, "floor_share": share}
     checks = res["verify"] = {}
@@ -359,15 +364,21 @@ def rank_job(rank: int, world: int, cfg: dict) -> dict:
         res["unickpt_save"]["phases"].append(r.phases)
         res["unickpt_save"]["bytes"].append(r.bytes)
         res["unickpt_save"]["local_bytes"].append(r.local_bytes)
-        for op, tgt, flat in (("unickpt_load", u_tgt, st.tgt), ("unickpt_load_reshard", u_rtgt, st.rtgt)):
+        # verified (the default) and unverified loads alternate, in both orders over rounds
+        loads = [("unickpt_load", u_tgt, st.tgt, "auto"), ("unickpt_load_noverify", u_tgt, st.tgt, "none"),
+                 ("unickpt_load_reshard", u_rtgt, st.rtgt, "auto"),
+                 ("unickpt_load_reshard_noverify", u_rtgt, st.rtgt, "none")]
+        if i % 2:
+            loads = [loads[1], loads[0], loads[3], loads[2]]
+        for op, tgt, flat, how in loads:
             if i == 0:
                 zero(flat)
             cold_barrier(path, rank)
-            r = record(op, timed(lambda: unickpt.load(tgt, path)))
+            r = record(op, timed(lambda: unickpt.load(tgt, path, verify=how)))
             res[op]["phases"].append(r.phases)
             res[op]["bytes_read"].append(r.bytes_read)
             if i == 0:
-                checks[op] = verify_same(st) if op == "unickpt_load" else verify_reshard(st)
+                checks[op] = verify_same(st) if op.startswith("unickpt_load_no") or op == "unickpt_load" else verify_reshard(st)
 
         # DCP on the same data
         clear_dir(d_root, rank)
@@ -420,6 +431,9 @@ def summarize(results: list[dict], repeats: int) -> dict:
         out[op]["x_floor"] = out[fl]["gbps"] / out[op]["gbps"]
     for op, d in DCP_OF.items():
         out[op]["x_dcp"] = out[op]["median"] / out[d]["median"]
+    for op, nv in VERIFY_OF.items():  # cost of verification, per round (same round: same noise)
+        costs = [(a - b) / a for a, b in zip(out[op]["per_round_max"], out[nv]["per_round_max"])]
+        out[op]["verify_cost"] = statistics.median(costs)
     return out
 
 
@@ -440,6 +454,13 @@ def print_report(summary: dict, cfg: dict, verify: dict) -> None:
         print(f"{LABELS[op]:<23}{s['median']:>10.3f}{s['gbps']:>8.2f}{xf:>9}{xd:>8}  {tgt}")
     print("\nunickpt phases, seconds (median over rounds of the slowest rank; per-rank medians in brackets;\n"
           "save: gather and fsync are parts of write):")
+    for op, nv in VERIFY_OF.items():
+        c = summary[op]["verify_cost"]
+        print(f"verification cost, {LABELS[op]}: {c * 100:+.1f}% of the verified load's time (median over rounds "
+              f"of (verified - verify=none) / verified); target < {VERIFY_TARGET * 100:.0f}%: "
+              f"{'PASS' if c < VERIFY_TARGET else 'MISS'}; bytes read per rank "
+              f"{', '.join(f'{b / 1e9:.3f}' for b in summary[op]['bytes_read_by_rank'])} GB vs "
+              f"{', '.join(f'{b / 1e9:.3f}' for b in summary[nv]['bytes_read_by_rank'])} GB unverified")
     for op in ("unickpt_save", "unickpt_load", "unickpt_load_reshard"):
         parts = []
         for p, v in summary[op]["phases"].items():

@@ -343,3 +343,14 @@ def test_concurrent_saves_to_one_path_never_lose_the_winner(tmp_path, overwrite)
     unickpt.load(t, p)
     assert torch.equal(t["model"]["w"], torch.full((4,), 2.0))
     assert os.listdir(tmp_path) == ["ck"]
+
+
+def test_step_directories_that_are_links_are_not_checkpoints_of_the_root(tmp_path):
+    outside = tmp_path / "elsewhere"
+    unickpt.save({"model": {"w": torch.ones(2)}}, outside, step=9)
+    root = tmp_path / "root"
+    unickpt.save({"model": {"w": torch.zeros(2)}}, root / "step-00000001", step=1)
+    os.symlink(outside, root / "step-00000009")
+    assert unickpt.latest(root).endswith("step-00000001")
+    t = {"model": {"w": torch.full((2,), 5.0)}}
+    assert unickpt.load(t, root).step == 1 and torch.equal(t["model"]["w"], torch.zeros(2))
