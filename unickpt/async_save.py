@@ -12,7 +12,8 @@ Per rank, one :class:`Checkpointer` owns
 
 A save is committed by the writers' group exactly as a synchronous save is: visible only
 once every rank's data is durable. If a writer fails or is killed, every other writer's
-collective fails (gloo sees the closed connection; a timeout bounds the rest), nothing is
+collective fails (gloo sees the closed connection; ``timeout_s`` bounds the rest: a hung
+writer fails the others within it, see :mod:`unickpt.transport`), nothing is
 committed, and every rank raises :class:`~unickpt.errors.AsyncSaveError` at its next
 ``save()`` or ``wait()``; the writers are then restarted on the next save.
 
@@ -47,13 +48,12 @@ from .errors import AsyncSaveError, StateDictError, UnickptError
 from .format import dtype_name
 from .layout import Layout
 from .state import Entry, _is_json, flatten
-from .transport import Comm
+from .transport import Comm, resolve_timeout
 
 __all__ = ["AsyncSave", "Checkpointer", "checkpointer", "shutdown"]
 
 SHM_DIR = "/dev/shm"
 ALIGN = 4096
-DEFAULT_TIMEOUT_S = 600.0
 
 
 def _shm_prefix(pid: int | None = None) -> str:
@@ -219,9 +219,9 @@ def _pick_port() -> int:
 class Checkpointer:
     """Staging buffer + persistent writer process of this rank, for one process group."""
 
-    def __init__(self, group=None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, group=None, timeout_s: float | None = None) -> None:
         self.group = group
-        self.timeout_s = timeout_s
+        self.timeout_s = resolve_timeout(timeout_s)  # writers' group setup; default per save
         self._seg: _Segment | None = None
         self._proc = None
         self._conn = None
@@ -282,8 +282,9 @@ class Checkpointer:
 
     # -- save ----------------------------------------------------------------------------------
 
-    def save(self, state_dict: Mapping[str, Any], path, *, background_staging: bool = False, **kw) -> AsyncSave:
-        comm = Comm(self.group)
+    def save(self, state_dict: Mapping[str, Any], path, *, background_staging: bool = False,
+             timeout_s: float | None = None, **kw) -> AsyncSave:
+        comm = Comm(self.group, timeout_s=timeout_s)
         t0 = time.perf_counter()
         prev_err: BaseException | None = None
         surfaced = False
@@ -325,6 +326,7 @@ class Checkpointer:
             "entries": staged.entries,
             "state": json_state,
             "path": os.path.abspath(os.fspath(path)),
+            "timeout_s": comm.timeout_s,  # the writers wait for each other at most this long
             "kw": {k: v for k, v in kw.items()},
         }
 
@@ -460,16 +462,39 @@ def shutdown() -> None:
 # -- the writer process ------------------------------------------------------------------------
 
 
+def _parent_gone(parent_pid: int) -> bool:
+    return os.getppid() != parent_pid or not _alive(parent_pid)
+
+
+def _free_parent_segments(parent_pid: int, segments: dict) -> None:
+    """The parent is gone: unlink its staging segments (those this writer maps, and any
+    other it created: they are named after its pid), so no shared memory outlives the job."""
+    names = {seg.name for seg in list(segments.values()) if getattr(seg, "name", None)}
+    names |= {os.path.basename(p) for p in glob.glob(os.path.join(SHM_DIR, f"{_shm_prefix(parent_pid)}*"))}
+    for name in names:
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except OSError:
+            pass
+
+
 def _watch_parent(parent_pid: int, segments: dict) -> None:
     while True:
         time.sleep(0.2)
-        if os.getppid() != parent_pid or not _alive(parent_pid):
-            for seg in list(segments.values()):
-                try:
-                    os.unlink(os.path.join(SHM_DIR, seg.name))
-                except (FileNotFoundError, AttributeError):
-                    pass
+        if _parent_gone(parent_pid):
+            _free_parent_segments(parent_pid, segments)
             os._exit(3)
+
+
+def _orphaned(parent_pid: int, segments: dict, wait: float = 2.0) -> None:
+    """Our pipe closed without an exit command: the parent died (its files close before its
+    children are re-parented, so give that a moment); free its staging memory."""
+    deadline = time.monotonic() + wait
+    while not _parent_gone(parent_pid):
+        if time.monotonic() > deadline:
+            return  # still there (it closed the pipe itself): its segments are its own business
+        time.sleep(0.02)
+    _free_parent_segments(parent_pid, segments)
 
 
 def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: float, parent_pid: int, node) -> None:
@@ -504,11 +529,12 @@ def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: f
     except Exception as e:
         _reply(conn, {"ok": False, "error": f"writer group setup failed: {e}"})
         return
-    comm = Comm(None)
+    comm = Comm(None, timeout_s=timeout_s)
     while True:
         try:
             raw = conn.recv_bytes()
         except (EOFError, OSError):
+            _orphaned(parent_pid, segments)  # the watchdog may not have looked yet
             break  # parent gone
         cmd = json.loads(raw)
         if cmd.get("op") == "exit":
@@ -520,6 +546,7 @@ def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: f
                 _reply(conn, {"ok": False, "error": f"{type(e).__name__}: {e}"})
             break
         try:
+            comm.timeout_s = float(cmd.get("timeout_s") or timeout_s)
             seg = segments.get(cmd["shm"])
             if seg is None:
                 for old in segments.values():

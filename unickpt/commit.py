@@ -156,7 +156,11 @@ def sweep_stale(storage: Storage, root: str, final_name: str | None = None) -> l
         return removed
     with storage.lock(root):
         now = time.time()
-        for name in storage.listdir(root):
+        names = storage.listdir(root)
+        # a commit moves the old checkpoint aside under this lock: holding it, an .old- with a
+        # temporary of the same token means that commit's process died between its renames
+        asides = {m.group(3) for m in map(_TMP.match, names) if m and m.group(2) == "old"}
+        for name in names:
             m = _TMP.match(name)
             if not m or (final_name is not None and m.group(1) != final_name):
                 continue
@@ -171,7 +175,7 @@ def sweep_stale(storage: Storage, root: str, final_name: str | None = None) -> l
                     continue
                 if not is_committed(storage, final):
                     continue  # keep it until a committed checkpoint is in place
-            elif m.group(2) == "tmp" and _owner_alive(storage, p, now):
+            elif m.group(2) == "tmp" and m.group(3) not in asides and _owner_alive(storage, p, now):
                 continue
             storage.remove_tree(p)
             removed.append(p)

@@ -45,6 +45,7 @@ READ_THREADS = 4  # concurrent preads per rank
 READ_CHUNK = 16 << 20
 READ_AHEAD = 512 << 20  # bytes of reads in flight before earlier targets are finished
 DIRECT_RUN = 1 << 20  # runs at least this long are read straight into the target
+SPAN_GAP = 1 << 20  # short runs this close are read in one span (the gap read and dropped)
 
 
 @dataclass(frozen=True)
@@ -235,8 +236,8 @@ def _changed(storage: Storage, ckpt: str, man: Manifest) -> CheckpointChangedErr
     """After a failed read: the error to report if the checkpoint was replaced meanwhile."""
     try:
         now = Hasher.of128(storage.read_bytes(storage.join(ckpt, MANIFEST_NAME), 1 << 30))
-    except UnickptError:
-        now = None
+    except (UnickptError, OSError):  # gone, or unreadable now: the original error is the one to report
+        return None
     if now == man.source_digest:
         return None
     return CheckpointChangedError(f"{ckpt}: the checkpoint was replaced or removed while it was being read; load it again")
@@ -558,7 +559,7 @@ def _read_spans(reader, base: int, st: TensorEntry, runs: Runs, isz: int, dest: 
     spans: list[list[int]] = []
     for rs, re_ in zip((s_el * isz).tolist(), (e_el * isz).tolist()):
         b, e = check.touch(rs, re_)
-        if spans and b <= spans[-1][1]:
+        if spans and b <= spans[-1][1] + SPAN_GAP:  # one read rather than many small ones
             spans[-1][1] = max(spans[-1][1], e)
         else:
             spans.append([b, e])

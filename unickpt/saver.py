@@ -22,7 +22,7 @@ import torch
 from . import commit as _commit
 from ._copy import as_bytes, copy_runs
 from ._metrics import Phases, gbps, human_bytes, log
-from .errors import StateDictError, UnickptError
+from .errors import DistributedError, StateDictError, UnickptError
 from .format import BlockHasher, Hasher, block_sums, dtype_name, torch_dtype
 from .container import ZstdWriter
 from .compress import EXCEPTION_WARN, Compression, encode_chunk, prepare
@@ -80,6 +80,7 @@ def save(
     master: str | None = None,
     zstd: int | None = None,
     compression: Compression | None = None,
+    timeout_s: float | None = None,
 ):
     """Save ``state_dict`` as the checkpoint directory ``path``; collective over ``group``.
 
@@ -115,6 +116,10 @@ def save(
         zstd: zstd level for optimizer and master files.
         compression: a :class:`~unickpt.Compression` instead of quant/master/zstd (also sets
             the optimizer's ``eps`` and the O2 block size).
+        timeout_s: seconds a rank waits for the other ranks in any one exchange before the
+            save fails with :class:`~unickpt.errors.DistributedError` ("rank(s) did not answer
+            within N s") and nothing is committed (default: ``UNICKPT_TIMEOUT_S``, else 600).
+            Raise it for very large shares on slow storage: ranks wait for the slowest writer.
 
     Returns:
         :class:`SaveResult` with files, bytes, seconds and per-phase timings; with
@@ -133,8 +138,8 @@ def save(
     if async_save:
         from .async_save import checkpointer
 
-        return checkpointer(group).save(state_dict, path, background_staging=background_staging, **kw)
-    return save_entries(Comm(group), None, state_dict, path, progress=progress, **kw)
+        return checkpointer(group).save(state_dict, path, background_staging=background_staging, timeout_s=timeout_s, **kw)
+    return save_entries(Comm(group, timeout_s=timeout_s), None, state_dict, path, progress=progress, **kw)
 
 
 def save_entries(
@@ -264,12 +269,22 @@ def save_entries(
                     err = e
             comm.agree(err, "save (writing the manifest)")
             _commit._fault_point("before-commit")
+            committed = False
             if dir_rank:  # (node-local: manifests are everywhere, now every node's directory commits)
                 try:
                     txn.commit(None if per_node(path) else blob)
+                    committed = True
                 except Exception as e:
                     err = e
-            comm.agree(err, "save (commit)")
+            try:
+                comm.agree(err, "save (commit)")
+            except DistributedError as e:
+                if err is None:  # this rank's part succeeded: the checkpoint may well be committed
+                    raise DistributedError(
+                        f"{e}; the commit's outcome is unknown here: {final} "
+                        f"{'was committed by this rank' if committed else 'may or may not be committed'} "
+                        "(check unickpt.latest() or read_manifest before relying on it)") from e
+                raise
     except BaseException:
         if dir_rank:
             txn.abort()

@@ -279,7 +279,7 @@ class LocalStorage:
         try:
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view) :]
+                view = view[_progress(os.write(fd, view), path) :]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -292,6 +292,8 @@ class LocalStorage:
                 raise FormatError(f"{path}: {st.st_size} bytes, larger than the {limit} bytes allowed for this file")
             with os.fdopen(fd, "rb", closefd=False) as f:
                 data = f.read(limit + 1)
+        except OSError as e:
+            raise StorageError(e.errno, e.strerror or str(e), path) from None
         finally:
             os.close(fd)
         if len(data) > limit:
@@ -372,6 +374,13 @@ class LocalStorage:
         return _Reader(path)
 
 
+def _progress(n: int, path: str) -> int:
+    """A write's byte count; a write that makes no progress is an I/O error, never a spin."""
+    if n <= 0:
+        raise StorageError(errno.EIO, "write made no progress", path)
+    return n
+
+
 _RENAMEAT2 = []
 
 
@@ -436,7 +445,7 @@ class _BufferedWriter:
     def write_at(self, offset: int, data: memoryview) -> None:
         view = memoryview(data).cast("B")
         while view:
-            n = os.pwrite(self.fd, view, offset)
+            n = _progress(os.pwrite(self.fd, view, offset), self.path)
             self.bytes_written += n
             offset += n
             view = view[n:]
@@ -528,7 +537,7 @@ class _DirectWriter:
         done, n = 0, len(view)
         try:
             while done < n:
-                done += os.pwrite(self.fd, view[done:], offset + done)
+                done += _progress(os.pwrite(self.fd, view[done:], offset + done), self.path)
         finally:
             view.release()
 

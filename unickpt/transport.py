@@ -5,21 +5,35 @@ few operations save and load need: exchange of small byte strings, agreement on 
 failure, and batched point-to-point transfers of host tensors. Pieces always travel as host
 (CPU) tensors: with an NCCL group a gloo side group over the same ranks carries them, and
 device tensors are copied to host in bounded chunks by the caller.
+
+Every wait is bounded: each collective and transfer carries a timeout (``timeout_s``, else
+``UNICKPT_TIMEOUT_S``, else :data:`DEFAULT_TIMEOUT_S`) down to gloo, so a rank that hangs
+(stopped, stuck in I/O) fails its peers with :class:`~unickpt.errors.DistributedError`
+("rank(s) did not answer within N s") instead of torch's 30-minute default. Gloo then closes
+the group's connections: the hung rank fails at its next operation rather than pairing with
+an abandoned one. A peer that dies (connection reset or closed) fails the others at once.
+Errors of torch.distributed itself always surface as :class:`DistributedError`.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
+import time
 import traceback
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
+from torch._C import _distributed_c10d as _c10d
 
-from .errors import DistributedError, UnickptError, as_typed
+from .errors import DistributedError, InvalidArgumentError, UnickptError, as_typed
 
-__all__ = ["Comm", "node_id", "LOCAL"]
+__all__ = ["Comm", "node_id", "LOCAL", "DEFAULT_TIMEOUT_S", "resolve_timeout"]
+
+DEFAULT_TIMEOUT_S = 600.0
+"""Seconds a rank waits for its peers in one collective or transfer before giving up."""
 
 LOCAL = "local"
 """Pass as ``group`` to load in this process alone, even under torch.distributed."""
@@ -40,10 +54,37 @@ def node_id() -> str:
     return socket.gethostname()
 
 
-class Comm:
-    """A process group, or a single process when torch.distributed is not initialised."""
+def resolve_timeout(timeout_s: float | None = None) -> float:
+    """``timeout_s`` if given, else ``UNICKPT_TIMEOUT_S``, else :data:`DEFAULT_TIMEOUT_S`."""
+    src = "timeout_s"
+    if timeout_s is None:
+        env = os.environ.get("UNICKPT_TIMEOUT_S", "").strip()
+        if not env:
+            return DEFAULT_TIMEOUT_S
+        src = "UNICKPT_TIMEOUT_S"
+        try:
+            timeout_s = float(env)
+        except ValueError:
+            raise InvalidArgumentError(f"UNICKPT_TIMEOUT_S must be a number of seconds, got {env!r}") from None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < 1e8:
+        raise InvalidArgumentError(f"{src} must be a positive number of seconds, got {timeout_s!r}")
+    return float(timeout_s)
 
-    def __init__(self, group=None) -> None:
+
+def _first_line(msg: str) -> str:
+    line = msg.strip().splitlines()[0] if msg.strip() else msg
+    return line[:500]
+
+
+class Comm:
+    """A process group, or a single process when torch.distributed is not initialised.
+
+    ``timeout_s`` bounds every wait for the other ranks (see the module doc).
+    """
+
+    def __init__(self, group=None, timeout_s: float | None = None) -> None:
+        self.timeout_s = resolve_timeout(timeout_s)
+        self._after = ""  # the last agreement passed, named in errors
         # group="local": this process alone, even when torch.distributed is initialised
         self.active = group != "local" and dist.is_available() and dist.is_initialized()
         if group == "local":
@@ -72,34 +113,64 @@ class Comm:
 
     # -- small collectives ---------------------------------------------------------------
 
-    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+    def _timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.timeout_s)
+
+    def _failed(self, op: str, what: str | None, e: BaseException) -> DistributedError:
+        """The typed error for a failed operation of torch.distributed."""
+        where = f" ({what})" if what else (f" (after {self._after})" if self._after else "")
+        msg = str(e)
+        low = msg.lower()
+        if "pair closure" in low:
+            text = (f"{op}{where}: the process group was closed after an earlier operation timed out "
+                    f"(rank(s) did not answer within {self.timeout_s:g} s)")
+        elif "timed out" in low or "timeout" in low:
+            text = (f"{op}{where}: rank(s) did not answer within {self.timeout_s:g} s (a peer is hung, stopped or "
+                    "far slower; set timeout_s or UNICKPT_TIMEOUT_S if it was only slow)")
+        else:
+            text = f"{op}{where} failed: a peer rank died or its connection broke"
+        return DistributedError(f"{text} [{type(e).__name__}: {_first_line(msg)}]")
+
+    def _run(self, op: str, what: str | None, post):
+        """Post a collective (``post()`` returns its work) and wait for it; typed errors."""
+        try:
+            work = post()
+            work.wait()
+        except RuntimeError as e:  # gloo/c10d errors: DistBackendError, DistNetworkError, timeouts
+            raise self._failed(op, what, e) from e
+
+    def all_gather_bytes(self, data: bytes, what: str | None = None) -> list[bytes]:
         """Every rank's byte string, on every rank (two collectives: lengths, then padded data)."""
         if not self.active or self.world == 1:
             return [bytes(data)]
         g = self.p2p_group
+        opts = _c10d.AllgatherOptions()
+        opts.timeout = self._timeout()
         n = torch.tensor([len(data)], dtype=torch.int64)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
-        dist.all_gather(sizes, n, group=g)
+        self._run("all_gather", what, lambda: g.allgather([sizes], [n], opts))
         m = max(int(s.item()) for s in sizes)
         buf = torch.zeros(max(m, 1), dtype=torch.uint8)
         if data:
             buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         outs = [torch.empty_like(buf) for _ in range(self.world)]
-        dist.all_gather(outs, buf, group=g)
+        self._run("all_gather", what, lambda: g.allgather([outs], [buf], opts))
         return [bytes(o[: int(s.item())].numpy().tobytes()) for o, s in zip(outs, sizes)]
 
-    def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
+    def broadcast_bytes(self, data: bytes | None, src: int = 0, what: str | None = None) -> bytes:
         """Rank ``src``'s byte string on every rank."""
         if not self.active or self.world == 1:
             assert data is not None
             return bytes(data)
         g = self.p2p_group
+        opts = _c10d.BroadcastOptions()
+        opts.rootRank, opts.rootTensor, opts.timeout = src, 0, self._timeout()
         n = torch.tensor([len(data) if self.rank == src else 0], dtype=torch.int64)
-        dist.broadcast(n, group=g, group_src=src)
+        self._run("broadcast", what, lambda: g.broadcast([n], opts))
         buf = torch.empty(max(int(n.item()), 1), dtype=torch.uint8)
         if self.rank == src and data:
             buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        dist.broadcast(buf, group=g, group_src=src)
+        self._run("broadcast", what, lambda: g.broadcast([buf], opts))
         return bytes(buf[: int(n.item())].numpy().tobytes())
 
     def agree(self, error: BaseException | None, what: str) -> None:
@@ -118,16 +189,24 @@ class Comm:
         msg = b""
         if error is not None:
             msg = f"{type(error).__name__}: {error}".encode()[:4000] or b"error"
-        msgs = self.all_gather_bytes(msg)
+        try:
+            msgs = self.all_gather_bytes(msg, what=what)
+        except DistributedError:
+            if error is not None:  # our own failure is the one to report (the peers may be gone)
+                raise error
+            raise
+        self._after = what
         if error is not None:
             raise error
         for r, m in enumerate(msgs):
             if m:
                 raise DistributedError(f"{what} failed on rank {r}: {m.decode(errors='replace')}")
 
-    def barrier(self) -> None:
+    def barrier(self, what: str | None = None) -> None:
         if self.active and self.world > 1:
-            dist.barrier(group=self.p2p_group)
+            opts = _c10d.BarrierOptions()
+            opts.timeout = self._timeout()
+            self._run("barrier", what, lambda: self.p2p_group.barrier(opts))
 
     # -- point to point --------------------------------------------------------------------
 
@@ -148,8 +227,15 @@ class Comm:
             ops.append(dist.P2POp(dist.irecv, t, group=self.p2p_group, group_peer=peer))
         for peer, t in sends:
             ops.append(dist.P2POp(dist.isend, t, group=self.p2p_group, group_peer=peer))
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            for work in dist.batch_isend_irecv(ops):
+                # a timed-out gloo wait closes the group's connections: nothing arrives later
+                # into a buffer that was given up
+                work.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        except RuntimeError as e:
+            peers = sorted({p for p, _ in sends} | {p for p, _ in recvs})
+            raise self._failed(f"transfer with rank(s) {peers}", None, e) from e
 
 
 def describe(exc: BaseException) -> str:

@@ -1,0 +1,298 @@
+"""Fault injection for the crash/fault campaign (tests/test_campaign.py).
+
+* :class:`FaultyStorage`: :class:`unickpt.storage.LocalStorage` with the same methods, which
+  fails the way a sick disk does, per a config dict (see :class:`Faults`). :func:`install`
+  puts it behind the storage seam of this process (``storage_for`` as save, load, sweep and
+  prune find it); call it inside a spawned rank process, on the rank that should fail.
+* OS-level short writes (``os.pwrite``/``os.write`` writing fewer bytes than asked, or none):
+  the storage's own loops must complete them or fail, never leave a short file.
+* asynchronous writers: a rank whose environment holds ``UNICKPT_TEST_FAULTS`` (JSON faults)
+  when its writer starts gets that writer's storage broken (after :func:`mark_fault_points`).
+* :func:`mark_fault_points`: the ``UNICKPT_FAULT`` points (``unickpt.commit._fault_point``)
+  of this process, and of the asynchronous writer processes it starts, act only once the
+  file ``$UNICKPT_MARK_DIR/armed`` exists, and then first create
+  ``$UNICKPT_MARK_DIR/at-NAME-PID``, so a test knows every process is parked there before it
+  kills them.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import unickpt.storage as _st
+
+__all__ = ["Faults", "FaultyStorage", "install", "uninstall", "mark_fault_points", "writer_main"]
+
+
+class Faults:
+    """What to break. Keys of ``config`` (all optional):
+
+    ``write_error``: ``[errno, k]``: the k-th ``write_at`` of this process (1-based) and every
+    later one raise ``OSError(errno)``; ``read_error``: errno raised by every ``readinto``;
+    ``read_bytes_error``: errno raised by ``read_bytes`` (manifest, owner records...);
+    ``fsync_error``: errno raised when a data file's writer is closed (its fsync), and by
+    ``finish_file``; ``fsync_delay``: seconds each of those fsyncs takes; ``fsync_dir_error``:
+    errno of ``fsync_dir`` on a temporary directory; ``manifest_error``: errno of writing
+    ``unickpt.json``; ``rename_error``: errno of renaming a temporary into place;
+    ``short_writes``: ``"half"`` (each OS write writes about half of what it is asked, page
+    aligned) or ``"zero"`` (it writes nothing and returns 0); ``pwrite_error``: ``[errno, k]``:
+    the k-th ``os.pwrite`` of this process and every later one fail (below the storage: in
+    the O_DIRECT engine's helper threads).
+    """
+
+    def __init__(self, config: dict) -> None:
+        unknown = set(config) - {"write_error", "read_error", "read_bytes_error", "fsync_error", "fsync_delay",
+                                 "fsync_dir_error", "manifest_error", "rename_error", "short_writes",
+                                 "pwrite_error"}
+        if unknown:
+            raise ValueError(f"unknown faults {sorted(unknown)}")
+        self.config = dict(config)
+        self.writes = 0
+        self.injected: list[str] = []
+        self._lock = threading.Lock()
+
+    def get(self, key):
+        return self.config.get(key)
+
+    def fail(self, key: str, code: int, path: str, what: str) -> None:
+        self.injected.append(f"{key}:{os.path.basename(path)}")
+        raise OSError(code, f"{os.strerror(code)} (injected: {what})", path)
+
+    def on_write(self, path: str) -> None:
+        spec = self.get("write_error")
+        if spec is None:
+            return
+        with self._lock:
+            self.writes += 1
+            n = self.writes
+        if n >= spec[1]:
+            self.fail("write_error", spec[0], path, f"write #{n}")
+
+
+class _Writer:
+    """An :class:`~unickpt.storage.ExtentWriter` whose writes and fsync may fail."""
+
+    def __init__(self, inner, faults: Faults) -> None:
+        self.inner, self.faults = inner, faults
+        self.path, self.direct = inner.path, inner.direct
+
+    @property
+    def bytes_written(self) -> int:
+        return self.inner.bytes_written
+
+    def write_at(self, offset: int, data: memoryview) -> None:
+        self.faults.on_write(self.path)
+        self.inner.write_at(offset, data)
+
+    def close(self) -> list[tuple[int, bytes]]:
+        delay = self.faults.get("fsync_delay")
+        if delay:
+            time.sleep(delay)
+        frags = self.inner.close()  # data and fd handled as by a real failing fsync: fd closed
+        code = self.faults.get("fsync_error")
+        if code:
+            self.faults.fail("fsync_error", code, self.path, "fsync")
+        return frags
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+
+class _Reader:
+    def __init__(self, inner, faults: Faults) -> None:
+        self.inner, self.faults = inner, faults
+        self.path, self.size = inner.path, inner.size
+
+    @property
+    def bytes_read(self) -> int:
+        return self.inner.bytes_read
+
+    def readinto(self, offset: int, out) -> None:
+        code = self.faults.get("read_error")
+        if code:
+            self.faults.fail("read_error", code, self.path, f"read at {offset}")
+        self.inner.readinto(offset, out)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _is_tmp(path: str) -> bool:
+    return ".tmp-" in os.path.basename(os.path.normpath(path))
+
+
+class FaultyStorage(_st.LocalStorage):
+    """LocalStorage that fails as ``faults`` says."""
+
+    def __init__(self, faults: Faults) -> None:
+        self.faults = faults
+
+    def open_writer(self, path: str, *, direct: bool | None = None):
+        return _Writer(super().open_writer(path, direct=direct), self.faults)
+
+    def open_reader(self, path: str):
+        return _Reader(super().open_reader(path), self.faults)
+
+    def finish_file(self, path: str, fragments, size: int) -> None:
+        delay = self.faults.get("fsync_delay")
+        if delay:
+            time.sleep(delay)
+        super().finish_file(path, fragments, size)
+        code = self.faults.get("fsync_error")
+        if code:
+            self.faults.fail("fsync_error", code, path, "fsync")
+
+    def fsync_dir(self, path: str) -> None:
+        code = self.faults.get("fsync_dir_error")
+        if code and _is_tmp(path):
+            self.faults.fail("fsync_dir_error", code, path, "directory fsync")
+        super().fsync_dir(path)
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        code = self.faults.get("manifest_error")
+        if code and os.path.basename(path) == "unickpt.json":
+            self.faults.fail("manifest_error", code, path, "manifest write")
+        super().write_bytes(path, data)
+
+    def read_bytes(self, path: str, limit: int) -> bytes:
+        code = self.faults.get("read_bytes_error")
+        if code:
+            self.faults.fail("read_bytes_error", code, path, "read")
+        return super().read_bytes(path, limit)
+
+    def rename_dir(self, src: str, dst: str) -> None:
+        code = self.faults.get("rename_error")
+        if code and _is_tmp(src):
+            self.faults.fail("rename_error", code, src, "rename into place")
+        super().rename_dir(src, dst)
+
+
+# -- the seam ------------------------------------------------------------------------------
+
+_REAL = {}
+_ACTIVE: list[Faults] = []
+
+
+def _short_pwrite(real):
+    def pwrite(fd, data, offset):
+        spec = _ACTIVE[-1].get("pwrite_error") if _ACTIVE else None
+        if spec is not None:
+            f = _ACTIVE[-1]
+            with f._lock:
+                f.pwrites = getattr(f, "pwrites", 0) + 1
+                n = f.pwrites
+            if n >= spec[1]:
+                f.fail("pwrite_error", spec[0], f"fd {fd}", f"pwrite #{n}")
+        mode = _ACTIVE[-1].get("short_writes") if _ACTIVE else None
+        n = len(memoryview(data).cast("B")) if not isinstance(data, (bytes, bytearray)) else len(data)
+        if mode == "zero" and n:
+            return 0
+        if mode == "half" and n > 1:
+            k = (n // 2) // 4096 * 4096 if n >= 8192 else (n // 2 if not _is_direct(fd) else n)
+            if k < n:
+                _ACTIVE[-1].injected.append("short pwrite")
+            return real(fd, memoryview(data).cast("B")[:k], offset)
+        return real(fd, data, offset)
+
+    return pwrite
+
+
+def _short_write(real):
+    def write(fd, data):
+        mode = _ACTIVE[-1].get("short_writes") if _ACTIVE else None
+        n = len(data)
+        if mode == "zero" and n:
+            return 0
+        if mode == "half" and n > 1 and not _is_direct(fd):
+            _ACTIVE[-1].injected.append("short write")
+            return real(fd, memoryview(data).cast("B")[: n // 2])
+        return real(fd, data)
+
+    return write
+
+
+def _is_direct(fd: int) -> bool:
+    import fcntl
+
+    try:
+        return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0))
+    except OSError:
+        return False
+
+
+def install(config: dict) -> Faults:
+    """Put a :class:`FaultyStorage` with ``config`` behind the storage seam of this process."""
+    import unickpt.loader
+    import unickpt.saver
+
+    uninstall()
+    faults = Faults(config)
+    real = _st.storage_for
+
+    def storage_for(path):
+        storage, p = real(path)
+        return (FaultyStorage(faults) if type(storage) is _st.LocalStorage else storage), p
+
+    _REAL["storage_for"] = real
+    for mod in (_st, unickpt.saver, unickpt.loader):
+        setattr(mod, "storage_for", storage_for)
+    if config.get("short_writes") or config.get("pwrite_error"):
+        _REAL["pwrite"], _REAL["write"] = os.pwrite, os.write
+        os.pwrite, os.write = _short_pwrite(os.pwrite), _short_write(os.write)
+    _ACTIVE.append(faults)
+    return faults
+
+
+def uninstall() -> None:
+    import unickpt.loader
+    import unickpt.saver
+
+    real = _REAL.pop("storage_for", None)
+    if real is not None:
+        for mod in (_st, unickpt.saver, unickpt.loader):
+            setattr(mod, "storage_for", real)
+    if "pwrite" in _REAL:
+        os.pwrite, os.write = _REAL.pop("pwrite"), _REAL.pop("write")
+    _ACTIVE.clear()
+
+
+# -- fault points that tell the test where the process is ----------------------------------
+
+
+def mark_fault_points(writers: bool = True) -> None:
+    """Fault points act only once ``$UNICKPT_MARK_DIR/armed`` exists, and say so first."""
+    import unickpt.commit as c
+
+    if not getattr(c._fault_point, "_marked", False):
+        orig = c._fault_point
+
+        def fault_point(name: str) -> None:
+            d = os.environ.get("UNICKPT_MARK_DIR")
+            spec = os.environ.get("UNICKPT_FAULT", "")
+            if d and spec.startswith(name + ":") and os.path.exists(os.path.join(d, "armed")):
+                open(os.path.join(d, f"at-{name}-{os.getpid()}"), "w").close()
+                orig(name)
+
+        fault_point._marked = True
+        c._fault_point = fault_point
+    if writers:
+        import unickpt.async_save as a
+
+        if a._writer_main is not writer_main:
+            _REAL.setdefault("writer_main", a._writer_main)
+            a._writer_main = writer_main  # what Checkpointer spawns (pickled by reference)
+
+
+def writer_main(*args) -> None:
+    """The asynchronous writer process, with marked fault points."""
+    import unickpt.async_save as a
+
+    mark_fault_points(writers=False)
+    cfg = os.environ.get("UNICKPT_TEST_FAULTS")
+    if cfg:  # faults for this writer (set in its rank's environment before it was started)
+        import json
+
+        install(json.loads(cfg))
+    (_REAL.get("writer_main") or a._writer_main)(*args)
