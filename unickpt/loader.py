@@ -118,6 +118,7 @@ def load(
     strict: bool = True,
     progress: Callable[[int, int], None] | None = None,
     bucket_bytes: int = 256 << 20,
+    timeout_s: float | None = None,
 ) -> LoadResult:
     """Fill ``state_dict`` in place from the checkpoint at ``path``; collective over ``group``.
 
@@ -138,6 +139,9 @@ def load(
         bucket_bytes: node-local checkpoints (``{node}`` in ``path``): pieces a rank's node
             does not hold are read by ranks that hold them and sent, at most this many bytes
             per reader and step.
+        timeout_s: seconds a rank waits for the others in any one exchange before the load
+            fails with :class:`~unickpt.errors.DistributedError` (default:
+            ``UNICKPT_TIMEOUT_S``, else 600).
 
     Raises:
         CheckpointNotFoundError, TensorMissingError, ShapeMismatchError, DtypeMismatchError
@@ -147,7 +151,7 @@ def load(
         raise ValueError(f"verify must be 'auto', 'full' or 'none', got {verify!r}")
     if type(bucket_bytes) is not int or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
-    comm = Comm(group)
+    comm = Comm(group, timeout_s=timeout_s)
     ph = Phases()
     storage, p = storage_for(path)
     err: BaseException | None = None
