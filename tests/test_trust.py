@@ -6,8 +6,6 @@ typed errors in bounded time and memory."""
 import json
 import multiprocessing as mp
 import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -66,8 +64,28 @@ def _flip_tensor(p, name, byte, role="model"):
 
 
 def _cli(*args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "unickpt.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout)
+    """``unickpt ARGS`` in this process; a hang (e.g. blocked on a FIFO) fails after ``timeout``
+    seconds: SIGALRM interrupts the blocking call. An untyped exception propagates (a bug)."""
+    import contextlib
+    import io
+    import signal
+    import types
+
+    from unickpt.cli import main
+
+    def hung(signum, frame):
+        raise TimeoutError(f"unickpt {args[0]} did not return within {timeout} s")
+
+    out, err = io.StringIO(), io.StringIO()
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(timeout)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = main([str(a) for a in args])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    return types.SimpleNamespace(returncode=rc, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 # -- finding 3: every byte a load returns is verified, in every layout ------------------------
