@@ -155,6 +155,16 @@ def _per_group(x: torch.Tensor, start: int, group: int, buf: torch.Tensor) -> tu
     return view.view(ng, group), off, start // group
 
 
+def _long_group_chunks(start: int, count: int, group: int):
+    """Pieces ``(a, b, group index of each element)`` of ``[start, start+count)`` of at most
+    CHUNK elements, group indices relative to the group of ``start`` (decoding groups longer
+    than a chunk without a group-sized buffer)."""
+    g_first = start // group
+    for a in range(0, count, CHUNK):
+        b = min(count, a + CHUNK)
+        yield a, b, torch.arange(start + a, start + b, dtype=torch.int64).div_(group, rounding_mode="floor").sub_(g_first)
+
+
 def _codes(codes: torch.Tensor, bits: int, base: int, a: int, b: int) -> torch.Tensor:
     """Codes of elements ``[base+a, base+b)`` as float, from the caller's codes starting at
     element ``base`` (8 bits) or at byte ``base // 2`` (4 bits)."""
@@ -201,8 +211,15 @@ def decode_m(codes: torch.Tensor, scale: torch.Tensor, bits: int, group: int, st
     byte ``start // 2`` on. ``scale``: the scales of groups ``start // group`` onwards.
     """
     out = torch.empty(count, dtype=torch.float32)
-    buf = torch.empty(max(group, (CHUNK // group) * group) + group)
     g_first = start // group
+    if group > CHUNK:  # long rows: scratch per chunk, not per (huge) group
+        for a, b, idx in _long_group_chunks(start, count, group):
+            c = _codes(codes, bits, start, a, b).float()
+            if bits == 4:
+                c.sub_(8)
+            out[a:b] = c.mul_(scale[idx])
+        return out
+    buf = torch.empty(max(group, (CHUNK // group) * group) + group)
     for a, b in _aligned_chunks(start, count, group):
         g, off, g0 = _per_group(_codes(codes, bits, start, a, b), start + a, group, buf)
         if bits == 4:
@@ -259,8 +276,14 @@ def decode_v(codes, lo, hi, bits: int, group: int, eps: float, start: int, count
     """Elements ``[start, start+count)`` of v; arguments as in :func:`decode_m`."""
     levels = (1 << bits) - 1
     out = torch.empty(count, dtype=torch.float32)
-    buf = torch.empty(max(group, (CHUNK // group) * group) + group)
     g_first = start // group
+    if group > CHUNK:  # long rows: scratch per chunk, not per (huge) group (same arithmetic, per element)
+        for a, b, idx in _long_group_chunks(start, count, group):
+            gl, step = lo[idx], (hi[idx] - lo[idx]) / levels
+            c = _codes(codes, bits, start, a, b).float()
+            out[a:b] = c.mul_(step).add_(gl).reciprocal_().sub_(eps).clamp_(min=0).square_()
+        return out
+    buf = torch.empty(max(group, (CHUNK // group) * group) + group)
     for a, b in _aligned_chunks(start, count, group):
         g, off, g0 = _per_group(_codes(codes, bits, start, a, b), start + a, group, buf)
         i = g0 - g_first

@@ -27,17 +27,20 @@ import numpy as np
 import torch
 
 from . import codecs as _c
-from .errors import StateDictError
+from .errors import FormatError, StateDictError
 from .layout import Layout
 from .state import Entry
 
-__all__ = ["Compression", "QUANT_CODECS", "tag_for", "prepare", "encode_chunk", "parts_of", "stored_parts", "decode_range"]
+__all__ = ["Compression", "QUANT_CODECS", "tag_for", "prepare", "encode_chunk", "parts_of", "stored_parts", "decode_range",
+           "check_tag"]
 
 QUANT_CODECS = ("q8_sym", "q8_rinv", "q4_sym", "q4_rinv")
 MASTER_CODECS = ("residual16", "from_model")
 _FLOAT = ("F32", "BF16", "F16", "F64")
 EXCEPTION_WARN = 1 / 4096  # residual exceptions beyond this fraction: the model is not bf16(master)
 EXCEPTION_LIMIT = 1 / 1024  # beyond this on any rank: stored in full (ties alone are ~1/2^17; keeps manifests small)
+MAX_GROUP = 1 << 48  # elements per quantization group a reader accepts (index arithmetic stays in int64)
+MAX_BLOCK = 1 << 20  # largest O2 block (as Compression.block)
 
 
 @dataclass(frozen=True)
@@ -127,8 +130,42 @@ def _bits(codec: str) -> int:
     return 8 if codec.startswith("q8") else 4
 
 
+def check_tag(tag) -> str:
+    """Validate a codec tag (``{"codec": ..., **codec_args}``, as read from a manifest) before
+    it turns into decoding work; return its codec. Raises :class:`FormatError`."""
+    if not isinstance(tag, dict):
+        raise FormatError(f"codec tag must be an object, got {type(tag).__name__}")
+    codec = tag.get("codec")
+    if not isinstance(codec, str) or codec not in QUANT_CODECS + MASTER_CODECS:
+        raise FormatError(f"unknown codec {codec!r} (this unickpt decodes {', '.join(QUANT_CODECS + MASTER_CODECS)})")
+    if codec in QUANT_CODECS:
+        g = tag.get("group")
+        if type(g) is not int or not 1 <= g <= MAX_GROUP or (_bits(codec) == 4 and (g < 2 or g % 2 or g > MAX_BLOCK)):
+            raise FormatError(f"codec {codec}: invalid group {g!r}")
+        if codec.endswith("rinv"):
+            eps = tag.get("eps")
+            if type(eps) not in (int, float) or not math.isfinite(eps) or eps <= 0:
+                raise FormatError(f"codec {codec}: eps must be a finite number > 0, got {eps!r}")
+    elif not isinstance(tag.get("model", ""), str):
+        raise FormatError(f"codec {codec}: 'model' must name a tensor, got {tag.get('model')!r}")
+    return codec
+
+
+def _check_shape(shape) -> None:
+    if not isinstance(shape, (tuple, list)) or not all(type(s) is int and s >= 0 for s in shape):
+        raise FormatError(f"shape must be non-negative integers, got {shape!r}")
+
+
+def _check_range(lo, hi) -> None:
+    if type(lo) is not int or type(hi) is not int or not 0 <= lo <= hi:
+        raise FormatError(f"invalid element range [{lo!r}, {hi!r})")
+
+
 def parts_of(tag: dict, shape: tuple[int, ...]) -> list[tuple[str, str, tuple[int, ...]]]:
     """Stored parts of a quantized tensor: ``(suffix, dtype, shape)``."""
+    if check_tag(tag) not in QUANT_CODECS:
+        raise FormatError(f"codec {tag['codec']} has no quantized parts")
+    _check_shape(shape)
     n = math.prod(shape)
     codec, g = tag["codec"], tag["group"]
     ng = -(-n // g)
@@ -329,7 +366,10 @@ def chunk_elems(tag: dict, bucket_elems: int) -> int:
 
 def byte_ranges(tag: dict, lo: int, hi: int) -> dict[str, tuple[int, int]]:
     """Byte ranges of each part needed to decode elements ``[lo, hi)``."""
-    codec = tag["codec"]
+    codec = check_tag(tag)
+    _check_range(lo, hi)
+    if codec == "from_model":
+        return {}
     if codec == "residual16":
         return {"low16": (2 * lo, 2 * hi)}
     g = tag["group"]
@@ -343,8 +383,18 @@ def byte_ranges(tag: dict, lo: int, hi: int) -> dict[str, tuple[int, int]]:
 def decode_range(tag: dict, parts: dict[str, torch.Tensor], lo: int, hi: int,
                  model: torch.Tensor | None = None, exceptions: tuple | None = None) -> torch.Tensor:
     """fp32 elements ``[lo, hi)`` from the bytes of :func:`byte_ranges` (and, for master
-    codecs, the model weight's elements ``[lo, hi)``)."""
-    codec = tag["codec"]
+    codecs, the model weight's elements ``[lo, hi)``). Parts of other lengths than
+    :func:`byte_ranges` says, or a missing model weight, raise :class:`FormatError`."""
+    codec = tag.get("codec") if isinstance(tag, dict) else None
+    for p, (b, e) in byte_ranges(tag, lo, hi).items():
+        x = parts.get(p) if isinstance(parts, dict) else None
+        if not isinstance(x, torch.Tensor) or x.numel() * x.element_size() != e - b:
+            got = "missing" if not isinstance(x, torch.Tensor) else f"{x.numel() * x.element_size()} bytes"
+            raise FormatError(f"codec {codec}: part {p!r} of elements [{lo}, {hi}) needs {e - b} bytes, {got}")
+    if codec in MASTER_CODECS and (not isinstance(model, torch.Tensor) or model.numel() != hi - lo
+                                   or (codec == "residual16" and model.element_size() != 2)):
+        raise FormatError(f"codec {codec}: decoding elements [{lo}, {hi}) needs the model weight's {hi - lo} elements"
+                          f"{' (16-bit)' if codec == 'residual16' else ''}")
     if codec == "from_model":
         return model.float()
     if codec == "residual16":

@@ -28,6 +28,9 @@ __all__ = ["FRAME", "FRAME_MAX", "ZstdWriter", "ZstdReader", "check_frames"]
 FRAME = 4 << 20  # logical bytes per frame written
 FRAME_MAX = 64 << 20  # largest frame a reader accepts (bounds decompression memory)
 WORTH = 0.97  # keep a compressed frame only if it is at most this fraction of the raw bytes
+# Most logical bytes one stored byte of a zstd frame can hold: a block regenerates at most
+# 128 KiB and takes at least 4 bytes (an RLE block), so no valid frame expands further.
+ZSTD_MAX_RATIO = 1 << 15
 
 
 class ZstdWriter:
@@ -70,7 +73,8 @@ class ZstdWriter:
 def check_frames(frames, size: int, stored: int, where: str) -> list[tuple[int, int, int, int, int]]:
     """Validate a manifest frame list: tiles ``[0, size)`` logically, frames bounded, and
     their stored ranges tile ``[0, stored)`` without overlap (so the logical size is bounded
-    by what the file really holds: at most FRAME_MAX per stored frame)."""
+    by what the file really holds: at most FRAME_MAX per stored frame, and at most what zstd
+    can expand its stored bytes to)."""
     out = []
     pos = 0
     if not isinstance(frames, list):
@@ -83,6 +87,8 @@ def check_frames(frames, size: int, stored: int, where: str) -> list[tuple[int, 
             raise FormatError(f"{where}: frame {f} does not continue the logical file at {pos} within {stored} stored bytes")
         if not z and n != e - b:
             raise FormatError(f"{where}: uncompressed frame {f} must store exactly its logical bytes")
+        if z and e - b > n * ZSTD_MAX_RATIO:
+            raise FormatError(f"{where}: compressed frame {f} claims more logical bytes than {n} zstd bytes can hold")
         out.append((b, e, off, n, z))
         pos = e
     if pos != size:
