@@ -93,6 +93,23 @@ class TensorInfo:
         return self.end - self.begin
 
 
+MAX_DIMS = 64
+_DIM_LIMIT = 1 << 62
+
+
+def valid_shape(shape) -> bool:
+    """A list of at most MAX_DIMS non-negative ints whose product stays below 2^62 (checked
+    without multiplying huge numbers: hostile shapes cost linear time)."""
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS:
+        return False
+    n = 1
+    for s in shape:
+        if type(s) is not int or s < 0 or s >= _DIM_LIMIT:
+            return False
+        n = min(n * s, _DIM_LIMIT)
+    return n < _DIM_LIMIT
+
+
 def order_key(dtype: str, name: str) -> tuple[int, str]:
     """Order of tensors in a file: larger elements first keeps every tensor aligned."""
     return (-itemsize(dtype), name)
@@ -148,10 +165,10 @@ def parse_header(path: str, prefix: bytes, file_size: int) -> Header:
         if not isinstance(t, dict) or set(t) != {"dtype", "shape", "data_offsets"}:
             raise FormatError(f"{path}: tensor {name!r}: entry must have exactly dtype, shape, data_offsets")
         dtype, shape, offs = t["dtype"], t["shape"], t["data_offsets"]
-        if dtype not in DTYPES:
-            raise FormatError(f"{path}: tensor {name!r}: unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
-            raise FormatError(f"{path}: tensor {name!r}: shape must be a list of non-negative integers")
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise FormatError(f"{path}: tensor {name!r}: unknown dtype {str(dtype)[:40]!r}")
+        if not valid_shape(shape):
+            raise FormatError(f"{path}: tensor {name!r}: shape must be a list of at most {MAX_DIMS} non-negative integers")
         if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)):
             raise FormatError(f"{path}: tensor {name!r}: data_offsets must be two integers")
         b, e = offs

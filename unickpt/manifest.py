@@ -23,7 +23,7 @@ from typing import Any
 import xxhash
 
 from .errors import FormatError
-from .format import DTYPES, itemsize
+from .format import DTYPES, MAX_DIMS, itemsize, valid_shape
 
 __all__ = ["Manifest", "FileEntry", "TensorEntry", "FORMAT_VERSION", "MANIFEST_NAME", "INDEX_NAME"]
 
@@ -245,6 +245,8 @@ class Manifest:
             if m is not None and not digest_ok:
                 raise FormatError(f"{where}: manifest is damaged (its checksum does not match its content)") from None
             raise FormatError(f"{where}: manifest is not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
+        if m is not None and not digest_ok:  # a checksum present but wrong: damage, whatever the version says
+            raise FormatError(f"{where}: manifest is damaged (its checksum does not match its content)")
         if isinstance(obj, dict) and type(obj.get("format_version")) is int and 2 <= obj["format_version"] <= FORMAT_VERSION:
             if m is None:
                 raise FormatError(f"{where}: manifest of format {obj['format_version']} lacks its checksum "
@@ -364,7 +366,10 @@ def _parts(t: dict, codec: str, args: dict, dtype: str, shape: tuple[int, ...], 
         if key != f"{name}{RESERVED}{p}":
             raise FormatError(f"{pw}: stored under key {key!r}, expected the tensor's name + '{RESERVED}{p}'")
         pdt = _req(pj, "dtype", str, pw)
-        psh = tuple(_req(pj, "shape", list, pw))
+        psh_raw = _req(pj, "shape", list, pw)
+        if not valid_shape(psh_raw):
+            raise FormatError(f"{pw}: shape must be at most {MAX_DIMS} non-negative integers (product < 2^62)")
+        psh = tuple(psh_raw)
         offs = _req(pj, "offsets", list, pw)
         if pdt != dt or psh != tuple(sh):
             raise FormatError(f"{pw}: stored as {pdt} {list(psh)}, codec {codec} needs {dt} {list(sh)}")
@@ -432,8 +437,8 @@ def _parse(obj: Any, where: str) -> Manifest:
             if dtype not in DTYPES:
                 raise FormatError(f"{w}: unknown dtype {dtype!r}")
             shape = _req(t, "shape", list, w)
-            if not all(type(s) is int and s >= 0 for s in shape):
-                raise FormatError(f"{w}: shape must be non-negative integers")
+            if not valid_shape(shape):
+                raise FormatError(f"{w}: shape must be at most {MAX_DIMS} non-negative integers (product < 2^62)")
             offs = _req(t, "offsets", list, w)
             if len(offs) != 2 or not all(type(o) is int for o in offs):
                 raise FormatError(f"{w}: offsets must be two integers")
@@ -453,6 +458,8 @@ def _parse(obj: Any, where: str) -> Manifest:
             else:
                 checksums = ()
                 args = _req(t, "codec_args", dict, w)
+                if "codec" in args:
+                    raise FormatError(f"{w}: codec_args may not name a codec (the entry's 'codec' does)")
                 parts = _parts(t, codec, args, dtype, tuple(shape), fe, w, name)
             tensors[(role, name)] = TensorEntry(
                 role, name, fname, dtype, tuple(shape), b, e, checksums, codec, _int(t.get("writer", 0), w), parts, args
