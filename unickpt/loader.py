@@ -389,8 +389,23 @@ def _read_all(entries, man: Manifest, storage, ckpt, verify, progress, rank=0, w
     todo = sorted(entries, key=lambda e: (first[man.tensors[e.key].file], man.tensors[e.key].begin))
     total = sum(e.layout.numel * e.local.element_size() for e in todo)
     pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="unickpt-read")
+    # targets read straight into their memory are verified on this thread while later reads
+    # proceed (xxhash releases the GIL); its scratch is its own
+    verifier = ThreadPoolExecutor(1, thread_name_prefix="unickpt-verify")
+    vscratch: list[torch.Tensor] = []
+    verifying: list = []
     pending: deque = deque()
     in_flight = [0]
+
+    def verify_direct(reader, base, st, runs, isz, dest):
+        if not vscratch:
+            vscratch.append(torch.empty(WINDOW, dtype=torch.uint8))
+        return _verify_direct(reader, base, st, runs, isz, dest, vscratch[0])
+
+    def tally(st, checked) -> None:
+        counts["verified"] += checked[1]
+        if not checked[0]:
+            bad.append((st.file, st.name))
 
     def finish(item) -> None:
         st, runs, isz, dest, local, direct, futs, checked = item
@@ -398,12 +413,13 @@ def _read_all(entries, man: Manifest, storage, ckpt, verify, progress, rank=0, w
             f.result()
         in_flight[0] -= runs.numel * isz if futs else 0
         if checked is None and verify != "none":  # read straight into dest: verify around it
-            checked = _verify_direct(files.get(st.file), man.files[st.file].data_start + st.begin, st, runs, isz, dest,
-                                     _scratch())
+            args = (files.get(st.file), man.files[st.file].data_start + st.begin, st, runs, isz, dest)
+            if direct:
+                verifying.append((st, verifier.submit(verify_direct, *args)))
+            else:  # dest is a temporary: verify before it is copied and dropped
+                checked = _verify_direct(*args, _scratch())
         if checked is not None:
-            counts["verified"] += checked[1]
-            if not checked[0]:
-                bad.append((st.file, st.name))
+            tally(st, checked)
         if not direct:
             local.copy_(dest.view(local.dtype).reshape(local.shape))
         counts["bytes"] += runs.numel * isz
@@ -443,14 +459,17 @@ def _read_all(entries, man: Manifest, storage, ckpt, verify, progress, rank=0, w
                             futs.append(pool.submit(reader.readinto, base + g * isz + a, mv))
                     in_flight[0] += runs.numel * isz
                 else:
-                    checked = _read_spans(reader, base, st, runs, isz, dest, _scratch(), verify != "none")
+                    checked = _read_spans(reader, base, st, runs, isz, dest, _scratch(), verify != "none", pool)
             pending.append((st, runs, isz, dest, local, direct, futs, checked))
             while pending and (in_flight[0] > READ_AHEAD or not pending[0][6] or len(pending) > 256):
                 finish(pending.popleft())
         while pending:
             finish(pending.popleft())
+        for st, fut in verifying:
+            tally(st, fut.result())
     finally:
         pool.shutdown(wait=True)
+        verifier.shutdown(wait=True)
         files.close()
     return files.bytes_read, counts["verified"], bad
 
@@ -484,6 +503,19 @@ class _StreamCheck:
         i1 = max(int(np.searchsorted(self.begins, e - 1, side="right")) - 1, i0)
         self.touched[i0 : i1 + 1] = True
         return min(b, int(self.begins[i0])), max(e, int(self.ends[i1]))
+
+    def touch_runs(self, b: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`touch` for sorted, disjoint byte runs ``[b[i], e[i])`` at once (vectorized)."""
+        if not len(self.ranges) or not len(b):
+            return b, e
+        i0 = np.maximum(np.searchsorted(self.begins, b, side="right") - 1, 0)
+        i1 = np.maximum(np.searchsorted(self.begins, np.maximum(e - 1, b), side="right") - 1, i0)
+        live = e > b
+        marks = np.zeros(len(self.ranges) + 1, dtype=np.int64)
+        np.add.at(marks, i0[live], 1)
+        np.add.at(marks, i1[live] + 1, -1)
+        self.touched |= np.cumsum(marks[:-1]) > 0
+        return np.where(live, np.minimum(b, self.begins[i0]), b), np.where(live, np.maximum(e, self.ends[i1]), e)
 
     @property
     def ok(self) -> bool:
@@ -554,36 +586,45 @@ def _verify_direct(reader, base: int, st: TensorEntry, runs: Runs, isz: int, des
 
 
 def _read_spans(reader, base: int, st: TensorEntry, runs: Runs, isz: int, dest: torch.Tensor,
-                scratch: torch.Tensor, verify: bool) -> tuple[bool, int]:
+                scratch: torch.Tensor, verify: bool, pool=None) -> tuple[bool, int]:
     """Short runs (column blocks, small pieces): read the whole checksummed ranges they touch
-    through ``scratch``, verify them as they stream, and scatter the runs into ``dest``."""
+    through ``scratch`` (two halves: with ``pool``, the next piece is read while this one is
+    hashed and scattered), verify them as they stream, and scatter the runs into ``dest``."""
     check = _StreamCheck(st.checksums if verify else ())
     s_el, l_el, lo_el = runs.starts, runs.lengths, runs.local
     e_el = s_el + l_el
-    spans: list[list[int]] = []
-    for rs, re_ in zip((s_el * isz).tolist(), (e_el * isz).tolist()):
-        b, e = check.touch(rs, re_)
-        if spans and b <= spans[-1][1] + SPAN_GAP:  # one read rather than many small ones
-            spans[-1][1] = max(spans[-1][1], e)
-        else:
-            spans.append([b, e])
-    cap = (scratch.numel() // isz) * isz
-    for b, e in spans:
-        pos = (b // isz) * isz
-        e = -(-e // isz) * isz
+    bs, es = check.touch_runs(s_el * isz, e_el * isz)  # widened to whole checksummed ranges
+    # spans: widened runs merged when they overlap or lie within SPAN_GAP (one read, not many)
+    cut = np.flatnonzero(bs[1:] > np.maximum.accumulate(es)[:-1] + SPAN_GAP) + 1
+    firsts, lasts = np.concatenate(([0], cut)), np.concatenate((cut, [len(bs)])) - 1
+    span_b, span_e = bs[firsts], np.maximum.accumulate(es)[lasts]
+    half = scratch.numel() // 2
+    cap = (half // isz) * isz
+    pieces = []
+    for b, e in zip(span_b.tolist(), span_e.tolist()):
+        pos, e = (b // isz) * isz, -(-e // isz) * isz
         while pos < e:
-            k = min(cap, e - pos)
-            buf = scratch[:k]
-            reader.readinto(base + pos, memoryview(buf.numpy()))
-            if verify:
-                check.feed(pos, buf)
-            p_el, q_el = pos // isz, (pos + k) // isz
-            a = np.maximum(s_el, p_el)
-            z = np.minimum(e_el, q_el)
-            m = z > a
-            if m.any():
-                copy_runs(buf, a[m] - p_el, dest, lo_el[m] + (a[m] - s_el[m]), z[m] - a[m], isz)
-            pos += k
+            pieces.append((pos, min(cap, e - pos)))
+            pos += pieces[-1][1]
+
+    def read(n: int):
+        pos, k = pieces[n]
+        buf = scratch[(n % 2) * half :][:k]
+        reader.readinto(base + pos, memoryview(buf.numpy()))
+        return buf
+
+    ahead = pool.submit(read, 0) if pool is not None and pieces else None
+    for n, (pos, k) in enumerate(pieces):
+        buf = ahead.result() if ahead is not None else read(n)
+        ahead = pool.submit(read, n + 1) if pool is not None and n + 1 < len(pieces) else None
+        if verify:
+            check.feed(pos, buf)
+        p_el, q_el = pos // isz, (pos + k) // isz
+        i, j = int(np.searchsorted(e_el, p_el, side="right")), int(np.searchsorted(s_el, q_el, side="left"))
+        if j > i:
+            a = np.maximum(s_el[i:j], p_el)
+            z = np.minimum(e_el[i:j], q_el)
+            copy_runs(buf, a - p_el, dest, lo_el[i:j] + (a - s_el[i:j]), z - a, isz)
     return check.ok, check.checked
 
 
