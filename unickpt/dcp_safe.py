@@ -59,13 +59,11 @@ dotted names (``module.os.system``), no ``copyreg`` helpers, no persistent ids.
 from __future__ import annotations
 
 import contextlib
-import errno
 import io
 import os
 import pathlib
 import pickle
 import reprlib
-import stat
 import weakref
 from typing import Any, Iterator
 
@@ -94,8 +92,6 @@ METADATA_NAME = ".metadata"
 MAX_METADATA_BYTES = 256 << 20
 
 _FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
 
 
 def _layout_by_name(name: object) -> torch.layout:
@@ -161,23 +157,15 @@ def _safe_name(name: object) -> bool:
 
 def _open_regular(path: str) -> int:
     """fd of ``path`` read-only, only if it is a regular file reached without following a
-    final symbolic link; never blocks (FIFOs, devices)."""
+    final symbolic link (:func:`unickpt.storage.open_regular`); blocking reads afterwards."""
+    from .errors import CheckpointNotFoundError
+    from .storage import open_regular
+
     try:
-        fd = os.open(path, _FLAGS)
-    except (FileNotFoundError, NotADirectoryError):
+        fd, _ = open_regular(path)
+    except CheckpointNotFoundError:
         raise FormatError(f"{path}: no such file (not a torch.distributed.checkpoint directory?)") from None
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise FormatError(f"{path}: is a symbolic link; DCP files must be regular files inside "
-                              "the checkpoint directory") from None
-        if e.errno == errno.ENXIO:
-            raise FormatError(f"{path}: is not a regular file") from None
-        raise
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            kind = next((k for test, k in _KINDS if test(st.st_mode)), "not a regular file")
-            raise FormatError(f"{path}: is {kind}, not a regular file")
         if _FLAGS & getattr(os, "O_NONBLOCK", 0):
             import fcntl
 
