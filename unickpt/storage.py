@@ -200,7 +200,18 @@ class LocalStorage:
 
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as e:  # file systems without flock: renames that never replace still protect
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
+                if not _NO_LOCK_WARNED:
+                    _NO_LOCK_WARNED.append(path)
+                    from ._metrics import log
+
+                    log.warning("%s: the file system does not support flock (%s); commits are not serialised "
+                                "between processes (a commit still never replaces a checkpoint it did not mean to)",
+                                path, e.strerror)
             yield
         finally:
             os.close(fd)  # releases the lock
@@ -382,6 +393,7 @@ def _progress(n: int, path: str) -> int:
 
 
 _RENAMEAT2 = []
+_NO_LOCK_WARNED: list[str] = []
 
 
 def _renameat2(src: str, dst: str, flags: int) -> int | None:
