@@ -3,7 +3,7 @@
 * :class:`FaultyStorage`: :class:`unickpt.storage.LocalStorage` with the same methods, which
   fails the way a sick disk does, per a config dict (see :class:`Faults`). :func:`install`
   puts it behind the storage seam of this process (``storage_for`` as save, load, sweep and
-  prune find it); call it inside a spawned rank process, on the rank that should fail.
+  retain find it); call it inside a spawned rank process, on the rank that should fail.
 * OS-level short writes (``os.pwrite``/``os.write`` writing fewer bytes than asked, or none):
   the storage's own loops must complete them or fail, never leave a short file.
 * asynchronous writers: a rank whose environment holds ``UNICKPT_TEST_FAULTS`` (JSON faults)

@@ -636,7 +636,7 @@ def _storage_campaign(rank, world, base):
             rec["listing"] = sorted(os.listdir(root))
             rec["latest"] = os.path.basename(unickpt.latest(root))
             if rec["error"] is not None:
-                rec["pruned"] = unickpt.prune(root, 1)  # retention after the failure deletes nothing
+                rec["retained_away"] = unickpt.retain(root, 1)  # retention after the failure deletes nothing
         tdist.barrier()
         rec["step1_intact"] = _load_rank(rank, world, os.path.join(root, "step-00000001"), 1)
         if op == "save" and rec["error"] is None:
@@ -676,7 +676,7 @@ def test_storage_fault(storage_campaign, name):
         assert rec["seconds"] < 20
     if op == "save":
         assert recs[0]["listing"] == ["step-00000001"]  # nothing committed, the temporary removed
-        assert recs[0]["latest"] == "step-00000001" and recs[0]["pruned"] == []
+        assert recs[0]["latest"] == "step-00000001" and recs[0]["retained_away"] == []
     assert sorted(os.listdir(os.path.join(base, name))) == ["step-00000001", "step-00000003"]
 
 

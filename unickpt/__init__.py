@@ -9,7 +9,7 @@ Public API::
     unickpt.partition_flat(shapes, world, rank) -> ZeRO pieces of a flat buffer
     unickpt.latest(root) -> newest committed checkpoint under root (or None)
     unickpt.sweep(root) -> remove temporaries of interrupted saves under root
-    unickpt.prune(root, keep) -> delete all but the newest ``keep`` committed checkpoints
+    unickpt.retain(root, keep) -> delete all but the newest ``keep`` committed checkpoints
     unickpt.read_manifest(path) -> (checkpoint dir, Manifest)
     unickpt.load_for_inference(path, dtype=..., tp_rank=..., tp_size=..., keys=...) -> model weights
 """
@@ -37,15 +37,15 @@ def sweep(root) -> list[str]:
     return sweep_stale(storage, p)
 
 
-def prune(root, keep: int) -> list[str]:
+def retain(root, keep: int) -> list[str]:
     """Delete all but the newest ``keep`` committed ``step-*`` checkpoints under ``root``;
     each is hidden atomically before its files go, so a crash never leaves half of one
     visible. Returns the deleted paths."""
-    from .commit import prune as _prune
+    from .commit import retain as _retain
     from .storage import storage_for
 
     storage, p = storage_for(root)
-    return _prune(storage, p, keep)
+    return _retain(storage, p, keep)
 
 
 def latest(root) -> str | None:
@@ -73,7 +73,7 @@ __all__ = [
     "partition_flat",
     "latest",
     "sweep",
-    "prune",
+    "retain",
     "read_manifest",
     "load_for_inference",
 ]

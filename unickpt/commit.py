@@ -45,7 +45,7 @@ import socket
 import time
 import uuid
 
-from .errors import CheckpointExistsError, CheckpointNotFoundError
+from .errors import CheckpointExistsError, CheckpointNotFoundError, InvalidArgumentError
 from .manifest import MANIFEST_NAME
 from .storage import Storage
 
@@ -194,11 +194,11 @@ def retire(storage: Storage, path: str) -> None:
     storage.remove_tree(gone)
 
 
-def prune(storage: Storage, root: str, keep: int, protect: str | None = None) -> list[str]:
+def retain(storage: Storage, root: str, keep: int, protect: str | None = None) -> list[str]:
     """Retire all but the newest ``keep`` committed ``step-*`` checkpoints under ``root``
     (never ``protect``); return the retired paths."""
-    if keep < 1:
-        raise ValueError(f"keep must be at least 1, got {keep}")
+    if type(keep) is not int or keep < 1:
+        raise InvalidArgumentError(f"keep must be an integer of at least 1, got {keep!r}")
     out = []
     for _, old in committed_steps(storage, root)[:-keep]:
         if protect is None or storage.basename(old) != storage.basename(protect):

@@ -342,7 +342,7 @@ class Trainer:
         if self._dir_rank:
             if self.ckpt.keep:
                 _commit._fault_point("retention")
-                for old in unickpt.prune(self.ckpt.dir, self.ckpt.keep):
+                for old in unickpt.retain(self.ckpt.dir, self.ckpt.keep):
                     log.info("retention: deleted %s", old)
         self._emit({"event": "save", "step": res.step, "blocking_s": blocking, "total_s": total, "bytes": res.bytes})
 
