@@ -257,9 +257,9 @@ class Transaction:
         s = self.storage
         if not s.isdir(self.parent):
             s.makedirs(self.parent)
+        sweep_stale(s, self.parent, self.name)  # first: it may put back a checkpoint moved aside
         self._check_destination()
         self._seen = self._state()
-        sweep_stale(s, self.parent, self.name)
         s.makedirs(self.tmp)
         self._began = True
         s.write_bytes(self.path(OWNER), json.dumps(_owner_record()).encode())
