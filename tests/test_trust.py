@@ -372,3 +372,101 @@ def test_step_directories_that_are_links_are_not_checkpoints_of_the_root(tmp_pat
     assert unickpt.latest(root).endswith("step-00000001")
     t = {"model": {"w": torch.full((2,), 5.0)}}
     assert unickpt.load(t, root).step == 1 and torch.equal(t["model"]["w"], torch.zeros(2))
+
+
+# -- found by an attacker's review of the fixes ---------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", ["dangling link", "garbage"])
+def test_retention_never_deletes_the_last_checkpoint_that_reads(tmp_path, bad):
+    root = tmp_path / "root"
+    unickpt.save({"model": {"w": torch.ones(2)}}, root / "step-00000001", step=1)
+    (root / "step-00000002").mkdir()
+    if bad == "dangling link":  # not a regular file: not a commit at all
+        os.symlink("/nonexistent", root / "step-00000002" / "unickpt.json")
+        assert unickpt.latest(root).endswith("step-00000001")
+    else:  # a damaged manifest: committed by name, but it does not read
+        (root / "step-00000002" / "unickpt.json").write_text("{garbage")
+    assert unickpt.retain(root, 1) == []
+    t = {"model": {"w": torch.zeros(2)}}
+    unickpt.load(t, root / "step-00000001")
+    assert torch.equal(t["model"]["w"], torch.ones(2))
+
+
+def test_export_never_replaces_a_checkpoint_or_its_root(ck, tmp_path):
+    root = tmp_path / "root"
+    unickpt.save(_state(), root / "step-00000005", step=5)
+    for dst in (root, root / "step-00000005", ck):
+        r = _cli("export", root / "step-00000005", dst, "--overwrite", "-q")
+        assert r.returncode == 2 and "CheckpointExistsError" in r.stderr, (dst, r.stderr)
+    assert unickpt.latest(root).endswith("step-00000005") and unickpt.read_manifest(ck)[1].step == 3
+
+
+def test_convert_checks_dcp_claims_before_allocating_or_creating(tmp_path):
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    d = tmp_path / "dcp"
+    dcp.save({"model": {"w": torch.randn(16, 16)}}, checkpoint_id=str(d), no_dist=True)
+    md = pickle.loads((d / ".metadata").read_bytes())  # our own file: trusted here
+    md.state_dict_metadata["model.w"].size = torch.Size([1 << 30, 16])
+    md.state_dict_metadata["model.w"].chunks[0].sizes = torch.Size([1 << 30, 16])
+    (d / ".metadata").write_bytes(pickle.dumps(md))
+    r = _cli("convert", "--from-dcp", d, tmp_path / "uni", "-q")
+    assert r.returncode == 2 and "claims" in r.stderr, r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["dcp"]
+
+
+def test_manifest_cap_counts_only_the_data_files_on_disk(ck):
+    with open(ck / "junk", "wb") as f:  # 400 MB that take no disk space, and not a data file
+        f.truncate(400 << 20)
+    m = json.loads((ck / "unickpt.json").read_bytes())
+    m["extra"] = {"pad": "-9," * (20 << 20)}  # 60 MB: more than 16 MiB + 4x the ~4 MB of data
+    (ck / "unickpt.json").write_bytes(seal(m))
+    with pytest.raises(FormatError, match="larger than"):
+        unickpt.read_manifest(ck)
+
+
+def test_cli_sizes_are_checked(ck, tmp_path):
+    for size in ("1e400G", "-5", "x"):
+        r = _cli("export", ck, tmp_path / "hf", "--max-shard-size", size, "-q")
+        assert r.returncode == 2 and "InvalidArgumentError" in r.stderr, r.stderr
+
+
+def test_a_temporary_without_owner_record_is_swept_after_a_short_grace(tmp_path):
+    left = tmp_path / ".step-00000002.tmp-00000000000000cc"  # killed between mkdir and the record
+    left.mkdir()
+    assert unickpt.sweep(tmp_path) == []
+    old = time.time() - 120
+    os.utime(left, (old, old))
+    assert unickpt.sweep(tmp_path) == [str(left)]
+
+
+def test_coded_windows_decode_only_verified_bytes(tmp_path, monkeypatch):
+    """O1 moments read window by window (windows shrunk to force many): sliced loads equal the
+    whole decode, and a flipped code byte in the slice is caught."""
+    from unickpt import loader
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 96, generator=g)
+    sd = {"model": {"w": w.to(torch.bfloat16)}, "optimizer": {"w.exp_avg": torch.randn(64, 96, generator=g) * 1e-3,
+                                                             "w.exp_avg_sq": torch.rand(64, 96, generator=g) * 1e-6}}
+    p = tmp_path / "o1"
+    unickpt.save(sd, p, quant="O1")
+    whole = {"optimizer": {"w.exp_avg": torch.zeros(64, 96)}}
+    unickpt.load(whole, p, group="local")
+    monkeypatch.setattr(loader, "CODED_WINDOW", 200)
+    for target in (unickpt.shard(torch.zeros(64, 40), (64, 96), offsets=(0, 50)),
+                   unickpt.shard(torch.zeros(1000), (64, 96), flat=(1234, 2234))):
+        unickpt.load({"optimizer": {"w.exp_avg": target}}, p, group="local")
+        full = whole["optimizer"]["w.exp_avg"]
+        expect = full[:, 50:90] if target.local.dim() == 2 else full.reshape(-1)[1234:2234]
+        assert torch.equal(target.local, expect)
+    _, man = unickpt.read_manifest(p)
+    t = man.tensors[("optimizer", "w.exp_avg")]
+    part = t.parts["codes"]
+    _flip(p / t.file, man.files[t.file].data_start + part.begin + 30 * 96 + 60)  # row 30, column 60
+    with pytest.raises(ChecksumError):
+        unickpt.load({"optimizer": {"w.exp_avg": unickpt.shard(torch.zeros(64, 40), (64, 96), offsets=(0, 50))}},
+                     p, group="local")

@@ -214,11 +214,21 @@ def _convert(args) -> int:
 
 
 def _size(text: str) -> int:
+    """``5GiB``, ``512M``, ``4096``: a positive whole number of bytes (InvalidArgumentError otherwise)."""
+    import math
+
+    from .errors import InvalidArgumentError
+
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
     t = text.strip().upper().removesuffix("B").removesuffix("I")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(t)
+    mult = units.get(t[-1:], 1)
+    try:
+        v = float(t[:-1] if mult > 1 else t) * mult
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and 1 <= v <= 1 << 60):
+        raise InvalidArgumentError(f"size {text!r}: expected a positive size such as 5GiB, 512M or 4096")
+    return int(v)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,6 +54,9 @@ __all__ = ["Transaction", "step_dirname", "is_committed", "committed_steps", "re
 _STEP = re.compile(r"^step-(\d+)$")
 _TMP = re.compile(r"^\.(.+)\.(tmp|old|del)-([0-9a-f]{8,32})$")
 OWNER = ".owner"
+NO_OWNER_GRACE = 60.0
+"""Seconds a temporary without an owner record is left alone (its owner may be between
+creating it and recording itself, on another host whose lock this one does not see)."""
 STALE_AFTER = 6 * 3600.0
 """Seconds without change after which a temporary whose owner cannot be checked (another
 host, or no owner record) counts as abandoned."""
@@ -76,7 +79,9 @@ def _aside_name(final_name: str, token: str) -> str:
 
 
 def is_committed(storage: Storage, path: str) -> bool:
-    return storage.isdir(path) and storage.exists(storage.join(path, MANIFEST_NAME))
+    """``path`` is a directory holding a manifest that is a regular file (a link, FIFO or
+    directory named ``unickpt.json`` is refused by every reader, so it commits nothing)."""
+    return storage.isdir(path) and storage.isfile(storage.join(path, MANIFEST_NAME))
 
 
 def committed_steps(storage: Storage, root: str) -> list[tuple[int, str]]:
@@ -100,6 +105,8 @@ def resolve(storage: Storage, path: str) -> str:
     steps = committed_steps(storage, path)
     if steps:
         return steps[-1][1]
+    if storage.exists(storage.join(path, MANIFEST_NAME)):  # there, but not a regular file: say what it is
+        storage.read_bytes(storage.join(path, MANIFEST_NAME), 0)
     if storage.isdir(path) or _is_dir_link(path):
         raise CheckpointNotFoundError(
             f"{path}: no committed checkpoint here ({MANIFEST_NAME} missing) and no committed step-* checkpoint below"
@@ -117,7 +124,7 @@ def _is_dir_link(path: str) -> bool:
 def _committed_or_link(storage: Storage, path: str) -> bool:
     """The path a user names may itself be a link to a checkpoint (their choice); what is
     inside it is never followed through links."""
-    return (storage.isdir(path) or _is_dir_link(path)) and storage.exists(storage.join(path, MANIFEST_NAME))
+    return (storage.isdir(path) or _is_dir_link(path)) and storage.isfile(storage.join(path, MANIFEST_NAME))
 
 
 def _owner_record() -> dict:
@@ -134,8 +141,10 @@ def _owner_alive(storage: Storage, tmp: str, now: float) -> bool:
     try:
         rec = json.loads(storage.read_bytes(storage.join(tmp, OWNER), 4096))
         host, pid, started = rec["host"], int(rec["pid"]), float(rec["started"])
-    except Exception:  # no (readable) record: judge by age
-        return now - storage.mtime(tmp) < STALE_AFTER
+    except Exception:  # no (readable) record: begin writes one at once and commit removes it
+        # just before the rename, both under the lock this sweep holds; without one, the
+        # owner died there (or wrote with another host's lock): gone after a short grace
+        return now - storage.mtime(tmp) < NO_OWNER_GRACE
     if host != socket.gethostname():
         return now - storage.mtime(tmp) < STALE_AFTER
     try:
@@ -199,8 +208,20 @@ def retain(storage: Storage, root: str, keep: int, protect: str | None = None) -
     (never ``protect``); return the retired paths."""
     if type(keep) is not int or keep < 1:
         raise InvalidArgumentError(f"keep must be an integer of at least 1, got {keep!r}")
+    steps = committed_steps(storage, root)
+    from .loader import read_manifest_bytes
+    from .manifest import Manifest
+
+    for _, kept in steps[-keep:]:  # delete older ones only behind checkpoints that read
+        try:
+            Manifest.from_json(read_manifest_bytes(storage, kept), kept)
+        except Exception as e:
+            from ._metrics import log
+
+            log.warning("retention skipped: %s does not read (%s); older checkpoints are kept", kept, e)
+            return []
     out = []
-    for _, old in committed_steps(storage, root)[:-keep]:
+    for _, old in steps[:-keep]:
         if protect is None or storage.basename(old) != storage.basename(protect):
             retire(storage, old)
             out.append(old)
@@ -243,6 +264,9 @@ class Transaction:
         if not s.isdir(final):
             raise CheckpointExistsError(f"{final}: exists and is not a directory")
         if self.folder:
+            if is_committed(s, final) or committed_steps(s, final):
+                raise CheckpointExistsError(f"{final}: is a checkpoint or holds committed checkpoints; an export "
+                                            "never replaces them (choose another destination)")
             if not self.overwrite:
                 raise CheckpointExistsError(f"{final}: already exists (use --overwrite / overwrite=True to replace it)")
             return
@@ -260,9 +284,10 @@ class Transaction:
         sweep_stale(s, self.parent, self.name)  # first: it may put back a checkpoint moved aside
         self._check_destination()
         self._seen = self._state()
-        s.makedirs(self.tmp)
-        self._began = True
-        s.write_bytes(self.path(OWNER), json.dumps(_owner_record()).encode())
+        with s.lock(self.parent):  # a sweep never sees the temporary without its owner record
+            s.makedirs(self.tmp)
+            self._began = True
+            s.write_bytes(self.path(OWNER), json.dumps(_owner_record()).encode())
 
     def put(self, name: str, data: bytes) -> None:
         self.storage.write_bytes(self.path(name), data)

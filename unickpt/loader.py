@@ -32,7 +32,7 @@ from .errors import (
 )
 from .format import Hasher, dtype_name, read_header, torch_dtype
 from .layout import Layout, Runs
-from .manifest import MANIFEST_NAME, Manifest, TensorEntry, manifest_cap
+from .manifest import MANIFEST_NAME, Manifest, TensorEntry, data_file_name, manifest_cap
 from .state import Entry, apply_json_state, flatten
 from .storage import RandomReader, Storage, per_node, storage_for
 from .transport import Comm
@@ -86,12 +86,9 @@ def read_manifest(path: str | os.PathLike, *, group=None) -> tuple[str, Manifest
 
 def read_manifest_bytes(storage: Storage, ckpt: str) -> bytes:
     """The manifest's bytes, refused beyond what a checkpoint of this size can need
-    (:func:`~unickpt.manifest.manifest_cap`), so a crafted manifest cannot exhaust memory."""
-    total = 0
-    for name in storage.listdir(ckpt):
-        if name != MANIFEST_NAME:
-            ident = storage.identity(storage.join(ckpt, name))
-            total += ident[3] if ident else 0
+    (:func:`~unickpt.manifest.manifest_cap` of the disk space its data files take: other
+    files and sparse sizes do not count), so a crafted manifest cannot exhaust memory."""
+    total = sum(storage.disk_bytes(storage.join(ckpt, n)) for n in storage.listdir(ckpt) if data_file_name(n))
     return storage.read_bytes(storage.join(ckpt, MANIFEST_NAME), manifest_cap(total))
 
 
@@ -661,7 +658,9 @@ def _read_coded(e: Entry, st: TensorEntry, man: Manifest, files: "_Files", verif
         regions.append(("model", man.files[model.file].data_start + model.begin, _StreamCheck(model.checksums)))
     starts, lengths, locs = _split_runs(e.layout.runs(), CODED_WINDOW)
     ends = starts + lengths
-    scratch: dict[str, torch.Tensor] = {}  # per region, reused across windows
+    scratch: dict[str, list[torch.Tensor]] = {}  # per region, two buffers reused across windows
+    held: dict[str, tuple[int, int, torch.Tensor]] = {}  # per region: the last window's bytes
+    windows = 0
     i, n = 0, len(starts)
     while i < n:
         lo = int(starts[i])
@@ -675,14 +674,24 @@ def _read_coded(e: Entry, st: TensorEntry, man: Manifest, files: "_Files", verif
         for p, base, check in regions:
             b, end = ranges[p]
             eb, ee = check.touch(b, end) if verify != "none" else (b, end)  # whole checksummed ranges
-            if p not in scratch or scratch[p].numel() < ee - eb:
-                scratch[p] = torch.empty(ee - eb, dtype=torch.uint8)
-            buf = scratch[p][: ee - eb]
-            if ee > eb:
-                files.get(model.file if p == "model" else st.file).readinto(base + eb, memoryview(buf.numpy()))
+            bufs = scratch.setdefault(p, [torch.empty(0, dtype=torch.uint8)] * 2)
+            slot = windows % 2  # ping-pong: the previous window's bytes stay intact
+            if bufs[slot].numel() < ee - eb:
+                bufs[slot] = torch.empty(ee - eb, dtype=torch.uint8)
+            buf = bufs[slot][: ee - eb]
+            fresh = eb
+            prev = held.get(p)
+            if prev is not None and prev[0] <= eb < prev[1]:  # bytes already read (and hashed): reuse them,
+                k = min(prev[1], ee) - eb  # so what is decoded is what was verified
+                buf[:k].copy_(prev[2][eb - prev[0] : eb - prev[0] + k])
+                fresh = eb + k
+            if ee > fresh:
+                files.get(model.file if p == "model" else st.file).readinto(base + fresh, memoryview(buf[fresh - eb :].numpy()))
             if verify != "none":
                 check.feed(eb, buf)
+            held[p] = (eb, ee, buf)
             got[p] = buf[b - eb : end - eb]
+        windows += 1
         mt = got.pop("model").view(torch_dtype(model.dtype)) if model is not None else None
         vals = decode_range(tag, got, lo, hi, mt, exc).to(local.dtype)
         copy_runs(as_bytes(vals), starts[i:j] - lo, dest, locs[i:j], lengths[i:j], isz)

@@ -31,7 +31,7 @@ FORMAT_NAME = "unickpt"
 FORMAT_VERSION = 2
 MANIFEST_NAME = "unickpt.json"
 INDEX_NAME = "model.safetensors.index.json"
-MANIFEST_LIMIT = 1 << 30
+MANIFEST_LIMIT = 512 << 20
 MANIFEST_BASE = 16 << 20  # a manifest may always be this large; beyond, 4 bytes per checkpoint byte
 DIGEST_KEY = "manifest_xxh3_128"
 _DIGEST_TAIL = re.compile(rb',"manifest_xxh3_128":"([0-9a-f]{32})"\}\s*\Z')
@@ -239,6 +239,8 @@ class Manifest:
             raise FormatError(f"{where}: {containers} JSON objects/arrays in {len(data)} bytes: not a manifest")
         m = _DIGEST_TAIL.search(data)
         digest_ok = m is not None and xxhash.xxh3_128_hexdigest(data[: m.start()] + b"}") == m.group(1).decode()
+        if m is not None and not digest_ok:  # damaged: refused before it costs a parse
+            raise FormatError(f"{where}: manifest is damaged (its checksum does not match its content)")
         try:
             obj = json.loads(data.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite_float)
         except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
@@ -263,8 +265,13 @@ class Manifest:
             raise FormatError(f"{where}: malformed manifest ({type(e).__name__}: {str(e)[:200]})") from None
 
 
+def data_file_name(name: str) -> bool:
+    """``name`` has the form of a checkpoint data file (``role-NNNNN-of-NNNNN.safetensors``)."""
+    return bool(_FILE.fullmatch(name))
+
+
 def manifest_cap(checkpoint_bytes: int) -> int:
-    """Largest manifest a checkpoint of ``checkpoint_bytes`` bytes of other files can need."""
+    """Largest manifest a checkpoint whose data files take ``checkpoint_bytes`` can need."""
     return min(MANIFEST_LIMIT, MANIFEST_BASE + 4 * max(checkpoint_bytes, 0))
 
 

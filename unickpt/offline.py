@@ -269,6 +269,7 @@ def convert_from_dcp(dcp_dir, dst, *, overwrite: bool = False, progress: Progres
             raise StateDictError(f"{dcp_dir}: key {key!r} cannot be imported: {why}")
         entries.append((role, name, dtype_name(md.properties.dtype), tuple(md.size)))
         keymap[(role, name)] = key
+    _check_dcp_claims(dcp_dir, meta, {keymap[(e[0], e[1])]: e for e in entries})
     w = _Writer(dst, overwrite)
     total = sum(math.prod(e[3]) * itemsize(e[2]) for e in entries)
     done = 0
@@ -298,3 +299,35 @@ def convert_from_dcp(dcp_dir, dst, *, overwrite: bool = False, progress: Progres
     if skipped:
         log.warning("convert: skipped %d non-tensor entries (DCP pickles them): %s", len(skipped), skipped[:10])
     return {"path": path, "tensors": len(entries), "bytes": total, "seconds": secs, "skipped": skipped, "gbps": gbps(total, secs)}
+
+
+DCP_RATIO = 1 << 15  # most raw bytes one stored byte may claim under a compressing transform
+
+
+def _check_dcp_claims(dcp_dir, meta, tensors: dict) -> None:
+    """Before anything of the claimed sizes is allocated or created: every storage item lies
+    inside a regular file of the DCP directory, and every tensor's claimed bytes are backed by
+    its stored items (at most DCP_RATIO times more under a compressing transform)."""
+    from .storage import open_regular
+
+    sizes: dict[str, int] = {}
+    stored: dict[str, int] = {}
+    compressed: set[str] = set()
+    for idx, info in (getattr(meta, "storage_data", None) or {}).items():
+        rel = info.relative_path
+        if rel not in sizes:
+            fd, st = open_regular(os.path.join(os.fspath(dcp_dir), rel))
+            os.close(fd)
+            sizes[rel] = st.st_size
+        if info.offset + info.length > sizes[rel]:
+            raise FormatError(f"{dcp_dir}: item {idx.fqn!r} claims bytes [{info.offset}, {info.offset + info.length}) "
+                              f"of {rel!r}, which has {sizes[rel]} bytes")
+        stored[idx.fqn] = stored.get(idx.fqn, 0) + info.length
+        if getattr(info, "transform_descriptors", None):
+            compressed.add(idx.fqn)
+    for key, (_, _, dt, shape) in tensors.items():
+        need = math.prod(shape) * itemsize(dt)
+        have = stored.get(key, 0) * (DCP_RATIO if key in compressed else 1)
+        if need > have:
+            raise FormatError(f"{dcp_dir}: tensor {key!r} claims {need} bytes ({dt} {list(shape)}) but its stored "
+                              f"items hold {stored.get(key, 0)}")

@@ -73,6 +73,7 @@ class Storage(Protocol):
     def basename(self, path: str) -> str: ...
     def exists(self, path: str) -> bool: ...
     def isdir(self, path: str) -> bool: ...
+    def isfile(self, path: str) -> bool: ...
     def listdir(self, path: str) -> list[str]: ...
     def makedirs(self, path: str) -> None: ...
     def remove_tree(self, path: str) -> None: ...
@@ -83,6 +84,7 @@ class Storage(Protocol):
     def lock(self, path: str) -> contextlib.AbstractContextManager: ...
     def identity(self, path: str) -> tuple | None: ...
     def mtime(self, path: str) -> float: ...
+    def disk_bytes(self, path: str) -> int: ...
     def write_bytes(self, path: str, data: bytes) -> None: ...
     def read_bytes(self, path: str, limit: int) -> bytes: ...
     def create_file(self, path: str, size: int) -> None: ...
@@ -182,6 +184,13 @@ class LocalStorage:
         except (OSError, ValueError):
             return False
 
+    def isfile(self, path: str) -> bool:
+        """A regular file (a symbolic link to one is not)."""
+        try:
+            return stat.S_ISREG(os.lstat(path).st_mode)
+        except (OSError, ValueError):
+            return False
+
     def listdir(self, path: str) -> list[str]:
         try:
             return sorted(os.listdir(path))
@@ -223,6 +232,16 @@ class LocalStorage:
         except (FileNotFoundError, NotADirectoryError):
             return None
         return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def disk_bytes(self, path: str) -> int:
+        """Bytes a regular file takes on disk (a sparse file counts what it stores); 0 otherwise."""
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return 0
+        if not stat.S_ISREG(st.st_mode):
+            return 0
+        return min(st.st_size, st.st_blocks * 512) if hasattr(st, "st_blocks") else st.st_size
 
     def mtime(self, path: str) -> float:
         """Newest modification time of ``path`` and of the entries directly inside it."""
