@@ -204,3 +204,25 @@ def test_a_corrupted_byte_on_another_node_is_detected(saved, tmp_path):
     msgs = dist.run(_load_corrupt, 3, root)
     assert all(m and "checksum" in m.lower() for m in msgs), msgs
     assert any(t.name in m for m in msgs), (t.name, msgs)
+
+
+@pytest.mark.parametrize("damage", ["bit flip", "fifo", "another save's"])
+def test_every_node_checks_its_own_copy_of_the_manifest(saved, tmp_path, damage):
+    """Rank 0 shares its node's manifest; a damaged or foreign copy on node n1 is refused on
+    every rank, naming n1's file (n2 holds no copy and follows)."""
+    root = str(tmp_path)
+    for n in ("n0", "n1"):
+        shutil.copytree(os.path.join(saved, n), os.path.join(root, n))
+    m = os.path.join(root, "n1", "ck-o0", "unickpt.json")
+    if damage == "bit flip":
+        data = bytearray(open(m, "rb").read())
+        data[len(data) // 2] ^= 4
+        open(m, "wb").write(bytes(data))
+    elif damage == "fifo":
+        os.remove(m)
+        os.mkfifo(m)
+    else:
+        shutil.copy(os.path.join(root, "n1", "ck-o1", "unickpt.json"), m)
+    msgs = dist.run(_load_corrupt, 3, root)
+    assert all(msgs), msgs
+    assert any("n1" in x and ("differs" in x or "damaged" in x or "FIFO" in x) for x in msgs), msgs

@@ -470,3 +470,29 @@ def test_coded_windows_decode_only_verified_bytes(tmp_path, monkeypatch):
     with pytest.raises(ChecksumError):
         unickpt.load({"optimizer": {"w.exp_avg": unickpt.shard(torch.zeros(64, 40), (64, 96), offsets=(0, 50))}},
                      p, group="local")
+
+
+def test_a_load_racing_retention_says_the_checkpoint_changed(tmp_path, monkeypatch):
+    from unickpt import loader
+
+    root = tmp_path / "root"
+    unickpt.save(_state(), root / "step-00000001", step=1)
+    real = loader._validate
+
+    def validate_then_retire(*a, **kw):  # a newer save commits, retention removes the one being read
+        out = real(*a, **kw)
+        unickpt.save(_state(), root / "step-00000002", step=2)
+        unickpt.retain(root, 1)
+        return out
+
+    monkeypatch.setattr(loader, "_validate", validate_then_retire)
+    with pytest.raises(CheckpointChangedError, match="replaced or removed"):
+        unickpt.load({"model": {"big": torch.zeros(4 * H, H)}}, root, group="local")
+
+
+def test_verify_flags_a_config_json_the_manifest_does_not_list(tmp_path):
+    p = tmp_path / "ck"
+    unickpt.save({"model": {"w": torch.ones(2)}}, p)
+    (p / "config.json").write_text('{"api_key": "x"}')
+    r = _cli("verify", p, "-q")
+    assert r.returncode == 1 and "config.json" in r.stderr and "not part of the checkpoint" in r.stderr

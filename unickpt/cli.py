@@ -127,6 +127,10 @@ def verify_checkpoint(ckpt: str, man: Manifest, progress: bool = False) -> list[
             reader.close()
     if bar:
         bar.close()
+    if man.format_version >= 2:  # files tools read (export copies config.json) must be listed
+        for name in ("config.json", "model.safetensors.index.json"):
+            if name not in man.aux and storage.exists(storage.join(ckpt, name)):
+                bad.append((name, "", "not part of the checkpoint (its manifest does not list it)"))
     for name, (size, digest) in sorted(man.aux.items()):  # index, config.json...
         try:
             data = storage.read_bytes(storage.join(ckpt, name), max(size, 0))

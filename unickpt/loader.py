@@ -23,6 +23,7 @@ from ._copy import as_bytes, copy_runs
 from ._metrics import Phases, gbps, human_bytes, log
 from .errors import (
     CheckpointChangedError,
+    CheckpointNotFoundError,
     ChecksumError,
     DtypeMismatchError,
     FormatError,
@@ -237,7 +238,9 @@ def _changed(storage: Storage, ckpt: str, man: Manifest) -> CheckpointChangedErr
     """After a failed read: the error to report if the checkpoint was replaced meanwhile."""
     try:
         now = Hasher.of128(storage.read_bytes(storage.join(ckpt, MANIFEST_NAME), 1 << 30))
-    except (UnickptError, OSError):  # gone, or unreadable now: the original error is the one to report
+    except CheckpointNotFoundError:  # the checkpoint went away (retention, an overwrite's swap)
+        now = None
+    except (UnickptError, OSError):  # unreadable now: the original error is the one to report
         return None
     if now == man.source_digest:
         return None
@@ -259,6 +262,8 @@ def _find(comm: Comm, storage, p: str, node_local: bool) -> tuple[str, str, Mani
             found = True
         except (UnickptError, OSError) as e:
             err = e
+    own = mbytes  # node-local: this node's copy, checked against the shared one below
+    own_path = storage.join(ckpt, MANIFEST_NAME) if found else None
     if node_local:
         flags = [b == b"1" for b in comm.all_gather_bytes(b"1" if found else b"0")]
         src = flags.index(True) if any(flags) else 0
@@ -272,9 +277,18 @@ def _find(comm: Comm, storage, p: str, node_local: bool) -> tuple[str, str, Mani
     ckpt = storage.join(p, rel) if rel else p
     err = None
     man = None
+    where = storage.join(ckpt, MANIFEST_NAME) + ("" if comm.rank == src else f" (the copy read by rank {src})")
     try:
-        man = Manifest.from_json(mbytes, storage.join(ckpt, MANIFEST_NAME))
-    except UnickptError as e:
+        man = Manifest.from_json(mbytes, where)
+        if node_local and comm.rank != src:  # every node's copy of this checkpoint must be the same manifest
+            try:
+                here = own if found and storage.join(ckpt, MANIFEST_NAME) == own_path else read_manifest_bytes(storage, ckpt)
+            except CheckpointNotFoundError:
+                here = None  # this node does not hold the checkpoint: its files come from peers
+            if here is not None and here != mbytes:
+                raise FormatError(f"{storage.join(ckpt, MANIFEST_NAME)}: this node's manifest differs from the one "
+                                  f"rank {src} read (damaged, or from another save)")
+    except (UnickptError, OSError) as e:
         err = e
     comm.agree(err, "load (reading the manifest)")
     return ckpt, rel, man
