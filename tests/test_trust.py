@@ -402,6 +402,7 @@ def test_export_never_replaces_a_checkpoint_or_its_root(ck, tmp_path):
     assert unickpt.latest(root).endswith("step-00000005") and unickpt.read_manifest(ck)[1].step == 3
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_convert_checks_dcp_claims_before_allocating_or_creating(tmp_path):
     import pickle
 
