@@ -107,7 +107,7 @@ def resolve(storage: Storage, path: str) -> str:
         return steps[-1][1]
     if storage.exists(storage.join(path, MANIFEST_NAME)):  # there, but not a regular file: say what it is
         storage.read_bytes(storage.join(path, MANIFEST_NAME), 0)
-    if storage.isdir(path) or _is_dir_link(path):
+    if _is_dir_link(path):
         raise CheckpointNotFoundError(
             f"{path}: no committed checkpoint here ({MANIFEST_NAME} missing) and no committed step-* checkpoint below"
         )
@@ -115,6 +115,7 @@ def resolve(storage: Storage, path: str) -> str:
 
 
 def _is_dir_link(path: str) -> bool:
+    """A directory, or a link to one (the path a user names is followed once)."""
     try:
         return os.path.isdir(path)
     except (OSError, ValueError):
@@ -124,7 +125,7 @@ def _is_dir_link(path: str) -> bool:
 def _committed_or_link(storage: Storage, path: str) -> bool:
     """The path a user names may itself be a link to a checkpoint (their choice); what is
     inside it is never followed through links."""
-    return (storage.isdir(path) or _is_dir_link(path)) and storage.isfile(storage.join(path, MANIFEST_NAME))
+    return _is_dir_link(path) and storage.isfile(storage.join(path, MANIFEST_NAME))
 
 
 def _owner_record() -> dict:
@@ -203,9 +204,9 @@ def retire(storage: Storage, path: str) -> None:
     storage.remove_tree(gone)
 
 
-def retain(storage: Storage, root: str, keep: int, protect: str | None = None) -> list[str]:
-    """Retire all but the newest ``keep`` committed ``step-*`` checkpoints under ``root``
-    (never ``protect``); return the retired paths."""
+def retain(storage: Storage, root: str, keep: int) -> list[str]:
+    """Retire all but the newest ``keep`` committed ``step-*`` checkpoints under ``root``;
+    return the retired paths."""
     if type(keep) is not int or keep < 1:
         raise InvalidArgumentError(f"keep must be an integer of at least 1, got {keep!r}")
     steps = committed_steps(storage, root)
@@ -222,9 +223,8 @@ def retain(storage: Storage, root: str, keep: int, protect: str | None = None) -
             return []
     out = []
     for _, old in steps[:-keep]:
-        if protect is None or storage.basename(old) != storage.basename(protect):
-            retire(storage, old)
-            out.append(old)
+        retire(storage, old)
+        out.append(old)
     return out
 
 
@@ -295,41 +295,40 @@ class Transaction:
     def commit(self, manifest: bytes | None = None) -> None:
         s = self.storage
         with s.lock(self.parent):
-            if self._state() != self._seen:
+            if self._state() != self._seen:  # (what begin checked still holds when this does)
                 raise CheckpointExistsError(
                     f"{self.final}: another write committed here while this one was running; "
                     "nothing of this one was published")
-            self._check_destination()
             if manifest is not None:
                 s.write_bytes(self.path(MANIFEST_NAME), manifest)
             s.remove_file(self.path(OWNER))
             s.fsync_dir(self.tmp)
-            self._publish()
+            replaced = self._publish()
+        if replaced is not None:  # the replaced directory, deleted outside the lock
+            s.remove_tree(replaced)
 
-    def _publish(self) -> None:
+    def _publish(self) -> str | None:
+        """Rename the temporary into place; return where a replaced directory now is."""
         s, final, tmp = self.storage, self.final, self.tmp
+        replaced = None
         if not s.exists(final):
             s.rename_dir(tmp, final)
         elif not s.listdir(final) and not self.folder:  # an empty directory stood there
             s.remove_tree(final)
             s.rename_dir(tmp, final)
         elif s.exchange_dirs(tmp, final):
-            _fsync_quietly(s, self.parent)
-            s.remove_tree(tmp)  # now holds the replaced directory
-            return
+            replaced = tmp  # now holds the replaced directory
         else:  # no atomic exchange: move the old one aside (a sweep puts it back if we die here)
-            aside = s.join(self.parent, _aside_name(self.name, self.token))
-            s.rename_dir(final, aside)
+            replaced = s.join(self.parent, _aside_name(self.name, self.token))
+            s.rename_dir(final, replaced)
             _fault_point("between-renames")
             try:
                 s.rename_dir(tmp, final)
             except BaseException:
-                s.rename_dir(aside, final)
+                s.rename_dir(replaced, final)
                 raise
-            _fsync_quietly(s, self.parent)
-            s.remove_tree(aside)
-            return
         _fsync_quietly(s, self.parent)
+        return replaced
 
     def abort(self) -> None:
         if self._began:

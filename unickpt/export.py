@@ -21,7 +21,7 @@ from ._metrics import gbps, human_bytes, log
 from .errors import CheckpointNotFoundError, ChecksumError, FormatError, TensorMissingError
 from .format import Hasher, build_header, dtype_name, order_key, torch_dtype
 from .loader import open_files, read_manifest, read_whole
-from .manifest import INDEX_NAME
+from .manifest import INDEX_NAME, _finite_float, _no_constant
 from .storage import storage_for
 
 __all__ = ["export_hf"]
@@ -141,7 +141,7 @@ def _config(storage, ckpt: str, man, dtype) -> dict | None:
     else:
         log.warning("%s: format %d checkpoints do not checksum config.json; copied unverified", path, man.format_version)
     try:
-        conf = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+        conf = json.loads(data.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite_float)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise FormatError(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:120]})") from None
     if not isinstance(conf, dict):
@@ -150,6 +150,3 @@ def _config(storage, ckpt: str, man, dtype) -> dict | None:
         conf["torch_dtype"] = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
     return conf
 
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not strict JSON")

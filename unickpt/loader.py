@@ -508,12 +508,8 @@ class _StreamCheck:
 
     def touch(self, b: int, e: int) -> tuple[int, int]:
         """Mark the ranges that bytes ``[b, e)`` fall in; return the span they cover."""
-        if e <= b or not len(self.ranges):
-            return b, e
-        i0 = max(int(np.searchsorted(self.begins, b, side="right")) - 1, 0)
-        i1 = max(int(np.searchsorted(self.begins, e - 1, side="right")) - 1, i0)
-        self.touched[i0 : i1 + 1] = True
-        return min(b, int(self.begins[i0])), max(e, int(self.ends[i1]))
+        bs, es = self.touch_runs(np.array([b], dtype=np.int64), np.array([e], dtype=np.int64))
+        return int(bs[0]), int(es[0])
 
     def touch_runs(self, b: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`touch` for sorted, disjoint byte runs ``[b[i], e[i])`` at once (vectorized)."""
