@@ -17,7 +17,7 @@ import shutil
 import stat
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Protocol
+from typing import Any, Mapping, Protocol
 
 import numpy as np
 
@@ -115,8 +115,9 @@ def expand_node(path: str | os.PathLike) -> str:
     return p.replace(NODE, n)
 
 
-def storage_for(path: str | os.PathLike) -> tuple["Storage", str]:
-    """The storage for ``path`` and the path in that storage's terms (``{node}`` expanded)."""
+def storage_for(path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> tuple["Storage", str]:
+    """The storage for ``path`` and the path in that storage's terms (``{node}`` expanded).
+    ``storage_options`` go to the fsspec file system of a URL (ignored for local paths)."""
     p = expand_node(path)
     if "://" in p:
         scheme, rest = p.split("://", 1)
