@@ -231,8 +231,8 @@ def install(config: dict) -> Faults:
     faults = Faults(config)
     real = _st.storage_for
 
-    def storage_for(path):
-        storage, p = real(path)
+    def storage_for(path, storage_options=None):
+        storage, p = real(path, storage_options)
         return (FaultyStorage(faults) if type(storage) is _st.LocalStorage else storage), p
 
     _REAL["storage_for"] = real

@@ -23,7 +23,8 @@ from .layout import Layout, ShardedTensor, partition_flat, shard
 from .loader import LoadResult, load, read_manifest
 from .async_save import AsyncSave
 from .inference import load_for_inference
-from .saver import SaveResult, save
+from .saver import SaveResult
+from .api import save
 from .compress import Compression
 
 

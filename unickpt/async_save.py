@@ -20,13 +20,19 @@ committed, and every rank raises :class:`~unickpt.errors.AsyncSaveError` at its 
 Back-pressure: a save first waits for the previous one (one staging buffer: extra host
 memory = the local state's size + the writer's bounded buckets).
 
-Commands travel as JSON over a pipe; tensors only through the shared segment. Nothing is
-pickled.
+Commands travel as JSON over a pipe (the options as :meth:`SaveOptions.to_json`); tensors
+only through the shared segment. Nothing is pickled. With a ``progress`` callback the writer
+also sends ``{"op": "progress"}`` reports over the pipe (at most ~10 a second, then the final
+one, from a thread of its own, so a trainer that does not read them never stalls the save);
+the callback runs, for each report in order, in the trainer's thread that polls the handle.
+
+This module uses the save pipeline (:mod:`unickpt.saver`); the pipeline never imports it.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import glob
 import json
 import mmap
@@ -44,16 +50,18 @@ from typing import Any, Mapping
 import torch
 
 from ._metrics import log
-from .errors import AsyncSaveError, StateDictError, UnickptError
-from .format import dtype_name
+from .errors import AsyncSaveError, UnickptError
+from .format import dtype_name, torch_dtype
 from .layout import Layout
-from .state import Entry, _is_json, flatten
+from .saver import ProgressFn, SaveOptions, SaveResult, save_entries
+from .state import Entry, flatten
 from .transport import Comm, resolve_timeout
 
 __all__ = ["AsyncSave", "Checkpointer", "checkpointer", "shutdown"]
 
 SHM_DIR = "/dev/shm"
 ALIGN = 4096
+PROGRESS_INTERVAL = 0.1  # seconds between a writer's progress reports (plus the final one)
 
 
 def _shm_prefix(pid: int | None = None) -> str:
@@ -147,9 +155,13 @@ class _Staged:
 class AsyncSave:
     """Handle of one asynchronous save."""
 
-    def __init__(self, owner: "Checkpointer", path: str, step: int | None) -> None:
+    def __init__(self, owner: "Checkpointer", path: str, step: int | None, progress: ProgressFn | None = None) -> None:
         self._owner = owner
         self.path, self.step = path, step
+        self._progress = progress
+        self._progress_pending: collections.deque[tuple[int, int]] = collections.deque()  # read, not yet told
+        self._progress_busy = False  # a thread is in the callback (a poll from inside it adds nothing)
+        self._progress_lock = threading.Lock()
         self.t0 = time.perf_counter()
         self.call_seconds = 0.0  # inside save(): back-pressure wait (+ the copy unless in background)
         self.staging_wait_seconds = 0.0  # inside wait_staged()/wait() waiting for a background copy
@@ -180,6 +192,38 @@ class AsyncSave:
     def blocking_seconds(self) -> float:
         """Time the caller was held: the call itself plus any wait for a background copy."""
         return self.call_seconds + self.staging_wait_seconds
+
+    # -- progress (called by the polling thread, never under the checkpointer's lock) ------------
+
+    def _report_progress(self) -> None:
+        """Give the callback the reports read so far, in order (the writer sends at most
+        ~10 a second). A callback that raises is logged and not called again (as in a
+        synchronous save); one that polls this handle itself only queues reports (this loop
+        then gives them), so it cannot recurse or deadlock."""
+        fn = self._progress
+        if fn is None:
+            return
+        with self._progress_lock:
+            if self._progress_busy:
+                return
+            self._progress_busy = True
+        try:
+            while True:
+                with self._progress_lock:
+                    if self._progress is None or not self._progress_pending:
+                        self._progress_pending.clear()
+                        self._progress_busy = False
+                        return
+                    v = self._progress_pending.popleft()
+                try:
+                    fn(*v)
+                except Exception as e:  # a callback must not take the save down
+                    log.warning("progress callback failed (not called again): %s", e)
+                    self._progress = None
+        except BaseException:
+            with self._progress_lock:
+                self._progress_busy = False
+            raise
 
     # -- completion ------------------------------------------------------------------------
 
@@ -282,9 +326,13 @@ class Checkpointer:
 
     # -- save ----------------------------------------------------------------------------------
 
-    def save(self, state_dict: Mapping[str, Any], path, *, background_staging: bool = False,
-             timeout_s: float | None = None, **kw) -> AsyncSave:
-        comm = Comm(self.group, timeout_s=timeout_s)
+    def save(self, state_dict: Mapping[str, Any], path, opts: SaveOptions, *, background_staging: bool = False,
+             progress: ProgressFn | None = None) -> AsyncSave:
+        """Stage ``state_dict`` and hand it to this rank's writer with ``opts`` (checked
+        already: see ``unickpt.save``, the entry point); collective over the group."""
+        if not isinstance(opts, SaveOptions):
+            raise TypeError(f"opts must be a SaveOptions, got {type(opts).__name__}")
+        comm = Comm(self.group, timeout_s=opts.timeout_s)
         t0 = time.perf_counter()
         prev_err: BaseException | None = None
         surfaced = False
@@ -309,15 +357,12 @@ class Checkpointer:
         err: BaseException | None = None
         try:
             entries, json_state = flatten(state_dict)
-            extra = kw.get("extra")
-            if extra is not None and not _is_json(dict(extra)):
-                raise StateDictError("extra must be JSON-serialisable")
             staged = self._layout(entries)
             self._ensure_segment(staged.size)
         except Exception as e:
             err = e
         comm.agree(err, "asynchronous save (preparing the staging buffer)")  # no writer is left waiting
-        handle = AsyncSave(self, os.fspath(path), kw.get("step"))
+        handle = AsyncSave(self, os.fspath(path), opts.step, progress)
         self._last = handle
         cmd = {
             "op": "save",
@@ -325,9 +370,10 @@ class Checkpointer:
             "shm_size": self._seg.size,
             "entries": staged.entries,
             "state": json_state,
-            "path": os.path.abspath(os.fspath(path)),
+            "path": writer_path(path),
             "timeout_s": comm.timeout_s,  # the writers wait for each other at most this long
-            "kw": {k: v for k, v in kw.items()},
+            "opts": opts.to_json(),
+            "progress": progress is not None,
         }
 
         def stage() -> None:
@@ -398,24 +444,44 @@ class Checkpointer:
     # -- results ----------------------------------------------------------------------------------
 
     def _poll(self, handle: AsyncSave, timeout: float | None) -> None:
-        """Collect the writer's answer for ``handle`` (or notice that the writer died)."""
-        with self._lock:
-            if handle._finished:
-                return
-            conn, proc = self._conn, self._proc
-            if conn is None or proc is None:
-                handle._error = AsyncSaveError(f"save of {handle.path}: no writer process")
-                handle._finished = True
-                return
-            ready = mpc.wait([conn, proc.sentinel], timeout)
-            if not ready:
-                return
+        """Read the writer's messages for ``handle`` until its answer (or the writer's death),
+        for at most ``timeout`` seconds (``None``: no limit; 0: only what has arrived).
+        Progress reports go to the handle's callback between reads, outside the lock."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if handle._finished:
+                    break
+                conn, proc = self._conn, self._proc
+                if conn is None or proc is None:
+                    handle._error = AsyncSaveError(f"save of {handle.path}: no writer process")
+                    handle._finished = True
+                    break
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                ready = mpc.wait([conn, proc.sentinel], left)
+                if not ready:
+                    break
+                self._read(handle, conn, proc, proc.sentinel in ready)
+            handle._report_progress()
+        handle._report_progress()
+
+    def _read(self, handle: AsyncSave, conn, proc, exited: bool) -> None:
+        """Read every message that has arrived (under the lock): progress reports are noted
+        on the handle; the answer, or the pipe's end, finishes it."""
+        while True:
             msg = None
-            if conn in ready or conn.poll():
-                try:
+            try:
+                if not conn.poll():
+                    if not exited:
+                        return
+                else:
                     msg = json.loads(conn.recv_bytes())
-                except (EOFError, OSError):
-                    msg = None
+            except (EOFError, OSError):
+                msg = None
+            if msg is not None and msg.get("op") == "progress":
+                if handle._progress is not None:
+                    handle._progress_pending.append((int(msg["done"]), int(msg["total"])))
+                continue
             handle.total_seconds = time.perf_counter() - handle.t0
             handle._finished = True
             if msg is None:
@@ -424,12 +490,18 @@ class Checkpointer:
                     f"save of {handle.path}: the writer process of this rank died (exit code {code}); nothing was committed"
                 )
             elif msg.get("ok"):
-                from .saver import SaveResult
-
-                r = msg["result"]
-                handle._result = SaveResult(**r)
+                handle._result = SaveResult(**msg["result"])
             else:
                 handle._error = AsyncSaveError(f"save of {handle.path} failed: {msg.get('error')}")
+            return
+
+
+def writer_path(path) -> str:
+    """``path`` as the writer process gets it: a URL (``scheme://...``) as given, a local
+    path made absolute (the writer shares our working directory, but a path that means the
+    same whatever the directory is safer)."""
+    p = os.fspath(path)
+    return p if "://" in p else os.path.abspath(p)
 
 
 _CHECKPOINTERS: dict[int, Checkpointer] = {}
@@ -502,8 +574,6 @@ def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: f
 
     import torch.distributed as dist
 
-    from .saver import save_entries
-
     if node and "UNICKPT_NODE_ID" not in os.environ:
         os.environ["UNICKPT_NODE_ID"] = node if not node.isdigit() else f"node{node}"
     torch.set_num_threads(1)
@@ -555,12 +625,16 @@ def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: f
                 seg = segments[cmd["shm"]] = _Segment(cmd["shm"], cmd["shm_size"], create=False)
             entries = []
             for role, name, dt, shape, lay, off, n in cmd["entries"]:
-                from .format import torch_dtype
-
                 layout = Layout.from_json(shape, lay)
                 local = seg.tensor[off : off + n].view(torch_dtype(dt)) if n else torch.empty(0, dtype=torch_dtype(dt))
                 entries.append(Entry(role, name, local, layout))
-            res = save_entries(comm, (entries, cmd["state"]), None, cmd["path"], **cmd["kw"])
+            opts = SaveOptions.from_json(cmd["opts"])
+            sender = _ProgressSender(conn) if cmd.get("progress") else None
+            try:
+                res = save_entries(comm, (entries, cmd["state"]), None, cmd["path"], opts, sender)
+            finally:
+                if sender is not None:
+                    sender.close()  # its last report goes before our answer
             _reply(conn, {"ok": True, "result": {
                 "path": res.path, "step": res.step, "files": res.files, "bytes": res.bytes,
                 "local_bytes": res.local_bytes, "seconds": res.seconds, "phases": res.phases,
@@ -582,3 +656,48 @@ def _reply(conn, obj: dict) -> None:
         conn.send_bytes(json.dumps(obj).encode())
     except (OSError, BrokenPipeError):
         pass
+
+
+class _ProgressSender:
+    """The progress callback of a writer's save: the save's thread only records the latest
+    ``(done, total)``; this thread sends it to the trainer at most every
+    :data:`PROGRESS_INTERVAL` seconds and sends the last one at :meth:`close`. A trainer
+    that does not read its pipe can block this thread, never the save (and its peers)."""
+
+    def __init__(self, conn, interval: float = PROGRESS_INTERVAL) -> None:
+        self._conn, self._interval = conn, interval
+        self._cv = threading.Condition()
+        self._latest: tuple[int, int] | None = None
+        self._sent: tuple[int, int] | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="unickpt-progress", daemon=True)
+        self._thread.start()
+
+    def __call__(self, done: int, total: int) -> None:
+        with self._cv:
+            self._latest = (int(done), int(total))
+            self._cv.notify()
+
+    def _run(self) -> None:
+        last = -float("inf")
+        while True:
+            with self._cv:
+                while True:
+                    if self._latest != self._sent:
+                        delay = 0.0 if self._closed else last + self._interval - time.monotonic()
+                        if delay <= 0:
+                            break
+                        self._cv.wait(delay)  # close() wakes us to send the last value now
+                    elif self._closed:
+                        return
+                    else:
+                        self._cv.wait()
+                v = self._sent = self._latest
+            _reply(self._conn, {"op": "progress", "done": v[0], "total": v[1]})
+            last = time.monotonic()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join()

@@ -4,17 +4,22 @@ Every rank flattens its state dict, the ranks agree on a routing table (plan), p
 to their writer in bounded buckets, writers stream whole tensors into safetensors files in
 a temporary directory (fsynced, checksummed), and rank 0 commits: manifest last, then an
 atomic rename. Any failure on any rank surfaces on every rank and nothing becomes visible.
+
+:func:`save_entries` is the pipeline, run by the caller (synchronous ``unickpt.save``) or by
+an asynchronous writer process (:mod:`unickpt.async_save`); :class:`SaveOptions` is every
+option it takes, checked once. The public ``unickpt.save`` lives in :mod:`unickpt.api`, which
+picks between the two: this module imports neither.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import json
-import os
+import operator
 import re
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
 
 import torch
@@ -22,7 +27,7 @@ import torch
 from . import commit as _commit
 from ._copy import as_bytes, copy_runs
 from ._metrics import Phases, gbps, human_bytes, log
-from .errors import DistributedError, StateDictError, UnickptError
+from .errors import DistributedError, InvalidArgumentError, StateDictError, UnickptError
 from .format import BlockHasher, Hasher, block_sums, dtype_name, torch_dtype
 from .container import ZstdWriter
 from .compress import EXCEPTION_WARN, Compression, encode_chunk, prepare
@@ -30,9 +35,9 @@ from .manifest import INDEX_NAME, MANIFEST_NAME, FileEntry, Manifest, Part, Tens
 from .plan import SavePlan, Step, decode_summary, encode_summary, extents_of, make_plan, summary_digest
 from .state import Entry, _is_json, flatten
 from .storage import Storage, per_node, storage_for
-from .transport import Comm, node_id
+from .transport import Comm, node_id, resolve_timeout
 
-__all__ = ["save", "SaveResult"]
+__all__ = ["SaveOptions", "SaveResult", "save_entries"]
 
 DEFAULT_BUCKET = 256 << 20
 _EXTRA_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
@@ -60,86 +65,126 @@ class SaveResult:
 ProgressFn = Callable[[int, int], None]
 
 
-def save(
-    state_dict: Mapping[str, Any],
-    path: str | os.PathLike,
-    *,
-    group=None,
-    step: int | None = None,
-    extra: Mapping[str, Any] | None = None,
-    overwrite: bool = False,
-    bucket_bytes: int = DEFAULT_BUCKET,
-    max_file_bytes: int | None = None,
-    direct_io: bool | None = None,
-    strategy: Mapping[str, Any] | None = None,
-    progress: ProgressFn | None = None,
-    async_save: bool = False,
-    background_staging: bool = False,
-    extra_files: Mapping[str, str] | None = None,
-    quant: str | None = None,
-    master: str | None = None,
-    zstd: int | None = None,
-    compression: Compression | None = None,
-    timeout_s: float | None = None,
-):
-    """Save ``state_dict`` as the checkpoint directory ``path``; collective over ``group``.
+@dataclass(frozen=True)
+class SaveOptions:
+    """Every option of a save that reaches its writer: this process's (synchronous) or the
+    rank's asynchronous writer process (as :meth:`to_json`, rebuilt by :meth:`from_json`).
 
-    Every rank passes its own state dict: plain tensors (full, identical on every rank),
-    :class:`~unickpt.ShardedTensor` pieces, or ``DTensor``; nested dicts whose top-level keys
-    name roles (``model``, ``master``, ``optimizer``...); JSON values (kept from rank 0).
-
-    Args:
-        path: checkpoint directory; built under a hidden temporary sibling and renamed into
-            place at commit. Refuses to replace a committed checkpoint unless ``overwrite``.
-            A path containing ``{node}`` names node-local storage: each node writes its files
-            into the path with ``{node}`` replaced by its node id (``UNICKPT_NODE_ID``, the
-            launcher's node rank, or the host name), and every node's directory gets the
-            complete manifest.
-        step: recorded in the manifest (``unickpt inspect`` shows it).
-        extra: JSON-serialisable state stored in the manifest (scheduler, data position...).
-        bucket_bytes: bound on the bytes a writer assembles at once (default 256 MiB).
-        max_file_bytes: split a writer's files of one role beyond this size.
-        direct_io: write with O_DIRECT (``None``: where the file system supports it).
-        strategy: free-form description of the saving layout, stored for information.
-        progress: called as ``progress(bytes_done, bytes_total)`` for this rank's writes.
-        async_save: return as soon as this rank's state is copied into a reused
-            shared-memory staging buffer; a persistent writer process per rank does the rest
-            (see :class:`~unickpt.AsyncSave`). The tensors may be modified once this returns.
-        background_staging: with ``async_save``, return even before the copy; call
-            ``handle.wait_staged()`` before modifying any tensor of the state dict.
-        extra_files: small text files (e.g. ``{"config.json": ...}``) written into the
-            checkpoint by rank 0 before the commit.
-        quant: ``"O1"`` (8-bit) or ``"O2"`` (4-bit) Adam moments (``exp_avg``,
-            ``exp_avg_sq``), see docs/compression.md; ``None``/``"O0"`` stores them as they are.
-        master: ``"full"`` (default), ``"residual"`` (bit-exact fp32 masters from the bf16
-            model weights + 2 bytes/param) or ``"drop"`` (rebuilt from the model weights).
-        zstd: zstd level for optimizer and master files.
-        compression: a :class:`~unickpt.Compression` instead of quant/master/zstd (also sets
-            the optimizer's ``eps`` and the O2 block size).
-        timeout_s: seconds a rank waits for the other ranks in any one exchange before the
-            save fails with :class:`~unickpt.errors.DistributedError` ("rank(s) did not answer
-            within N s") and nothing is committed (default: ``UNICKPT_TIMEOUT_S``, else 600).
-            Raise it for very large shares on slow storage: ranks wait for the slowest writer.
-
-    Returns:
-        :class:`SaveResult` with files, bytes, seconds and per-phase timings; with
-        ``async_save``, an :class:`~unickpt.AsyncSave` handle (``wait()`` gives the result).
-
-    Example::
-
-        unickpt.save({"model": model.state_dict(), "step": 100}, "ckpt/step-00000100", step=100)
+    Checked when built (``__post_init__``), so no invalid instance exists: bad input raises
+    :class:`~unickpt.errors.StateDictError` (``step``, ``extra``, ``strategy``,
+    ``extra_files``) or :class:`~unickpt.errors.InvalidArgumentError` (the rest), the same
+    whether the save is synchronous or not, before anything is staged or written. Frozen:
+    fields cannot be reassigned, and the mapping fields are private copies (a caller's later
+    change to its dicts does not reach a save in flight). :meth:`of` builds one from
+    ``unickpt.save``'s keywords (``quant``/``master``/``zstd`` or ``compression``).
+    ``storage_options`` (fsspec options of a URL path, possibly credentials) stay out of
+    ``repr``.
     """
-    if bucket_bytes < 4096:
-        raise ValueError(f"bucket_bytes must be at least 4096, got {bucket_bytes}")
-    comp = Compression.coerce(compression, quant=quant, master=master, zstd=zstd)
-    kw = dict(step=step, extra=extra, overwrite=overwrite, bucket_bytes=bucket_bytes, max_file_bytes=max_file_bytes,
-              direct_io=direct_io, strategy=strategy, extra_files=dict(extra_files or {}),
-              compression=comp.to_json() if comp.active else None)
-    if async_save:
-        from .async_save import checkpointer
 
-        return checkpointer(group).save(state_dict, path, background_staging=background_staging, timeout_s=timeout_s, **kw)
-    return save_entries(Comm(group, timeout_s=timeout_s), None, state_dict, path, progress=progress, **kw)
+    step: int | None = None
+    extra: Mapping[str, Any] | None = None
+    overwrite: bool = False
+    bucket_bytes: int = DEFAULT_BUCKET
+    max_file_bytes: int | None = None
+    direct_io: bool | None = None
+    strategy: Mapping[str, Any] | None = None
+    extra_files: Mapping[str, str] | None = None
+    compression: Compression | None = None  # None: nothing compressed (an inactive one becomes None)
+    timeout_s: float | None = None  # None: UNICKPT_TIMEOUT_S, else 600 (see transport.resolve_timeout)
+    storage_options: Mapping[str, Any] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        if self.step is not None and type(self.step) is not int:
+            raise StateDictError(f"step must be an int or None, got {type(self.step).__name__} {self.step!r}")
+        for name, what in (("extra", "(None, bool, int, float, str, lists, dicts)"), ("strategy", "")):
+            v = getattr(self, name)
+            if v is not None:
+                if not isinstance(v, Mapping) or not _is_json(v):
+                    raise StateDictError(f"{name} must be a JSON-serialisable dict {what}".rstrip())
+                put(name, _json_copy(v))
+        if self.extra_files is not None:
+            if not isinstance(self.extra_files, Mapping):
+                raise StateDictError(f"extra_files must be a dict of name -> text, got {type(self.extra_files).__name__}")
+            for n, text in self.extra_files.items():
+                if (not isinstance(n, str) or not _EXTRA_FILE.fullmatch(n) or n in (MANIFEST_NAME, INDEX_NAME)
+                        or n.endswith(".safetensors") or not isinstance(text, str)):
+                    raise StateDictError(
+                        f"extra file {n!r}: use a bare name like 'config.json' (not a manifest, index or "
+                        ".safetensors name) with str content"
+                    )
+            put("extra_files", dict(self.extra_files))
+        if type(self.overwrite) is not bool:
+            raise InvalidArgumentError(f"overwrite must be True or False, got {self.overwrite!r}")
+        if self.direct_io is not None and type(self.direct_io) is not bool:
+            raise InvalidArgumentError(f"direct_io must be None, True or False, got {self.direct_io!r}")
+        put("bucket_bytes", _whole("bucket_bytes", self.bucket_bytes, 4096))
+        if self.max_file_bytes is not None:
+            put("max_file_bytes", _whole("max_file_bytes", self.max_file_bytes, 1))
+        comp = self.compression
+        if comp is not None:
+            if isinstance(comp, Mapping):  # from to_json()
+                try:
+                    comp = Compression.coerce(dict(comp))
+                except (TypeError, ValueError) as e:
+                    raise InvalidArgumentError(f"compression: {e}") from None
+            elif not isinstance(comp, Compression):
+                raise InvalidArgumentError(
+                    f"compression must be a unickpt.Compression or None, got {type(comp).__name__} {comp!r}")
+            put("compression", comp if comp.active else None)
+        if self.timeout_s is not None:
+            put("timeout_s", resolve_timeout(self.timeout_s))
+        if self.storage_options is not None:
+            if not isinstance(self.storage_options, Mapping) or not _is_json(self.storage_options):
+                raise InvalidArgumentError(
+                    "storage_options must be a dict with str keys and JSON values (str, numbers, bools, lists, "
+                    "dicts): they travel to the asynchronous writer process as JSON")
+            put("storage_options", _json_copy(self.storage_options))
+
+    @classmethod
+    def of(cls, *, quant: str | None = None, master: str | None = None, zstd: int | None = None,
+           compression: Compression | None = None, **kw) -> "SaveOptions":
+        """Checked options from ``unickpt.save``'s keywords: ``quant``/``master``/``zstd``
+        or ``compression`` (not both), and the fields of this class."""
+        if compression is None and any(v is not None for v in (quant, master, zstd)):
+            try:
+                compression = Compression.coerce(None, quant=quant, master=master, zstd=zstd)
+            except (TypeError, ValueError) as e:
+                raise InvalidArgumentError(str(e)) from None
+        elif any(v is not None for v in (quant, master, zstd)):
+            raise InvalidArgumentError("pass either compression=Compression(...) or quant/master/zstd, not both")
+        return cls(compression=compression, **kw)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict (the command sent to an asynchronous writer); see :meth:`from_json`."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["compression"] = self.compression.to_json() if self.compression is not None else None
+        return out
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "SaveOptions":
+        """The options :meth:`to_json` gave, checked again."""
+        unknown = set(d) - {f.name for f in fields(cls)}
+        if unknown:
+            raise InvalidArgumentError(f"unknown save options {sorted(unknown)}")
+        return cls(**d)
+
+
+def _whole(name: str, v: Any, lo: int) -> int:
+    if not isinstance(v, bool):
+        try:
+            n = operator.index(v)
+        except TypeError:
+            n = None
+        if n is not None and n >= lo:
+            return n
+    raise InvalidArgumentError(f"{name} must be an integer of at least {lo}, got {v!r}")
+
+
+def _json_copy(v: Mapping[str, Any]) -> dict[str, Any]:
+    """A private, plain-JSON copy of an already checked value (tuples become lists, as in
+    the manifest)."""
+    return json.loads(json.dumps(v, allow_nan=False))
 
 
 def save_entries(
@@ -147,41 +192,22 @@ def save_entries(
     flat: tuple[list[Entry], dict[str, Any]] | None,
     state_dict: Mapping[str, Any] | None,
     path,
-    *,
-    step,
-    extra,
-    overwrite,
-    bucket_bytes,
-    max_file_bytes,
-    direct_io,
-    strategy,
-    extra_files=None,
-    progress=None,
-    compression=None,
+    opts: SaveOptions,
+    progress: ProgressFn | None = None,
 ) -> SaveResult:
-    """The synchronous save, from a state dict or from already flattened entries."""
-    comp = Compression.coerce(compression)
+    """The synchronous save, from a state dict or from already flattened entries ``flat``;
+    collective over ``comm`` (whose timeout bounds every wait). ``progress`` is called in
+    this thread as ``progress(bytes_done, bytes_total)`` for this rank's writes, ending at
+    ``(total, total)``; a callback that raises is logged once and not called again."""
+    comp = opts.compression or Compression()
     ph = Phases()
-    storage, final = storage_for(path)
+    storage, final = storage_for(path, opts.storage_options)
     err: BaseException | None = None
     entries: list[Entry] = []
     json_state: dict[str, Any] = {}
     with ph.phase("plan"):
         try:
             entries, json_state = flat if flat is not None else flatten(state_dict)
-            if extra is not None and not _is_json(dict(extra)):
-                raise StateDictError("extra must be JSON-serialisable (None, bool, int, float, str, lists, dicts)")
-            if strategy is not None and not _is_json(dict(strategy)):
-                raise StateDictError("strategy must be JSON-serialisable")
-            if step is not None and type(step) is not int:
-                raise StateDictError(f"step must be an int or None, got {type(step).__name__} {step!r}")
-            for n, text in (extra_files or {}).items():
-                if (not _EXTRA_FILE.fullmatch(n) or n in (MANIFEST_NAME, INDEX_NAME) or n.endswith(".safetensors")
-                        or not isinstance(text, str)):
-                    raise StateDictError(
-                        f"extra file {n!r}: use a bare name like 'config.json' (not a manifest, index or "
-                        ".safetensors name) with str content"
-                    )
         except Exception as e:
             err = e
         comm.agree(err, "save (reading the state dict)")
@@ -193,11 +219,11 @@ def save_entries(
         except Exception as e:
             err = e
         comm.agree(err, "save (compressing the master weights)")
-        plan = _agree_plan(comm, summary, bucket_bytes, max_file_bytes, comp.zstd)
+        plan = _agree_plan(comm, summary, opts.bucket_bytes, opts.max_file_bytes, comp.zstd)
 
     # -- prepare the temporary directory ------------------------------------------------
     token = comm.broadcast_bytes(_commit.new_token().encode() if comm.rank == 0 else None).decode()
-    txn = _commit.Transaction(storage, final, overwrite=overwrite, token=token)
+    txn = _commit.Transaction(storage, final, overwrite=opts.overwrite, token=token)
     tmp = txn.tmp
     # node-local storage ({node} in the path): the first rank of every node manages that
     # node's directory (its own copy of the manifest lists every node's files); else rank 0
@@ -226,7 +252,7 @@ def save_entries(
             _commit._fault_point("after-create")
         with ph.phase("write"):
             try:
-                result, fragments = _write_rank(plan, comm, by_key, storage, tmp, direct_io, ph, progress)
+                result, fragments = _write_rank(plan, comm, by_key, storage, tmp, opts.direct_io, ph, progress)
                 result["exceptions"] = _exception_report(plan, comm.rank, exceptions)
             except Exception as e:  # agreed below: no rank leaves the others waiting
                 err, fragments = e, []
@@ -247,9 +273,10 @@ def save_entries(
             blob, idx = b"", None
             if comm.rank == 0:
                 try:
-                    man = _manifest(plan, reports, step, json_state, dict(extra or {}), dict(strategy or {}), dropped, comp)
+                    man = _manifest(plan, reports, opts.step, json_state, dict(opts.extra or {}), dict(opts.strategy or {}),
+                                    dropped, comp)
                     idx = man.hf_index()
-                    man.aux = _aux({INDEX_NAME: idx} if idx is not None else {}, extra_files)
+                    man.aux = _aux({INDEX_NAME: idx} if idx is not None else {}, opts.extra_files)
                     blob = man.to_json()
                 except Exception as e:
                     err = e
@@ -261,7 +288,7 @@ def save_entries(
                 try:
                     if idx is not None:
                         txn.put(INDEX_NAME, idx)
-                    for n, text in (extra_files or {}).items():
+                    for n, text in (opts.extra_files or {}).items():
                         txn.put(n, text.encode())
                     if per_node(path):
                         txn.put(MANIFEST_NAME, blob)
@@ -293,7 +320,7 @@ def save_entries(
     total = sum(int(r.get("bytes", 0)) for r in reports)  # stored bytes (zstd files: compressed)
     res = SaveResult(
         path=final,
-        step=step,
+        step=opts.step,
         files=[f.name for f in plan.files],
         bytes=total,
         local_bytes=result.get("bytes", 0),
@@ -611,7 +638,9 @@ def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, 
         reap(1)
         if io_error:
             raise io_error[0]
-        note(sum(n * t.itemsize for _, t, _, _, n in extents))
+        # the direct runs and file headers (written by write_direct): progress ends at total
+        note(sum(n * t.itemsize for _, t, _, _, n in extents)
+             + sum(len(files[i].header) for i in needed if files[i].writer == rank))
         written = {}
         framed = {}
         for i, w in writers.items():

@@ -1,0 +1,123 @@
+"""``unickpt.save``: checks the options once, then saves in this process or hands the state to
+the rank's asynchronous writer.
+
+It lives here, not in :mod:`unickpt.saver`, so the dependency is one way:
+``api -> async_save -> saver`` and ``api -> saver``; the save pipeline knows nothing of the
+asynchronous machinery that runs it in a writer process.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+from .async_save import checkpointer
+from .compress import Compression
+from .saver import DEFAULT_BUCKET, ProgressFn, SaveOptions, save_entries
+from .transport import Comm
+
+__all__ = ["save"]
+
+
+def save(
+    state_dict: Mapping[str, Any],
+    path: str | os.PathLike,
+    *,
+    group=None,
+    step: int | None = None,
+    extra: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    bucket_bytes: int = DEFAULT_BUCKET,
+    max_file_bytes: int | None = None,
+    direct_io: bool | None = None,
+    strategy: Mapping[str, Any] | None = None,
+    progress: ProgressFn | None = None,
+    async_save: bool = False,
+    background_staging: bool = False,
+    extra_files: Mapping[str, str] | None = None,
+    quant: str | None = None,
+    master: str | None = None,
+    zstd: int | None = None,
+    compression: Compression | None = None,
+    timeout_s: float | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+):
+    """Save ``state_dict`` as the checkpoint directory ``path``; collective over ``group``.
+
+    Every rank passes its own state dict: plain tensors (full, identical on every rank),
+    :class:`~unickpt.ShardedTensor` pieces, or ``DTensor``; nested dicts whose top-level keys
+    name roles (``model``, ``master``, ``optimizer``...); JSON values (kept from rank 0).
+
+    Args:
+        path: checkpoint directory; built under a hidden temporary sibling and renamed into
+            place at commit. Refuses to replace a committed checkpoint unless ``overwrite``.
+            A path containing ``{node}`` names node-local storage: each node writes its files
+            into the path with ``{node}`` replaced by its node id (``UNICKPT_NODE_ID``, the
+            launcher's node rank, or the host name), and every node's directory gets the
+            complete manifest. A URL (``scheme://...``) is kept as given (not made absolute).
+        step: recorded in the manifest (``unickpt inspect`` shows it).
+        extra: JSON-serialisable state stored in the manifest (scheduler, data position...).
+        bucket_bytes: bound on the bytes a writer assembles at once (default 256 MiB).
+        max_file_bytes: split a writer's files of one role beyond this size.
+        direct_io: write with O_DIRECT (``None``: where the file system supports it).
+        strategy: free-form description of the saving layout, stored for information.
+        progress: called as ``progress(bytes_done, bytes_total)`` for this rank's writes, with
+            increasing values ending at ``(total, total)``. Synchronous: called in this
+            thread as the save goes. With ``async_save``: the writer process reports at most
+            about 10 times a second (plus the final value), and the callback runs, once per
+            report and in order, in the thread that polls the handle: ``done()``, ``error``,
+            ``wait()``, and the next ``save()`` (which first waits for this one). A callback
+            that raises is logged once and not called again; it never fails or stalls the
+            save.
+        async_save: return as soon as this rank's state is copied into a reused
+            shared-memory staging buffer; a persistent writer process per rank does the rest
+            (see :class:`~unickpt.AsyncSave`). The tensors may be modified once this returns.
+        background_staging: with ``async_save``, return even before the copy; call
+            ``handle.wait_staged()`` before modifying any tensor of the state dict.
+        extra_files: small text files (e.g. ``{"config.json": ...}``) written into the
+            checkpoint by rank 0 before the commit.
+        quant: ``"O1"`` (8-bit) or ``"O2"`` (4-bit) Adam moments (``exp_avg``,
+            ``exp_avg_sq``), see docs/compression.md; ``None``/``"O0"`` stores them as they are.
+        master: ``"full"`` (default), ``"residual"`` (bit-exact fp32 masters from the bf16
+            model weights + 2 bytes/param) or ``"drop"`` (rebuilt from the model weights).
+        zstd: zstd level for optimizer and master files.
+        compression: a :class:`~unickpt.Compression` instead of quant/master/zstd (also sets
+            the optimizer's ``eps`` and the O2 block size).
+        timeout_s: seconds a rank waits for the other ranks in any one exchange before the
+            save fails with :class:`~unickpt.errors.DistributedError` ("rank(s) did not answer
+            within N s") and nothing is committed (default: ``UNICKPT_TIMEOUT_S``, else 600).
+            Raise it for very large shares on slow storage: ranks wait for the slowest writer.
+        storage_options: options of the fsspec file system of a URL ``path`` (endpoint,
+            credentials...), ignored for local paths. A dict of JSON values (they travel to
+            the asynchronous writer process as JSON); never shown in reprs or logs.
+
+    Every option is checked before anything is staged or written, and bad input raises the
+    same typed error with or without ``async_save``: :class:`~unickpt.errors.StateDictError`
+    (``step``, ``extra``, ``strategy``, ``extra_files``) or
+    :class:`~unickpt.errors.InvalidArgumentError` (the others). The check is agreed over
+    ``group``: when one rank's options are bad, that rank raises its error and the others a
+    :class:`~unickpt.errors.DistributedError` naming it.
+
+    Returns:
+        :class:`~unickpt.SaveResult` with files, bytes, seconds and per-phase timings; with
+        ``async_save``, an :class:`~unickpt.AsyncSave` handle (``wait()`` gives the result).
+
+    Example::
+
+        unickpt.save({"model": model.state_dict(), "step": 100}, "ckpt/step-00000100", step=100)
+    """
+    err: BaseException | None = None
+    opts = None
+    try:
+        opts = SaveOptions.of(
+            step=step, extra=extra, overwrite=overwrite, bucket_bytes=bucket_bytes, max_file_bytes=max_file_bytes,
+            direct_io=direct_io, strategy=strategy, extra_files=extra_files, quant=quant, master=master, zstd=zstd,
+            compression=compression, timeout_s=timeout_s, storage_options=storage_options,
+        )
+    except Exception as e:  # agreed below: a rank alone with bad options must not strand the others
+        err = e
+    comm = Comm(group, timeout_s=opts.timeout_s if opts is not None else None)
+    comm.agree(err, "save (checking the options)")
+    if async_save:
+        return checkpointer(group).save(state_dict, path, opts, background_staging=background_staging, progress=progress)
+    return save_entries(comm, None, state_dict, path, opts, progress)
