@@ -1,10 +1,9 @@
 """Storage: the one place that touches files.
 
-Save and load only talk to a :class:`Storage`; today the implementation is
-:class:`LocalStorage` (POSIX paths: pread, O_DIRECT writes, fsync, atomic rename). Object
-stores (fsspec URLs with a commit marker instead of rename) slot in behind the same small
-interface; until then a URL with a scheme other than ``file://`` raises
-``NotImplementedError``.
+Save and load only talk to a :class:`Storage`. :class:`LocalStorage` is the POSIX fast path
+(pread, O_DIRECT writes, fsync, atomic rename); :class:`unickpt.objstore.ObjectStorage`
+serves fsspec URLs (``s3://``, ``memory://``, ``gs://``...). Each declares its
+:class:`Capabilities`; :func:`storage_for` picks one from a path.
 """
 
 from __future__ import annotations
@@ -17,13 +16,14 @@ import shutil
 import stat
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
 import numpy as np
 
 from .errors import CheckpointExistsError, CheckpointNotFoundError, DistributedError, FormatError, StorageError
 
-__all__ = ["Storage", "LocalStorage", "storage_for", "ExtentWriter", "RandomReader"]
+__all__ = ["Capabilities", "Storage", "LocalStorage", "storage_for", "ExtentWriter", "RandomReader"]
 
 ALIGN = 4096  # O_DIRECT alignment of offsets, sizes and buffers
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -56,17 +56,66 @@ class RandomReader(Protocol):
     def close(self) -> None: ...
 
 
-class Storage(Protocol):
-    """What save, load and the commit transaction (:mod:`unickpt.commit`) need of a store.
+@dataclass(frozen=True)
+class Capabilities:
+    """What a storage backend can do; the planner and the commit read these instead of
+    assuming POSIX (docs/storage.md has the table per backend)."""
 
-    Reads (``read_bytes``, ``open_reader``) open only regular files, never through a
-    symbolic link, and never block on FIFOs or devices: anything else is a
-    :class:`~unickpt.errors.FormatError` naming the path. ``listdir`` lists real entries;
-    ``isdir`` is false for a link to a directory. ``rename_dir`` never replaces an existing
-    destination (:class:`~unickpt.errors.CheckpointExistsError`); ``exchange_dirs`` swaps two
-    directories atomically or returns False where the store cannot; ``lock`` serialises the
-    commits and sweeps of one parent directory between processes of this machine.
+    atomic_rename: bool
+    """A directory is renamed atomically and never over another one: the commit publishes the
+    temporary directory by a rename. False: data objects go under the final prefix with
+    unique names and the manifest, written last, is the commit marker."""
+    shared_writes: bool
+    """Several ranks may write disjoint ranges of one pre-sized file (holders write their
+    pieces in place). False: every file has exactly one writer; pieces are gathered to it."""
+    direct_io: bool
+    """O_DIRECT writes (page cache bypassed)."""
+    ranged_reads: bool
+    """Reads of any byte range without reading the rest of the file."""
+    multipart: bool
+    """Large files are uploaded as parts, from memory (object stores)."""
+    conditional_put: bool
+    """Put-if-absent / put-if-unchanged enforced by the store: two commits to one path are
+    decided by the store, across hosts (without it, and without ``locks``, the check before
+    the put and the put are two steps)."""
+    locks: bool
+    """``lock(dir)`` serialises commits and sweeps of one directory between processes of one
+    machine."""
+
+
+class Storage(Protocol):
+    """What save, load and the write transaction (:mod:`unickpt.commit`) need of a store.
+
+    Paths are strings in the storage's own terms (absolute local paths, or URLs), built only
+    with ``join``/``parent``/``basename``. Who calls what:
+
+    * **plan** reads ``caps``.
+    * **transaction** (the coordinator rank: rank 0, or each node's first rank for
+      ``{node}`` paths) calls ``isdir``/``isfile``/``exists``/``listdir``/``identity``/
+      ``mtime``/``lock``/``makedirs`` to check and record the destination, ``write_bytes``
+      for small files (durable when it returns), ``rename_dir``/``exchange_dirs``/
+      ``fsync_dir`` to publish (``atomic_rename`` backends) or ``put_marker`` (others),
+      ``remove_tree``/``remove_file`` to abort, sweep and retire.
+    * **writers** (every rank that owns or holds data of a file): the file's owner calls
+      ``create_file`` (sized, so holders can open it; nothing on object stores), each writer
+      ``open_writer`` then ``write_at``... and ``close()`` (its bytes are durable when close
+      returns; on object stores the object exists when its single writer closes), the owner
+      ``finish_file`` with the partial O_DIRECT pages other writers returned (durable when it
+      returns), and ``close()`` on the storage to release shared buffers.
+    * **loads** call ``read_bytes`` (the manifest and small files, bounded) and
+      ``open_reader`` (ranged reads into the caller's memory), ``disk_bytes`` and ``listdir``.
+
+    Reads open only regular files (objects), never through a symbolic link, and never block
+    on FIFOs or devices: anything else is a :class:`~unickpt.errors.FormatError` naming the
+    path; a missing one is :class:`~unickpt.errors.CheckpointNotFoundError`; any other
+    failure of the store is :class:`~unickpt.errors.StorageError` naming the path.
+    ``listdir`` lists real entries; ``isdir`` is false for a link to a directory.
+    ``rename_dir`` never replaces an existing destination
+    (:class:`~unickpt.errors.CheckpointExistsError`); ``exchange_dirs`` swaps two directories
+    atomically or returns False where the store cannot.
     """
+
+    caps: Capabilities
 
     def join(self, *parts: str) -> str: ...
     def parent(self, path: str) -> str: ...
@@ -88,7 +137,7 @@ class Storage(Protocol):
     def write_bytes(self, path: str, data: bytes) -> None: ...
     def read_bytes(self, path: str, limit: int) -> bytes: ...
     def create_file(self, path: str, size: int) -> None: ...
-    def open_writer(self, path: str, *, direct: bool | None = None) -> ExtentWriter: ...
+    def open_writer(self, path: str, *, direct: bool | None = None, size: int | None = None) -> ExtentWriter: ...
     def finish_file(self, path: str, fragments: list[tuple[int, bytes]], size: int) -> None: ...
     def open_reader(self, path: str) -> RandomReader: ...
     def close(self) -> None: ...
@@ -119,15 +168,21 @@ def storage_for(path: str | os.PathLike, storage_options: Mapping[str, Any] | No
     """The storage for ``path`` and the path in that storage's terms (``{node}`` expanded).
     ``storage_options`` go to the fsspec file system of a URL (ignored for local paths)."""
     p = expand_node(path)
-    if "://" in p:
+    if is_url(p):
         scheme, rest = p.split("://", 1)
-        if scheme == "file":
+        if scheme == "file" and not storage_options:  # the local fast path
             return LocalStorage(), os.path.abspath(rest)
-        raise NotImplementedError(
-            f"{scheme}:// paths are not supported yet: only local paths are (object stores through "
-            "fsspec are on the roadmap, see docs/design.md)"
-        )
+        from .objstore import object_storage
+
+        return object_storage(p, storage_options), p.rstrip("/")
     return LocalStorage(), os.path.abspath(p)
+
+
+def is_url(path: str | os.PathLike) -> bool:
+    """``scheme://...`` (an fsspec URL)."""
+    p = os.fspath(path)
+    i = p.find("://")
+    return i > 0 and p[:i].replace("+", "").replace("-", "").replace(".", "").isalnum()
 
 
 _READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -165,6 +220,9 @@ def open_regular(path: str) -> tuple[int, os.stat_result]:
 
 class LocalStorage:
     """POSIX file system. Writes are durable once ``close()`` returns (fsync)."""
+
+    caps = Capabilities(atomic_rename=True, shared_writes=True, direct_io=bool(_O_DIRECT), ranged_reads=True,
+                        multipart=False, conditional_put=False, locks=True)
 
     def join(self, *parts: str) -> str:
         return os.path.join(*parts)
@@ -339,7 +397,7 @@ class LocalStorage:
         finally:
             os.close(fd)
 
-    def open_writer(self, path: str, *, direct: bool | None = None) -> ExtentWriter:
+    def open_writer(self, path: str, *, direct: bool | None = None, size: int | None = None) -> ExtentWriter:
         if direct is not False and _O_DIRECT:
             try:
                 fd = os.open(path, os.O_WRONLY | _O_DIRECT)
