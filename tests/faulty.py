@@ -129,8 +129,8 @@ class FaultyStorage(_st.LocalStorage):
     def __init__(self, faults: Faults) -> None:
         self.faults = faults
 
-    def open_writer(self, path: str, *, direct: bool | None = None):
-        return _Writer(super().open_writer(path, direct=direct), self.faults)
+    def open_writer(self, path: str, *, direct: bool | None = None, size: int | None = None):
+        return _Writer(super().open_writer(path, direct=direct, size=size), self.faults)
 
     def open_reader(self, path: str):
         return _Reader(super().open_reader(path), self.faults)

@@ -424,8 +424,8 @@ def _die_mid_write(rank, world, root):
 
         real = st.LocalStorage.open_writer
 
-        def open_writer(self, path, direct=None):
-            w = real(self, path, direct=direct)
+        def open_writer(self, path, direct=None, size=None):
+            w = real(self, path, direct=direct, size=size)
             orig = w.write_at
 
             def write_at(offset, data, _n=[0]):

@@ -100,3 +100,22 @@ def test_ranks_disagreeing_on_shape_are_refused():
     ])
     with pytest.raises(LayoutError, match="rank 0 has F32 \\[4, 4\\] but rank 1 has F32 \\[4, 5\\]"):
         make_plan(s, bucket_bytes=4096)
+
+
+def test_without_shared_writes_every_file_has_one_writer():
+    """Object stores (``Capabilities.shared_writes`` False): nothing is written in place by
+    holders; every piece travels to its file's writer, and every byte is scheduled."""
+    import numpy as np
+
+    shapes = [(1024, 512), (2048, 256), (77, 3)]  # large pieces: in place when files are shared
+    summaries = [[{**s, "node": "n0"} for s in zero_summaries(shapes, 2)]][0]
+    shared = make_plan(summaries, bucket_bytes=1 << 20)
+    assert any(t.direct for t in shared.tensors.values())
+    plan = make_plan(summaries, bucket_bytes=1 << 20, shared_writes=False)
+    assert not any(t.direct for t in plan.tensors.values())
+    for rank in range(2):
+        for step in plan.schedule(rank):
+            for seg in step.segments:
+                assert plan.files[seg.file_index].writer == rank
+    gathered = sum(seg.stop - seg.start for c in plan.chunks.values() for chunk in c for seg in chunk)
+    assert gathered == sum(int(np.prod(s)) for s in shapes)

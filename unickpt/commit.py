@@ -80,7 +80,10 @@ def _aside_name(final_name: str, token: str) -> str:
 
 def is_committed(storage: Storage, path: str) -> bool:
     """``path`` is a directory holding a manifest that is a regular file (a link, FIFO or
-    directory named ``unickpt.json`` is refused by every reader, so it commits nothing)."""
+    directory named ``unickpt.json`` is refused by every reader, so it commits nothing).
+    On object stores: the manifest object exists under the prefix."""
+    if not storage.caps.atomic_rename:
+        return storage.isfile(storage.join(path, MANIFEST_NAME))
     return storage.isdir(path) and storage.isfile(storage.join(path, MANIFEST_NAME))
 
 
@@ -107,7 +110,7 @@ def resolve(storage: Storage, path: str) -> str:
         return steps[-1][1]
     if storage.exists(storage.join(path, MANIFEST_NAME)):  # there, but not a regular file: say what it is
         storage.read_bytes(storage.join(path, MANIFEST_NAME), 0)
-    if _is_dir_link(path):
+    if (storage.isdir(path) if not storage.caps.atomic_rename else _is_dir_link(path)):
         raise CheckpointNotFoundError(
             f"{path}: no committed checkpoint here ({MANIFEST_NAME} missing) and no committed step-* checkpoint below"
         )
@@ -125,6 +128,8 @@ def _is_dir_link(path: str) -> bool:
 def _committed_or_link(storage: Storage, path: str) -> bool:
     """The path a user names may itself be a link to a checkpoint (their choice); what is
     inside it is never followed through links."""
+    if not storage.caps.atomic_rename:  # object stores: prefixes, no links
+        return storage.isfile(storage.join(path, MANIFEST_NAME))
     return _is_dir_link(path) and storage.isfile(storage.join(path, MANIFEST_NAME))
 
 
@@ -137,17 +142,26 @@ def _owner_record() -> dict:
 
 def _owner_alive(storage: Storage, tmp: str, now: float) -> bool:
     """False only when the temporary's owner is provably gone (see the module doc)."""
-    import psutil
-
     try:
         rec = json.loads(storage.read_bytes(storage.join(tmp, OWNER), 4096))
-        host, pid, started = rec["host"], int(rec["pid"]), float(rec["started"])
     except Exception:  # no (readable) record: begin writes one at once and commit removes it
         # just before the rename, both under the lock this sweep holds; without one, the
         # owner died there (or wrote with another host's lock): gone after a short grace
         return now - storage.mtime(tmp) < NO_OWNER_GRACE
+    return _record_alive(rec, storage.mtime(tmp), now)
+
+
+def _record_alive(rec, mtime: float, now: float) -> bool:
+    """An owner record names a live process: this host's process still runs (same start
+    time), or another host's record changed less than ``STALE_AFTER`` ago."""
+    import psutil
+
+    try:
+        host, pid, started = rec["host"], int(rec["pid"]), float(rec["started"])
+    except Exception:
+        return now - mtime < NO_OWNER_GRACE
     if host != socket.gethostname():
-        return now - storage.mtime(tmp) < STALE_AFTER
+        return now - mtime < STALE_AFTER
     try:
         proc = psutil.Process(pid)
         return abs(proc.create_time() - started) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE
@@ -162,6 +176,11 @@ def sweep_stale(storage: Storage, root: str, final_name: str | None = None) -> l
     whose owner is provably gone, and put back checkpoints an interrupted overwrite moved
     aside. Returns the removed paths. Safe to call while other saves are in flight."""
     removed = []
+    if not storage.caps.atomic_rename:
+        names = [final_name] if final_name is not None else storage.listdir(root)
+        for name in names:
+            removed += _sweep_prefix(storage, storage.join(root, name))
+        return removed
     if not storage.isdir(root):
         return removed
     with storage.lock(root):
@@ -192,10 +211,75 @@ def sweep_stale(storage: Storage, root: str, final_name: str | None = None) -> l
     return removed
 
 
+_OBJ_OWNER = re.compile(r"^\.owner-([0-9a-f]{8,32})$")
+_OBJ_DATA = re.compile(r"^.+\.([0-9a-f]{16})\.safetensors$")
+
+
+def _token_of(name: str) -> str | None:
+    m = _OBJ_OWNER.match(name) or _OBJ_DATA.match(name)
+    return m.group(1) if m else None
+
+
+def _sweep_prefix(storage: Storage, prefix: str) -> list[str]:
+    """Object stores: delete the objects of dead writes under checkpoint prefix ``prefix``:
+    objects named with a write's token (data files, owner record) that the committed
+    manifest (if any) does not list, whose owner is provably gone, and the side files
+    (index, extra files) such a dead owner recorded, unless the manifest lists them."""
+    from .manifest import Manifest
+
+    objs = {m.key: m for m in storage.list_objects(prefix)}
+    if not objs:
+        return []
+    referenced: set[str] = set()
+    if MANIFEST_NAME in objs:
+        try:
+            from .loader import read_manifest_bytes
+
+            man = Manifest.from_json(read_manifest_bytes(storage, prefix), storage.join(prefix, MANIFEST_NAME))
+        except Exception:  # unreadable: touch nothing (a reader reports it)
+            return []
+        referenced = {MANIFEST_NAME, *man.files, *man.aux}
+    now = time.time()
+    owners = {}
+    for name, meta in objs.items():
+        m = _OBJ_OWNER.match(name)
+        if m:
+            try:
+                rec = json.loads(storage.read_bytes(storage.join(prefix, name), 1 << 16))
+            except Exception:
+                rec = {}
+            owners[m.group(1)] = (rec, _record_alive(rec, meta.mtime, now))
+    doomed = []
+    for name, meta in objs.items():
+        tok = _token_of(name)
+        if tok is None or name in referenced:
+            continue
+        if tok in owners:
+            if owners[tok][1]:
+                continue
+        elif now - meta.mtime < NO_OWNER_GRACE:  # its owner may be about to record itself
+            continue
+        doomed.append(name)
+    for tok, (rec, alive) in owners.items():
+        if not alive:
+            side = rec.get("files", []) if isinstance(rec, dict) else []
+            doomed += [n for n in side if isinstance(n, str) and n in objs and n not in referenced and "/" not in n]
+    doomed = sorted(set(doomed), key=lambda n: (n.startswith(".owner-"), n))  # owner records last
+    paths = [storage.join(prefix, n) for n in doomed]
+    if paths:
+        storage.remove_files(paths)
+    return paths
+
+
 def retire(storage: Storage, path: str) -> None:
     """Delete a committed checkpoint without ever leaving half of it visible: it is renamed
     to a hidden ``.NAME.del-TOKEN`` first (atomic), then removed; a crash in between leaves
-    a directory that any sweep removes."""
+    a directory that any sweep removes. On object stores the manifest (the commit marker)
+    is deleted first, then the rest: a half-deleted checkpoint is never committed."""
+    if not storage.caps.atomic_rename:
+        storage.remove_file(storage.join(path, MANIFEST_NAME))
+        storage.remove_tree(path)
+        return
     parent, name = storage.parent(path), storage.basename(path)
     gone = storage.join(parent, f".{name}.del-{new_token()}")
     with storage.lock(parent):
@@ -240,17 +324,34 @@ class Transaction:
         self.storage, self.final, self.overwrite, self.folder = storage, final, overwrite, folder
         self.token = token or new_token()
         self.parent, self.name = storage.parent(final), storage.basename(final)
-        self.tmp = storage.join(self.parent, tmp_name(self.name, self.token))
+        # object stores (no atomic rename): objects go under the final prefix with names
+        # unique to this write; the manifest, written last, commits them
+        self.marker = not storage.caps.atomic_rename
+        self.tmp = final if self.marker else storage.join(self.parent, tmp_name(self.name, self.token))
+        self._owner = self.path(f".owner-{self.token}" if self.marker else OWNER)
         self._seen: tuple | None = None
         self._began = False
+        self._old_files: set[str] = set()
+        self._side: list[str] = []
 
     def path(self, name: str) -> str:
         return self.storage.join(self.tmp, name)
+
+    def file_name(self, name: str) -> str:
+        """The name data file ``name`` is stored under: itself, or on object stores (unless
+        an exported folder) ``STEM.TOKEN.safetensors``, so that a write never touches the
+        objects of a committed checkpoint or of a concurrent write."""
+        if self.marker and not self.folder and name.endswith(".safetensors"):
+            return f"{name[: -len('.safetensors')]}.{self.token}.safetensors"
+        return name
 
     def _state(self) -> tuple | None:
         """What the destination holds now: None (nothing), or an identity of the checkpoint
         (its manifest) or folder there."""
         s = self.storage
+        if self.marker:  # object stores: only the manifest (the commit marker) counts
+            ident = None if self.folder else s.identity(s.join(self.final, MANIFEST_NAME))
+            return None if ident is None else ("checkpoint", ident)
         if not s.exists(self.final):
             return None
         if self.folder or not is_committed(s, self.final):
@@ -259,6 +360,8 @@ class Transaction:
 
     def _check_destination(self) -> None:
         s, final = self.storage, self.final
+        if self.marker:
+            return self._check_prefix()
         if not s.exists(final):
             return
         if not s.isdir(final):
@@ -277,7 +380,41 @@ class Transaction:
         elif s.listdir(final):
             raise CheckpointExistsError(f"{final}: exists, is not a checkpoint and is not empty; refusing to replace it")
 
+    def _check_prefix(self) -> None:
+        """Object stores: what may stand under the destination prefix."""
+        s, final = self.storage, self.final
+        objs = s.list_objects(final)
+        if not objs:
+            return
+        committed = any(m.key == MANIFEST_NAME for m in objs)
+        if self.folder:
+            if committed or any(m.key.endswith("/" + MANIFEST_NAME) for m in objs):
+                raise CheckpointExistsError(f"{final}: is a checkpoint or holds committed checkpoints; an export "
+                                            "never replaces them (choose another destination)")
+            if not self.overwrite:
+                raise CheckpointExistsError(f"{final}: already exists (use --overwrite / overwrite=True to replace it)")
+            s.remove_tree(final)  # (not atomic on an object store: docs/storage.md)
+            return
+        if committed:
+            if not self.overwrite:
+                raise CheckpointExistsError(
+                    f"{final}: a committed checkpoint is already there (pass overwrite=True to replace it)")
+            return
+        side = set()
+        for m in objs:
+            if _OBJ_OWNER.match(m.key):
+                try:
+                    side |= set(json.loads(s.read_bytes(s.join(final, m.key), 1 << 16)).get("files", []))
+                except Exception:
+                    pass
+        foreign = [m.key for m in objs if _token_of(m.key) is None and m.key not in side]
+        if foreign:
+            raise CheckpointExistsError(f"{final}: holds objects that are not a checkpoint (e.g. {foreign[0]!r}); "
+                                        "refusing to write here")
+
     def begin(self) -> None:
+        if self.marker:
+            return self._begin_marker()
         s = self.storage
         if not s.isdir(self.parent):
             s.makedirs(self.parent)
@@ -289,11 +426,38 @@ class Transaction:
             self._began = True
             s.write_bytes(self.path(OWNER), json.dumps(_owner_record()).encode())
 
+    def _begin_marker(self) -> None:
+        s = self.storage
+        sweep_stale(s, self.parent, self.name)
+        self._check_destination()
+        self._seen = self._state()
+        if self._seen is not None and self._seen[0] == "checkpoint":  # an overwrite: remember what to delete
+            from .loader import read_manifest_bytes
+            from .manifest import Manifest
+
+            try:
+                old = Manifest.from_json(read_manifest_bytes(s, self.final), self.path(MANIFEST_NAME))
+                self._old_files = set(old.files)
+            except Exception:  # unreadable: its objects are left for a sweep (they are not ours)
+                self._old_files = set()
+        self._began = True
+        self._write_owner()
+
+    def _write_owner(self) -> None:
+        rec = _owner_record()
+        rec["files"] = self._side
+        self.storage.write_bytes(self._owner, json.dumps(rec).encode())
+
     def put(self, name: str, data: bytes) -> None:
+        if self.marker and name not in self._side:
+            self._side.append(name)  # recorded first: a sweep of a dead write removes it
+            self._write_owner()
         self.storage.write_bytes(self.path(name), data)
 
     def commit(self, manifest: bytes | None = None) -> None:
         s = self.storage
+        if self.marker:
+            return self._commit_marker(manifest)
         with s.lock(self.parent):
             if self._state() != self._seen:  # (what begin checked still holds when this does)
                 raise CheckpointExistsError(
@@ -306,6 +470,28 @@ class Transaction:
             replaced = self._publish()
         if replaced is not None:  # the replaced directory, deleted outside the lock
             s.remove_tree(replaced)
+
+    def _commit_marker(self, manifest: bytes | None) -> None:
+        """Object stores: the manifest is the commit marker, put only if the destination
+        still holds what ``begin`` saw (a conditional put where the store has one)."""
+        s = self.storage
+        if self._state() != self._seen:
+            raise CheckpointExistsError(f"{self.final}: another write committed here while this one was running; "
+                                        "nothing of this one was published")
+        if manifest is not None:
+            etag = self._seen[1][1] if self._seen is not None and self._seen[0] == "checkpoint" else None
+            s.put_marker(self.path(MANIFEST_NAME), manifest, if_absent=etag is None, if_match=etag)
+        try:
+            s.remove_file(self._owner)
+            if self._old_files and manifest is not None:  # the replaced checkpoint's data
+                from .manifest import Manifest
+
+                new = set(Manifest.from_json(manifest, self.path(MANIFEST_NAME)).files)
+                s.remove_files([self.path(n) for n in sorted(self._old_files - new)])
+        except Exception as e:  # committed: what is left is swept later
+            from ._metrics import log
+
+            log.warning("%s: committed, but cleaning up after the commit failed: %s", self.final, e)
 
     def _publish(self) -> str | None:
         """Rename the temporary into place; return where a replaced directory now is."""
@@ -331,8 +517,16 @@ class Transaction:
         return replaced
 
     def abort(self) -> None:
-        if self._began:
+        if not self._began:
+            return
+        if not self.marker:
             self.storage.remove_tree(self.tmp)
+            return
+        s = self.storage
+        mine = [m.key for m in s.list_objects(self.final) if _token_of(m.key) == self.token]
+        if self._seen is None:  # no checkpoint was there: the side files are ours alone
+            mine += [n for n in self._side if s.isfile(self.path(n))]
+        s.remove_files([self.path(n) for n in sorted(set(mine), key=lambda n: n.startswith(".owner-"))])
 
 
 def _fault_point(name: str) -> None:

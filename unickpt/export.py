@@ -44,6 +44,7 @@ def export_hf(
     """
     t0 = time.perf_counter()
     ckpt, man = read_manifest(src)
+    src_storage, _ = storage_for(ckpt)  # the source and the destination may be on different stores
     storage, final = storage_for(dst)
     model = sorted((n for (r, n) in man.tensors if r == "model"))
     if not model:
@@ -51,9 +52,9 @@ def export_hf(
     readers: dict = {}
     # the source files are checked (regular, of the recorded size, headers intact) before
     # anything of the claimed size is created
-    open_files(storage, ckpt, man, {man.tensors[("model", n)].file for n in model}, readers)
+    open_files(src_storage, ckpt, man, {man.tensors[("model", n)].file for n in model}, readers)
     try:
-        conf = _config(storage, ckpt, man, dtype)
+        conf = _config(src_storage, ckpt, man, dtype)
         txn = _commit.Transaction(storage, final, overwrite=overwrite, folder=True)
         txn.begin()
     except BaseException:
@@ -84,11 +85,11 @@ def export_hf(
             )
             path = storage.join(tmp, fname)
             storage.create_file(path, len(header) + sum(nbytes[n] for n in names))
-            w = storage.open_writer(path)
+            w = storage.open_writer(path, size=len(header) + sum(nbytes[n] for n in names))
             try:
                 w.write_at(0, memoryview(header))
                 for n, info in zip(names, infos):
-                    x = read_whole(storage, ckpt, man, "model", n, readers)
+                    x = read_whole(src_storage, ckpt, man, "model", n, readers)
                     if x.dtype != torch_dtype(out_dtype[n]):
                         x = x.to(torch_dtype(out_dtype[n]))
                     data = x.reshape(-1).view(torch.uint8) if x.numel() else torch.empty(0, dtype=torch.uint8)

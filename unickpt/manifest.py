@@ -59,7 +59,7 @@ def name_problem(name: str) -> str | None:
     return None
 
 
-_FILE = re.compile(r"^[a-z][a-z0-9_]{0,31}-\d{5,}-of-\d{5,}\.safetensors$")
+_FILE = re.compile(r"^[a-z][a-z0-9_]{0,31}-\d{5,}-of-\d{5,}(\.[0-9a-f]{16})?\.safetensors$")
 _ROLE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 
 
@@ -266,7 +266,9 @@ class Manifest:
 
 
 def data_file_name(name: str) -> bool:
-    """``name`` has the form of a checkpoint data file (``role-NNNNN-of-NNNNN.safetensors``)."""
+    """``name`` has the form of a checkpoint data file (``role-NNNNN-of-NNNNN.safetensors``;
+    on object stores ``role-NNNNN-of-NNNNN.TOKEN.safetensors``, TOKEN 16 hex digits naming the
+    write, see :meth:`unickpt.commit.Transaction.file_name`)."""
     return bool(_FILE.fullmatch(name))
 
 

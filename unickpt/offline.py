@@ -72,7 +72,7 @@ class _Writer:
                 size += n
             parts = [p for p in parts + [cur] if any(stored_parts(*x[1:5]) for x in p)]
             for i, part in enumerate(parts, start=1):
-                fname = f"{role}-{i:05d}-of-{len(parts):05d}.safetensors"
+                fname = self.txn.file_name(f"{role}-{i:05d}-of-{len(parts):05d}.safetensors")
                 stored = sorted(((k, dt, sh, e, pt) for e in part for pt, k, dt, sh in stored_parts(*e[1:5])),
                                 key=lambda x: order_key(x[1], x[0]))
                 header, infos = build_header(((k, dt, sh) for k, dt, sh, _, _ in stored), {"format": "pt", "unickpt_role": role})
@@ -81,7 +81,7 @@ class _Writer:
                 path = self.storage.join(self.tmp, fname)
                 z = self.zstd if role != "model" else None
                 self.storage.create_file(path, 0 if z else size)
-                w = self.storage.open_writer(path, direct=False if z else None)
+                w = self.storage.open_writer(path, direct=False if z else None, size=None if z else size)
                 w = self.writers[fname] = ZstdWriter(w, z) if z else w
                 w.write_at(0, memoryview(header))
                 for (_, _, _, e, pt), info in zip(stored, infos):
@@ -204,7 +204,8 @@ def reshard_offline(
                 tag = {"codec": "residual16", "model": t.name}
         entries.append((t.role, t.name, t.dtype, t.shape, tag))
     readers: dict = {}  # every source file checked before anything of the claimed size is created
-    open_files(storage_for(ckpt)[0], ckpt, man, {man.tensors[(t.role, t.name)].file for t in keep if t.codec != "from_model"}
+    src_storage = storage_for(ckpt)[0]  # the destination may be on another store
+    open_files(src_storage, ckpt, man, {man.tensors[(t.role, t.name)].file for t in keep if t.codec != "from_model"}
                | {man.tensors[("model", t.args["model"])].file for t in keep if t.codec in ("residual16", "from_model")},
                readers)
     try:
@@ -217,8 +218,8 @@ def reshard_offline(
     try:
         for role, name, dt, shape, tag in w.layout(entries, max_file_bytes):
             if tag is None or tag["codec"] != "from_model":
-                x = read_whole(w.storage, ckpt, man, role, name, readers)
-                model = read_whole(w.storage, ckpt, man, "model", name, readers) if tag and tag["codec"] == "residual16" else None
+                x = read_whole(src_storage, ckpt, man, role, name, readers)
+                model = read_whole(src_storage, ckpt, man, "model", name, readers) if tag and tag["codec"] == "residual16" else None
                 w.write(role, name, x, model)
             done += math.prod(shape) * itemsize(dt)
             if progress:

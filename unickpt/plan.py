@@ -190,9 +190,13 @@ class SavePlan:
 
 
 def make_plan(
-    summaries: list[dict], *, bucket_bytes: int, max_file_bytes: int | None = None, zstd: int | None = None
+    summaries: list[dict], *, bucket_bytes: int, max_file_bytes: int | None = None, zstd: int | None = None,
+    shared_writes: bool = True,
 ) -> SavePlan:
-    """``zstd``: level for the files of every role but ``model`` (model files stay plain)."""
+    """``zstd``: level for the files of every role but ``model`` (model files stay plain).
+    ``shared_writes``: the storage lets several ranks write one file (its
+    :attr:`~unickpt.storage.Capabilities.shared_writes`); without it every piece is gathered
+    to its file's one writer."""
     world = len(summaries)
     nodes = [str(s["node"]) for s in summaries]
     tensors: dict[tuple[str, str], TensorPlan] = {}
@@ -220,7 +224,7 @@ def make_plan(
     _assign_writers(list(tensors.values()), world)
     for t in tensors.values():
         # framed files are written by their owner only, frame by frame
-        t.direct = _can_write_direct(t, nodes) and not (zstd and t.role != "model")
+        t.direct = shared_writes and _can_write_direct(t, nodes) and not (zstd and t.role != "model")
     files = _make_files(tensors, world, nodes, max_file_bytes)
     if zstd:
         for f in files:

@@ -219,7 +219,8 @@ def save_entries(
         except Exception as e:
             err = e
         comm.agree(err, "save (compressing the master weights)")
-        plan = _agree_plan(comm, summary, opts.bucket_bytes, opts.max_file_bytes, comp.zstd)
+        plan = _agree_plan(comm, summary, opts.bucket_bytes, opts.max_file_bytes, comp.zstd,
+                           storage.caps.shared_writes)
 
     # -- prepare the temporary directory ------------------------------------------------
     token = comm.broadcast_bytes(_commit.new_token().encode() if comm.rank == 0 else None).decode()
@@ -245,14 +246,15 @@ def save_entries(
         with ph.phase("create"):
             try:  # owners create their files at full size, so holders can write in place
                 for f in plan.files_of(comm.rank):
-                    storage.create_file(storage.join(tmp, f.name), 0 if f.zstd else f.size)
+                    storage.create_file(storage.join(tmp, txn.file_name(f.name)), 0 if f.zstd else f.size)
             except Exception as e:
                 err = e
             comm.agree(err, "save (creating files)")
             _commit._fault_point("after-create")
         with ph.phase("write"):
             try:
-                result, fragments = _write_rank(plan, comm, by_key, storage, tmp, opts.direct_io, ph, progress)
+                result, fragments = _write_rank(plan, comm, by_key, storage, tmp, opts.direct_io, ph, progress,
+                                                txn.file_name)
                 result["exceptions"] = _exception_report(plan, comm.rank, exceptions)
             except Exception as e:  # agreed below: no rank leaves the others waiting
                 err, fragments = e, []
@@ -263,7 +265,7 @@ def save_entries(
                 blobs = comm.all_gather_bytes(_encode_fragments(fragments))
                 if err is None:
                     try:
-                        _finish_files(plan, comm.rank, storage, tmp, blobs)
+                        _finish_files(plan, comm.rank, storage, tmp, blobs, txn.file_name)
                     except Exception as e:
                         err = e
         comm.agree(err, "save (writing)")
@@ -274,7 +276,7 @@ def save_entries(
             if comm.rank == 0:
                 try:
                     man = _manifest(plan, reports, opts.step, json_state, dict(opts.extra or {}), dict(opts.strategy or {}),
-                                    dropped, comp)
+                                    dropped, comp, txn.file_name)
                     idx = man.hf_index()
                     man.aux = _aux({INDEX_NAME: idx} if idx is not None else {}, opts.extra_files)
                     blob = man.to_json()
@@ -290,8 +292,8 @@ def save_entries(
                         txn.put(INDEX_NAME, idx)
                     for n, text in (opts.extra_files or {}).items():
                         txn.put(n, text.encode())
-                    if per_node(path):
-                        txn.put(MANIFEST_NAME, blob)
+                    if per_node(path) and not txn.marker:  # (a rename commits; on object stores the
+                        txn.put(MANIFEST_NAME, blob)  # manifest is the commit marker, put by commit)
                 except Exception as e:
                     err = e
             comm.agree(err, "save (writing the manifest)")
@@ -299,7 +301,7 @@ def save_entries(
             committed = False
             if dir_rank:  # (node-local: manifests are everywhere, now every node's directory commits)
                 try:
-                    txn.commit(None if per_node(path) else blob)
+                    txn.commit(None if per_node(path) and not txn.marker else blob)
                     committed = True
                 except Exception as e:
                     err = e
@@ -321,7 +323,7 @@ def save_entries(
     res = SaveResult(
         path=final,
         step=opts.step,
-        files=[f.name for f in plan.files],
+        files=[txn.file_name(f.name) for f in plan.files],
         bytes=total,
         local_bytes=result.get("bytes", 0),
         seconds=ph.elapsed(),
@@ -345,13 +347,14 @@ def _aux(files: Mapping[str, bytes], extra_files: Mapping[str, str] | None) -> d
     return out
 
 
-def _agree_plan(comm: Comm, summary: bytes, bucket_bytes: int, max_file_bytes: int | None, zstd: int | None = None) -> SavePlan:
+def _agree_plan(comm: Comm, summary: bytes, bucket_bytes: int, max_file_bytes: int | None, zstd: int | None = None,
+                shared_writes: bool = True) -> SavePlan:
     """Exchange digests; reuse the cached plan when every rank's summary is unchanged,
     otherwise exchange the summaries themselves and plan again."""
     digests = tuple(comm.all_gather_bytes(summary_digest(summary)))
     from . import plan as _plan
 
-    key = (id(comm.group), comm.world, digests, bucket_bytes, max_file_bytes, zstd, _plan.DIRECT_MIN_RUN)
+    key = (id(comm.group), comm.world, digests, bucket_bytes, max_file_bytes, zstd, _plan.DIRECT_MIN_RUN, shared_writes)
     plan = _PLAN_CACHE.get(key)
     # caches are per process: reuse only if every rank has the plan, so all run the same collectives
     hits = comm.all_gather_bytes(b"1" if plan is not None else b"0")
@@ -360,7 +363,8 @@ def _agree_plan(comm: Comm, summary: bytes, bucket_bytes: int, max_file_bytes: i
     summaries = [decode_summary(s) for s in comm.all_gather_bytes(summary)]
     err = None
     try:
-        plan = make_plan(summaries, bucket_bytes=bucket_bytes, max_file_bytes=max_file_bytes, zstd=zstd)
+        plan = make_plan(summaries, bucket_bytes=bucket_bytes, max_file_bytes=max_file_bytes, zstd=zstd,
+                         shared_writes=shared_writes)
     except UnickptError as e:
         err = e
     comm.agree(err, "save (planning)")
@@ -397,7 +401,8 @@ def _tiled(ext: list, nbytes: int, what: str) -> tuple:
 
 
 def _manifest(plan: SavePlan, reports: list[dict], step, json_state, extra, strategy, dropped=None,
-              comp: Compression | None = None) -> Manifest:
+              comp: Compression | None = None, name_of=str) -> Manifest:
+    """``name_of``: the stored name of a planned file (:meth:`unickpt.commit.Transaction.file_name`)."""
     checksums: dict[str, list] = {}
     sizes: dict[str, int] = {}
     excs: dict[str, list] = {}
@@ -418,7 +423,8 @@ def _manifest(plan: SavePlan, reports: list[dict], step, json_state, extra, stra
         k = f"{t.role}/{t.name}"
         if t.codec is None:
             ext = _tiled(checksums.get(k, []), t.nbytes, what)
-            tensors[t.key] = TensorEntry(t.role, t.name, t.file, t.dtype, t.shape, t.begin, t.end, ext, "raw", t.writer)
+            tensors[t.key] = TensorEntry(t.role, t.name, name_of(t.file), t.dtype, t.shape, t.begin, t.end, ext, "raw",
+                                         t.writer)
             continue
         codec = t.codec["codec"]
         args = {a: v for a, v in t.codec.items() if a != "codec"}
@@ -437,7 +443,7 @@ def _manifest(plan: SavePlan, reports: list[dict], step, json_state, extra, stra
             for p, (key, dt, sh, b, e) in t.parts.items():
                 parts[p] = Part(key, dt, sh, b, e, _tiled(checksums.get(f"{k}#{p}", []), e - b, f"{what} part {p}"))
             dtype = t.dtype
-        tensors[t.key] = TensorEntry(t.role, t.name, t.file, dtype, t.shape, t.begin, t.end, (), codec, t.writer,
+        tensors[t.key] = TensorEntry(t.role, t.name, name_of(t.file), dtype, t.shape, t.begin, t.end, (), codec, t.writer,
                                      parts, args)
     for (role, name), (dt, shape, model) in (dropped or {}).items():
         m = tensors[("model", model)]
@@ -450,10 +456,12 @@ def _manifest(plan: SavePlan, reports: list[dict], step, json_state, extra, stra
         z = framed.get(f.name)
         if z is not None:
             frames = sorted(z["frames"])
-            files[f.name] = FileEntry(f.name, f.role, f.node, f.writer, f.size, len(f.header), "zstd", z["stored"], frames,
+            files[name_of(f.name)] = FileEntry(name_of(f.name), f.role, f.node, f.writer, f.size, len(f.header), "zstd",
+                                               z["stored"], frames,
                                       Hasher.of(f.header))
         else:
-            files[f.name] = FileEntry(f.name, f.role, f.node, f.writer, f.size, len(f.header), header_xxh3=Hasher.of(f.header))
+            files[name_of(f.name)] = FileEntry(name_of(f.name), f.role, f.node, f.writer, f.size, len(f.header),
+                                               header_xxh3=Hasher.of(f.header))
     from . import __version__
 
     return Manifest(
@@ -482,7 +490,7 @@ def _encode_fragments(fragments: list[tuple[int, int, bytes]]) -> bytes:
     return bytes(out)
 
 
-def _finish_files(plan: SavePlan, rank: int, storage: Storage, tmp: str, blobs: list[bytes]) -> None:
+def _finish_files(plan: SavePlan, rank: int, storage: Storage, tmp: str, blobs: list[bytes], name_of=str) -> None:
     mine = {i for i, f in enumerate(plan.files) if f.writer == rank}
     frags: dict[int, list[tuple[int, bytes]]] = {i: [] for i in mine}
     for blob in blobs:
@@ -499,7 +507,7 @@ def _finish_files(plan: SavePlan, rank: int, storage: Storage, tmp: str, blobs: 
             if frags[fi]:
                 raise UnickptError(f"{f.name}: framed file received in-place fragments")
             continue
-        storage.finish_file(storage.join(tmp, f.name), frags[fi], f.size)
+        storage.finish_file(storage.join(tmp, name_of(f.name)), frags[fi], f.size)
 
 
 class _Source:
@@ -529,7 +537,8 @@ def _bucket(slot: int, need: int) -> torch.Tensor:
     return _BUCKETS[slot]
 
 
-def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, direct_io, ph: Phases, progress):
+def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, direct_io, ph: Phases, progress,
+                name_of=str):
     """Write this rank's share: headers of its files, its runs of direct tensors (in place,
     into whichever file holds them), and the gathered tensors it owns (via buckets).
 
@@ -606,12 +615,12 @@ def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, 
     try:
         try:
             for i in needed:
-                path_i = storage.join(tmp, files[i].name)
+                path_i = storage.join(tmp, name_of(files[i].name))
                 if files[i].zstd:
                     writers[i] = ZstdWriter(storage.open_writer(path_i, direct=False), files[i].zstd)
                 else:
-                    writers[i] = storage.open_writer(path_i, direct=direct_io)
-        except OSError as e:
+                    writers[i] = storage.open_writer(path_i, direct=direct_io, size=files[i].size)
+        except Exception as e:  # any error (not only OSError): the schedule must still be served
             io_error.append(e)
         if not io_error:
             pending[1] = io.submit(write_direct)
