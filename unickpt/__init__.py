@@ -28,33 +28,36 @@ from .api import save
 from .compress import Compression
 
 
-def sweep(root) -> list[str]:
-    """Remove temporary directories that interrupted saves left under ``root`` (call it at
-    start-up, when no save into ``root`` is in flight); return what was removed."""
+def sweep(root, *, storage_options=None) -> list[str]:
+    """Remove what interrupted saves left under ``root`` (temporary directories; on object
+    stores, the objects of writes whose owner is gone) and return what was removed. Safe
+    while other saves run: only provably abandoned writes are touched."""
     from .commit import sweep_stale
     from .storage import storage_for
 
-    storage, p = storage_for(root)
+    storage, p = storage_for(root, storage_options)
     return sweep_stale(storage, p)
 
 
-def retain(root, keep: int) -> list[str]:
-    """Delete all but the newest ``keep`` committed ``step-*`` checkpoints under ``root``;
-    each is hidden atomically before its files go, so a crash never leaves half of one
-    visible. Returns the deleted paths."""
+def retain(root, keep: int, *, storage_options=None) -> list[str]:
+    """Delete all but the newest ``keep`` committed ``step-*`` checkpoints under ``root``
+    (only behind newer checkpoints whose manifests read; the newest is never deleted).
+    Each is hidden atomically before its files go (object stores: its manifest, the commit
+    marker, is deleted first), so a crash never leaves half of one visible. Returns the
+    deleted paths."""
     from .commit import retain as _retain
     from .storage import storage_for
 
-    storage, p = storage_for(root)
+    storage, p = storage_for(root, storage_options)
     return _retain(storage, p, keep)
 
 
-def latest(root) -> str | None:
-    """Path of the newest committed ``step-*`` checkpoint under ``root``, or None."""
+def latest(root, *, storage_options=None) -> str | None:
+    """Path (or URL) of the newest committed ``step-*`` checkpoint under ``root``, or None."""
     from .commit import committed_steps
     from .storage import storage_for
 
-    storage, p = storage_for(root)
+    storage, p = storage_for(root, storage_options)
     steps = committed_steps(storage, p)
     return steps[-1][1] if steps else None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -238,6 +239,10 @@ def _size(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="unickpt", description="Unified distributed checkpoints.")
     p.add_argument("--version", action="version", version=f"unickpt {__version__}")
+    p.add_argument("--storage-options", metavar="JSON",
+                   help="options of the fsspec file system of s3://, gs://... paths, as a JSON object (e.g. "
+                        "'{\"client\": \"s3fs\"}'); default: $UNICKPT_STORAGE_OPTIONS, credentials from the standard "
+                        "AWS environment")
     sub = p.add_subparsers(dest="cmd", required=True)
     pi = sub.add_parser("inspect", help="describe a checkpoint")
     pi.add_argument("path", help="checkpoint directory, or a root of step-* checkpoints (newest)")
@@ -274,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     pc.add_argument("-q", "--quiet", action="store_true")
     pc.set_defaults(fn=_convert)
     args = p.parse_args(argv)
+    if args.storage_options is not None:
+        os.environ["UNICKPT_STORAGE_OPTIONS"] = args.storage_options
     try:
         return args.fn(args)
     except (UnickptError, NotImplementedError, ValueError, OSError) as e:

@@ -42,6 +42,7 @@ def load_for_inference(
     tp_size: int | None = None,
     keys: Iterable[str] | None = None,
     tp_dim: Callable[[str, tuple[int, ...]], int | None] = llama_tp_dim,
+    storage_options: dict | None = None,
 ) -> dict[str, torch.Tensor]:
     """The model weights of the checkpoint at ``path`` (a checkpoint or a root of ``step-*``).
 
@@ -51,6 +52,7 @@ def load_for_inference(
         tp_rank, tp_size: return this rank's tensor-parallel blocks, split by ``tp_dim``
             (default: Megatron rules for Llama names); replicated tensors come whole.
         keys: names or shell-style patterns (``"model.layers.0.*"``) to load; default all.
+        storage_options: for a URL ``path``, options of its file system (docs/storage.md).
 
     Works in one process whether or not torch.distributed is initialised (no collective).
     """
@@ -58,7 +60,7 @@ def load_for_inference(
         raise InvalidArgumentError("give both tp_rank and tp_size, or neither")
     if tp_size is not None and not (type(tp_size) is int and tp_size >= 1 and type(tp_rank) is int and 0 <= tp_rank < tp_size):
         raise InvalidArgumentError(f"need an integer tp_size >= 1 and 0 <= tp_rank < tp_size, got tp_rank={tp_rank!r}, tp_size={tp_size!r}")
-    ckpt, man = read_manifest(path)
+    ckpt, man = read_manifest(path, storage_options=storage_options)
     names = sorted(n for (r, n) in man.tensors if r == "model")
     if not names:
         raise TensorMissingError(f"{ckpt}: the checkpoint holds no model tensors")
@@ -71,7 +73,7 @@ def load_for_inference(
         names = chosen
     # the files are checked (regular, of the recorded size, headers intact) before the shapes
     # the manifest claims are allocated
-    storage, _ = storage_for(ckpt)
+    storage, _ = storage_for(ckpt, storage_options)
     readers: dict = {}
     open_files(storage, ckpt, man, {man.tensors[("model", n)].file for n in names}, readers)
     for r in readers.values():
@@ -94,7 +96,7 @@ def load_for_inference(
         sizes = list(st.shape)
         offsets[dim], sizes[dim] = tp_rank * k, k
         targets[n] = ShardedTensor(torch.empty(sizes, dtype=sdt), Layout(st.shape, tuple(offsets), tuple(sizes)))
-    load({"model": targets}, ckpt, group=LOCAL)
+    load({"model": targets}, ckpt, group=LOCAL, storage_options=storage_options)
     out = {}
     for n, t in targets.items():
         x = t.local if isinstance(t, ShardedTensor) else t

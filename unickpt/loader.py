@@ -35,7 +35,7 @@ from .format import Hasher, dtype_name, read_header, torch_dtype
 from .layout import Layout, Runs
 from .manifest import MANIFEST_NAME, Manifest, TensorEntry, data_file_name, manifest_cap
 from .state import Entry, apply_json_state, flatten
-from .storage import RandomReader, Storage, per_node, storage_for
+from .storage import RandomReader, Storage, is_url, per_node, storage_for
 from .transport import Comm
 
 __all__ = ["load", "LoadResult", "read_manifest", "Verify"]
@@ -68,18 +68,21 @@ class LoadResult:
         return gbps(self.bytes_read, self.seconds)
 
 
-def read_manifest(path: str | os.PathLike, *, group=None) -> tuple[str, Manifest]:
+def read_manifest(path: str | os.PathLike, *, group=None,
+                  storage_options: Mapping[str, Any] | None = None) -> tuple[str, Manifest]:
     """Resolve ``path`` to a committed checkpoint and parse its manifest.
 
     Single process by default. With ``group`` (``"world"`` for the default group), collective:
     one rank reads and shares the manifest (node-local paths: the lowest rank whose node
-    holds it), and the returned path keeps ``{node}`` so it can be passed to :func:`load`."""
+    holds it), and the returned path keeps ``{node}`` so it can be passed to :func:`load`.
+    ``storage_options``: options of the fsspec file system of a URL (docs/storage.md)."""
     if group is not None:
         comm = Comm(None if group == "world" else group)
-        storage, p = storage_for(path)
+        storage, p = storage_for(path, storage_options)
         _, rel, man = _find(comm, storage, p, per_node(path))
-        return (os.path.join(os.fspath(path), rel) if rel else os.fspath(path)), man
-    storage, p = storage_for(path)
+        given = os.fspath(path)
+        return ((given.rstrip("/") + "/" + rel if is_url(given) else os.path.join(given, rel)) if rel else given), man
+    storage, p = storage_for(path, storage_options)
     ckpt = _commit.resolve(storage, p)
     mpath = storage.join(ckpt, MANIFEST_NAME)
     return ckpt, Manifest.from_json(read_manifest_bytes(storage, ckpt), mpath)
@@ -117,6 +120,7 @@ def load(
     progress: Callable[[int, int], None] | None = None,
     bucket_bytes: int = 256 << 20,
     timeout_s: float | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> LoadResult:
     """Fill ``state_dict`` in place from the checkpoint at ``path``; collective over ``group``.
 
@@ -140,6 +144,8 @@ def load(
         timeout_s: seconds a rank waits for the others in any one exchange before the load
             fails with :class:`~unickpt.errors.DistributedError` (default:
             ``UNICKPT_TIMEOUT_S``, else 600).
+        storage_options: for a URL ``path`` (``s3://``, ``memory://``, any fsspec URL),
+            options of its file system (credentials, endpoint...; docs/storage.md).
 
     Raises:
         CheckpointNotFoundError, TensorMissingError, ShapeMismatchError, DtypeMismatchError
@@ -151,7 +157,7 @@ def load(
         raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
     comm = Comm(group, timeout_s=timeout_s)
     ph = Phases()
-    storage, p = storage_for(path)
+    storage, p = storage_for(path, storage_options)
     err: BaseException | None = None
 
     node_local = per_node(path)

@@ -67,6 +67,13 @@ class OptimConfig:
         return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
+def _join(root: str, name: str) -> str:
+    """``root/name`` for a local path or a URL."""
+    from unickpt.storage import is_url
+
+    return root.rstrip("/") + "/" + name if is_url(root) else os.path.join(root, name)
+
+
 @dataclass(kw_only=True)
 class UnifiedCheckpoint:
     """Checkpointing of a :class:`Trainer` through unickpt."""
@@ -89,6 +96,9 @@ class UnifiedCheckpoint:
     fp32 training, lossy for bf16)."""
     zstd: int | None = None
     """zstd level for optimizer and master files."""
+    storage_options: dict | None = None
+    """For a URL ``dir`` (``s3://bucket/run``, any fsspec URL): options of its file system
+    (credentials and endpoint default to the standard AWS environment; docs/storage.md)."""
 
     def __post_init__(self) -> None:
         unickpt.Compression(quant=self.quant, master=self.master, zstd=self.zstd)  # validates
@@ -147,7 +157,8 @@ class Trainer:
         self._dir_rank = self._manages_directory(checkpoint.dir) if checkpoint is not None else False
         if checkpoint is not None:
             self._sweep(checkpoint.dir)
-        if resume == "auto" and checkpoint is not None and self._any_rank(unickpt.latest(checkpoint.dir) is not None):
+        if resume == "auto" and checkpoint is not None and self._any_rank(
+                unickpt.latest(checkpoint.dir, storage_options=checkpoint.storage_options) is not None):
             self.load(checkpoint.dir)
 
     # -- setup ------------------------------------------------------------------------------
@@ -290,12 +301,12 @@ class Trainer:
         completion is reported (metrics, config.json, retention) once it is committed."""
         assert self.ckpt is not None
         t0 = time.perf_counter()
-        path = os.path.join(self.ckpt.dir, f"step-{self.step:08d}")
+        path = _join(self.ckpt.dir, f"step-{self.step:08d}")
         strategy = {"zero_stage": self.parallel.zero_stage, "tp": self.parallel.tp, "dp": self.mesh.dp_size, "dtype": self.dtype_name}
         config = json.dumps(hf_config(self.cfg, {"fp32": "float32", "bf16": "bfloat16"}[self.dtype_name]), indent=2)
         comp = unickpt.Compression(quant=self.ckpt.quant, master=self.ckpt.master, zstd=self.ckpt.zstd, eps=self.optim.eps)
         kw = dict(step=self.step, strategy=strategy, extra={"model_config": asdict(self.cfg)},
-                  extra_files={"config.json": config}, compression=comp)
+                  extra_files={"config.json": config}, compression=comp, storage_options=self.ckpt.storage_options)
         if self.ckpt.async_save:
             self.wait_save()  # back-pressure: one save in flight
             t0 = time.perf_counter()
@@ -342,7 +353,7 @@ class Trainer:
         if self._dir_rank:
             if self.ckpt.keep:
                 _commit._fault_point("retention")
-                for old in unickpt.retain(self.ckpt.dir, self.ckpt.keep):
+                for old in unickpt.retain(self.ckpt.dir, self.ckpt.keep, storage_options=self.ckpt.storage_options):
                     log.info("retention: deleted %s", old)
         self._emit({"event": "save", "step": res.step, "blocking_s": blocking, "total_s": total, "bytes": res.bytes})
 
@@ -351,11 +362,9 @@ class Trainer:
         segments of dead processes (every rank)."""
         from unickpt.async_save import sweep_segments
 
-        from unickpt.storage import expand_node
-
         sweep_segments()
-        if self._dir_rank and os.path.isdir(expand_node(root)):
-            for p in unickpt.sweep(root):
+        if self._dir_rank:
+            for p in unickpt.sweep(root, storage_options=self.ckpt.storage_options if self.ckpt else None):
                 log.info("removed %s, left by an interrupted save", p)
         if self.mesh.world > 1:
             dist.barrier()
@@ -364,7 +373,8 @@ class Trainer:
         """Restore the whole training state from ``path`` (saved under any strategy)."""
         t0 = time.perf_counter()
         sd = self.state_dict()
-        ckpt, man = unickpt.read_manifest(path, group="world" if self.mesh.world > 1 else None)
+        so = self.ckpt.storage_options if self.ckpt is not None else None
+        ckpt, man = unickpt.read_manifest(path, group="world" if self.mesh.world > 1 else None, storage_options=so)
         tr = man.state.get("trainer", {})
         want = {"global_batch": self.global_batch, "seq_len": self.data.seq_len, "data_seed": self.data.seed}
         got = {k: tr.get(k) for k in want}
@@ -378,7 +388,7 @@ class Trainer:
             # another world size: per-rank streams cannot map one to one; reseed per rank
             del sd["rng"]
             torch.manual_seed(self.seed * 7919 + self.mesh.rank + 1_000_003 * (man.step or 0))
-        res = unickpt.load(sd, ckpt)
+        res = unickpt.load(sd, ckpt, storage_options=so)
         if "rng" in sd:
             torch.set_rng_state(sd["rng"]["torch_cpu"].local.reshape(-1).clone())
         self.step = int(sd["trainer"]["step"])
