@@ -6,3 +6,31 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("PYTHONPATH", ROOT)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """A real S3-protocol server (moto) on 127.0.0.1, a free port; the standard AWS
+    environment points at it while the session's tests run. Fails (never skips) if it
+    cannot start."""
+    from tests.s3server import S3Server, ServerError
+
+    server = S3Server()
+    try:
+        server.start()
+    except ServerError as e:
+        pytest.fail(str(e), pytrace=False)
+    saved = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    try:
+        yield server
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()

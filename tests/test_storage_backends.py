@@ -1,0 +1,361 @@
+"""Object stores behind the one write transaction: ``s3://`` against a real S3-protocol
+server on 127.0.0.1 (moto, its own process; the ``s3`` fixture fails the test if it cannot
+start), with both S3 clients (obstore, s3fs), and ``memory://`` round trips.
+
+Ranks are real processes on gloo; the AWS environment the fixture sets is passed to them.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import unickpt
+from tests import dist
+from tests.layouts import assert_same, build, reference, zeros_like_full
+from tests.test_quant_matrix import expected, reference_q
+from unickpt.errors import (CheckpointExistsError, CheckpointNotFoundError, InvalidArgumentError, StorageError,
+                            UnickptError)
+
+CLIENTS = ["obstore", "s3fs"]
+
+
+def _env(s3, client):
+    return {**s3.env, "UNICKPT_S3_CLIENT": client}
+
+
+def _save(rank, world, url, layout, kw):
+    sd = build(layout, reference(), rank, world)
+    sd["step"] = 3
+    r = unickpt.save(sd, url, step=3, bucket_bytes=1 << 14, **kw)
+    if kw.get("async_save"):
+        r = r.wait()
+    return r.files
+
+
+def _load(rank, world, url, layout):
+    ref = reference()
+    target = build(layout, zeros_like_full(ref), rank, world)
+    target["step"] = -1
+    res = unickpt.load(target, url)
+    assert target.pop("step") == 3
+    assert_same(target, build(layout, ref, rank, world), f"{url} -> {layout} (rank {rank})")
+    return res.bytes_read
+
+
+def _objects(url):
+    from unickpt.storage import storage_for
+
+    st, p = storage_for(url)
+    return sorted(m.key for m in st.list_objects(p))
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_s3_save_on_4_ranks_loads_bit_exact_on_3_and_1(s3, client):
+    url = s3.bucket("ck-" + client) + "/run/step-00000003"
+    env = _env(s3, client)
+    dist.run(_save, 4, url, "tp2zero2", {}, env=env)
+    objs = _objects(url)
+    assert "unickpt.json" in objs
+    data = [o for o in objs if o.endswith(".safetensors")]
+    assert data and all(len(o.split(".")) == 3 for o in data), objs  # role-N-of-M.TOKEN.safetensors
+    assert not [o for o in objs if o.startswith(".owner-")], objs  # the owner record went with the commit
+    for world, layout in ((3, "zero3"), (3, "tpcol3"), (1, "full1")):
+        dist.run(_load, world, url, layout, env=env)
+    os.environ["UNICKPT_S3_CLIENT"] = client
+    try:
+        assert unickpt.latest(s3.bucket("ck-" + client) + "/run") == url
+    finally:
+        del os.environ["UNICKPT_S3_CLIENT"]
+
+
+def test_s3_async_save_and_compressed_o1_save(s3, tmp_path):
+    root = s3.bucket("ck-async")
+    env = _env(s3, "obstore")
+    dist.run(_save, 2, root + "/a", "zero2", {"async_save": True}, env=env)
+    dist.run(_load, 1, root + "/a", "full1", env=env)
+    # O1 moments + residual masters: the object store holds what a local save holds
+    dist.run(_save_q, 2, root + "/q", env=env)
+    dist.run(_save_q, 2, str(tmp_path / "q"))
+    got, want = dist.run(_load_q, 1, root + "/q", env=env)[0], dist.run(_load_q, 1, str(tmp_path / "q"))[0]
+    assert got == want
+
+
+def _save_q(rank, world, url):
+    unickpt.save(build("zero2", reference_q(), rank, world), url, quant="O1", master="residual", bucket_bytes=4096)
+
+
+def _load_q(rank, world, url):
+    ref = reference_q()
+    target = build("full1", zeros_like_full(ref), rank, world)
+    unickpt.load(target, url, verify="full")
+    assert_same(target, build("full1", expected(ref, "O1"), rank, world), url)
+    _, man = unickpt.read_manifest(url)
+    return sorted((f"{r}/{n}", t.codec) for (r, n), t in man.tensors.items())
+
+
+def _save_nodes(rank, world, url):
+    os.environ["UNICKPT_NODE_ID"] = f"n{rank}"
+    return _save(rank, world, url, "zero2", {})
+
+
+def _load_nodes(rank, world, url):
+    os.environ["UNICKPT_NODE_ID"] = f"n{rank}"
+    return _load(rank, world, url, "tpcol2")
+
+
+def test_s3_node_local_prefixes(s3):
+    root = s3.bucket("ck-nodes")
+    url = root + "/{node}/ck"
+    env = _env(s3, "obstore")
+    dist.run(_save_nodes, 2, url, env=env)
+    for n in ("n0", "n1"):  # every node's prefix has its own files and the full manifest
+        objs = _objects(f"{root}/{n}/ck")
+        assert "unickpt.json" in objs and any(o.endswith(".safetensors") for o in objs)
+    dist.run(_load_nodes, 2, url, env=env)
+
+
+def _save_one(url, step, value, **kw):
+    unickpt.save({"model": {"w": torch.full((64, 64), float(value))}, "step": step}, url, step=step, **kw)
+
+
+def _value(url):
+    sd = {"model": {"w": torch.zeros(64, 64)}, "step": -1}
+    unickpt.load(sd, url)
+    return float(sd["model"]["w"][0, 0]), sd["step"]
+
+
+def test_retention_keep_1_across_a_failing_save(s3, monkeypatch):
+    root = s3.bucket("ck-keep") + "/run"
+    for step in (1, 2):
+        _save_one(f"{root}/step-{step:08d}", step, step)
+    from unickpt.objstore import ObjectStorage
+
+    def refuse(self, path, data, **kw):
+        raise StorageError(5, "injected: the commit marker could not be written", path)
+
+    monkeypatch.setattr(ObjectStorage, "put_marker", refuse)
+    with pytest.raises(StorageError, match="injected"):
+        _save_one(f"{root}/step-00000003", 3, 3)
+    monkeypatch.undo()
+    assert _objects(f"{root}/step-00000003") == []  # the failed save left nothing behind
+    assert unickpt.latest(root) == f"{root}/step-00000002"
+    assert unickpt.retain(root, 1) == [f"{root}/step-00000001"]
+    assert unickpt.retain(root, 1) == []  # the newest committed one is never deleted
+    assert _objects(f"{root}/step-00000001") == []
+    assert _value(root) == (2.0, 2)
+
+
+def test_an_overwrite_keeps_the_old_checkpoint_loadable_until_the_new_manifest_lands(s3, monkeypatch):
+    url = s3.bucket("ck-over") + "/ck"
+    _save_one(url, 1, 1.0)
+    with pytest.raises(CheckpointExistsError):
+        _save_one(url, 2, 2.0)
+    before = _objects(url)
+    from unickpt.objstore import ObjectStorage
+
+    real = ObjectStorage.put_marker
+    seen = {}
+
+    def check_then_fail(self, path, data, **kw):
+        seen["old"] = _value(url)  # the new data are all written: the old checkpoint still loads
+        raise StorageError(5, "injected", path)
+
+    monkeypatch.setattr(ObjectStorage, "put_marker", check_then_fail)
+    with pytest.raises(StorageError):
+        _save_one(url, 2, 2.0, overwrite=True)
+    assert seen["old"] == (1.0, 1)
+    assert _objects(url) == before and _value(url) == (1.0, 1)
+    monkeypatch.setattr(ObjectStorage, "put_marker", real)
+    _save_one(url, 2, 2.0, overwrite=True)
+    assert _value(url) == (2.0, 2)
+    old_data = [o for o in before if o.endswith(".safetensors")]
+    assert not set(old_data) & set(_objects(url))  # the replaced data went after the commit
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_two_writes_to_one_prefix_commit_once(s3, client):
+    from unickpt.commit import Transaction
+    from unickpt.storage import storage_for
+
+    url = s3.bucket("ck-race") + f"/{client}"
+    st, p = storage_for(url, {"client": client})
+    a, b = Transaction(st, p), Transaction(st, p)
+    a.begin()
+    b.begin()
+    st.write_bytes(a.path(a.file_name("model-00000-of-00001.safetensors")), b"a")
+    st.write_bytes(b.path(b.file_name("model-00000-of-00001.safetensors")), b"b")
+    a.commit(b'{"a": 1}')
+    with pytest.raises(CheckpointExistsError):
+        b.commit(b'{"b": 1}')
+    b.abort()
+    assert st.read_bytes(st.join(p, "unickpt.json"), 100) == b'{"a": 1}'
+    assert [o for o in _objects(url) if o.endswith(".safetensors")] == [a.file_name("model-00000-of-00001.safetensors")]
+
+
+_KILLED = """
+import sys, torch, unickpt
+unickpt.save({"model": {"w": torch.ones(256, 256)}}, sys.argv[1])
+"""
+
+
+def test_a_save_killed_before_its_commit_is_invisible_and_swept(s3):
+    url = s3.bucket("ck-kill") + "/run/step-00000001"
+    env = {**os.environ, **s3.env, "UNICKPT_FAULT": "before-commit:60"}
+    p = subprocess.Popen([sys.executable, "-c", _KILLED, url], env=env)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(o.endswith(".safetensors") for o in _objects(url)):
+        time.sleep(0.2)
+    time.sleep(0.5)
+    p.kill()
+    p.wait()
+    objs = _objects(url)
+    assert any(o.endswith(".safetensors") for o in objs) and "unickpt.json" not in objs
+    assert unickpt.latest(s3.bucket("ck-kill") + "/run") is None
+    with pytest.raises(CheckpointNotFoundError, match="no committed checkpoint"):
+        unickpt.load({"model": {"w": torch.zeros(256, 256)}}, url)
+    removed = unickpt.sweep(s3.bucket("ck-kill") + "/run")  # the owner (this host's pid) is dead
+    assert removed and _objects(url) == []
+
+
+def test_cli_inspect_verify_export_on_s3_urls(s3, tmp_path):
+    from tests.test_trust import _cli
+
+    root = s3.bucket("ck-cli")
+    url = root + "/ck"
+    cfg = '{"model_type": "llama"}'
+    unickpt.save({"model": {"model.w": torch.arange(12.0).view(3, 4)}}, url, step=4, extra_files={"config.json": cfg})
+    r = _cli("inspect", url)
+    assert r.returncode == 0 and "step 4" in r.stdout, r.stderr
+    r = _cli("verify", url)
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr
+    r = _cli("export", url, str(tmp_path / "hf"), "-q")  # object store -> local folder
+    assert r.returncode == 0, r.stderr
+    from safetensors.torch import load_file
+
+    files = sorted(os.listdir(tmp_path / "hf"))
+    assert "config.json" in files
+    got = {k: v for f in files if f.endswith(".safetensors") for k, v in load_file(str(tmp_path / "hf" / f)).items()}
+    assert torch.equal(got["model.w"], torch.arange(12.0).view(3, 4))
+    r = _cli("export", url, root + "/hf", "-q")  # and into the object store
+    assert r.returncode == 0, r.stderr
+    assert "config.json" in _objects(root + "/hf")
+    r = _cli("reshard", url, root + "/ck2", "-q")
+    assert r.returncode == 0, r.stderr
+    assert _cli("verify", root + "/ck2").returncode == 0
+    # a damaged object: verify names it and fails
+    import boto3
+
+    c = boto3.client("s3", endpoint_url=s3.endpoint)
+    key = next(o for o in _objects(url) if o.endswith(".safetensors"))
+    body = bytearray(c.get_object(Bucket="ck-cli", Key="ck/" + key)["Body"].read())
+    body[-1] ^= 1
+    c.put_object(Bucket="ck-cli", Key="ck/" + key, Body=bytes(body))
+    r = _cli("verify", url)
+    assert r.returncode == 1 and key in r.stderr
+
+
+def test_memory_url_round_trip():
+    root = "memory://unickpt-test/run"
+    for step in (1, 2, 3):
+        _save_one(f"{root}/step-{step:08d}", step, step)
+    assert unickpt.latest(root) == f"{root}/step-00000003"
+    assert _value(root) == (3.0, 3)
+    assert unickpt.retain(root, 2) == [f"{root}/step-00000001"]
+    with pytest.raises(CheckpointExistsError):
+        _save_one(f"{root}/step-00000003", 3, 9)
+    _save_one(f"{root}/step-00000003", 3, 9, overwrite=True)
+    assert _value(root) == (9.0, 3)
+    w = unickpt.load_for_inference(root)
+    assert torch.equal(w["w"], torch.full((64, 64), 9.0))
+    _, man = unickpt.read_manifest(root)
+    assert man.step == 3
+
+
+def test_a_prefix_without_manifest_is_not_a_checkpoint():
+    from unickpt.storage import storage_for
+
+    st, p = storage_for("memory://unickpt-test/junk/step-00000001")
+    st.write_bytes(st.join(p, "model-00000-of-00001.0123456789abcdef.safetensors"), b"x" * 100)
+    assert unickpt.latest("memory://unickpt-test/junk") is None
+    with pytest.raises(CheckpointNotFoundError, match="no committed checkpoint"):
+        unickpt.read_manifest(p)
+    from tests.test_trust import _cli
+
+    r = _cli("inspect", p)
+    assert r.returncode == 2 and "CheckpointNotFoundError" in r.stderr
+
+
+def test_bad_urls_and_stores_give_typed_errors(s3):
+    with pytest.raises(StorageError, match="nosuchscheme"):
+        unickpt.latest("nosuchscheme://bucket/x")
+    with pytest.raises(UnickptError, match="s3://no-such-bucket-unickpt"):
+        _save_one("s3://no-such-bucket-unickpt/x", 1, 1)
+    with pytest.raises(InvalidArgumentError, match="client"):
+        unickpt.latest("s3://b/x", storage_options={"client": "nope"})
+    with pytest.raises(InvalidArgumentError, match="not understood"):
+        unickpt.latest("s3://b/x", storage_options={"bogus_option": 1})
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_a_server_dropping_the_upload_fails_typed_and_keeps_the_previous_checkpoint(s3, client, monkeypatch):
+    from tests.s3server import DroppingProxy
+
+    root = s3.bucket("ck-drop") + "/" + client
+    _save_one(root + "/step-00000001", 1, 1.0)
+    proxy = DroppingProxy(s3.port, limit=256 << 10)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(StorageError, match="step-00000002") as info:
+            unickpt.save({"model": {"w": torch.ones(1024, 1024)}}, root + "/step-00000002",
+                         storage_options={"client": client}, timeout_s=120)
+        assert time.monotonic() - t0 < 120, info.value
+        assert proxy.dropped
+    finally:
+        proxy.close()
+        monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
+    assert unickpt.latest(root) == root + "/step-00000001"
+    assert _value(root) == (1.0, 1)
+    assert "unickpt.json" not in _objects(root + "/step-00000002")
+
+
+def test_trainer_saves_to_and_resumes_from_s3_with_retention(s3):
+    from tests.test_trainer import STEPS, _train
+
+    root = s3.bucket("ck-train") + "/run"
+    env = _env(s3, "obstore")
+    full = dist.run(_train, 2, 2, 1, STEPS, env=env)[0][0]
+    first = dist.run(_train, 2, 2, 1, 3, root, 1, False, "fp32", {"keep": 2, "async_save": True}, env=env)[0][0]
+    assert [s for s in _objects(root) if s.endswith("/unickpt.json")] == [
+        "step-00000002/unickpt.json", "step-00000003/unickpt.json"]
+    resumed = dist.run(_train, 2, 2, 1, STEPS, root, None, True, env=env)[0][0]
+    assert first + resumed == full  # same strategy: bit-identical losses
+
+
+def test_a_scheme_whose_fsspec_package_is_missing_names_the_package():
+    import importlib.util
+
+    if importlib.util.find_spec("gcsfs") is not None:  # installed here: the message cannot be about it
+        pytest.fail("gcsfs is installed in the test environment; pick another scheme for this test")
+    with pytest.raises(StorageError, match="gcsfs"):
+        unickpt.latest("gs://bucket/run")
+
+
+def _direct_io_on_s3(rank, world, url):
+    with pytest.raises(UnickptError):
+        unickpt.save(build("zero2", reference(), rank, world), url, direct_io=True, timeout_s=60)
+    return True
+
+
+def test_an_error_opening_a_writer_fails_every_rank_at_once(s3):
+    """direct_io=True cannot be honoured by an object store: a typed error on every rank,
+    at once (not after the exchange timeout), nothing committed."""
+    url = s3.bucket("ck-direct") + "/ck"
+    t0 = time.monotonic()
+    dist.run(_direct_io_on_s3, 2, url, env=_env(s3, "obstore"), timeout=50)
+    assert time.monotonic() - t0 < 50
+    assert "unickpt.json" not in _objects(url)
