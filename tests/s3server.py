@@ -8,12 +8,25 @@ failure, never a skip.
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+
+
+def _die_with_parent() -> None:
+    """In the server process: end when the process that started it ends (Linux), so a
+    killed test run leaves no server behind."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
 
 
 class ServerError(RuntimeError):
@@ -47,7 +60,9 @@ class S3Server:
             self.log = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"unickpt-moto-{self.port}.log")
             with open(self.log, "wb") as out:
                 self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
-                                              str(self.port)], stdout=out, stderr=subprocess.STDOUT)
+                                              str(self.port)], stdout=out, stderr=subprocess.STDOUT,
+                                             preexec_fn=_die_with_parent)
+            atexit.register(self.stop)
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and self.proc.poll() is None:
                 try:
