@@ -105,6 +105,7 @@ class _Client:
 
     conditional = False  # put-if-absent / put-if-match, enforced by the server
     parallel_parts = False  # parts may be uploaded concurrently and in any order
+    copies_parts = False  # ``part()`` has copied the data when it returns (the buffer may be reused)
     name = "?"
 
     def key(self, url: str) -> str: ...
@@ -131,6 +132,8 @@ class _Upload:
 
 
 class _FsspecClient(_Client):
+    copies_parts = True  # file objects copy what they are given into their buffer
+
     def __init__(self, fs, protocol: str) -> None:
         self.fs, self.protocol, self.name = fs, protocol, f"fsspec:{protocol}"
         # memory:// lives in this process: a lock makes its conditional puts atomic
@@ -413,6 +416,22 @@ class ObjectStorage:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._inflight = threading.BoundedSemaphore(CONCURRENCY * 2)
+        self._free: list[bytearray] = []  # part buffers kept for reuse (fresh memory costs several copies)
+
+    def _take(self, n: int) -> bytearray:
+        if self.client.copies_parts:
+            with self._pool_lock:
+                for i, b in enumerate(self._free):
+                    if len(b) == n:
+                        return self._free.pop(i)
+        return bytearray(n)
+
+    def _give(self, buf) -> None:
+        b = buf.obj if isinstance(buf, memoryview) else buf
+        if self.client.copies_parts and isinstance(b, bytearray) and len(b) >= PART:
+            with self._pool_lock:
+                if len(self._free) < 2 * CONCURRENCY + 2:
+                    self._free.append(b)
 
     def __repr__(self) -> str:
         return f"ObjectStorage({self.scheme}://, client={self.client.name})"
@@ -623,7 +642,8 @@ class _ObjectWriter:
             if buf is None:
                 if i < self._next and not self.s.client.parallel_parts:
                     raise StorageError(errno.EINVAL, f"write to part {i} after it was uploaded", self.path)
-                buf = self._bufs[i] = bytearray(self._part_len(i) or self.part)
+                plen = self._part_len(i) or self.part
+                buf = self._bufs[i] = self.s._take(self.part) if plen == self.part else bytearray(plen)
                 self._filled[i] = 0
             buf[within : within + k] = view[pos : pos + k]
             self._filled[i] += k
@@ -655,6 +675,7 @@ class _ObjectWriter:
         if not self.s.client.parallel_parts:  # in order, on this thread (the client overlaps parts itself)
             with _typed(self.path, f"upload of part {i}"):
                 self._upload.part(i, buf)
+            self.s._give(buf)
             return
         self.s._inflight.acquire()  # bounds the parts held in memory
         up = self._upload
@@ -663,6 +684,7 @@ class _ObjectWriter:
             try:
                 with _typed(self.path, f"upload of part {i}"):
                     up.part(i, buf)
+                self.s._give(buf)
             finally:
                 self.s._inflight.release()
 
@@ -688,6 +710,7 @@ class _ObjectWriter:
                 buf = (list(self._bufs.values()) + list(self._ready.values()) or [bytearray()])[0]
                 with _typed(self.path, "put"):
                     self.s.client.put(self.s._k(self.path), memoryview(buf)[:size])
+                self.s._give(buf)
                 self._bufs.clear()
                 self._ready.clear()
                 self._done = True
@@ -706,7 +729,7 @@ class _ObjectWriter:
             for f in self._futs:
                 f.exception()
             self._raise()
-            if self._ready:
+            if self._ready:  # (cannot happen: every part before the last was complete)
                 raise StorageError(errno.EIO, "parts left unwritten", self.path)
             with _typed(self.path, "completing the multipart upload"):
                 self._upload.complete()
