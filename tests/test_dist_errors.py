@@ -51,8 +51,8 @@ def _writer_dies(rank, world, root):
     if rank == 1:
         real = st.LocalStorage.open_writer
 
-        def failing(self, path, direct=None):
-            w = real(self, path, direct=direct)
+        def failing(self, path, direct=None, size=None):
+            w = real(self, path, direct=direct, size=size)
             orig = w.write_at
 
             def write(offset, data, _n=[0]):
