@@ -404,3 +404,119 @@ def test_objects_from_positional_writes_in_any_order_read_back_exactly(s3, where
     with pytest.raises(StorageError, match="holes"):
         w.close()
     assert not st.isfile(st.join(p, "past")) and not st.isfile(st.join(p, "holes"))
+
+
+def _memory_on_two_ranks(rank, world):
+    with pytest.raises(InvalidArgumentError, match="one process"):
+        unickpt.save({"w": torch.ones(4)}, "memory://unickpt-test/two")
+    return True
+
+
+def test_memory_urls_are_refused_where_another_process_would_write():
+    with pytest.raises(InvalidArgumentError, match="asynchronous"):
+        unickpt.save({"w": torch.ones(4)}, "memory://unickpt-test/async", async_save=True)
+    dist.run(_memory_on_two_ranks, 2)
+
+
+@pytest.mark.parametrize("url", ["s3://", "s3:///x", "memory://", "s3://b//x", "s3://b/../x", "memory://a/./b"])
+def test_malformed_urls_are_refused_typed(url):
+    with pytest.raises(InvalidArgumentError, match="URL needs a path"):
+        unickpt.latest(url)
+
+
+def test_file_urls_always_take_the_local_path_that_never_follows_links(tmp_path):
+    from unickpt.storage import LocalStorage, storage_for
+
+    assert isinstance(storage_for(f"file://{tmp_path}", {"anything": 1})[0], LocalStorage)
+
+
+@pytest.mark.parametrize("answer", ["lost", "retried"])
+def test_a_commit_whose_answer_is_lost_is_committed_not_deleted(s3, monkeypatch, answer):
+    """The manifest put reached the store but its answer did not (or a retry found the
+    object and got 412): the write reads the manifest back, finds its own, and is committed;
+    nothing it wrote is deleted, and retention keeps it."""
+    from unickpt.objstore import ObjectStorage
+
+    root = s3.bucket("ck-lost") + "/" + answer
+    _save_one(f"{root}/step-00000001", 1, 1.0)
+    real = ObjectStorage.put_marker
+
+    def put_then_fail(self, path, data, **kw):
+        real(self, path, data, **kw)
+        if answer == "lost":
+            raise StorageError(104, "connection reset by peer", path)
+        raise CheckpointExistsError(f"{path}: precondition failed")
+
+    monkeypatch.setattr(ObjectStorage, "put_marker", put_then_fail)
+    _save_one(f"{root}/step-00000002", 2, 2.0)
+    monkeypatch.undo()
+    assert unickpt.retain(root, 1) == [f"{root}/step-00000001"]
+    assert _value(root) == (2.0, 2)
+
+
+def test_abort_after_commit_deletes_nothing():
+    from unickpt.commit import Transaction
+    from unickpt.storage import storage_for
+
+    st, p = storage_for("memory://unickpt-test/abort-after")
+    t = Transaction(st, p)
+    t.begin()
+    st.write_bytes(t.path(t.file_name("model-00001-of-00001.safetensors")), b"x")
+    t.commit(b"{}")
+    t.abort()  # e.g. a later agreement failed on another rank
+    assert sorted(st.listdir(p)) == [t.file_name("model-00001-of-00001.safetensors"), "unickpt.json"]
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_the_loser_of_two_writes_never_touches_the_winners_side_files(overwrite):
+    from unickpt.commit import Transaction
+    from unickpt.storage import storage_for
+
+    st, p = storage_for(f"memory://unickpt-test/side-{overwrite}")
+    if overwrite:
+        t0 = Transaction(st, p)
+        t0.begin()
+        t0.put("config.json", b'{"who": 0}')
+        t0.commit(b'{"who": 0}')
+    a, b = Transaction(st, p, overwrite=overwrite), Transaction(st, p, overwrite=overwrite)
+    a.begin()
+    b.begin()
+    a.put("config.json", b'{"who": 1}')
+    b.put("config.json", b'{"who": 2}')
+    a.commit(b'{"who": 1}')
+    with pytest.raises(CheckpointExistsError):
+        b.commit(b'{"who": 2}')
+    b.abort()
+    assert st.read_bytes(st.join(p, "config.json"), 100) == b'{"who": 1}'
+    assert st.read_bytes(st.join(p, "unickpt.json"), 100) == b'{"who": 1}'
+
+
+def test_a_sweep_listing_taken_before_a_commit_never_deletes_the_committed_data(monkeypatch):
+    """A sweep lists the prefix (no manifest yet), the save commits (manifest put, owner
+    record deleted), then the sweep decides, long after the grace periods: the vanished
+    record counts as alive and the manifest, read after the records, protects what it lists."""
+    import unickpt.commit as commit
+    from unickpt.objstore import ObjectStorage
+
+    url = "memory://unickpt-test/sweep-race"
+    snap = {}
+    real = ObjectStorage.put_marker
+
+    def snapshot_then_put(self, path, data, **kw):
+        snap["objs"] = self.list_objects(url)
+        return real(self, path, data, **kw)
+
+    monkeypatch.setattr(ObjectStorage, "put_marker", snapshot_then_put)
+    _save_one(url, 1, 1.0)
+    monkeypatch.undo()
+    assert any(o.key.startswith(".owner-") for o in snap["objs"])
+    assert not any(o.key == "unickpt.json" for o in snap["objs"])
+    from unickpt.storage import storage_for
+
+    st, p = storage_for(url)
+    monkeypatch.setattr(type(st), "list_objects", lambda self, path: snap["objs"])
+    real_time = time.time
+    monkeypatch.setattr(commit.time, "time", lambda: real_time() + 2 * commit.STALE_AFTER)
+    assert commit._sweep_prefix(st, p) == []
+    monkeypatch.undo()
+    assert _value(url) == (1.0, 1)

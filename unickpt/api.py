@@ -114,6 +114,7 @@ def save(
             direct_io=direct_io, strategy=strategy, extra_files=extra_files, quant=quant, master=master, zstd=zstd,
             compression=compression, timeout_s=timeout_s, storage_options=storage_options,
         )
+        _check_shared(path, storage_options, async_save, group)
     except Exception as e:  # agreed below: a rank alone with bad options must not strand the others
         err = e
     comm = Comm(group, timeout_s=opts.timeout_s if opts is not None else None)
@@ -121,3 +122,24 @@ def save(
     if async_save:
         return checkpointer(group).save(state_dict, path, opts, background_staging=background_staging, progress=progress)
     return save_entries(comm, None, state_dict, path, opts, progress)
+
+
+def _check_shared(path, storage_options, async_save: bool, group) -> None:
+    """A store that lives in this process (``memory://``) cannot take a save written by other
+    processes: the async writer's, or other ranks'."""
+    from .errors import InvalidArgumentError
+    from .storage import is_url, storage_for
+
+    if not is_url(path):
+        return
+    storage, _ = storage_for(path, storage_options)
+    if not getattr(storage, "process_local", False):
+        return
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group) if group != "local" and dist.is_available() and dist.is_initialized() else 1
+    if async_save or world > 1:
+        raise InvalidArgumentError(
+            f"{os.fspath(path)}: {os.fspath(path).split('://')[0]}:// lives in one process; "
+            + ("an asynchronous save is written by another process" if async_save else
+               f"{world} ranks would each write their own copy") + " (use a file system or an object store)")

@@ -46,7 +46,7 @@ import time
 import uuid
 
 from .errors import CheckpointExistsError, CheckpointNotFoundError, InvalidArgumentError
-from .manifest import MANIFEST_NAME
+from .manifest import INDEX_NAME, MANIFEST_NAME
 from .storage import Storage
 
 __all__ = ["Transaction", "step_dirname", "is_committed", "committed_steps", "resolve", "sweep_stale"]
@@ -212,7 +212,9 @@ def sweep_stale(storage: Storage, root: str, final_name: str | None = None) -> l
 
 
 _OBJ_OWNER = re.compile(r"^\.owner-([0-9a-f]{8,32})$")
-_OBJ_DATA = re.compile(r"^.+\.([0-9a-f]{16})\.safetensors$")
+_OBJ_DATA = re.compile(r"^[a-z][a-z0-9_]{0,31}-\d{5,}-of-\d{5,}\.([0-9a-f]{16})\.safetensors$")
+SIDE_FILES = (INDEX_NAME, "config.json")
+"""Fixed-name files a checkpoint may hold beside its data (put after the commit on object stores)."""
 
 
 def _token_of(name: str) -> str | None:
@@ -220,25 +222,30 @@ def _token_of(name: str) -> str | None:
     return m.group(1) if m else None
 
 
-def _sweep_prefix(storage: Storage, prefix: str) -> list[str]:
-    """Object stores: delete the objects of dead writes under checkpoint prefix ``prefix``:
-    objects named with a write's token (data files, owner record) that the committed
-    manifest (if any) does not list, whose owner is provably gone, and the side files
-    (index, extra files) such a dead owner recorded, unless the manifest lists them."""
+def _referenced(storage: Storage, prefix: str) -> set[str] | None:
+    """Names the committed manifest under ``prefix`` lists (empty: no manifest; None: a
+    manifest that does not read, so nothing may be touched)."""
+    from .loader import read_manifest_bytes
     from .manifest import Manifest
 
-    objs = {m.key: m for m in storage.list_objects(prefix)}
-    if not objs:
-        return []
-    referenced: set[str] = set()
-    if MANIFEST_NAME in objs:
-        try:
-            from .loader import read_manifest_bytes
+    if not storage.isfile(storage.join(prefix, MANIFEST_NAME)):
+        return set()
+    try:
+        man = Manifest.from_json(read_manifest_bytes(storage, prefix), storage.join(prefix, MANIFEST_NAME))
+    except CheckpointNotFoundError:
+        return set()
+    except Exception:
+        return None
+    return {MANIFEST_NAME, *man.files, *man.aux}
 
-            man = Manifest.from_json(read_manifest_bytes(storage, prefix), storage.join(prefix, MANIFEST_NAME))
-        except Exception:  # unreadable: touch nothing (a reader reports it)
-            return []
-        referenced = {MANIFEST_NAME, *man.files, *man.aux}
+
+def _sweep_prefix(storage: Storage, prefix: str) -> list[str]:
+    """Object stores: delete the objects of dead writes under checkpoint prefix ``prefix``:
+    data files named with a write's token, and owner records, that the committed manifest
+    (if any) does not list and whose owner is provably gone. Nothing else is ever deleted."""
+    objs = {m.key: m for m in storage.list_objects(prefix)}
+    if not any(_token_of(n) for n in objs):
+        return []
     now = time.time()
     owners = {}
     for name, meta in objs.items():
@@ -246,25 +253,29 @@ def _sweep_prefix(storage: Storage, prefix: str) -> list[str]:
         if m:
             try:
                 rec = json.loads(storage.read_bytes(storage.join(prefix, name), 1 << 16))
-            except Exception:
-                rec = {}
-            owners[m.group(1)] = (rec, _record_alive(rec, meta.mtime, now))
+                alive = _record_alive(rec, meta.mtime, now)
+            except CheckpointNotFoundError:  # listed, gone now: its write just committed or aborted
+                alive = True
+            except Exception:  # unreadable: its owner cannot be checked
+                alive = now - meta.mtime < STALE_AFTER
+            owners[m.group(1)] = alive
+    # read the manifest after the owner records: a commit puts the manifest before it
+    # deletes its record, so a write whose record vanished is listed by the manifest read here
+    referenced = _referenced(storage, prefix)
+    if referenced is None:  # a manifest that does not read: touch nothing (a reader reports it)
+        return []
     doomed = []
     for name, meta in objs.items():
         tok = _token_of(name)
         if tok is None or name in referenced:
             continue
         if tok in owners:
-            if owners[tok][1]:
+            if owners[tok]:
                 continue
         elif now - meta.mtime < NO_OWNER_GRACE:  # its owner may be about to record itself
             continue
         doomed.append(name)
-    for tok, (rec, alive) in owners.items():
-        if not alive:
-            side = rec.get("files", []) if isinstance(rec, dict) else []
-            doomed += [n for n in side if isinstance(n, str) and n in objs and n not in referenced and "/" not in n]
-    doomed = sorted(set(doomed), key=lambda n: (n.startswith(".owner-"), n))  # owner records last
+    doomed.sort(key=lambda n: (n.startswith(".owner-"), n))  # owner records last
     paths = [storage.join(prefix, n) for n in doomed]
     if paths:
         storage.remove_files(paths)
@@ -299,7 +310,10 @@ def retain(storage: Storage, root: str, keep: int) -> list[str]:
 
     for _, kept in steps[-keep:]:  # delete older ones only behind checkpoints that read
         try:
-            Manifest.from_json(read_manifest_bytes(storage, kept), kept)
+            man = Manifest.from_json(read_manifest_bytes(storage, kept), kept)
+            missing = [f for f in man.files if not storage.isfile(storage.join(kept, f))]
+            if missing:
+                raise CheckpointNotFoundError(f"{storage.join(kept, missing[0])}: listed in the manifest, missing")
         except Exception as e:
             from ._metrics import log
 
@@ -332,7 +346,9 @@ class Transaction:
         self._seen: tuple | None = None
         self._began = False
         self._old_files: set[str] = set()
-        self._side: list[str] = []
+        self._side: dict[str, bytes] = {}  # object stores: side files, put after the commit
+        self._attempted = False  # the commit marker was sent: this write may be committed
+        self._committed = False
 
     def path(self, name: str) -> str:
         return self.storage.join(self.tmp, name)
@@ -400,14 +416,9 @@ class Transaction:
                 raise CheckpointExistsError(
                     f"{final}: a committed checkpoint is already there (pass overwrite=True to replace it)")
             return
-        side = set()
-        for m in objs:
-            if _OBJ_OWNER.match(m.key):
-                try:
-                    side |= set(json.loads(s.read_bytes(s.join(final, m.key), 1 << 16)).get("files", []))
-                except Exception:
-                    pass
-        foreign = [m.key for m in objs if _token_of(m.key) is None and m.key not in side]
+        # side files may remain of a checkpoint whose deletion was interrupted; this write
+        # replaces them after its commit
+        foreign = [m.key for m in objs if _token_of(m.key) is None and m.key not in SIDE_FILES]
         if foreign:
             raise CheckpointExistsError(f"{final}: holds objects that are not a checkpoint (e.g. {foreign[0]!r}); "
                                         "refusing to write here")
@@ -441,17 +452,12 @@ class Transaction:
             except Exception:  # unreadable: its objects are left for a sweep (they are not ours)
                 self._old_files = set()
         self._began = True
-        self._write_owner()
-
-    def _write_owner(self) -> None:
-        rec = _owner_record()
-        rec["files"] = self._side
-        self.storage.write_bytes(self._owner, json.dumps(rec).encode())
+        s.write_bytes(self._owner, json.dumps(_owner_record()).encode())
 
     def put(self, name: str, data: bytes) -> None:
-        if self.marker and name not in self._side:
-            self._side.append(name)  # recorded first: a sweep of a dead write removes it
-            self._write_owner()
+        if self.marker and not self.folder:  # fixed names: written only once this write has won
+            self._side[name] = bytes(data)
+            return
         self.storage.write_bytes(self.path(name), data)
 
     def commit(self, manifest: bytes | None = None) -> None:
@@ -468,6 +474,7 @@ class Transaction:
             s.remove_file(self.path(OWNER))
             s.fsync_dir(self.tmp)
             replaced = self._publish()
+            self._committed = True
         if replaced is not None:  # the replaced directory, deleted outside the lock
             s.remove_tree(replaced)
 
@@ -480,7 +487,20 @@ class Transaction:
                                         "nothing of this one was published")
         if manifest is not None:
             etag = self._seen[1][1] if self._seen is not None and self._seen[0] == "checkpoint" else None
-            s.put_marker(self.path(MANIFEST_NAME), manifest, if_absent=etag is None, if_match=etag)
+            self._attempted = True
+            try:
+                s.put_marker(self.path(MANIFEST_NAME), manifest, if_absent=etag is None, if_match=etag)
+            except BaseException as e:  # a lost answer, a retried put, a conflict: what is there now?
+                self._resolve_marker(manifest, e)
+        self._committed = True
+        try:
+            for name, data in self._side.items():  # index, config.json: only the winner writes them
+                s.write_bytes(self.path(name), data)
+        except Exception as e:
+            from ._metrics import log
+
+            log.warning("%s: committed, but writing %s failed (the checkpoint loads; verify and export will "
+                        "report it missing): %s", self.final, ", ".join(self._side), e)
         try:
             s.remove_file(self._owner)
             if self._old_files and manifest is not None:  # the replaced checkpoint's data
@@ -492,6 +512,32 @@ class Transaction:
             from ._metrics import log
 
             log.warning("%s: committed, but cleaning up after the commit failed: %s", self.final, e)
+
+    def _resolve_marker(self, manifest: bytes, error: BaseException) -> None:
+        """The conditional put of the manifest failed: committed if the manifest there now is
+        this write's (its answer was lost and a retry found it); lost if it is another's;
+        unknown if it cannot be read (then this write's objects are kept: ``abort`` leaves
+        them to a sweep, which deletes them only if no manifest lists them)."""
+        s = self.storage
+        try:
+            now = s.read_bytes(self.path(MANIFEST_NAME), max(len(manifest), 1) + 1)
+        except CheckpointNotFoundError:
+            now = None
+        except Exception as e:
+            from .errors import StorageError
+
+            raise StorageError(getattr(e, "errno", None) or 5,
+                               f"the commit's outcome is unknown (putting the manifest failed: {error}; reading it "
+                               f"back failed: {e}); check unickpt.latest() before relying on it",
+                               self.path(MANIFEST_NAME)) from error
+        if now == manifest:
+            from ._metrics import log
+
+            log.warning("%s: the manifest put reported %s, but the manifest there is this write's: committed",
+                        self.final, type(error).__name__)
+            return
+        self._attempted = False  # another write's manifest, or none: this write is not committed
+        raise error
 
     def _publish(self) -> str | None:
         """Rename the temporary into place; return where a replaced directory now is."""
@@ -517,15 +563,17 @@ class Transaction:
         return replaced
 
     def abort(self) -> None:
-        if not self._began:
+        """Remove what this write left, unless it committed (or may have: its objects are then
+        left to sweeps, which delete them only if no committed manifest lists them)."""
+        if not self._began or self._committed:
             return
         if not self.marker:
             self.storage.remove_tree(self.tmp)
             return
+        if self._attempted:
+            return
         s = self.storage
         mine = [m.key for m in s.list_objects(self.final) if _token_of(m.key) == self.token]
-        if self._seen is None:  # no checkpoint was there: the side files are ours alone
-            mine += [n for n in self._side if s.isfile(self.path(n))]
         s.remove_files([self.path(n) for n in sorted(set(mine), key=lambda n: n.startswith(".owner-"))])
 
 

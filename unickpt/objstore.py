@@ -44,6 +44,9 @@ MAX_PARTS = 9000  # S3 allows 10,000 parts per object; larger objects get larger
 CONCURRENCY = int(os.environ.get("UNICKPT_OBJECT_CONCURRENCY", "8"))
 S3_CLIENTS = ("obstore", "s3fs")
 DEFAULT_S3_CLIENT = "obstore"
+OBJECT_TIMEOUT = int(os.environ.get("UNICKPT_OBJECT_TIMEOUT_S", "60"))
+"""Seconds one request may take (and obstore's retries in all) before the store counts as failed:
+a server that accepts connections but never answers fails a save in minutes, not hours."""
 """Faster of the two on the loopback S3 server and on memory (bench/storage.py; docs/performance.md)."""
 
 
@@ -92,7 +95,8 @@ def _is_conflict(e: BaseException) -> bool:
     name = type(e).__name__
     if name in ("AlreadyExistsError", "PreconditionError", "FileExistsError"):
         return True
-    code = getattr(e, "response", {}).get("Error", {}).get("Code", "") if hasattr(e, "response") else ""
+    resp = getattr(e, "response", None)
+    code = ((resp or {}).get("Error") or {}).get("Code", "") if isinstance(resp, dict) else ""
     return code in ("PreconditionFailed", "ConditionalRequestConflict") or "PreconditionFailed" in str(e)
 
 
@@ -233,6 +237,7 @@ class _S3fsClient(_FsspecClient):
         super().__init__(fs, "s3")
         self.name = "s3fs"
         self.conditional = True
+        self._buckets: set[str] = set()
 
     def _bk(self, key: str) -> tuple[str, str]:
         bucket, _, rest = key.partition("/")
@@ -250,11 +255,29 @@ class _S3fsClient(_FsspecClient):
 
     def list(self, prefix):
         self.fs.invalidate_cache(prefix)
-        return super().list(prefix)
+        out = super().list(prefix)
+        if not out:
+            self._check_bucket(prefix)
+        return out
 
     def children(self, prefix):
         self.fs.invalidate_cache(prefix)
-        return super().children(prefix)
+        out = super().children(prefix)
+        if not out:
+            self._check_bucket(prefix)
+        return out
+
+    def _check_bucket(self, key: str) -> None:
+        """An empty listing: a missing bucket is an error, not an empty root."""
+        bucket = key.split("/", 1)[0]
+        if bucket in self._buckets:
+            return
+        try:
+            self.fs.call_s3("head_bucket", Bucket=bucket)
+        except Exception as e:
+            raise StorageError(errno.ENOENT, f"bucket {bucket!r} cannot be used: {type(e).__name__}: {_first_line(e)}",
+                               f"s3://{bucket}") from None
+        self._buckets.add(bucket)
 
     def head(self, key):
         self.fs.invalidate_cache(key)
@@ -309,7 +332,8 @@ class _ObstoreClient(_Client):
 
         self.obs, self.bucket = obstore, bucket
         config, client_options = _obstore_config(options)
-        self.store = S3Store(bucket, config=config or None, client_options=client_options or None)
+        retry = {"max_retries": 4, "retry_timeout": _dt.timedelta(seconds=OBJECT_TIMEOUT)}
+        self.store = S3Store(bucket, config=config or None, client_options=client_options or None, retry_config=retry)
 
     def key(self, url: str) -> str:
         rest = url.split("://", 1)[1]
@@ -400,6 +424,8 @@ def _obstore_config(options: Mapping[str, Any]) -> tuple[dict, dict]:
     endpoint = config.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint and str(endpoint).startswith("http://"):
         client["allow_http"] = True
+    client.setdefault("timeout", f"{OBJECT_TIMEOUT}s")  # a request (a 32 MiB part) that takes longer fails
+    client.setdefault("connect_timeout", "10s")
     return config, client
 
 
@@ -411,6 +437,7 @@ class ObjectStorage:
 
     def __init__(self, client: _Client, scheme: str) -> None:
         self.client, self.scheme = client, scheme
+        self.process_local = scheme == "memory"  # memory:// exists in this process only
         self.caps = Capabilities(atomic_rename=False, shared_writes=False, direct_io=False, ranged_reads=True,
                                  multipart=True, conditional_put=client.conditional, locks=False)
         self._pool: ThreadPoolExecutor | None = None
@@ -574,8 +601,11 @@ class ObjectStorage:
             if m.size == 0:
                 return b""
             data = bytes(self.client.get_ranges(k, [0], [m.size])[0])
-        if len(data) != m.size:
-            raise FormatError(f"{path}: read {len(data)} bytes, the store lists {m.size}")
+            after = self.client.head(k)
+        if len(data) != m.size or after is None or _ident(after) != _ident(m):
+            from .errors import CheckpointChangedError
+
+            raise CheckpointChangedError(f"{path}: the object changed while it was read; read it again")
         return data
 
     def create_file(self, path: str, size: int) -> None:
@@ -846,7 +876,8 @@ def _make_client(scheme: str, client_name: str | None, bucket: str, opts: dict, 
 
     try:
         # (our own cache is keyed by the AWS environment too; fsspec's instance cache is not)
-        fs = fsspec.filesystem(scheme, skip_instance_cache=True, **opts)
+        fs = fsspec.filesystem(scheme, skip_instance_cache=True,
+                               **(_s3fs_defaults(opts) if scheme in ("s3", "s3a") else opts))
     except (ImportError, ValueError) as e:
         from fsspec.registry import known_implementations
 
@@ -860,6 +891,18 @@ def _make_client(scheme: str, client_name: str | None, bucket: str, opts: dict, 
     if scheme in ("s3", "s3a"):
         return _S3fsClient(fs)
     return _FsspecClient(fs, scheme)
+
+
+def _s3fs_defaults(opts: dict) -> dict:
+    """Bounded timeouts and retries for s3fs unless the caller set them (botocore's defaults
+    let a silent server hold each call for minutes)."""
+    out = dict(opts)
+    ck = dict(out.get("config_kwargs") or {})
+    ck.setdefault("connect_timeout", 10)
+    ck.setdefault("read_timeout", OBJECT_TIMEOUT)
+    ck.setdefault("retries", {"max_attempts": 3, "mode": "standard"})
+    out["config_kwargs"] = ck
+    return out
 
 
 

@@ -21,7 +21,8 @@ from typing import Any, Mapping, Protocol
 
 import numpy as np
 
-from .errors import CheckpointExistsError, CheckpointNotFoundError, DistributedError, FormatError, StorageError
+from .errors import (CheckpointExistsError, CheckpointNotFoundError, DistributedError, FormatError, InvalidArgumentError,
+                     StorageError)
 
 __all__ = ["Capabilities", "Storage", "LocalStorage", "storage_for", "ExtentWriter", "RandomReader"]
 
@@ -170,11 +171,16 @@ def storage_for(path: str | os.PathLike, storage_options: Mapping[str, Any] | No
     p = expand_node(path)
     if is_url(p):
         scheme, rest = p.split("://", 1)
-        if scheme == "file" and not storage_options:  # the local fast path
+        if scheme == "file":  # always the local fast path (links are never followed there)
             return LocalStorage(), os.path.abspath(rest)
+        rest = rest.rstrip("/")
+        parts = rest.split("/")
+        if not rest or "" in parts or any(x in (".", "..") for x in parts):
+            raise InvalidArgumentError(f"{p!r}: a URL needs a path of non-empty names after {scheme}:// (no '//', "
+                                       "'.' or '..'), e.g. s3://bucket/run")
         from .objstore import object_storage
 
-        return object_storage(p, storage_options), p.rstrip("/")
+        return object_storage(p, storage_options), f"{scheme}://{rest}"
     return LocalStorage(), os.path.abspath(p)
 
 
