@@ -520,3 +520,9 @@ def test_a_sweep_listing_taken_before_a_commit_never_deletes_the_committed_data(
     assert commit._sweep_prefix(st, p) == []
     monkeypatch.undo()
     assert _value(url) == (1.0, 1)
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_a_missing_bucket_is_an_error_not_an_empty_root(s3, client):
+    with pytest.raises(StorageError, match="no-such-bucket-unickpt"):
+        unickpt.latest("s3://no-such-bucket-unickpt/run", storage_options={"client": client})
