@@ -255,29 +255,25 @@ class _S3fsClient(_FsspecClient):
 
     def list(self, prefix):
         self.fs.invalidate_cache(prefix)
-        out = super().list(prefix)
-        if not out:
-            self._check_bucket(prefix)
-        return out
+        return self._check_bucket(prefix, super().list(prefix))
 
     def children(self, prefix):
         self.fs.invalidate_cache(prefix)
-        out = super().children(prefix)
-        if not out:
-            self._check_bucket(prefix)
-        return out
+        return self._check_bucket(prefix, super().children(prefix))
 
-    def _check_bucket(self, key: str) -> None:
-        """An empty listing: a missing bucket is an error, not an empty root."""
+    def _check_bucket(self, key: str, listing: list) -> list:
+        """``listing``; if empty, a missing bucket is an error, not an empty root."""
+        if listing:
+            return listing
         bucket = key.split("/", 1)[0]
-        if bucket in self._buckets:
-            return
-        try:
-            self.fs.call_s3("head_bucket", Bucket=bucket)
-        except Exception as e:
-            raise StorageError(errno.ENOENT, f"bucket {bucket!r} cannot be used: {type(e).__name__}: {_first_line(e)}",
-                               f"s3://{bucket}") from None
-        self._buckets.add(bucket)
+        if bucket not in self._buckets:
+            try:
+                self.fs.call_s3("head_bucket", Bucket=bucket)
+            except Exception as e:
+                raise StorageError(errno.ENOENT, f"bucket {bucket!r} cannot be used: {type(e).__name__}: "
+                                   f"{_first_line(e)}", f"s3://{bucket}") from None
+            self._buckets.add(bucket)
+        return listing
 
     def head(self, key):
         self.fs.invalidate_cache(key)
