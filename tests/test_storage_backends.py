@@ -526,3 +526,23 @@ def test_a_sweep_listing_taken_before_a_commit_never_deletes_the_committed_data(
 def test_a_missing_bucket_is_an_error_not_an_empty_root(s3, client):
     with pytest.raises(StorageError, match="no-such-bucket-unickpt"):
         unickpt.latest("s3://no-such-bucket-unickpt/run", storage_options={"client": client})
+
+
+def test_convert_from_dcp_into_s3(s3, tmp_path):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from tests.test_trust import _cli
+
+    sd = {"model": {"w": torch.arange(20.0).view(4, 5)}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's single-process warning
+        dcp.save(sd, checkpoint_id=str(tmp_path / "dcp"))
+    url = s3.bucket("ck-convert") + "/ck"
+    r = _cli("convert", "--from-dcp", tmp_path / "dcp", url, "-q")
+    assert r.returncode == 0, r.stderr
+    assert _cli("verify", url).returncode == 0
+    t = {"model": {"w": torch.zeros(4, 5)}}
+    unickpt.load(t, url)
+    assert torch.equal(t["model"]["w"], sd["model"]["w"])
