@@ -546,3 +546,26 @@ def test_convert_from_dcp_into_s3(s3, tmp_path):
     t = {"model": {"w": torch.zeros(4, 5)}}
     unickpt.load(t, url)
     assert torch.equal(t["model"]["w"], sd["model"]["w"])
+
+
+def test_wrong_credentials_give_typed_errors_naming_the_url(monkeypatch):
+    """A server that checks signatures (moto with auth on): every entry point fails typed,
+    naming the URL, with either client."""
+    from tests.s3server import S3Server
+
+    monkeypatch.setenv("INITIAL_NO_AUTH_ACTION_COUNT", "0")  # read by the server at start-up
+    server = S3Server().start()
+    try:
+        for k, v in server.env.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGWRONGWRONG1")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+        for client in CLIENTS:
+            o = {"client": client}
+            for call in (lambda: unickpt.latest("s3://anybucket/run", storage_options=o),
+                         lambda: unickpt.save({"w": torch.ones(4)}, "s3://anybucket/run/step-1", storage_options=o),
+                         lambda: unickpt.load({"w": torch.ones(4)}, "s3://anybucket/run", storage_options=o)):
+                with pytest.raises(StorageError, match="anybucket"):
+                    call()
+    finally:
+        server.stop()
