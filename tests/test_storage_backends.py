@@ -409,6 +409,9 @@ def test_objects_from_positional_writes_in_any_order_read_back_exactly(s3, where
 def _memory_on_two_ranks(rank, world):
     with pytest.raises(InvalidArgumentError, match="one process"):
         unickpt.save({"w": torch.ones(4)}, "memory://unickpt-test/two")
+    unickpt.save({"w": torch.ones(4)}, "memory://unickpt-test/two", group="local")  # each its own
+    with pytest.raises(InvalidArgumentError, match="one process"):
+        unickpt.load({"w": torch.zeros(4)}, "memory://unickpt-test/two")
     return True
 
 

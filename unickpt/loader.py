@@ -27,6 +27,7 @@ from .errors import (
     ChecksumError,
     DtypeMismatchError,
     FormatError,
+    InvalidArgumentError,
     ShapeMismatchError,
     TensorMissingError,
     UnickptError,
@@ -158,6 +159,9 @@ def load(
     comm = Comm(group, timeout_s=timeout_s)
     ph = Phases()
     storage, p = storage_for(path, storage_options)
+    if getattr(storage, "process_local", False) and comm.world > 1:  # (every rank takes this branch)
+        raise InvalidArgumentError(f"{os.fspath(path)}: memory:// lives in one process; {comm.world} ranks cannot "
+                                   "share it (use a file system or an object store)")
     err: BaseException | None = None
 
     node_local = per_node(path)
