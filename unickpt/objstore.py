@@ -44,10 +44,10 @@ MAX_PARTS = 9000  # S3 allows 10,000 parts per object; larger objects get larger
 CONCURRENCY = int(os.environ.get("UNICKPT_OBJECT_CONCURRENCY", "8"))
 S3_CLIENTS = ("obstore", "s3fs")
 DEFAULT_S3_CLIENT = "obstore"
+"""Faster of the two on the loopback S3 server (bench/storage.py; docs/performance.md)."""
 OBJECT_TIMEOUT = int(os.environ.get("UNICKPT_OBJECT_TIMEOUT_S", "60"))
 """Seconds one request may take (and obstore's retries in all) before the store counts as failed:
 a server that accepts connections but never answers fails a save in minutes, not hours."""
-"""Faster of the two on the loopback S3 server and on memory (bench/storage.py; docs/performance.md)."""
 
 
 class Conflict(Exception):
@@ -230,13 +230,12 @@ def _ident(m: Meta) -> str:
 class _S3fsClient(_FsspecClient):
     """s3fs with conditional puts and parallel multipart uploads through its S3 client."""
 
-    conditional = True
     parallel_parts = True
 
     def __init__(self, fs) -> None:
         super().__init__(fs, "s3")
         self.name = "s3fs"
-        self.conditional = True
+        self.conditional = True  # (the server enforces IfNoneMatch/IfMatch)
         self._buckets: set[str] = set()
 
     def _bk(self, key: str) -> tuple[str, str]:
@@ -521,11 +520,6 @@ class ObjectStorage:
             m = self.client.head(self._k(path))
         return None if m is None else (m.size, _ident(m))
 
-    def etag(self, path: str) -> str | None:
-        with _typed(path, "head"):
-            m = self.client.head(self._k(path))
-        return None if m is None else _ident(m)
-
     def mtime(self, path: str) -> float:
         objs = self.list_objects(path)
         return max((m.mtime for m in objs), default=0.0)
@@ -583,8 +577,6 @@ class ObjectStorage:
         except Conflict:
             raise CheckpointExistsError(f"{path}: another write committed here while this one was running; "
                                         "nothing of this one was published") from None
-        if not self.client.conditional and if_match is not None:
-            pass  # checked by the caller before the put (documented race, docs/storage.md)
 
     def read_bytes(self, path: str, limit: int) -> bytes:
         k = self._k(path)
@@ -792,7 +784,6 @@ class _ObjectReader:
         if m is None:
             raise CheckpointNotFoundError(f"{path}: file listed in the manifest is missing")
         self.size = m.size
-        self.etag = _ident(m)
         self.bytes_read = 0
         self._lock = threading.Lock()
 
@@ -899,7 +890,6 @@ def _s3fs_defaults(opts: dict) -> dict:
     ck.setdefault("retries", {"max_attempts": 3, "mode": "standard"})
     out["config_kwargs"] = ck
     return out
-
 
 
 def _first_line(e: BaseException) -> str:
