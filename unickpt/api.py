@@ -128,12 +128,9 @@ def _check_shared(path, storage_options, async_save: bool, group) -> None:
     """A store that lives in this process (``memory://``) cannot take a save written by other
     processes: the async writer's, or other ranks'."""
     from .errors import InvalidArgumentError
-    from .storage import is_url, storage_for
+    from .storage import storage_for
 
-    if not is_url(path):
-        return
-    storage, _ = storage_for(path, storage_options)
-    if not getattr(storage, "process_local", False):
+    if not storage_for(path, storage_options)[0].caps.process_local:
         return
     import torch.distributed as dist
 

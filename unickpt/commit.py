@@ -47,7 +47,7 @@ import uuid
 
 from .errors import CheckpointExistsError, CheckpointNotFoundError, InvalidArgumentError
 from .manifest import INDEX_NAME, MANIFEST_NAME
-from .storage import Storage
+from .storage import MarkerStorage, Storage
 
 __all__ = ["Transaction", "step_dirname", "is_committed", "committed_steps", "resolve", "sweep_stale"]
 
@@ -239,7 +239,7 @@ def _referenced(storage: Storage, prefix: str) -> set[str] | None:
     return {MANIFEST_NAME, *man.files, *man.aux}
 
 
-def _sweep_prefix(storage: Storage, prefix: str) -> list[str]:
+def _sweep_prefix(storage: MarkerStorage, prefix: str) -> list[str]:
     """Object stores: delete the objects of dead writes under checkpoint prefix ``prefix``:
     data files named with a write's token, and owner records, that the committed manifest
     (if any) does not list and whose owner is provably gone. Nothing else is ever deleted."""

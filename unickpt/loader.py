@@ -36,7 +36,7 @@ from .format import Hasher, dtype_name, read_header, torch_dtype
 from .layout import Layout, Runs
 from .manifest import MANIFEST_NAME, Manifest, TensorEntry, data_file_name, manifest_cap
 from .state import Entry, apply_json_state, flatten
-from .storage import RandomReader, Storage, is_url, per_node, storage_for
+from .storage import RandomReader, Storage, join_path, per_node, storage_for
 from .transport import Comm
 
 __all__ = ["load", "LoadResult", "read_manifest", "Verify"]
@@ -81,8 +81,7 @@ def read_manifest(path: str | os.PathLike, *, group=None,
         comm = Comm(None if group == "world" else group)
         storage, p = storage_for(path, storage_options)
         _, rel, man = _find(comm, storage, p, per_node(path))
-        given = os.fspath(path)
-        return ((given.rstrip("/") + "/" + rel if is_url(given) else os.path.join(given, rel)) if rel else given), man
+        return (join_path(path, rel) if rel else os.fspath(path)), man
     storage, p = storage_for(path, storage_options)
     ckpt = _commit.resolve(storage, p)
     mpath = storage.join(ckpt, MANIFEST_NAME)
@@ -159,7 +158,7 @@ def load(
     comm = Comm(group, timeout_s=timeout_s)
     ph = Phases()
     storage, p = storage_for(path, storage_options)
-    if getattr(storage, "process_local", False) and comm.world > 1:  # (every rank takes this branch)
+    if storage.caps.process_local and comm.world > 1:  # (every rank takes this branch)
         raise InvalidArgumentError(f"{os.fspath(path)}: memory:// lives in one process; {comm.world} ranks cannot "
                                    "share it (use a file system or an object store)")
     err: BaseException | None = None

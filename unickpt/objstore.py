@@ -432,9 +432,9 @@ class ObjectStorage:
 
     def __init__(self, client: _Client, scheme: str) -> None:
         self.client, self.scheme = client, scheme
-        self.process_local = scheme == "memory"  # memory:// exists in this process only
         self.caps = Capabilities(atomic_rename=False, shared_writes=False, direct_io=False, ranged_reads=True,
-                                 multipart=True, conditional_put=client.conditional, locks=False)
+                                 multipart=True, conditional_put=client.conditional, locks=False,
+                                 process_local=scheme == "memory")
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._inflight = threading.BoundedSemaphore(CONCURRENCY * 2)

@@ -24,7 +24,7 @@ import numpy as np
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, DistributedError, FormatError, InvalidArgumentError,
                      StorageError)
 
-__all__ = ["Capabilities", "Storage", "LocalStorage", "storage_for", "ExtentWriter", "RandomReader"]
+__all__ = ["Capabilities", "Storage", "MarkerStorage", "LocalStorage", "join_path", "storage_for", "ExtentWriter", "RandomReader"]
 
 ALIGN = 4096  # O_DIRECT alignment of offsets, sizes and buffers
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -82,6 +82,10 @@ class Capabilities:
     locks: bool
     """``lock(dir)`` serialises commits and sweeps of one directory between processes of one
     machine."""
+    process_local: bool = False
+    """The store exists in this process only (``memory://``): another process (a rank, the
+    async writer) cannot see what this one writes, so saves and loads across processes are
+    refused."""
 
 
 class Storage(Protocol):
@@ -144,6 +148,16 @@ class Storage(Protocol):
     def close(self) -> None: ...
 
 
+class MarkerStorage(Storage, Protocol):
+    """A store without ``atomic_rename`` (object stores): the write transaction commits by
+    ``put_marker`` (the manifest, put conditionally), finds a write's objects with
+    ``list_objects`` and deletes them in batches with ``remove_files``."""
+
+    def put_marker(self, path: str, data: bytes, *, if_absent: bool = False, if_match: str | None = None) -> None: ...
+    def list_objects(self, path: str) -> list: ...
+    def remove_files(self, paths: list[str]) -> None: ...
+
+
 NODE = "{node}"
 
 
@@ -182,6 +196,12 @@ def storage_for(path: str | os.PathLike, storage_options: Mapping[str, Any] | No
 
         return object_storage(p, storage_options), f"{scheme}://{rest}"
     return LocalStorage(), os.path.abspath(p)
+
+
+def join_path(root: str | os.PathLike, name: str) -> str:
+    """``root/name`` for a local path or a URL, as the caller gave it (``{node}`` kept)."""
+    r = os.fspath(root)
+    return r.rstrip("/") + "/" + name if is_url(r) else os.path.join(r, name)
 
 
 def is_url(path: str | os.PathLike) -> bool:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import unickpt
 from unickpt import commit as _commit
 from unickpt._metrics import log
+from unickpt.storage import join_path
 
 from .data import TextData
 from .model import Llama, LlamaConfig, hf_config
@@ -65,13 +66,6 @@ class OptimConfig:
             return self.lr * step / max(self.warmup, 1)
         frac = min(1.0, (step - self.warmup) / max(self.total_steps - self.warmup, 1))
         return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
-
-
-def _join(root: str, name: str) -> str:
-    """``root/name`` for a local path or a URL."""
-    from unickpt.storage import is_url
-
-    return root.rstrip("/") + "/" + name if is_url(root) else os.path.join(root, name)
 
 
 @dataclass(kw_only=True)
@@ -301,7 +295,7 @@ class Trainer:
         completion is reported (metrics, config.json, retention) once it is committed."""
         assert self.ckpt is not None
         t0 = time.perf_counter()
-        path = _join(self.ckpt.dir, f"step-{self.step:08d}")
+        path = join_path(self.ckpt.dir, f"step-{self.step:08d}")
         strategy = {"zero_stage": self.parallel.zero_stage, "tp": self.parallel.tp, "dp": self.mesh.dp_size, "dtype": self.dtype_name}
         config = json.dumps(hf_config(self.cfg, {"fp32": "float32", "bf16": "bfloat16"}[self.dtype_name]), indent=2)
         comp = unickpt.Compression(quant=self.ckpt.quant, master=self.ckpt.master, zstd=self.ckpt.zstd, eps=self.optim.eps)
