@@ -503,11 +503,8 @@ class Transaction:
                         "report it missing): %s", self.final, ", ".join(self._side), e)
         try:
             s.remove_file(self._owner)
-            if self._old_files and manifest is not None:  # the replaced checkpoint's data
-                from .manifest import Manifest
-
-                new = set(Manifest.from_json(manifest, self.path(MANIFEST_NAME)).files)
-                s.remove_files([self.path(n) for n in sorted(self._old_files - new)])
+            if manifest is not None:  # the replaced checkpoint's data (never this write's: names differ by token)
+                s.remove_files([self.path(n) for n in sorted(self._old_files) if _token_of(n) != self.token])
         except Exception as e:  # committed: what is left is swept later
             from ._metrics import log
 
