@@ -92,7 +92,7 @@ def read_manifest_bytes(storage: Storage, ckpt: str) -> bytes:
     """The manifest's bytes, refused beyond what a checkpoint of this size can need
     (:func:`~unickpt.manifest.manifest_cap` of the disk space its data files take: other
     files and sparse sizes do not count), so a crafted manifest cannot exhaust memory."""
-    total = sum(storage.disk_bytes(storage.join(ckpt, n)) for n in storage.listdir(ckpt) if data_file_name(n))
+    total = sum(n for name, n in storage.file_sizes(ckpt).items() if data_file_name(name))
     return storage.read_bytes(storage.join(ckpt, MANIFEST_NAME), manifest_cap(total))
 
 

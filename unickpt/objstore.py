@@ -524,10 +524,9 @@ class ObjectStorage:
         objs = self.list_objects(path)
         return max((m.mtime for m in objs), default=0.0)
 
-    def disk_bytes(self, path: str) -> int:
-        with _typed(path, "head"):
-            m = self.client.head(self._k(path))
-        return 0 if m is None else m.size
+    def file_sizes(self, path: str) -> dict[str, int]:
+        """Size of each object directly under prefix ``path``, from one listing."""
+        return {m.key: m.size for m in self.list_objects(path) if "/" not in m.key}
 
     # writes
     def makedirs(self, path: str) -> None:

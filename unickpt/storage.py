@@ -108,7 +108,7 @@ class Storage(Protocol):
       ``finish_file`` with the partial O_DIRECT pages other writers returned (durable when it
       returns), and ``close()`` on the storage to release shared buffers.
     * **loads** call ``read_bytes`` (the manifest and small files, bounded) and
-      ``open_reader`` (ranged reads into the caller's memory), ``disk_bytes`` and ``listdir``.
+      ``open_reader`` (ranged reads into the caller's memory) and ``file_sizes`` (one listing).
 
     Reads open only regular files (objects), never through a symbolic link, and never block
     on FIFOs or devices: anything else is a :class:`~unickpt.errors.FormatError` naming the
@@ -138,7 +138,7 @@ class Storage(Protocol):
     def lock(self, path: str) -> contextlib.AbstractContextManager: ...
     def identity(self, path: str) -> tuple | None: ...
     def mtime(self, path: str) -> float: ...
-    def disk_bytes(self, path: str) -> int: ...
+    def file_sizes(self, path: str) -> dict[str, int]: ...
     def write_bytes(self, path: str, data: bytes) -> None: ...
     def read_bytes(self, path: str, limit: int) -> bytes: ...
     def create_file(self, path: str, size: int) -> None: ...
@@ -318,15 +318,26 @@ class LocalStorage:
             return None
         return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
 
-    def disk_bytes(self, path: str) -> int:
-        """Bytes a regular file takes on disk (a sparse file counts what it stores); 0 otherwise."""
+    def file_sizes(self, path: str) -> dict[str, int]:
+        """Bytes each regular file directly in directory ``path`` takes on disk (a sparse
+        file counts what it stores); links and other entries are left out."""
+        out = {}
         try:
-            st = os.lstat(path)
-        except OSError:
-            return 0
-        if not stat.S_ISREG(st.st_mode):
-            return 0
-        return min(st.st_size, st.st_blocks * 512) if hasattr(st, "st_blocks") else st.st_size
+            with os.scandir(path) as it:
+                for e in it:
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    if stat.S_ISREG(st.st_mode):
+                        out[e.name] = min(st.st_size, st.st_blocks * 512) if hasattr(st, "st_blocks") else st.st_size
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise FormatError(f"{path}: a loop of symbolic links") from None
+            raise StorageError(e.errno, e.strerror, path) from None
+        return out
 
     def mtime(self, path: str) -> float:
         """Newest modification time of ``path`` and of the entries directly inside it."""
