@@ -62,6 +62,16 @@ def latest(root, *, storage_options=None) -> str | None:
     return steps[-1][1] if steps else None
 
 
+def __getattr__(name: str):
+    # ``unickpt.dcp`` (torch.distributed.checkpoint reader/writer) is imported on first use:
+    # importing torch.distributed.checkpoint costs time every other user would pay
+    if name == "dcp":
+        import importlib
+
+        return importlib.import_module(".dcp", __name__)
+    raise AttributeError(f"module 'unickpt' has no attribute {name!r}")
+
+
 __all__ = [
     "Compression",
     "__version__",
