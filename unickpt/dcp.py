@@ -1,0 +1,514 @@
+"""torch.distributed.checkpoint (DCP) interop, both ways (docs/dcp.md).
+
+* :class:`StorageReader`: ``dcp.load(state, storage_reader=unickpt.dcp.StorageReader(path))``
+  loads any unickpt checkpoint into any layout DCP's planner asks for (DTensor, FSDP2, TP,
+  plain tensors), through unickpt's loader: only the byte ranges a rank needs are read, coded
+  tensors are decoded, and every returned byte is checked against the manifest's checksums.
+* :class:`StorageWriter`: ``dcp.save(state, storage_writer=unickpt.dcp.StorageWriter(path))``
+  (or ``dcp.async_save``) writes a normal unickpt checkpoint through unickpt's collective save
+  pipeline: whole tensors, manifest, checksums, atomic commit. No ``.metadata`` pickle.
+
+Mapping (the one :func:`unickpt.state.flatten` uses): a DCP key path ``(role, *rest)`` is the
+tensor ``".".join(rest)`` of role ``role``; a one-component path is a top-level tensor, role
+``other``. JSON values travel in the manifest's ``state`` at their nested path; DCP's bytes
+entries are served as ``torch.save`` bytes of those JSON values. Anything else is refused:
+nothing is pickled.
+
+Call order (DCP's): writers ``reset -> set_up_storage_writer -> prepare_local_plan ->
+prepare_global_plan (coordinator) -> write_data (every rank: the collective save, committed
+here) -> finish (coordinator: nothing left to do)``; readers ``reset -> read_metadata ->
+set_up_storage_reader -> prepare_local_plan -> prepare_global_plan (coordinator) ->
+read_data`` (local reads; collective only for ``{node}`` paths).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import types
+from typing import Any, Mapping
+
+import torch
+from torch.distributed.checkpoint import storage as _dcp_storage
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.futures import Future
+
+from . import commit as _commit
+from . import loader as _loader
+from .compress import Compression
+from .errors import (
+    CheckpointChangedError,
+    ChecksumError,
+    FormatError,
+    InvalidArgumentError,
+    ShapeMismatchError,
+    StateDictError,
+    TensorMissingError,
+)
+from .format import torch_dtype
+from .layout import Layout
+from .manifest import MANIFEST_NAME, Manifest, name_problem
+from .saver import DEFAULT_BUCKET, SaveOptions, SaveResult, save_entries
+from .state import _ROLE, OTHER_ROLE, Entry, _is_json
+from .storage import per_node, storage_for
+from .transport import Comm
+
+__all__ = ["StorageReader", "StorageWriter"]
+
+WriteResult = _dcp_storage.WriteResult
+
+
+def _role_name(path: tuple) -> tuple[str, str]:
+    """(role, tensor name) of a DCP key path, as :func:`unickpt.state.flatten` names it."""
+    parts = [str(p) for p in path]
+    if len(parts) == 1:
+        return OTHER_ROLE, parts[0]
+    return parts[0], ".".join(parts[1:])
+
+
+def _fqn(role: str, name: str) -> str:
+    """DCP key of stored tensor ``(role, name)``: ``role.name``; top-level (role ``other``): ``name``."""
+    return name if role == OTHER_ROLE else f"{role}.{name}"
+
+
+def _json_leaves(value: Any, path: tuple, out: dict[str, tuple[tuple, Any]]) -> None:
+    """The leaves DCP's flattening (``_traverse.traverse_state_dict``) makes of a JSON value:
+    mappings are walked, lists only when they hold a mapping or a list that is walked."""
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            _json_leaves(v, path + (str(k),), out)
+    elif isinstance(value, list) and not _terminal(value):
+        for i, v in enumerate(value):
+            _json_leaves(v, path + (i,), out)
+    else:
+        out[".".join(map(str, path))] = (path, value)
+
+
+def _terminal(value: list) -> bool:
+    return not any(isinstance(x, Mapping) or (isinstance(x, list) and not _terminal(x)) for x in value)
+
+
+def _set_path(root: dict, path: tuple, value: Any, where: str) -> None:
+    """Put ``value`` at ``path`` below ``root``, creating dicts (str keys) and lists (int keys)."""
+    cur: Any = root
+    for k, nxt in zip(path[:-1], path[1:]):
+        make = list if isinstance(nxt, int) else dict
+        if isinstance(cur, list):
+            cur.extend([None] * (k + 1 - len(cur)))
+            if cur[k] is None:
+                cur[k] = make()
+            cur = cur[k]
+        else:
+            cur = cur.setdefault(k, make())
+        if not isinstance(cur, make):
+            raise StateDictError(f"{where!r}: its path crosses a value that is not a {make.__name__}")
+    last = path[-1]
+    if isinstance(cur, list):
+        cur.extend([None] * (last + 1 - len(cur)))
+        cur[last] = value
+    else:
+        cur[last] = value
+
+
+def _done(value: Any) -> Future:
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
+
+
+# -- reading -------------------------------------------------------------------------------
+
+
+class StorageReader(_dcp_storage.StorageReader):
+    """A :class:`torch.distributed.checkpoint.StorageReader` over a unickpt checkpoint.
+
+    Args:
+        path: a checkpoint directory, a root holding ``step-*`` checkpoints (the newest
+            committed one), a ``{node}`` node-local path, or a URL (``s3://``, any fsspec URL).
+        storage_options: options of the fsspec file system of a URL ``path``.
+        verify: ``"auto"`` (default) checks every checksummed range behind every byte
+            returned; ``"full"`` also checks every stored byte (dealt out over the ranks);
+            ``"none"`` skips checks (explicit opt-out).
+        process_group: the group given to ``dcp.load`` (default: the default group). Used only
+            for ``{node}`` paths (pieces this node does not hold are read by ranks that hold
+            them and sent) and ``verify="full"`` there.
+
+    Example::
+
+        import torch.distributed.checkpoint as dcp
+        msd, osd = get_state_dict(model, opt)
+        dcp.load({"model": msd, "optim": osd}, storage_reader=unickpt.dcp.StorageReader("ckpt"))
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+
+    Failures raise DCP's ``CheckpointException``; ``e.failures[rank][0]`` is unickpt's typed
+    error (:class:`~unickpt.errors.ChecksumError` naming file and tensor, ...).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None,
+                 verify: str = "auto", process_group=None, timeout_s: float | None = None) -> None:
+        if verify not in ("auto", "full", "none"):
+            raise InvalidArgumentError(f"verify must be 'auto', 'full' or 'none', got {verify!r}")
+        self.path = path
+        self.storage_options = storage_options
+        self.verify = verify
+        self.process_group = process_group
+        self.timeout_s = timeout_s
+        self._clear()
+
+    def _clear(self) -> None:
+        self._storage = None
+        self._ckpt: str | None = None
+        self._man: Manifest | None = None
+        self._json: dict[str, Any] = {}
+        self._keys: dict[str, tuple[str, str]] = {}
+        self._rank = 0
+        self._comm: Comm | None = None
+
+    # DCP's interface, in its call order
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = checkpoint_id
+        self._clear()
+
+    def read_metadata(self) -> Metadata:
+        """DCP :class:`Metadata` of the checkpoint: each stored tensor is one chunk at offset 0;
+        JSON leaves of the manifest's ``state`` are bytes entries; ``planner_data`` maps every
+        key to its path (tensors: ``(role, name)``, or ``(name,)`` for role ``other``)."""
+        storage, p = storage_for(self.path, self.storage_options)
+        ckpt = _commit.resolve(storage, p)
+        man = Manifest.from_json(_loader.read_manifest_bytes(storage, ckpt), storage.join(ckpt, MANIFEST_NAME))
+        sdm: dict[str, Any] = {}
+        paths: dict[str, tuple] = {}
+        keys: dict[str, tuple[str, str]] = {}
+        for (role, name), st in sorted(man.tensors.items()):
+            fqn = _fqn(role, name)
+            if fqn in keys:
+                raise NotImplementedError(
+                    f"{ckpt}: tensors {name!r} of role {role} and {keys[fqn][1]!r} of role {keys[fqn][0]} both have the "
+                    f"DCP key {fqn!r}; load this checkpoint with unickpt.load")
+            keys[fqn] = (role, name)
+            shape = torch.Size(st.shape)
+            sdm[fqn] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=torch_dtype(st.dtype)),
+                size=shape,
+                chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=shape)],
+            )
+            paths[fqn] = (name,) if role == OTHER_ROLE else (role, name)
+        leaves: dict[str, tuple[tuple, Any]] = {}
+        for k, v in man.state.items():
+            _json_leaves(v, (k,), leaves)
+        for fqn, (path, value) in leaves.items():
+            if fqn in sdm:
+                raise NotImplementedError(f"{ckpt}: the DCP key {fqn!r} names both a tensor and a JSON value of the "
+                                          "manifest's state; load this checkpoint with unickpt.load")
+            sdm[fqn] = BytesStorageMetadata()
+            paths[fqn] = path
+        self._storage, self._ckpt, self._man, self._keys = storage, ckpt, man, keys
+        self._json = {fqn: value for fqn, (_, value) in leaves.items()}
+        return Metadata(state_dict_metadata=sdm, planner_data=paths, storage_meta=StorageMeta(checkpoint_id=ckpt))
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self._man is None:  # metadata handed over without read_metadata: read ours
+            self.read_metadata()
+        rank = kwargs.get("rank")
+        self._rank = rank if type(rank) is int else 0
+        if per_node(self.path):
+            self._comm = Comm(self.process_group, timeout_s=self.timeout_s)
+            if type(rank) is int and rank != self._comm.rank:
+                raise InvalidArgumentError(
+                    f"unickpt.dcp.StorageReader: DCP runs this as rank {rank}, its process_group as rank "
+                    f"{self._comm.rank}: pass dcp.load's process group as process_group= ('local' with no_dist=True)")
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        # which checkpoint this rank resolved: every rank must read the same one
+        return dataclasses.replace(plan, storage_data={"ckpt": os.path.basename(str(self._ckpt)),
+                                                       "digest": self._man.source_digest})
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        seen = [(p.storage_data or {}) for p in plans]
+        first = seen[0]
+        for r, s in enumerate(seen):
+            if s != first:
+                raise CheckpointChangedError(
+                    f"{self.path}: rank 0 resolved {first.get('ckpt')!r} and rank {r} {s.get('ckpt')!r} (or the same name "
+                    "with another manifest): a save committed while the ranks looked; pass the checkpoint directory")
+        if self._comm is not None and len(plans) != self._comm.world:
+            raise InvalidArgumentError(f"dcp.load runs on {len(plans)} rank(s) but process_group has {self._comm.world}: "
+                                       "pass dcp.load's process group as process_group=")
+        return [dataclasses.replace(p, storage_data={"rank": i, "world": len(plans)}) for i, p in enumerate(plans)]
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        man, ckpt = self._man, self._ckpt
+        if man is None:
+            raise InvalidArgumentError("unickpt.dcp.StorageReader.read_data before read_metadata")
+        entries: list[Entry] = []
+        casts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        commits = []
+        for ri in plan.items:
+            fqn = ri.storage_index.fqn
+            if ri.type == LoadItemType.BYTE_IO:
+                if fqn not in self._json:
+                    raise TensorMissingError(f"{ckpt}: no JSON value {fqn!r} in the manifest's state")
+                buf = io.BytesIO()
+                torch.save(self._json[fqn], buf)  # a JSON value of the (checksummed) manifest
+                buf.seek(0)
+                planner.load_bytes(ri, buf)
+                continue
+            key = self._keys.get(fqn)
+            if key is None:
+                raise TensorMissingError(f"{ckpt}: no tensor {fqn!r} in the checkpoint")
+            st = man.tensors[key]
+            if any(ri.storage_index.offset or ()):
+                raise FormatError(f"{ckpt}: DCP asks tensor {fqn!r} from a chunk at {list(ri.storage_index.offset)}; "
+                                  "unickpt stores each tensor whole (one chunk at offset 0)")
+            target = planner.resolve_tensor(ri).detach()
+            lay = Layout(tuple(st.shape), tuple(ri.storage_offsets), tuple(ri.lengths))
+            if target.numel() != lay.numel:
+                raise ShapeMismatchError(f"{ckpt}/{st.file}: tensor {fqn!r}: DCP's target piece has shape "
+                                         f"{list(target.shape)}, the read asks {list(ri.lengths)}")
+            dest = target
+            if target.dtype != torch_dtype(st.dtype):  # DCP casts on load: read the stored dtype, then copy
+                dest = torch.empty(target.shape, dtype=torch_dtype(st.dtype))
+                casts.append((target, dest))
+            entries.append(Entry(key[0], key[1], dest, lay))
+            commits.append((ri, target))
+        self._read(entries, plan)
+        for target, dest in casts:
+            target.copy_(dest)
+        for ri, target in commits:
+            planner.commit_tensor(ri, target)
+        return _done(None)
+
+    def _read(self, entries: list[Entry], plan: LoadPlan) -> None:
+        """unickpt's reading path (loader._read_all; node-local: remote.load_remote), then the
+        checksum verdict. Raises typed errors naming file and tensor."""
+        man, storage, ckpt, verify = self._man, self._storage, self._ckpt, self.verify
+        sd = plan.storage_data if isinstance(plan.storage_data, dict) else {}
+        rank, world = sd.get("rank", self._rank), sd.get("world", 1)
+        err: BaseException | None = None
+        bad: list[tuple[str, str]] = []
+        comm = self._comm
+        sees = set(man.files)
+        remote: list[Entry] = []
+        if comm is not None:  # node-local: what this node does not hold is read by others and sent
+            from .remote import files_needed
+
+            sees = {f for f in man.files if storage.exists(storage.join(ckpt, f))}
+            local = []
+            for e in entries:
+                (remote if e.layout.numel and not files_needed(man, e.key) <= sees else local).append(e)
+            entries = local
+        try:
+            _, _, bad = _loader._read_all(entries, man, storage, ckpt, verify, None, rank, world)
+        except Exception as e:
+            err = _loader._changed(storage, ckpt, man) or e
+        if comm is not None:  # collective (every rank of dcp.load is in read_data), also after a failure
+            from .remote import load_remote
+
+            def read_for_peers(proxies):
+                return _loader._read_all(proxies, man, storage, ckpt, verify, None, comm.rank, comm.world)
+
+            _, _, bad2, _, e2 = load_remote(comm, remote, man, sees, read_for_peers, DEFAULT_BUCKET)
+            bad += bad2
+            err = err or e2
+        if err is None and verify == "full":
+            try:
+                done = {e.key for e in entries if e.layout.is_full}
+                if comm is not None:
+                    _, _, bad3 = _loader._verify_share(man, storage, ckpt, comm, done, sees)
+                else:  # shared storage: the share is dealt without talking (every rank sees every file)
+                    _, _, bad3 = _loader._verify_share(man, storage, ckpt, types.SimpleNamespace(rank=rank, world=world),
+                                                       done)
+                bad += bad3
+            except Exception as e:
+                err = e
+        if err is None and bad:
+            err = _loader._changed(storage, ckpt, man) or ChecksumError(
+                f"{ckpt}: damaged checkpoint: stored bytes do not match the manifest's checksums: "
+                + "; ".join(f"tensor {n!r} in {f}" for f, n in bad)
+                + " (the target state dict now holds unverified values: do not use it)", bad)
+        if err is not None:
+            raise err
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        """True if ``checkpoint_id`` resolves to a committed unickpt checkpoint."""
+        try:
+            storage, p = storage_for(checkpoint_id)
+            _commit.resolve(storage, p)
+            return True
+        except Exception:
+            return False
+
+
+# -- writing -------------------------------------------------------------------------------
+
+
+class StorageWriter(_dcp_storage.StorageWriter):
+    """A :class:`torch.distributed.checkpoint.StorageWriter` that writes a unickpt checkpoint.
+
+    ``dcp.save(state, storage_writer=unickpt.dcp.StorageWriter(path, step=100))`` (and
+    ``dcp.async_save``) run unickpt's collective save over the same ranks: each rank's chunks
+    (as DCP's planner dealt them out, replicated values on one rank) are described as pieces of
+    whole tensors, written once, checksummed and committed atomically inside ``write_data``.
+    The result loads with :func:`unickpt.load`, :class:`StorageReader`, ``safetensors`` and
+    the CLI. Non-tensor values must be JSON values (None, bool, int, float, str, lists and
+    dicts of them): they go into the manifest's state; anything else raises
+    :class:`~unickpt.errors.StateDictError` naming the key (nothing is pickled).
+
+    Args:
+        path: the checkpoint directory (URLs and ``{node}`` paths as for :func:`unickpt.save`);
+            ``dcp.save(checkpoint_id=...)`` replaces it.
+        process_group: the group given to ``dcp.save`` (default: the default group; ``"local"``
+            with ``no_dist=True``).
+        overwrite, storage_options, step, extra, strategy, extra_files, quant, master, zstd,
+        compression, bucket_bytes, max_file_bytes, direct_io, timeout_s: as for
+        :func:`unickpt.save`, checked here (typed errors).
+
+    ``last_result`` holds the :class:`~unickpt.SaveResult` of the last save.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, overwrite: bool = False,
+                 storage_options: Mapping[str, Any] | None = None, step: int | None = None,
+                 extra: Mapping[str, Any] | None = None, strategy: Mapping[str, Any] | None = None,
+                 extra_files: Mapping[str, str] | None = None, quant: str | None = None, master: str | None = None,
+                 zstd: int | None = None, compression: Compression | None = None, bucket_bytes: int = DEFAULT_BUCKET,
+                 max_file_bytes: int | None = None, direct_io: bool | None = None, timeout_s: float | None = None,
+                 process_group=None) -> None:
+        self.path = path
+        self.process_group = process_group
+        self.opts = SaveOptions.of(
+            step=step, extra=extra, overwrite=overwrite, bucket_bytes=bucket_bytes, max_file_bytes=max_file_bytes,
+            direct_io=direct_io, strategy={"writer": "unickpt.dcp.StorageWriter", **dict(strategy or {})},
+            extra_files=extra_files, quant=quant, master=master, zstd=zstd, compression=compression,
+            timeout_s=timeout_s, storage_options=storage_options,
+        )
+        self.last_result: SaveResult | None = None
+        self._comm: Comm | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = checkpoint_id
+        self._comm = None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._comm = Comm(self.process_group, timeout_s=self.opts.timeout_s)
+        rank = kwargs.get("rank")
+        if type(rank) is int and rank != self._comm.rank:
+            raise InvalidArgumentError(
+                f"unickpt.dcp.StorageWriter: DCP runs this as rank {rank}, its process_group as rank {self._comm.rank}: "
+                "pass dcp.save's process group as process_group= ('local' with no_dist=True)")
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if self._comm is not None and len(plans) != self._comm.world:
+            raise InvalidArgumentError(
+                f"dcp.save runs on {len(plans)} rank(s) but the writer's process_group has {self._comm.world}: pass "
+                "dcp.save's process group as process_group= ('local' with no_dist=True)")
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        """Collective (every rank of ``dcp.save`` is here): this rank's chunks and JSON values
+        go through unickpt's save pipeline, committed before this returns."""
+        comm = self._comm if self._comm is not None else Comm(self.process_group, timeout_s=self.opts.timeout_s)
+        err: BaseException | None = None
+        entries: list[Entry] = []
+        values: list[list] = []
+        results: list[WriteResult] = []
+        try:
+            entries, values, results = self._collect(plan, planner)
+            from .api import _check_shared
+
+            _check_shared(self.path, self.opts.storage_options, False, comm.group if comm.active else "local")
+        except Exception as e:  # agreed below: no rank may leave the others in the save's collectives
+            err = e
+        comm.agree(err, "dcp save (reading the plan)")
+        json_state: dict[str, Any] = {}
+        if comm.world > 1:
+            gathered = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(values).encode())]
+        else:
+            gathered = [values]
+        for vals in gathered:
+            for path, v in vals:
+                _set_path(json_state, tuple(path), v, ".".join(map(str, path)))
+        self.last_result = save_entries(comm, (entries, json_state), None, self.path, self.opts)
+        return _done(results)
+
+    def _collect(self, plan: SavePlan, planner: SavePlanner) -> tuple[list[Entry], list[list], list[WriteResult]]:
+        mappings = getattr(planner, "mappings", None) or {}
+        entries: list[Entry] = []
+        values: list[list] = []
+        results: list[WriteResult] = []
+        seen: dict[tuple[str, str], str] = {}
+        for item in plan.items:
+            fqn = item.index.fqn
+            path = tuple(mappings.get(fqn, (fqn,)))
+            if item.type == WriteItemType.BYTE_IO:
+                obj = planner.lookup_object(item.index)
+                if not _is_json(obj):
+                    raise StateDictError(
+                        f"{fqn!r} holds a {type(obj).__name__}, which unickpt cannot store: use tensors or JSON values "
+                        "(None, bool, int, float, str, lists and dicts of them); nothing is pickled")
+                v = json.loads(json.dumps(obj, allow_nan=False))  # tuples -> lists, as in the manifest
+                values.append([list(path), v])
+                results.append(WriteResult(index=item.index, size_in_bytes=len(json.dumps(v)),
+                                           storage_data={"state": list(path)}))
+                continue
+            role, name = _role_name(path)
+            if len(path) > 1 and not _ROLE.match(role):
+                raise StateDictError(f"top-level key {role!r} names a role (file prefix): use lowercase letters, digits, "
+                                     "'_' (at most 32, starting with a letter)")
+            why = name_problem(name)
+            if why:
+                raise StateDictError(f"{fqn!r}: cannot store a tensor under this name: {why}")
+            if (role, name) in seen:
+                raise NotImplementedError(
+                    f"{fqn!r}: this rank holds several chunks of tensor {name!r} (role {role}) ({seen[(role, name)]} and "
+                    f"{list(item.index.offset or ())}); unickpt.dcp takes one chunk per tensor and rank")
+            td = item.tensor_data
+            local = planner.resolve_data(item)
+            if not isinstance(local, torch.Tensor) or td is None:
+                raise StateDictError(f"{fqn!r}: DCP planned a tensor but resolved a {type(local).__name__}")
+            local = local.detach()
+            lay = Layout(tuple(td.size), tuple(td.chunk.offsets), tuple(td.chunk.sizes))
+            if local.numel() != lay.numel:
+                raise StateDictError(f"{fqn!r}: the resolved chunk has {local.numel()} elements, DCP's plan says "
+                                     f"{lay.numel} (sizes {list(td.chunk.sizes)})")
+            seen[(role, name)] = str(list(td.chunk.offsets))
+            entries.append(Entry(role, name, local, lay))
+            results.append(WriteResult(index=item.index, size_in_bytes=lay.numel * local.element_size(),
+                                       storage_data={"role": role, "name": name}))
+        return entries, values, results
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Nothing left: the checkpoint was committed by every rank's ``write_data`` (the
+        manifest replaces DCP's ``.metadata``, which is not written)."""
+        return None
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=os.fspath(self.path))
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        """Any local path or URL names a checkpoint unickpt can write."""
+        return isinstance(checkpoint_id, (str, os.PathLike)) and bool(os.fspath(checkpoint_id))
