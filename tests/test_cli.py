@@ -1,10 +1,14 @@
-"""CLI: inspect (text and --json) and verify (exit codes, naming bad tensors)."""
+"""CLI: inspect (text and --json) and verify (exit codes, naming bad tensors); every command's
+--json object; user errors as one line and exit 2 (never a traceback); progress; reshard
+--drop-role; export --config."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import unickpt
@@ -71,3 +75,274 @@ def test_inspect_and_verify_a_compressed_checkpoint(tmp_path):
     assert "compression  quant O2, master residual, zstd 5" in text and "[q4_sym]" in text
     r = _cli("verify", str(tmp_path / "ck"))
     assert r.returncode == 0, r.stderr
+
+
+# --- one JSON object, one error line, never a traceback ------------------------------------
+
+
+def _one_line(r, code=2):
+    """Exit ``code``, one line on stderr naming the problem, no traceback."""
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    return r.stderr.strip()
+
+
+def _json(r):
+    """stdout is exactly one JSON object."""
+    obj = json.loads(r.stdout)
+    assert isinstance(obj, dict)
+    return obj
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_every_command_prints_one_json_object_with_its_figures(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    p = _ckpt(tmp_path)
+    dcp.save({"model": {"w": torch.randn(4, 4)}}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    runs = {
+        "inspect": ("inspect", str(p)),
+        "verify": ("verify", str(p)),
+        "export": ("export", str(p), str(tmp_path / "hf")),
+        "reshard": ("reshard", str(p), str(tmp_path / "re"), "--max-file-size", "1KiB"),
+        "convert": ("convert", "--from-dcp", str(tmp_path / "dcp"), str(tmp_path / "conv")),
+    }
+    for cmd, argv in runs.items():
+        r = _cli(*argv, "--json")
+        assert r.returncode == 0, r.stderr
+        obj = _json(r)
+        assert obj["command"] == cmd and obj["ok"] is True and obj["exit_code"] == 0 and "error" not in obj
+        assert "Traceback" not in r.stderr
+        if cmd != "inspect":
+            assert {"bytes", "seconds", "gbps"} <= set(obj), obj
+    assert _json(_cli("verify", str(p), "--json"))["bad"] == []
+    assert unickpt.read_manifest(tmp_path / "conv")[1].tensors
+
+
+def _file_and_dir(tmp_path):
+    f = tmp_path / "a-file"
+    f.write_text("not a checkpoint")
+    return f, _ckpt(tmp_path)
+
+
+ERROR_CASES = {
+    "missing path": (lambda f, ck, t: ["inspect", str(t / "nope")], "CheckpointNotFoundError"),
+    "file as checkpoint (inspect)": (lambda f, ck, t: ["inspect", str(f)], "CheckpointNotFoundError"),
+    "file as checkpoint (verify)": (lambda f, ck, t: ["verify", str(f)], "CheckpointNotFoundError"),
+    "file as checkpoint (export)": (lambda f, ck, t: ["export", str(f), str(t / "hf")], "CheckpointNotFoundError"),
+    "file as destination": (lambda f, ck, t: ["reshard", str(ck), str(f)], "CheckpointExistsError"),
+    "path under a file": (lambda f, ck, t: ["export", str(ck), str(f / "x")], "Error"),
+    "not a DCP directory": (lambda f, ck, t: ["convert", "--from-dcp", str(f), str(t / "c")], "FormatError"),
+    "bad size": (lambda f, ck, t: ["reshard", str(ck), str(t / "o"), "--max-file-size", "12QB"], "InvalidArgumentError"),
+    "bad shard size": (lambda f, ck, t: ["export", str(ck), str(t / "o"), "--max-shard-size", "-5"], "InvalidArgumentError"),
+    "bad choice": (lambda f, ck, t: ["reshard", str(ck), str(t / "o"), "--quant", "O9"], "UsageError"),
+    "not an int": (lambda f, ck, t: ["reshard", str(ck), str(t / "o"), "--zstd", "x"], "UsageError"),
+    "int out of range": (lambda f, ck, t: ["reshard", str(ck), str(t / "o"), "--zstd", "99"], "ValueError"),
+    "missing config": (lambda f, ck, t: ["export", str(ck), str(t / "hf"), "--config", str(t / "none.json")],
+                       "InvalidArgumentError"),
+    "unknown role": (lambda f, ck, t: ["reshard", str(ck), str(t / "o"), "--drop-role", "nope"], "InvalidArgumentError"),
+    "storage options not an object": (lambda f, ck, t: ["--storage-options", "[1]", "verify", str(ck)], "UsageError"),
+    "missing argument": (lambda f, ck, t: ["export", str(ck)], "UsageError"),
+    "unknown command": (lambda f, ck, t: ["frobnicate", str(ck)], "UsageError"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ERROR_CASES))
+def test_user_errors_are_one_line_exit_2_and_a_json_error(tmp_path, case):
+    argv, kind = ERROR_CASES[case]
+    f, ck = _file_and_dir(tmp_path)
+    r = _cli(*argv(f, ck, tmp_path), "--json")
+    line = _one_line(r)
+    obj = _json(r)
+    assert obj["ok"] is False and obj["exit_code"] == 2 and kind in obj["error"]["type"], obj
+    assert obj["error"]["message"] and obj["error"]["message"].splitlines()[0] in line
+    assert not (tmp_path / "o").exists() and not (tmp_path / "hf").exists()
+
+
+def test_without_json_an_error_writes_nothing_on_stdout(tmp_path):
+    f, ck = _file_and_dir(tmp_path)
+    for argv in (["verify", str(f)], ["reshard", str(ck), str(tmp_path / "o"), "--max-file-size", "12QB"],
+                 ["reshard", str(ck), str(tmp_path / "o"), "--quant", "O9"]):
+        r = _cli(*argv)
+        line = _one_line(r)
+        assert r.stdout == "" and line.startswith(f"unickpt {argv[0]}: ")
+    assert "--quant" in line and "unickpt reshard --help" in line
+
+
+def test_a_failed_verification_exits_1_with_the_damage_in_json(tmp_path):
+    p = _ckpt(tmp_path)
+    _, man = unickpt.read_manifest(p)
+    t = man.tensors[("model", "w")]
+    with open(p / t.file, "r+b") as fh:
+        fh.seek(man.files[t.file].data_start + t.begin)
+        fh.write(b"\x00\x01\x02\x03")
+    r = _cli("verify", str(p), "--json", "-q")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    obj = _json(r)
+    assert obj["ok"] is False and obj["exit_code"] == 1 and obj["error"]["type"] == "ChecksumError"
+    assert [(b["file"], b["tensor"]) for b in obj["bad"]] == [(t.file, "w")]
+    assert r.stderr.strip() == "unickpt verify: 1 of 3 tensors failed verification"
+
+
+def test_inspect_into_a_closed_pipe_has_no_traceback(tmp_path):
+    """``unickpt inspect --tensors | head -1``: the reader leaves after one line, with far more
+    than a pipe buffer still to come."""
+    names = {f"layers.{i}.a_rather_long_parameter_name_to_fill_the_pipe.weight": torch.zeros(1) for i in range(1500)}
+    unickpt.save({"model": names}, tmp_path / "ck")
+    proc = subprocess.Popen([sys.executable, "-m", "unickpt.cli", "inspect", str(tmp_path / "ck"), "--tensors"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = proc.stdout.readline()
+    proc.stdout.close()  # what head does after its line
+    err = proc.stderr.read()
+    proc.wait()
+    assert first.startswith("checkpoint")
+    assert proc.returncode == 2 and "Traceback" not in err and "Exception ignored" not in err
+    assert err.strip().splitlines() == ["unickpt inspect: stdout was closed before the output was complete (broken pipe)"]
+
+
+SLOW_VERIFY = """
+import sys, time
+import unickpt.loader
+real = unickpt.loader.check_stored
+def slow(*a, **k):
+    print("checking", file=sys.stderr, flush=True)
+    time.sleep(600)
+    return real(*a, **k)
+unickpt.loader.check_stored = slow
+import unickpt.cli
+sys.exit(unickpt.cli.main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_during_verify_exits_2_with_one_line(tmp_path):
+    """A real SIGINT while verify reads (a reader slowed down so the signal lands mid-read)."""
+    p = _ckpt(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_VERIFY, "verify", str(p), "-q"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr.readline().strip() == "checking"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and out == ""
+    assert err.strip().splitlines() == ["unickpt verify: interrupted (Ctrl-C)"]
+
+
+def test_keyboard_interrupt_is_in_the_json_object(tmp_path, monkeypatch, capsys):
+    from unickpt import cli
+
+    p = _ckpt(tmp_path)
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "verify_checkpoint", interrupted)
+    assert cli.main(["verify", str(p), "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert json.loads(out)["error"]["type"] == "KeyboardInterrupt"
+    assert err == "unickpt verify: interrupted (Ctrl-C)\n"
+
+
+def test_an_internal_bug_is_one_line_and_a_hint_its_traceback_only_with_debug(tmp_path, monkeypatch, capsys):
+    from unickpt import cli
+
+    p = _ckpt(tmp_path)
+
+    def buggy(ckpt, man, progress=None):
+        return None + 1
+
+    monkeypatch.setattr(cli, "verify_checkpoint", buggy)
+    monkeypatch.delenv("UNICKPT_DEBUG", raising=False)
+    assert cli.main(["verify", str(p), "--json"]) == 3
+    out, err = capsys.readouterr()
+    assert json.loads(out)["error"]["type"] == "TypeError"
+    assert len(err.splitlines()) == 1 and "internal error: TypeError" in err and "--debug" in err
+    with pytest.raises(TypeError):
+        cli.main(["verify", str(p), "--debug"])
+    monkeypatch.setenv("UNICKPT_DEBUG", "1")
+    with pytest.raises(TypeError):
+        cli.main(["verify", str(p)])
+
+
+# --- progress -------------------------------------------------------------------------------
+
+
+def test_progress_is_periodic_lines_on_stderr_off_a_terminal_and_quiet_silences_it(tmp_path):
+    p = _ckpt(tmp_path)
+    r = _cli("verify", str(p))
+    assert r.returncode == 0 and r.stdout.startswith("ok: 3 tensors") and len(r.stdout.splitlines()) == 1
+    lines = r.stderr.strip().splitlines()
+    assert lines and all(line.startswith("unickpt verify: ") and "GB/s" in line for line in lines), lines
+    assert lines[-1].startswith("unickpt verify: 100% ")
+    r = _cli("reshard", str(p), str(tmp_path / "re"), "--json")
+    assert r.returncode == 0 and "unickpt reshard: 100% " in r.stderr and _json(r)["ok"]
+    for argv in (["verify", str(p), "-q"], ["reshard", str(p), str(tmp_path / "re2"), "--quiet"]):
+        r = _cli(*argv)
+        assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
+def test_progress_is_a_tqdm_bar_on_a_terminal(monkeypatch, capsys):
+    from unickpt import cli
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    prog = cli._Progress("verify", quiet=False)
+    prog(10, 100)
+    assert type(prog.bar).__module__.startswith("tqdm") and prog.bar.n == 10
+    prog(100, 100)
+    assert prog.bar.n == 100
+    prog.close()
+    assert cli._Progress("verify", quiet=True).tty is False
+
+
+# --- reshard --drop-role, export --config, py.typed -----------------------------------------
+
+
+def _roles_ckpt(tmp_path):
+    sd = {"model": {"w": torch.randn(4, 4)}, "master": {"w": torch.randn(4, 4)},
+          "optimizer": {"exp_avg": {"w": torch.randn(4, 4)}}, "ema": {"w": torch.randn(4, 4)},
+          "trainer": {"step": 7}}
+    unickpt.save(sd, tmp_path / "src", step=7)
+    return tmp_path / "src"
+
+
+def test_reshard_drops_several_roles(tmp_path):
+    src = _roles_ckpt(tmp_path)
+    r = _cli("reshard", str(src), str(tmp_path / "dst"), "--drop-role", "optimizer", "--drop-role", "ema",
+             "--drop-role", "trainer", "--json", "-q")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert _json(r)["dropped_roles"] == ["ema", "optimizer", "trainer"]
+    _, man = unickpt.read_manifest(tmp_path / "dst")
+    assert {role for role, _ in man.tensors} == {"model", "master"} and man.state == {}
+    assert _cli("verify", str(tmp_path / "dst"), "-q").returncode == 0
+
+
+def test_reshard_refuses_an_unknown_role_naming_the_roles_it_has(tmp_path):
+    src = _roles_ckpt(tmp_path)
+    line = _one_line(_cli("reshard", str(src), str(tmp_path / "dst"), "--drop-role", "optimiser"))
+    assert "'optimiser'" in line and "ema, master, model, optimizer, trainer" in line
+    assert not (tmp_path / "dst").exists()
+    line = _one_line(_cli("reshard", str(src), str(tmp_path / "dst"), *sum((["--drop-role", x] for x in
+                                                                           ("model", "master", "optimizer", "ema")), [])))
+    assert "would leave no tensors" in line
+
+
+def test_drop_optimizer_is_a_deprecated_alias(tmp_path):
+    src = _roles_ckpt(tmp_path)
+    r = _cli("reshard", str(src), str(tmp_path / "dst"), "--drop-optimizer", "-q", "--json")
+    assert r.returncode == 0
+    assert r.stderr.strip() == "unickpt reshard: warning: --drop-optimizer is deprecated; use --drop-role optimizer"
+    assert _json(r)["warnings"] == ["--drop-optimizer is deprecated; use --drop-role optimizer"]
+    _, man = unickpt.read_manifest(tmp_path / "dst")
+    assert "optimizer" not in {role for role, _ in man.tensors} and man.state == {"trainer": {"step": 7}}
+
+
+def test_export_writes_the_config_given(tmp_path):
+    p = _ckpt(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    r = _cli("export", str(p), str(tmp_path / "hf"), "--config", str(tmp_path / "config.json"), "-q", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "llama"
+
+
+def test_the_package_is_typed():
+    from importlib.resources import files
+
+    assert files("unickpt").joinpath("py.typed").is_file()

@@ -1,5 +1,13 @@
-"""Command line: ``unickpt inspect PATH [--json]``, ``unickpt verify PATH``,
-``unickpt export SRC DST [--dtype bf16|fp16|fp32]``."""
+"""Command line: ``unickpt inspect|verify|export|reshard|convert``.
+
+Every command takes ``--json`` (exactly one JSON object on stdout: the result, its figures,
+or the error), ``-q/--quiet`` (no progress) and ``--debug``. Exit codes: 0 done, 1 a
+verification found damage, 2 an error of the user or the input (one line on stderr, never a
+traceback: bad arguments, missing or odd paths, typed checkpoint errors, broken pipes,
+Ctrl-C), 3 a bug in unickpt (one line and a hint; the traceback with ``--debug`` or
+``UNICKPT_DEBUG=1``). Progress goes to stderr: a tqdm bar on a terminal, a line every
+~5 s or 10% otherwise.
+"""
 
 from __future__ import annotations
 
@@ -8,18 +16,95 @@ import json
 import os
 import sys
 import time
+import traceback
+from typing import Any, Callable
 
 from . import __version__
-from ._metrics import human_bytes
-from .errors import UnickptError
+from ._metrics import gbps, human_bytes
+from .errors import InvalidArgumentError, UnickptError
 from .loader import read_manifest
 from .manifest import Manifest
+
+__all__ = ["main", "verify_checkpoint"]
+
+OK, FAILED, ERROR, BUG = 0, 1, 2, 3
+#: errors of the user, the input or the environment: one line, exit 2
+USER_ERRORS = (UnickptError, OSError, ValueError, NotImplementedError)
+Progress = Callable[[int, int], None] | None
+
+
+class UsageError(Exception):
+    """The command line itself is wrong (argparse's message, or an option value)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises :class:`UsageError` instead of printing usage and exiting."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+class _Progress:
+    """The ``progress(done, total)`` callback of one command, on stderr: a tqdm bar on a
+    terminal; otherwise a line each ``every_s`` seconds or 10% of the bytes; nothing with
+    ``quiet``."""
+
+    every_s = 5.0
+
+    def __init__(self, label: str, quiet: bool) -> None:
+        self.label, self.on = label, not quiet
+        self.tty = self.on and sys.stderr.isatty()
+        self.bar: Any = None
+        self.t0 = self.last = time.perf_counter()
+        self.tenth = 0
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.on:
+            return
+        if self.tty:
+            if self.bar is None:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, desc=self.label, unit="B", unit_scale=True, file=sys.stderr,
+                                leave=False, dynamic_ncols=True)
+            if self.bar.total != total:
+                self.bar.total = total
+            self.bar.update(done - self.bar.n)
+            return
+        now, tenth = time.perf_counter(), done * 10 // max(total, 1)
+        if tenth > self.tenth or now - self.last >= self.every_s:
+            self.tenth, self.last = tenth, now
+            print(f"unickpt {self.label}: {100 * done / max(total, 1):.0f}% ({human_bytes(done)} of "
+                  f"{human_bytes(total)}), {gbps(done, now - self.t0):.2f} GB/s", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _with_progress(label: str, args, fn: Callable[[Progress], Any]):
+    """``fn(progress)`` with this command's progress on stderr."""
+    p = _Progress(label, args.quiet)
+    try:
+        return fn(p)
+    finally:
+        p.close()
 
 
 def _safe(v) -> str:
     """Text from a checkpoint, printable: control characters (terminal escape sequences a
     crafted manifest could carry) are shown escaped."""
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(v))
+
+
+def _warn(args, text: str) -> None:
+    """A warning line on stderr, also listed in the ``--json`` object."""
+    print(f"unickpt {args.cmd}: warning: {text}", file=sys.stderr)
+    args.warnings.append(text)
+
+
+# --- commands: each returns (exit code, result for --json, text for stdout) -----------------
 
 
 def _codec_counts(man: Manifest) -> dict[str, int]:
@@ -29,7 +114,7 @@ def _codec_counts(man: Manifest) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def _inspect(args) -> int:
+def _inspect(args):
     ckpt, man = read_manifest(args.path)
     roles: dict[str, int] = {}
     for role, _ in man.tensors:
@@ -50,49 +135,65 @@ def _inspect(args) -> int:
         "saved_by": man.saved_by,
         "extra": man.extra,
     }
+    if args.tensors:
+        info["tensor_list"] = [{"role": r, "name": n, "dtype": t.dtype, "shape": list(t.shape), "codec": t.codec,
+                                "file": t.file} for (r, n), t in sorted(man.tensors.items())]
     if args.json:
-        print(json.dumps(info, indent=2))
-        return 0
-    print(f"checkpoint   {_safe(ckpt)}")
-    print(f"format       unickpt v{man.format_version}, step {man.step}, created {_safe(man.created)}")
+        return OK, info, ""
     sb = man.saved_by
-    print(f"saved by     {sb.get('world_size', '?')} ranks on {len(sb.get('nodes', []))} node(s), unickpt {_safe(sb.get('unickpt_version', '?'))}")
+    lines = [
+        f"checkpoint   {_safe(ckpt)}",
+        f"format       unickpt v{man.format_version}, step {man.step}, created {_safe(man.created)}",
+        f"saved by     {sb.get('world_size', '?')} ranks on {len(sb.get('nodes', []))} node(s), "
+        f"unickpt {_safe(sb.get('unickpt_version', '?'))}",
+    ]
     if sb.get("strategy"):
-        print(f"strategy     {_safe(json.dumps(sb['strategy']))}")
-    print(f"size         {human_bytes(man.total_bytes)} in {len(man.files)} files, {len(man.tensors)} tensors")
+        lines.append(f"strategy     {_safe(json.dumps(sb['strategy']))}")
+    lines.append(f"size         {human_bytes(man.total_bytes)} in {len(man.files)} files, {len(man.tensors)} tensors")
     if man.compression:
         c = man.compression
-        print(f"compression  quant {c.get('quant') or 'O0'}, master {c.get('master', 'full')}, zstd {c.get('zstd') or 'off'}; "
-              + ", ".join(f"{k} x{n}" for k, n in info["codecs"].items()))
+        lines.append(f"compression  quant {c.get('quant') or 'O0'}, master {c.get('master', 'full')}, "
+                     f"zstd {c.get('zstd') or 'off'}; " + ", ".join(f"{k} x{n}" for k, n in info["codecs"].items()))
     for role, n in man.bytes_by_role().items():
-        print(f"  {role:<11}{human_bytes(n):>12}  {roles.get(role, 0)} tensors")
+        lines.append(f"  {role:<11}{human_bytes(n):>12}  {roles.get(role, 0)} tensors")
     if args.tensors:
         for (role, name), t in sorted(man.tensors.items()):
             codec = "" if t.codec == "raw" else f"  [{t.codec}]"
             sums = [c[2] for *_, cs in t.stored() for c in cs]
-            print(f"  {role}/{_safe(name)}  {t.dtype}{list(t.shape)}{codec}  {t.file}  {' '.join(sums[:4])}{' ...' if len(sums) > 4 else ''}")
-    return 0
+            lines.append(f"  {role}/{_safe(name)}  {t.dtype}{list(t.shape)}{codec}  {t.file}  "
+                         f"{' '.join(sums[:4])}{' ...' if len(sums) > 4 else ''}")
+    return OK, info, "\n".join(lines)
 
 
-def _verify(args) -> int:
+def _verify(args):
+    t0 = time.perf_counter()
     ckpt, man = read_manifest(args.path)  # (format >= 2: the manifest's own checksum is checked here)
-    bad = verify_checkpoint(ckpt, man, progress=not args.quiet)
+    bad = _with_progress("verify", args, lambda progress: verify_checkpoint(ckpt, man, progress))
+    secs = time.perf_counter() - t0
+    nbytes = sum(t.nbytes for t in man.tensors.values())
+    res: dict[str, Any] = {"path": ckpt, "tensors": len(man.tensors), "files": len(man.files), "other_files": len(man.aux),
+                           "bytes": nbytes, "seconds": secs, "gbps": gbps(nbytes, secs),
+                           "bad": [{"file": f, "tensor": n, "reason": why} for f, n, why in bad]}
     if bad:
-        for f, n, why in bad:
-            print(f"BAD  {f}: {'tensor ' + repr(_safe(n)) + ': ' if n else ''}{why}", file=sys.stderr)
         tensors = {(f, n) for f, n, _ in bad if n}
         others = sorted({f for f, n, _ in bad if not n})
-        print(f"{len(tensors)} of {len(man.tensors)} tensors failed verification"
-              + (f"; so did {', '.join(others)}" if others else ""), file=sys.stderr)
-        return 1
+        summary = (f"{len(tensors)} of {len(man.tensors)} tensors failed verification"
+                   + (f"; so did {', '.join(others)}" if others else ""))
+        if not args.json:
+            for f, n, why in bad:
+                print(f"BAD  {_safe(f)}: {'tensor ' + repr(_safe(n)) + ': ' if n else ''}{_safe(why)}", file=sys.stderr)
+        print(f"unickpt verify: {_safe(summary)}", file=sys.stderr)
+        res["error"] = {"type": "ChecksumError", "message": summary}
+        return FAILED, res, ""
     extra = f" and {len(man.aux)} other files" if man.aux else ""
     note = "" if man.format_version >= 2 else " (format 1: the manifest, headers and other files carry no checksum)"
-    print(f"ok: {len(man.tensors)} tensors in {len(man.files)} files{extra} match their checksums{note}")
-    return 0
+    return OK, res, (f"ok: {len(man.tensors)} tensors in {len(man.files)} files{extra} match their checksums{note} "
+                     f"({human_bytes(nbytes)} in {secs:.2f} s, {gbps(nbytes, secs):.2f} GB/s)")
 
 
-def verify_checkpoint(ckpt: str, man: Manifest, progress: bool = False) -> list[tuple[str, str, str]]:
-    """Check every stored tensor against its checksum; return ``(file, tensor, reason)``."""
+def verify_checkpoint(ckpt: str, man: Manifest, progress: Progress = None) -> list[tuple[str, str, str]]:
+    """Check every stored tensor against its checksum; return ``(file, tensor, reason)``.
+    ``progress(done, total)`` is called with the bytes checked so far."""
     import torch
 
     from .format import Hasher
@@ -101,7 +202,6 @@ def verify_checkpoint(ckpt: str, man: Manifest, progress: bool = False) -> list[
 
     storage, _ = storage_for(ckpt)
     total = sum(t.nbytes for t in man.tensors.values())
-    bar = _Bar(total, "verify") if progress else None
     buf = torch.empty(WINDOW, dtype=torch.uint8)
     bad: list[tuple[str, str, str]] = []
     by_file: dict[str, list] = {}
@@ -122,12 +222,10 @@ def verify_checkpoint(ckpt: str, man: Manifest, progress: bool = False) -> list[
                     what = f"part {part!r}" if part else "the tensor"
                     bad.append((fname, t.name, f"bytes [{b}, {e}) of {what} do not match their checksum"))
                 done += t.nbytes
-                if bar:
-                    bar.update(done)
+                if progress is not None:
+                    progress(done, total)
         finally:
             reader.close()
-    if bar:
-        bar.close()
     if man.format_version >= 2:  # files tools read (export copies config.json) must be listed
         for name in ("config.json", "model.safetensors.index.json"):
             if name not in man.aux and storage.exists(storage.join(ckpt, name)):
@@ -143,86 +241,47 @@ def verify_checkpoint(ckpt: str, man: Manifest, progress: bool = False) -> list[
     return bad
 
 
-class _Bar:
-    """A minimal progress bar on stderr (only when it is a terminal)."""
-
-    def __init__(self, total: int, label: str) -> None:
-        self.total, self.label = max(total, 1), label
-        self.t0 = time.perf_counter()
-        self.tty = sys.stderr.isatty()
-        self.last = 0.0
-
-    def update(self, done: int) -> None:
-        now = time.perf_counter()
-        if not self.tty or (now - self.last < 0.1 and done < self.total):
-            return
-        self.last = now
-        frac = min(done / self.total, 1.0)
-        rate = done / max(now - self.t0, 1e-9) / 1e9
-        bar = "#" * int(frac * 30)
-        sys.stderr.write(f"\r{self.label} [{bar:<30}] {frac * 100:5.1f}% {human_bytes(done)} {rate:.2f} GB/s")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.tty:
-            sys.stderr.write("\n")
-
-    def progress(self, done: int, total: int) -> None:
-        """Use as a library ``progress=`` callback."""
-        self.total = max(total, 1)
-        self.update(done)
-
-
-def _with_bar(label: str, quiet: bool, fn):
-    """Run ``fn(progress)`` with a progress bar on stderr (none with ``quiet``)."""
-    bar = _Bar(1, label) if not quiet else None
-    try:
-        return fn(bar and bar.progress)
-    finally:
-        if bar:
-            bar.close()
-
-
-def _export(args) -> int:
+def _export(args):
     from .export import DTYPE_NAMES, export_hf
 
-    res = _with_bar("export", args.quiet, lambda progress: export_hf(
+    max_shard = _size(args.max_shard_size)
+    res = _with_progress("export", args, lambda progress: export_hf(
         args.src, args.dst, dtype=DTYPE_NAMES[args.dtype] if args.dtype else None,
-        max_shard_bytes=_size(args.max_shard_size), overwrite=args.overwrite, progress=progress,
+        max_shard_bytes=max_shard, config=args.config, overwrite=args.overwrite, progress=progress,
     ))
-    print(f"exported {res['tensors']} tensors ({human_bytes(res['bytes'])}) in {res['files']} files to {res['path']} "
-          f"in {res['seconds']:.2f} s ({res['gbps']:.2f} GB/s)")
-    return 0
+    return OK, res, (f"exported {res['tensors']} tensors ({human_bytes(res['bytes'])}) in {res['files']} files to "
+                     f"{_safe(res['path'])} in {res['seconds']:.2f} s ({res['gbps']:.2f} GB/s)")
 
 
-def _reshard(args) -> int:
+def _reshard(args):
     from .offline import reshard_offline
 
-    res = _with_bar("reshard", args.quiet, lambda progress: reshard_offline(
-        args.src, args.dst, drop_optimizer=args.drop_optimizer, master=args.master, quant=args.quant,
-        max_file_bytes=_size(args.max_file_size) if args.max_file_size else None, zstd=args.zstd,
-        overwrite=args.overwrite, progress=progress,
+    drop = list(args.drop_role)
+    if args.drop_optimizer:
+        _warn(args, "--drop-optimizer is deprecated; use --drop-role optimizer")
+        drop.append("optimizer")
+    max_file = _size(args.max_file_size) if args.max_file_size else None
+    res = _with_progress("reshard", args, lambda progress: reshard_offline(
+        args.src, args.dst, drop_roles=drop, master=args.master, quant=args.quant,
+        max_file_bytes=max_file, zstd=args.zstd, overwrite=args.overwrite, progress=progress,
     ))
-    print(f"wrote {res['tensors']} tensors ({human_bytes(res['bytes'])}, {human_bytes(res['stored_bytes'])} on disk) "
-          f"to {res['path']} in {res['seconds']:.2f} s")
-    return 0
+    res = dict(res, dropped_roles=sorted(set(drop)))
+    return OK, res, (f"wrote {res['tensors']} tensors ({human_bytes(res['bytes'])}, {human_bytes(res['stored_bytes'])} "
+                     f"on disk) to {_safe(res['path'])} in {res['seconds']:.2f} s ({res['gbps']:.2f} GB/s)")
 
 
-def _convert(args) -> int:
+def _convert(args):
     from .offline import convert_from_dcp
 
-    res = _with_bar("convert", args.quiet,
-                    lambda progress: convert_from_dcp(args.from_dcp, args.dst, overwrite=args.overwrite, progress=progress))
-    print(f"converted {res['tensors']} tensors ({human_bytes(res['bytes'])}) to {res['path']} in {res['seconds']:.2f} s"
-          + (f"; skipped {len(res['skipped'])} non-tensor entries" if res["skipped"] else ""))
-    return 0
+    res = _with_progress("convert", args, lambda progress: convert_from_dcp(
+        args.from_dcp, args.dst, overwrite=args.overwrite, progress=progress))
+    return OK, res, (f"converted {res['tensors']} tensors ({human_bytes(res['bytes'])}) to {_safe(res['path'])} in "
+                     f"{res['seconds']:.2f} s" + (f"; skipped {len(res['skipped'])} non-tensor entries" if res["skipped"] else ""))
 
 
 def _size(text: str) -> int:
     """``5GiB``, ``512M``, ``4096``: a positive whole number of bytes (InvalidArgumentError otherwise)."""
     import math
-
-    from .errors import InvalidArgumentError
 
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
     t = text.strip().upper().removesuffix("B").removesuffix("I")
@@ -236,56 +295,147 @@ def _size(text: str) -> int:
     return int(v)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="unickpt", description="Unified distributed checkpoints.")
+# --- the command line ----------------------------------------------------------------------
+
+
+def _parser() -> _Parser:
+    common = _Parser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout "
+                        "(the result and its figures, or the error); progress and logs go to stderr")
+    common.add_argument("-q", "--quiet", action="store_true", help="no progress bar or progress lines")
+    common.add_argument("--debug", action="store_true", help="show the traceback of an internal error "
+                        "(also UNICKPT_DEBUG=1)")
+    p = _Parser(prog="unickpt", description="Unified distributed checkpoints.",
+                epilog="exit codes: 0 done, 1 verification failed, 2 error (one line on stderr), 3 internal error")
     p.add_argument("--version", action="version", version=f"unickpt {__version__}")
     p.add_argument("--storage-options", metavar="JSON",
                    help="options of the fsspec file system of s3://, gs://... paths, as a JSON object (e.g. "
                         "'{\"client\": \"s3fs\"}'); default: $UNICKPT_STORAGE_OPTIONS, credentials from the standard "
                         "AWS environment")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    pi = sub.add_parser("inspect", help="describe a checkpoint")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    pi = sub.add_parser("inspect", parents=[common], help="describe a checkpoint")
     pi.add_argument("path", help="checkpoint directory, or a root of step-* checkpoints (newest)")
-    pi.add_argument("--json", action="store_true", help="print one JSON object")
     pi.add_argument("--tensors", action="store_true", help="list every tensor")
     pi.set_defaults(fn=_inspect)
-    pv = sub.add_parser("verify", help="check every tensor against its checksum (exit 1 on mismatch)")
-    pv.add_argument("path")
-    pv.add_argument("-q", "--quiet", action="store_true")
+    pv = sub.add_parser("verify", parents=[common], help="check every tensor against its checksum (exit 1 on mismatch)")
+    pv.add_argument("path", help="checkpoint directory, or a root of step-* checkpoints (newest)")
     pv.set_defaults(fn=_verify)
-    pe = sub.add_parser("export", help="write the model weights as a Hugging Face model folder")
+    pe = sub.add_parser("export", parents=[common], help="write the model weights as a Hugging Face model folder")
     pe.add_argument("src", help="checkpoint directory, or a root of step-* checkpoints (newest)")
     pe.add_argument("dst", help="destination folder (created atomically)")
     pe.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast the weights (default: as stored)")
-    pe.add_argument("--max-shard-size", default="5GiB", help="largest safetensors shard (default 5GiB)")
+    pe.add_argument("--max-shard-size", default="5GiB", metavar="SIZE", help="largest safetensors shard (default 5GiB)")
+    pe.add_argument("--config", metavar="FILE", help="the config.json to write into DST: the file, or a folder holding it (default: the checkpoint's own)")
     pe.add_argument("--overwrite", action="store_true", help="replace DST (kept intact until the new one is in place)")
-    pe.add_argument("-q", "--quiet", action="store_true")
     pe.set_defaults(fn=_export)
-    pr = sub.add_parser("reshard", help="rewrite a checkpoint offline (other file sizes, fewer roles), streaming")
-    pr.add_argument("src")
-    pr.add_argument("dst")
-    pr.add_argument("--quant", choices=["O0", "O1", "O2"], default="O0", help="Adam moments: O1 8-bit, O2 4-bit (O0: as stored, decoded)")
-    pr.add_argument("--master", choices=["full", "residual", "drop"], default="full", help="fp32 masters: full, residual (bf16 + 2 bytes, bit-exact) or drop (rebuilt from the model)")
-    pr.add_argument("--drop-optimizer", action="store_true")
-    pr.add_argument("--max-file-size", help="split files beyond this size (e.g. 2GiB)")
+    pr = sub.add_parser("reshard", parents=[common],
+                        help="rewrite a checkpoint offline (other file sizes, fewer roles, compression), streaming")
+    pr.add_argument("src", help="checkpoint directory, or a root of step-* checkpoints (newest)")
+    pr.add_argument("dst", help="destination checkpoint (created atomically)")
+    pr.add_argument("--quant", choices=["O0", "O1", "O2"], default="O0",
+                    help="Adam moments: O1 8-bit, O2 4-bit (O0: as stored, decoded)")
+    pr.add_argument("--master", choices=["full", "residual", "drop"], default="full",
+                    help="fp32 masters: full, residual (bf16 + 2 bytes, bit-exact) or drop (rebuilt from the model)")
+    pr.add_argument("--drop-role", action="append", default=[], metavar="ROLE",
+                    help="leave out this role (tensors and JSON state); repeat for several")
+    pr.add_argument("--drop-optimizer", action="store_true", help="deprecated: --drop-role optimizer")
+    pr.add_argument("--max-file-size", metavar="SIZE", help="split files beyond this size (e.g. 2GiB)")
     pr.add_argument("--zstd", type=int, metavar="LEVEL", help="zstd-frame optimizer and master files (model files stay plain)")
-    pr.add_argument("--overwrite", action="store_true")
-    pr.add_argument("-q", "--quiet", action="store_true")
+    pr.add_argument("--overwrite", action="store_true", help="replace DST (kept intact until the new one is in place)")
     pr.set_defaults(fn=_reshard)
-    pc = sub.add_parser("convert", help="import a torch.distributed.checkpoint directory, streaming")
-    pc.add_argument("--from-dcp", required=True, metavar="DCP_DIR")
-    pc.add_argument("dst")
-    pc.add_argument("--overwrite", action="store_true")
-    pc.add_argument("-q", "--quiet", action="store_true")
+    pc = sub.add_parser("convert", parents=[common], help="import a torch.distributed.checkpoint directory, streaming")
+    pc.add_argument("--from-dcp", required=True, metavar="DCP_DIR", help="the torch.distributed.checkpoint directory")
+    pc.add_argument("dst", help="destination checkpoint (created atomically)")
+    pc.add_argument("--overwrite", action="store_true", help="replace DST (kept intact until the new one is in place)")
     pc.set_defaults(fn=_convert)
-    args = p.parse_args(argv)
-    if args.storage_options is not None:
-        os.environ["UNICKPT_STORAGE_OPTIONS"] = args.storage_options
+    return p
+
+
+def _command_of(argv: list[str]) -> str | None:
+    return next((a for a in argv if a in ("inspect", "verify", "export", "reshard", "convert")), None)
+
+
+def _where(e: BaseException) -> str:
+    """``file.py:line`` of the innermost frame of unickpt in ``e``'s traceback."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if os.path.dirname(os.path.abspath(f.filename)) == here]
+    return f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
+
+
+def _stdout_gone() -> None:
+    """After a broken pipe (``unickpt inspect ... | head``): Python's documented recipe, point
+    stdout at devnull so the interpreter's final flush does not fail again."""
     try:
-        return args.fn(args)
-    except (UnickptError, NotImplementedError, ValueError, OSError) as e:
-        print(f"unickpt {args.cmd}: {type(e).__name__}: {_safe(e)}", file=sys.stderr)
-        return 2
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout is not a file (redirected in-process)
+        pass
+
+
+def _run(argv: list[str]) -> tuple[int, dict, str]:
+    """Parse and run one command; typed results, or an exception."""
+    args = _parser().parse_args(argv)
+    if args.storage_options is not None:
+        try:
+            opts = json.loads(args.storage_options)
+        except ValueError as e:
+            raise UsageError(f"--storage-options: not JSON ({e})") from None
+        if not isinstance(opts, dict):
+            raise UsageError("--storage-options: expected a JSON object such as '{\"client\": \"s3fs\"}'")
+        os.environ["UNICKPT_STORAGE_OPTIONS"] = args.storage_options
+    args.warnings = []
+    rc, res, text = args.fn(args)
+    if args.warnings:
+        res = dict(res, warnings=args.warnings)
+    return rc, res, text
+
+
+def _out(text: str) -> bool:
+    """``text`` on stdout; False when the reader has gone (broken pipe)."""
+    try:
+        print(text)
+        sys.stdout.flush()
+        return True
+    except BrokenPipeError:
+        _stdout_gone()
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``unickpt ARGV``; return the exit code (0, 1, 2 or 3: see the module docstring)."""
+    argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
+    cmd = _command_of(argv)
+    as_json = "--json" in argv
+    debug = "--debug" in argv or os.environ.get("UNICKPT_DEBUG", "") not in ("", "0")
+    prefix = f"unickpt {cmd}" if cmd else "unickpt"
+    try:
+        rc, res, text = _run(argv)
+    except KeyboardInterrupt:
+        rc, error, line = ERROR, {"type": "KeyboardInterrupt", "message": "interrupted"}, "interrupted (Ctrl-C)"
+    except UsageError as e:
+        rc, error, line = ERROR, {"type": "UsageError", "message": str(e)}, f"error: {e}"
+    except SystemExit as e:  # --help, --version: argparse printed them
+        return e.code if isinstance(e.code, int) else OK
+    except USER_ERRORS as e:
+        if debug:
+            traceback.print_exc()
+        rc, error, line = ERROR, {"type": type(e).__name__, "message": str(e)}, f"{type(e).__name__}: {e}"
+    except Exception as e:
+        if debug:
+            raise
+        rc, error = BUG, {"type": type(e).__name__, "message": str(e), "internal": True}
+        line = (f"internal error: {type(e).__name__}: {e}{_where(e)} (a bug in unickpt; rerun with --debug or "
+                "UNICKPT_DEBUG=1 for the traceback and report it)")
+    else:
+        out = json.dumps({"command": cmd, "ok": rc == OK, "exit_code": rc, **res}, indent=2, default=str) if as_json else text
+        if out and not _out(out):
+            print(f"{prefix}: stdout was closed before the output was complete (broken pipe)", file=sys.stderr)
+            return ERROR
+        return rc
+    print(f"{prefix}: {_safe(line)}", file=sys.stderr)
+    if as_json:
+        _out(json.dumps({"command": cmd, "ok": False, "exit_code": rc, "error": error}, indent=2))
+    return rc
 
 
 if __name__ == "__main__":  # pragma: no cover
