@@ -109,7 +109,7 @@ def test_convert_from_dcp(tmp_path):
     assert r.returncode == 0, r.stderr
     _, man = unickpt.read_manifest(tmp_path / "uni")
     assert set(man.tensors) == {("model", "a.weight"), ("model", "b"), ("optim", "exp_avg.a.weight")}
-    assert man.extra["skipped_non_tensors"] == ["step"]
+    assert man.extra["skipped_non_tensors"] == [] and man.state["step"] == 3  # non-tensor state is kept
     t = {"model": {"a.weight": torch.zeros(10, 7), "b": torch.zeros(5, dtype=torch.int64)},
          "optim": {"exp_avg": {"a.weight": torch.zeros(10, 7)}}}
     unickpt.load(t, tmp_path / "uni")

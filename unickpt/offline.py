@@ -13,14 +13,14 @@ import datetime as _dt
 import math
 import os
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
 from . import __version__
 from . import commit as _commit
 from ._metrics import gbps, human_bytes, log
-from .errors import FormatError, StateDictError, UnickptError
+from .errors import FormatError, InvalidArgumentError, StateDictError, UnickptError
 from .format import Hasher, block_sums, build_header, dtype_name, itemsize, order_key, torch_dtype
 from .loader import open_files, read_manifest, read_whole
 from .codecs import split_master
@@ -177,21 +177,23 @@ class _Writer:
 
 
 def reshard_offline(
-    src, dst, *, drop_optimizer: bool = False, master: str = "full", quant: str | None = "O0",
+    src, dst, *, drop_roles: Iterable[str] = (), master: str = "full", quant: str | None = "O0",
     max_file_bytes: int | None = None, zstd: int | None = None, eps: float | None = None, block: int = 64,
     overwrite: bool = False, progress: Progress = None,
 ) -> dict:
     """Rewrite checkpoint ``src`` at ``dst``, one tensor at a time: other file sizes, without
-    the optimizer (``drop_optimizer``), with the moments quantized (``quant`` O1/O2; O0
-    stores them decoded), masters ``full``/``residual``/``drop``, zstd-framed optimizer and
-    master files; fresh checksums. ``eps`` defaults to the source's (when it was quantized),
-    else 1e-8."""
+    the roles in ``drop_roles`` (their tensors and JSON state; e.g. ``["optimizer"]``), with
+    the moments quantized (``quant`` O1/O2; O0 stores them decoded), masters
+    ``full``/``residual``/``drop``, zstd-framed optimizer and master files; fresh checksums.
+    ``eps`` defaults to the source's (when it was quantized), else 1e-8. A role the
+    checkpoint lacks is an :class:`InvalidArgumentError` naming the roles it has."""
     t0 = time.perf_counter()
     ckpt, man = read_manifest(src)
+    drop = _roles_to_drop(ckpt, man, drop_roles)
     if eps is None:
         eps = float((man.compression or {}).get("eps", 1e-8))
     comp = Compression(quant=quant, master=master, zstd=zstd, eps=eps, block=block)
-    keep = [t for t in man.tensors.values() if not (drop_optimizer and t.role == "optimizer")]
+    keep = [t for t in man.tensors.values() if t.role not in drop]
     models = {t.name: t for t in keep if t.role == "model"}
     entries = []
     for t in keep:
@@ -225,7 +227,8 @@ def reshard_offline(
             if progress:
                 progress(done, total)
         strategy = dict(man.saved_by.get("strategy") or {}, resharded_from=ckpt)
-        path = w.commit(step=man.step, state=man.state, extra=man.extra, strategy=strategy,
+        state = {k: v for k, v in man.state.items() if k not in drop}
+        path = w.commit(step=man.step, state=state, extra=man.extra, strategy=strategy,
                         compression=comp.to_json() if comp.active else None)
     except BaseException:
         w.abort()
@@ -241,65 +244,192 @@ def reshard_offline(
             "gbps": gbps(total, secs)}
 
 
-def convert_from_dcp(dcp_dir, dst, *, overwrite: bool = False, progress: Progress = None) -> dict:
-    """Import a torch.distributed.checkpoint directory, one tensor at a time. Keys
-    ``role.rest`` whose first component is a valid role name keep it as the role; others go to
-    role ``other``. Non-tensor entries (pickled objects in DCP) are skipped and listed."""
-    import re
+def _roles_to_drop(ckpt: str, man: Manifest, drop_roles: Iterable[str]) -> set[str]:
+    """``drop_roles`` as a set, each a role of the checkpoint (tensors or JSON state), leaving
+    some tensors; InvalidArgumentError otherwise."""
+    drop = {drop_roles} if isinstance(drop_roles, str) else set(drop_roles)
+    have = {t.role for t in man.tensors.values()} | set(man.state)
+    unknown = sorted(drop - have)
+    if unknown:
+        raise InvalidArgumentError(f"{ckpt}: cannot drop role {', '.join(map(repr, unknown))}: the checkpoint has "
+                                   f"roles {', '.join(sorted(have)) or '(none)'}")
+    if man.tensors and all(t.role in drop for t in man.tensors.values()):
+        raise InvalidArgumentError(f"{ckpt}: dropping {', '.join(sorted(drop))} would leave no tensors")
+    return drop
 
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
+
+def convert_from_dcp(dcp_dir, dst, *, overwrite: bool = False, progress: Progress = None) -> dict:
+    """Import a torch.distributed.checkpoint directory, one tensor at a time. Each key's path
+    comes from the metadata's ``planner_data`` (DCP's flattening: ``fqn -> path``, validated;
+    without it, the key itself): a path ``(role, *rest)`` whose ``role`` is a valid role name
+    stores tensor ``".".join(rest)`` of that role; others go to role ``other`` under the key.
+    Non-tensor entries are read with ``torch.load(weights_only=True)`` only (never DCP's full
+    unpickling); JSON values go into the manifest's state at their path (so ``unickpt.load``
+    restores e.g. an optimizer's ``param_groups``). The others are listed in ``skipped``
+    (``"key: reason"``), logged, and recorded in the manifest's ``extra``."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from .dcp_safe import SafeFileSystemReader, read_dcp_metadata
+    from .state import _ROLE
 
     t0 = time.perf_counter()
     # untrusted input: .metadata is unpickled only through dcp_safe's allow-list (DCP's own
     # reader runs plain pickle.load on it) and validated; FormatError otherwise
     meta = read_dcp_metadata(dcp_dir)
-    role_re = re.compile(r"[a-z][a-z0-9_]{0,31}")
-    entries, skipped, keymap = [], [], {}
+    paths = _dcp_paths(dcp_dir, meta)
+    entries, keymap, byte_keys = [], {}, []
     for key, md in sorted(meta.state_dict_metadata.items()):
         if not isinstance(md, TensorStorageMetadata):
-            skipped.append(key)
+            byte_keys.append(key)
             continue
-        head, _, rest = key.partition(".")
-        role, name = (head, rest) if rest and role_re.fullmatch(head) else ("other", key)
+        path = paths[key]
+        role, name = (path[0], ".".join(map(str, path[1:]))) if len(path) > 1 and _ROLE.match(path[0]) \
+            else ("other", key)
         why = name_problem(name)
         if why:
             raise StateDictError(f"{dcp_dir}: key {key!r} cannot be imported: {why}")
+        if (role, name) in keymap:
+            raise StateDictError(f"{dcp_dir}: keys {keymap[(role, name)]!r} and {key!r} both map to tensor {name!r} "
+                                 f"of role {role}")
         entries.append((role, name, dtype_name(md.properties.dtype), tuple(md.size)))
         keymap[(role, name)] = key
     _check_dcp_claims(dcp_dir, meta, {keymap[(e[0], e[1])]: e for e in entries})
+    state, skipped = _dcp_json_state(dcp_dir, meta, byte_keys, paths)
     w = _Writer(dst, overwrite)
     total = sum(math.prod(e[3]) * itemsize(e[2]) for e in entries)
     done = 0
     try:
         for role, name, dt, shape, _ in w.layout(entries, None):
             x = torch.empty(shape, dtype=torch_dtype(dt))
-            # tensor entries only: DCP unpickles non-tensor (bytes) entries with weights_only=False
-            try:
-                dcp.load({keymap[(role, name)]: x}, storage_reader=SafeFileSystemReader(dcp_dir, metadata=meta),
-                         no_dist=True)
-            except CheckpointException as e:  # a BaseException: unwrap what the reader raised
-                inner = next((exc for exc, _ in e.failures.values()), None)
-                if isinstance(inner, UnickptError):
-                    raise inner from None
-                raise FormatError(f"{dcp_dir}: cannot read tensor {keymap[(role, name)]!r} "
-                                  f"({type(inner).__name__}: {inner})") from None
+            # tensor entries only here: DCP's planner unpickles bytes entries with weights_only=False
+            _dcp_load(dcp_dir, {keymap[(role, name)]: x}, SafeFileSystemReader(dcp_dir, metadata=meta), None,
+                      f"tensor {keymap[(role, name)]!r}")
             w.write(role, name, x)
             done += x.numel() * x.element_size()
             if progress:
                 progress(done, total)
-        path = w.commit(step=None, state={}, extra={"converted_from_dcp": os.path.abspath(os.fspath(dcp_dir)), "skipped_non_tensors": skipped},
+        path = w.commit(step=None, state=state, extra={"converted_from_dcp": os.path.abspath(os.fspath(dcp_dir)),
+                                                       "skipped_non_tensors": skipped},
                         strategy={"source": "torch.distributed.checkpoint"})
     except BaseException:
         w.abort()
         raise
     secs = time.perf_counter() - t0
     if skipped:
-        log.warning("convert: skipped %d non-tensor entries (DCP pickles them): %s", len(skipped), skipped[:10])
-    return {"path": path, "tensors": len(entries), "bytes": total, "seconds": secs, "skipped": skipped, "gbps": gbps(total, secs)}
+        log.warning("convert: skipped %d non-tensor entries that are not JSON values: %s", len(skipped), skipped[:10])
+    return {"path": path, "tensors": len(entries), "bytes": total, "seconds": secs, "skipped": skipped,
+            "gbps": gbps(total, secs)}
+
+
+_DCP_PATH_MAX = 64  # components of one key path
+
+
+def _dcp_paths(dcp_dir, meta) -> dict[str, tuple]:
+    """``fqn -> path`` from the metadata's ``planner_data`` (DCP's default planner: the key
+    paths its flattening made), validated: a non-empty tuple of str/int whose dotted join is
+    the key. Keys it does not map (or no planner_data: a flat state dict) are their own path."""
+    pd = getattr(meta, "planner_data", None)
+    if pd is None:
+        pd = {}
+    if not isinstance(pd, dict):
+        raise FormatError(f"{dcp_dir}: planner_data is a {type(pd).__name__}, not a dict of key paths")
+    out = {}
+    for key in meta.state_dict_metadata:
+        p = pd.get(key)
+        if p is None:
+            out[key] = (key,)
+            continue
+        if (type(p) not in (tuple, list) or not 0 < len(p) <= _DCP_PATH_MAX
+                or not all(type(c) is str or (type(c) is int and 0 <= c < (1 << 20)) for c in p)
+                or type(p[0]) is not str or ".".join(map(str, p)) != key):
+            raise FormatError(f"{dcp_dir}: planner_data maps key {key[:80]!r} to {str(p)[:80]}, not its path "
+                              "(components of str/int joined by '.')")
+        out[key] = tuple(p)
+    return out
+
+
+def _dcp_load(dcp_dir, state: dict, reader, planner, what: str) -> None:
+    """``dcp.load`` in this process; DCP's wrapped failure becomes the reader's typed error."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
+    except CheckpointException as e:  # a BaseException: unwrap what the reader raised
+        inner = next((exc for exc, _ in e.failures.values()), None)
+        if isinstance(inner, UnickptError):
+            raise inner from None
+        raise FormatError(f"{dcp_dir}: cannot read {what} ({type(inner).__name__}: {inner})") from None
+
+
+def _dcp_json_state(dcp_dir, meta, keys: list[str], paths: dict[str, tuple]) -> tuple[dict, list[str]]:
+    """The JSON values among DCP's bytes entries ``keys``, nested at their paths, and
+    ``"key: reason"`` for the others. Each entry is read through the confined reader and
+    unpickled with ``torch.load(weights_only=True)`` (torch's restricted unpickler) only."""
+    import io
+
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from .dcp_safe import SafeFileSystemReader
+    from .state import _is_json
+
+    if not keys:
+        return {}, []
+    values: dict[str, object] = {}
+    skipped: dict[str, str] = {}
+
+    class _WeightsOnly(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:  # never weights_only=False
+            k = read_item.dest_index.fqn
+            try:
+                values[k] = torch.load(value, weights_only=True)
+            except Exception as e:  # not loadable by the restricted unpickler: reported, not run
+                skipped[k] = f"refused by torch.load(weights_only=True) ({type(e).__name__}: {str(e)[:120]})"
+
+    _dcp_load(dcp_dir, {k: None for k in keys}, SafeFileSystemReader(dcp_dir, metadata=meta),
+              _WeightsOnly(flatten_state_dict=False, flatten_sharded_tensors=False), "its non-tensor entries")
+    state: dict = {}
+    for k in sorted(values):
+        v = values[k]
+        if not _is_json(v):
+            skipped[k] = f"a {type(v).__name__}, not a JSON value"
+            continue
+        try:
+            _put_json(state, paths[k], _json_copy(v))
+        except FormatError as e:
+            skipped[k] = str(e)
+    return state, [f"{k}: {skipped[k]}" for k in sorted(skipped)]
+
+
+def _json_copy(v):
+    """A plain-JSON copy (tuples become lists), as the manifest stores it."""
+    import json
+
+    return json.loads(json.dumps(v, allow_nan=False))
+
+
+def _put_json(root: dict, path: tuple, value) -> None:
+    """Set ``value`` at ``path`` below ``root`` (str: dict keys, int: list indices)."""
+    cur = root
+    for k, nxt in zip(path[:-1], path[1:]):
+        make = list if isinstance(nxt, int) else dict
+        if isinstance(cur, list):
+            cur.extend([None] * (k + 1 - len(cur)))
+            if cur[k] is None:
+                cur[k] = make()
+            cur = cur[k]
+        else:
+            cur = cur.setdefault(k, make())
+        if not isinstance(cur, make):
+            raise FormatError(f"its path {list(path)} crosses a value that is not a {make.__name__}")
+    last = path[-1]
+    if isinstance(cur, list):
+        if not isinstance(last, int):
+            raise FormatError(f"its path {list(path)} indexes a list with {last!r}")
+        cur.extend([None] * (last + 1 - len(cur)))
+    elif isinstance(last, int):
+        raise FormatError(f"its path {list(path)} indexes a dict with {last!r}")
+    cur[last] = value
 
 
 DCP_RATIO = 1 << 15  # most raw bytes one stored byte may claim under a compressing transform
