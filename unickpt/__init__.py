@@ -7,6 +7,7 @@ Public API::
     unickpt.load(state_dict, path, group=None, verify="auto") -> LoadResult
     unickpt.shard(local, shape, offsets=..., sizes=..., flat=..., replica=...) -> ShardedTensor
     unickpt.partition_flat(shapes, world, rank) -> ZeRO pieces of a flat buffer
+    unickpt.per_rank(value) -> a value stored once per rank (RNG states, data positions)
     unickpt.latest(root) -> newest committed checkpoint under root (or None)
     unickpt.sweep(root) -> remove temporaries of interrupted saves under root
     unickpt.retain(root, keep) -> delete all but the newest ``keep`` committed checkpoints
@@ -26,6 +27,7 @@ from .inference import load_for_inference
 from .saver import SaveResult
 from .api import save
 from .compress import Compression
+from .state import PerRank, per_rank
 
 
 def sweep(root, *, storage_options=None) -> list[str]:
@@ -90,4 +92,6 @@ __all__ = [
     "retain",
     "read_manifest",
     "load_for_inference",
+    "per_rank",
+    "PerRank",
 ]

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 from .async_save import checkpointer
 from .compress import Compression
 from .saver import DEFAULT_BUCKET, ProgressFn, SaveOptions, save_entries
+from .stateful import for_save
 from .transport import Comm
 
 __all__ = ["save"]
@@ -41,12 +42,19 @@ def save(
     compression: Compression | None = None,
     timeout_s: float | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    hf_config: Any = None,
 ):
     """Save ``state_dict`` as the checkpoint directory ``path``; collective over ``group``.
 
-    Every rank passes its own state dict: plain tensors (full, identical on every rank),
-    :class:`~unickpt.ShardedTensor` pieces, or ``DTensor``; nested dicts whose top-level keys
-    name roles (``model``, ``master``, ``optimizer``...); JSON values (kept from rank 0).
+    Every rank passes its own state dict: plain tensors (full, identical on every rank: a
+    save refuses plain tensors whose values differ between ranks), :class:`~unickpt.ShardedTensor`
+    pieces, or ``DTensor``; nested dicts whose top-level keys name roles (``model``,
+    ``master``, ``optimizer``...); JSON values (kept from rank 0); :func:`~unickpt.per_rank`
+    values (one per rank: RNG states, data positions). Top-level values may also be stateful
+    objects (``nn.Module``, optimizers, LR schedulers, anything with ``state_dict()`` and
+    ``load_state_dict()``): their state dicts are saved, as ``torch.distributed.checkpoint``
+    does (see :mod:`unickpt.stateful`). Tensors of one role that are the same memory (tied
+    weights) are stored once.
 
     Args:
         path: checkpoint directory; built under a hidden temporary sibling and renamed into
@@ -90,6 +98,10 @@ def save(
         storage_options: options of the fsspec file system of a URL ``path`` (endpoint,
             credentials...), ignored for local paths. A dict of JSON values (they travel to
             the asynchronous writer process as JSON); never shown in reprs or logs.
+        hf_config: a ``transformers`` config or model: its ``config.json`` (and
+            ``generation_config.json``) are written into the checkpoint, so the folder loads
+            with ``from_pretrained``. Automatic when a top-level value is a ``transformers``
+            model (unless ``extra_files`` has a ``config.json``).
 
     Every option is checked before anything is staged or written, and bad input raises the
     same typed error with or without ``async_save``: :class:`~unickpt.errors.StateDictError`
@@ -109,6 +121,8 @@ def save(
     err: BaseException | None = None
     opts = None
     try:
+        extra_files = _hf_files(state_dict, hf_config, extra_files)
+        state_dict = for_save(state_dict)
         opts = SaveOptions.of(
             step=step, extra=extra, overwrite=overwrite, bucket_bytes=bucket_bytes, max_file_bytes=max_file_bytes,
             direct_io=direct_io, strategy=strategy, extra_files=extra_files, quant=quant, master=master, zstd=zstd,
@@ -122,6 +136,23 @@ def save(
     if async_save:
         return checkpointer(group).save(state_dict, path, opts, background_staging=background_staging, progress=progress)
     return save_entries(comm, None, state_dict, path, opts, progress)
+
+
+def _hf_files(state_dict, hf_config, extra_files: Mapping[str, str] | None) -> Mapping[str, str] | None:
+    """``extra_files`` plus the Hugging Face files of ``hf_config`` or of a top-level
+    ``transformers`` model (files the caller gives win)."""
+    import sys
+
+    if hf_config is None and "transformers" not in sys.modules:  # no transformers model can be here
+        return extra_files
+    from . import hf
+
+    src = hf_config
+    if src is None and not (extra_files and "config.json" in extra_files) and isinstance(state_dict, Mapping):
+        src = next((v for v in state_dict.values() if hf.is_hf_model(v)), None)
+    if src is None:
+        return extra_files
+    return {**hf.hf_extra_files(src), **dict(extra_files or {})}
 
 
 def _check_shared(path, storage_options, async_save: bool, group) -> None:

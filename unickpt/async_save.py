@@ -356,7 +356,7 @@ class Checkpointer:
 
         err: BaseException | None = None
         try:
-            entries, json_state = flatten(state_dict)
+            entries, json_state = flatten(state_dict, comm.rank, comm.world)
             staged = self._layout(entries)
             self._ensure_segment(staged.size)
         except Exception as e:
@@ -407,7 +407,8 @@ class Checkpointer:
         for e in entries:
             n = e.local.numel() * e.local.element_size()
             lay = e.layout
-            rows.append([e.role, e.name, dtype_name(e.local.dtype), list(lay.shape), lay.to_json(), pos, n])
+            rows.append([e.role, e.name, dtype_name(e.local.dtype), list(lay.shape), lay.to_json(), pos, n,
+                         list(e.aliases), e.per_rank])
             pos += -(-n // 64) * 64
         return _Staged(rows, pos)
 
@@ -624,10 +625,10 @@ def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: f
                 segments.clear()
                 seg = segments[cmd["shm"]] = _Segment(cmd["shm"], cmd["shm_size"], create=False)
             entries = []
-            for role, name, dt, shape, lay, off, n in cmd["entries"]:
+            for role, name, dt, shape, lay, off, n, aliases, per_rank in cmd["entries"]:
                 layout = Layout.from_json(shape, lay)
                 local = seg.tensor[off : off + n].view(torch_dtype(dt)) if n else torch.empty(0, dtype=torch_dtype(dt))
-                entries.append(Entry(role, name, local, layout))
+                entries.append(Entry(role, name, local, layout, tuple(aliases), bool(per_rank)))
             opts = SaveOptions.from_json(cmd["opts"])
             sender = _ProgressSender(conn) if cmd.get("progress") else None
             try:

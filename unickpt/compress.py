@@ -301,7 +301,7 @@ def prepare(entries: list[Entry], comp: Compression, gather_json) -> tuple[list[
             continue
         low, idx, bits = split[e.name]  # chosen and held here: eligible here (else refused above)
         exceptions[e.key] = (idx, bits)
-        out.append(Entry(e.role, e.name, low, e.layout))
+        out.append(Entry(e.role, e.name, low, e.layout, e.aliases, e.per_rank))
         tags[e.key] = {"codec": "residual16", "model": e.name}
     return out, tags, exceptions, dropped
 

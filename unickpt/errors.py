@@ -13,6 +13,7 @@ __all__ = [
     "FormatError",
     "ChecksumError",
     "TensorMissingError",
+    "UnexpectedTensorError",
     "ShapeMismatchError",
     "DtypeMismatchError",
     "LayoutError",
@@ -53,8 +54,22 @@ class ChecksumError(UnickptError):
 class TensorMissingError(UnickptError, KeyError):
     """The target state dict asks for a tensor the checkpoint does not hold."""
 
+    def __init__(self, message: str, missing: list[str] | None = None, unexpected: list[str] | None = None) -> None:
+        super().__init__(message)
+        #: ``role/name`` of target tensors the checkpoint does not hold.
+        self.missing = list(missing or [])
+        #: ``role/name`` of checkpoint tensors, under roles the target names, it does not ask for.
+        self.unexpected = list(unexpected or [])
+
     def __str__(self) -> str:  # KeyError quotes its message; keep it readable
         return str(self.args[0]) if self.args else ""
+
+
+class UnexpectedTensorError(TensorMissingError):
+    """A strict load: the checkpoint holds tensors, under roles the target names, that the
+    target does not ask for (``unexpected``), e.g. the moments of an optimizer whose state
+    does not exist yet. A :class:`TensorMissingError` too, so one ``except`` catches both
+    directions of a key mismatch."""
 
 
 class ShapeMismatchError(UnickptError, ValueError):

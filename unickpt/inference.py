@@ -61,7 +61,10 @@ def load_for_inference(
     if tp_size is not None and not (type(tp_size) is int and tp_size >= 1 and type(tp_rank) is int and 0 <= tp_rank < tp_size):
         raise InvalidArgumentError(f"need an integer tp_size >= 1 and 0 <= tp_rank < tp_size, got tp_rank={tp_rank!r}, tp_size={tp_size!r}")
     ckpt, man = read_manifest(path, storage_options=storage_options)
-    names = sorted(n for (r, n) in man.tensors if r == "model")
+    # tied weights (aliases) are returned under every name, as the same tensor
+    stored_name = {n: n for (r, n) in man.tensors if r == "model"}
+    stored_name.update({n: t for (r, n), t in man.aliases.items() if r == "model"})
+    names = sorted(stored_name)
     if not names:
         raise TensorMissingError(f"{ckpt}: the checkpoint holds no model tensors")
     if keys is not None:
@@ -75,12 +78,15 @@ def load_for_inference(
     # the manifest claims are allocated
     storage, _ = storage_for(ckpt, storage_options)
     readers: dict = {}
-    open_files(storage, ckpt, man, {man.tensors[("model", n)].file for n in names}, readers)
+    open_files(storage, ckpt, man, {man.tensors[("model", stored_name[n])].file for n in names}, readers)
     for r in readers.values():
         r.close()
     targets: dict[str, ShardedTensor | torch.Tensor] = {}
-    for n in names:
-        st = man.tensors[("model", n)]
+    for n in sorted(names, key=lambda n: n != stored_name[n]):  # stored names first: aliases reuse their target
+        if stored_name[n] != n and stored_name[n] in targets and not (tp_size and tp_size > 1):
+            targets[n] = targets[stored_name[n]]
+            continue
+        st = man.tensors[("model", stored_name[n])]
         sdt = torch_dtype(st.dtype)
         dim = tp_dim(n, st.shape) if tp_size and tp_size > 1 else None
         if dim is not None and not (type(dim) is int and 0 <= dim < len(st.shape)):
@@ -96,10 +102,13 @@ def load_for_inference(
         sizes = list(st.shape)
         offsets[dim], sizes[dim] = tp_rank * k, k
         targets[n] = ShardedTensor(torch.empty(sizes, dtype=sdt), Layout(st.shape, tuple(offsets), tuple(sizes)))
-    load({"model": targets}, ckpt, group=LOCAL, storage_options=storage_options)
-    out = {}
+    load({"model": targets}, ckpt, group=LOCAL, strict=False, storage_options=storage_options)
+    out: dict[str, torch.Tensor] = {}
+    done: dict[int, torch.Tensor] = {}  # tied weights stay one tensor
     for n, t in targets.items():
         x = t.local if isinstance(t, ShardedTensor) else t
-        out[n] = x.to(device=device, dtype=dtype or x.dtype)
+        if id(x) not in done:
+            done[id(x)] = x.to(device=device, dtype=dtype or x.dtype)
+        out[n] = done[id(x)]
     return out
 

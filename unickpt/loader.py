@@ -30,12 +30,14 @@ from .errors import (
     InvalidArgumentError,
     ShapeMismatchError,
     TensorMissingError,
+    UnexpectedTensorError,
     UnickptError,
 )
 from .format import Hasher, dtype_name, read_header, torch_dtype
 from .layout import Layout, Runs
 from .manifest import MANIFEST_NAME, Manifest, TensorEntry, data_file_name, manifest_cap
 from .state import Entry, apply_json_state, flatten
+from .stateful import for_load
 from .storage import RandomReader, Storage, join_path, per_node, storage_for
 from .transport import Comm
 
@@ -60,9 +62,17 @@ class LoadResult:
     seconds: float
     verified: int
     missing: list[str] = field(default_factory=list)
+    """``role/name`` of target tensors the checkpoint does not hold (left untouched;
+    ``strict=True`` raises instead)."""
     phases: dict[str, float] = field(default_factory=dict)
     received: int = 0
     """Bytes other ranks read for this one and sent (node-local checkpoints)."""
+    unexpected: list[str] = field(default_factory=list)
+    """``role/name`` of checkpoint tensors under roles the target names that the target does
+    not ask for (not loaded; ``strict=True`` raises instead)."""
+    skipped: list[str] = field(default_factory=list)
+    """Values in both the target and the checkpoint that were not restored, with the reason
+    (per-rank values saved on another world size)."""
 
     @property
     def gbps(self) -> float:
@@ -129,15 +139,26 @@ def load(
     what its node's directory holds and receives the rest from ranks that hold it. Each target value may be a plain tensor (filled whole), a
     :class:`~unickpt.ShardedTensor` or a ``DTensor``; the layout may differ in every way from
     the one that saved (world size, ZeRO ranges, TP blocks, placements). JSON leaves of the
-    target are replaced by the saved values.
+    target are replaced by the saved values. Top-level values may be stateful objects
+    (``nn.Module``, optimizers, LR schedulers, anything with ``state_dict()`` and
+    ``load_state_dict()``): their targets come from their ``state_dict()`` (an optimizer's
+    state is created first when it has none) and they receive what was loaded through
+    ``load_state_dict()`` (:mod:`unickpt.stateful`). :func:`~unickpt.per_rank` targets get
+    their own rank's value when the world size is the saving one (else they are listed in
+    ``LoadResult.skipped``); tied weights are filled from the one stored copy.
 
     Args:
         verify: ``"auto"`` checks every checksummed range a rank reads entirely (every
             tensor it reads whole; in same-layout loads, every byte it reads);
             ``"full"`` also has the ranks share out and check every stored byte;
             ``"none"`` skips checks.
-        strict: if False, targets absent from the checkpoint are left untouched and listed
-            in ``LoadResult.missing`` instead of raising.
+        strict: ``True`` (default) raises :class:`~unickpt.errors.TensorMissingError`
+            when targets are absent from the checkpoint (``missing``), or
+            :class:`~unickpt.errors.UnexpectedTensorError` when the checkpoint holds tensors,
+            under a role the target names, that the target lacks (``unexpected``); both
+            lists are on the error. ``False`` loads the rest, leaves missing targets
+            untouched, logs both lists and returns them in ``LoadResult.missing`` and
+            ``LoadResult.unexpected``.
         bucket_bytes: node-local checkpoints (``{node}`` in ``path``): pieces a rank's node
             does not hold are read by ranks that hold them and sent, at most this many bytes
             per reader and step.
@@ -148,8 +169,8 @@ def load(
             options of its file system (credentials, endpoint...; docs/storage.md).
 
     Raises:
-        CheckpointNotFoundError, TensorMissingError, ShapeMismatchError, DtypeMismatchError
-        (before any target is written), ChecksumError, FormatError.
+        CheckpointNotFoundError, TensorMissingError, UnexpectedTensorError, ShapeMismatchError,
+        DtypeMismatchError (before any target is written), ChecksumError, FormatError.
     """
     if verify not in ("auto", "full", "none"):
         raise ValueError(f"verify must be 'auto', 'full' or 'none', got {verify!r}")
@@ -170,12 +191,22 @@ def load(
     with ph.phase("validate"):
         entries: list[Entry] = []
         missing: list[str] = []
+        skipped: list[str] = []
+        covered: set[tuple[str, str]] = set()
+        roles: set[str] = set()
+        finish = None
         try:
-            entries, _ = flatten(state_dict)
-            entries, missing = _validate(entries, man, ckpt, strict)
+            state_dict, finish = for_load(state_dict)
+            entries, _ = flatten(state_dict, comm.rank, comm.world)
+            entries, missing, skipped, covered = _validate(entries, man, ckpt, comm.world)
+            roles = _roles(state_dict)
         except Exception as e:
             err = e
         comm.agree(err, "load (checking the target state dict)")
+        unexpected = _unexpected(comm, man, covered, roles)
+        if strict and (missing or unexpected):
+            err = _mismatch(ckpt, man, missing, unexpected)
+        comm.agree(err, "load (matching the target to the checkpoint)")
 
     bytes_read = 0
     verified = 0
@@ -222,7 +253,17 @@ def load(
         err = _changed(storage, ckpt, man) or ChecksumError(
             "checksum mismatch: " + "; ".join(f"tensor {n!r} in {f}" for f, n in bad), bad)
     comm.agree(err, "load (checksums)")
-    apply_json_state(state_dict, man.state)
+    apply_json_state(state_dict, man.state, comm.rank, comm.world, skipped)
+    try:  # stateful objects take what was loaded (load_state_dict)
+        finish()
+    except Exception as e:
+        err = e
+    comm.agree(err, "load (handing the loaded state to the stateful objects)")
+    for what, keys in (("not in the checkpoint", missing), ("in the checkpoint but not in the target", unexpected),
+                       ("not restored", skipped)):
+        if keys and comm.rank == 0:
+            log.warning("load %s: %d value(s) %s: %s%s", ckpt, len(keys), what, ", ".join(keys[:8]),
+                        " ..." if len(keys) > 8 else "")
     res = LoadResult(
         path=ckpt,
         step=man.step,
@@ -234,6 +275,8 @@ def load(
         missing=missing,
         phases=dict(ph.seconds),
         received=received,
+        unexpected=unexpected,
+        skipped=skipped,
     )
     log.info(
         "rank %d loaded %d tensors from %s: read %s in %.2f s (%.2f GB/s), %d checksums verified%s",
@@ -303,18 +346,41 @@ def _find(comm: Comm, storage, p: str, node_local: bool) -> tuple[str, str, Mani
     return ckpt, rel, man
 
 
-def _validate(entries: list[Entry], man: Manifest, ckpt: str, strict: bool) -> tuple[list[Entry], list[str]]:
-    keep, missing = [], []
+def _roles(state_dict: Mapping[str, Any]) -> set[str]:
+    """The roles a target state dict names: its top-level mappings, and ``other`` when it
+    has top-level tensors."""
+    from .state import OTHER_ROLE, _is_tensor_leaf
+
+    out = {k for k, v in state_dict.items() if isinstance(v, Mapping)}
+    if any(_is_tensor_leaf(v) for v in state_dict.values()):
+        out.add(OTHER_ROLE)
+    return out
+
+
+def _validate(entries: list[Entry], man: Manifest, ckpt: str, world: int = 1
+              ) -> tuple[list[Entry], list[str], list[str], set[tuple[str, str]]]:
+    """Match targets to stored tensors (aliases of tied weights resolved to the stored
+    name). Returns ``(entries to read, missing, skipped, keys the targets cover)``."""
+    keep, missing, skipped = [], [], []
+    covered: set[tuple[str, str]] = set()
     for e in entries:
-        stored = man.tensors.get(e.key)
+        covered.update([e.key, *((e.role, a) for a in e.aliases)])
+        key = e.key
+        if key not in man.tensors and key in man.aliases:  # tied when saved: read the stored name
+            key = (e.role, man.aliases[key])
+        stored = man.tensors.get(key)
         if stored is None:
-            if strict:
-                raise TensorMissingError(
-                    f"{ckpt}: tensor {e.name!r} (role {e.role}) is not in the checkpoint "
-                    f"({sum(1 for r, _ in man.tensors if r == e.role)} tensors of that role are; pass strict=False to skip)"
-                )
             missing.append(f"{e.role}/{e.name}")
             continue
+        if e.per_rank or key in man.per_rank:
+            if not (e.per_rank and key in man.per_rank):
+                raise ShapeMismatchError(
+                    f"{ckpt}/{stored.file}: tensor {e.name!r} (role {e.role}) was saved "
+                    + ("once per rank (unickpt.per_rank): wrap the target in unickpt.per_rank() as well" if key in man.per_rank
+                       else "as one value for all ranks: the target wraps it in unickpt.per_rank(); unwrap it"))
+            if stored.shape[0] != world and tuple(stored.shape[1:]) == tuple(e.layout.shape[1:]):
+                skipped.append(f"{e.role}/{e.name}: per-rank value saved by {stored.shape[0]} ranks, not restored on {world}")
+                continue
         if tuple(e.layout.shape) != stored.shape:
             raise ShapeMismatchError(
                 f"{ckpt}/{stored.file}: tensor {e.name!r} (role {e.role}) is stored with shape {list(stored.shape)}, "
@@ -325,8 +391,42 @@ def _validate(entries: list[Entry], man: Manifest, ckpt: str, strict: bool) -> t
             raise DtypeMismatchError(
                 f"{ckpt}/{stored.file}: tensor {e.name!r} (role {e.role}) is stored as {stored.dtype}, the target is {tdt}"
             )
-        keep.append(e)
-    return keep, missing
+        keep.append(e if key == e.key else Entry(e.role, key[1], e.local, e.layout))
+    return keep, missing, skipped, covered
+
+
+def _unexpected(comm: Comm, man: Manifest, covered: set[tuple[str, str]], roles: set[str]) -> list[str]:
+    """``role/name`` of stored tensors (and aliases) under a role some rank's target names
+    that no rank's target covers. Ranks hold different parts of a model (ZeRO-3, pipeline
+    stages): one all-reduce of a value per stored name, the same list on every rank."""
+    keys = sorted((*man.tensors, *man.aliases))
+    if not keys:
+        return []
+    val = torch.tensor([2 if k in covered else 1 if k[0] in roles else 0 for k in keys], dtype=torch.int64)
+    _, top = comm.min_max(val, "load (matching the targets to the checkpoint)")
+    return [f"{r}/{n}" for (r, n), v in zip(keys, top.tolist()) if v == 1]
+
+
+def _mismatch(ckpt: str, man: Manifest, missing: list[str], unexpected: list[str]) -> TensorMissingError:
+    """The strict load's error, naming both directions of the mismatch."""
+    def some(keys: list[str]) -> str:
+        return ", ".join(keys[:6]) + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
+
+    parts = []
+    if len(missing) == 1:
+        role, name = missing[0].split("/", 1)
+        parts.append(f"tensor {name!r} (role {role}) is not in the checkpoint "
+                     f"({sum(1 for r, _ in man.tensors if r == role)} tensors of that role are)")
+    elif missing:
+        parts.append(f"{len(missing)} target tensors are not in the checkpoint: {some(missing)}")
+    if unexpected:
+        hint = (" (an optimizer whose state does not exist yet? pass the optimizer object itself: unickpt creates "
+                "its state)") if any(u.split("/", 1)[1].startswith("state.") for u in unexpected) else ""
+        parts.append(f"{len(unexpected)} tensor(s) of the checkpoint under the target's roles are not in the target: "
+                     f"{some(unexpected)}{hint}")
+    cls = TensorMissingError if missing else UnexpectedTensorError
+    return cls(f"{ckpt}: " + "; ".join(parts) + " (strict=False loads the rest and lists them in the LoadResult)",
+               missing, unexpected)
 
 
 def open_file(storage: Storage, ckpt: str, man: Manifest, fname: str) -> RandomReader:

@@ -187,6 +187,10 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     compression: dict[str, Any] = field(default_factory=dict)
     aux: dict[str, tuple[int, str]] = field(default_factory=dict)  # other files: name -> (size, xxh3)
+    aliases: dict[tuple[str, str], str] = field(default_factory=dict)
+    """Tied weights: ``(role, name) -> stored name`` of the same role holding its values."""
+    per_rank: set[tuple[str, str]] = field(default_factory=set)
+    """Tensors stored once per rank (:func:`unickpt.per_rank`): dimension 0 is the saving rank."""
     source_digest: str = ""  # xxh3-128 of the bytes this manifest was parsed from
 
     def to_json(self) -> bytes:
@@ -207,6 +211,16 @@ class Manifest:
             "extra": self.extra,
             "aux": {n: list(v) for n, v in sorted(self.aux.items())},
         }
+        if self.aliases:
+            al: dict[str, dict[str, str]] = {}
+            for (role, name), target in sorted(self.aliases.items()):
+                al.setdefault(role, {})[name] = target
+            obj["aliases"] = al
+        if self.per_rank:
+            pr: dict[str, list[str]] = {}
+            for role, name in sorted(self.per_rank):
+                pr.setdefault(role, []).append(name)
+            obj["per_rank"] = pr
         body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
         return body[:-1] + b',"' + DIGEST_KEY.encode() + b'":"' + xxhash.xxh3_128_hexdigest(body).encode() + b'"}'
 
@@ -498,6 +512,32 @@ def _parse(obj: Any, where: str) -> Manifest:
                 and type(v[0]) is int and v[0] >= 0 and isinstance(v[1], str) and _HEX.fullmatch(v[1])):
             raise FormatError(f"{where}: 'aux' must map bare file names to [size, xxh3] (entry {n!r})")
         aux[n] = (v[0], v[1])
+    aliases: dict[tuple[str, str], str] = {}
+    raw_al = obj.get("aliases") or {}
+    if not isinstance(raw_al, dict):
+        raise FormatError(f"{where}: 'aliases' must be an object")
+    for role, group in raw_al.items():
+        if not isinstance(group, dict):
+            raise FormatError(f"{where}: aliases of role {role!r} must be an object")
+        for name, target in group.items():
+            if name_problem(name) or not isinstance(target, str) or (role, target) not in tensors \
+                    or (role, name) in tensors:
+                raise FormatError(f"{where}: alias {name!r} (role {role!r}) must name a tensor the checkpoint does not "
+                                  f"store and point to one it stores (got {str(target)[:80]!r})")
+            aliases[(role, name)] = target
+    per_rank: set[tuple[str, str]] = set()
+    raw_pr = obj.get("per_rank") or {}
+    if not isinstance(raw_pr, dict):
+        raise FormatError(f"{where}: 'per_rank' must be an object")
+    for role, names in raw_pr.items():
+        if not _str_list(names):
+            raise FormatError(f"{where}: per_rank of role {role!r} must be a list of tensor names")
+        for name in names:
+            t = tensors.get((role, name))
+            if t is None or not t.shape or t.shape[0] < 1:
+                raise FormatError(f"{where}: per-rank tensor {name!r} (role {role!r}) must be a stored tensor with "
+                                  "one row per rank")
+            per_rank.add((role, name))
     return Manifest(
         step=step,
         files=files,
@@ -510,6 +550,8 @@ def _parse(obj: Any, where: str) -> Manifest:
         format_version=version,
         compression=compression,
         aux=aux,
+        aliases=aliases,
+        per_rank=per_rank,
     )
 
 

@@ -33,7 +33,7 @@ from .container import ZstdWriter
 from .compress import EXCEPTION_WARN, Compression, encode_chunk, prepare
 from .manifest import INDEX_NAME, MANIFEST_NAME, FileEntry, Manifest, Part, TensorEntry
 from .plan import SavePlan, Step, decode_summary, encode_summary, extents_of, make_plan, summary_digest
-from .state import Entry, _is_json, flatten
+from .state import PER_RANK_KEY, RANK_VALUE_KEY, Entry, _is_json, flatten
 from .storage import Storage, per_node, storage_for
 from .transport import Comm, node_id, resolve_timeout
 
@@ -207,10 +207,13 @@ def save_entries(
     json_state: dict[str, Any] = {}
     with ph.phase("plan"):
         try:
-            entries, json_state = flat if flat is not None else flatten(state_dict)
+            entries, json_state = flat if flat is not None else flatten(state_dict, comm.rank, comm.world)
         except Exception as e:
             err = e
         comm.agree(err, "save (reading the state dict)")
+        # tied weights and per-rank values: every rank's, in one exchange (also when a rank's
+        # state dict failed above: the others already raised, this one too)
+        aliases, per_rank_keys, json_state = _gather_rank_state(comm, entries, json_state)
         tags, exceptions, dropped = {}, {}, {}
         try:  # collectives inside come before anything that can fail (see compress.prepare)
             entries, tags, exceptions, dropped = prepare(entries, comp, lambda o: _gather_json(comm, o))
@@ -221,6 +224,18 @@ def save_entries(
         comm.agree(err, "save (compressing the master weights)")
         plan = _agree_plan(comm, summary, opts.bucket_bytes, opts.max_file_bytes, comp.zstd,
                            storage.caps.shared_writes)
+        err = None
+        try:
+            clash = sorted(k for k in aliases if k in plan.tensors)
+            if clash:
+                role, name = clash[0]
+                raise StateDictError(
+                    f"tensor {name!r} (role {role}) is tied to {aliases[clash[0]]!r} (the same memory) on some ranks "
+                    "and a tensor of its own on others: every rank must pass the same state dict structure")
+        except Exception as e:
+            err = e
+        comm.agree(err, "save (tied weights)")
+        _check_replicas(comm, plan, entries)
 
     # -- prepare the temporary directory ------------------------------------------------
     token = comm.broadcast_bytes(_commit.new_token().encode() if comm.rank == 0 else None).decode()
@@ -277,6 +292,8 @@ def save_entries(
                 try:
                     man = _manifest(plan, reports, opts.step, json_state, dict(opts.extra or {}), dict(opts.strategy or {}),
                                     dropped, comp, txn.file_name)
+                    man.aliases = aliases
+                    man.per_rank = per_rank_keys
                     idx = man.hf_index()
                     man.aux = _aux({INDEX_NAME: idx} if idx is not None else {}, opts.extra_files)
                     blob = man.to_json()
@@ -372,6 +389,104 @@ def _agree_plan(comm: Comm, summary: bytes, bucket_bytes: int, max_file_bytes: i
         _PLAN_CACHE.pop(next(iter(_PLAN_CACHE)))
     _PLAN_CACHE[key] = plan
     return plan
+
+
+def _gather_rank_state(comm: Comm, entries: list[Entry], json_state: dict[str, Any]):
+    """Every rank's tied-weight aliases and per-rank keys (merged), and the JSON state with
+    each :func:`~unickpt.per_rank` value replaced by the list of every rank's value. One
+    exchange of small JSON; the result is the same on every rank."""
+    mine_al = sorted([e.role, a, e.name] for e in entries for a in e.aliases)
+    mine_pr = sorted([e.role, e.name] for e in entries if e.per_rank)
+    values: list = []
+    _rank_values(json_state, values.append)
+    everyone = _gather_json(comm, {"al": mine_al, "pr": mine_pr, "v": values})
+    aliases: dict[tuple[str, str], str] = {}
+    for r, x in enumerate(everyone):
+        for role, alias, name in x["al"]:
+            if aliases.setdefault((role, alias), name) != name:
+                raise StateDictError(f"tensor {alias!r} (role {role}) is tied to {aliases[(role, alias)]!r} on one rank "
+                                     f"and to {name!r} on rank {r}: every rank must tie the same weights")
+    per_rank_keys = {(role, name) for x in everyone for role, name in x["pr"]}
+    counts = {len(x["v"]) for x in everyone}
+    if len(counts) > 1:
+        raise StateDictError(f"the ranks hold different numbers of per_rank() values ({sorted(counts)}): every rank "
+                             "must pass the same state dict structure")
+    if values:
+        it = iter(range(len(values)))
+
+        def gathered(_v):
+            i = next(it)
+            return {PER_RANK_KEY: [x["v"][i] for x in everyone]}
+
+        json_state = _rank_values(json_state, None, gathered)
+    return aliases, per_rank_keys, json_state
+
+
+def _rank_values(obj: Any, visit=None, replace=None) -> Any:
+    """Walk JSON state in a fixed order: ``visit(value)`` each per-rank value, or return a
+    copy with each ``{RANK_VALUE_KEY: v}`` replaced by ``replace(v)``."""
+    if isinstance(obj, dict):
+        if RANK_VALUE_KEY in obj and len(obj) == 1:
+            if visit is not None:
+                visit(obj[RANK_VALUE_KEY])
+            return replace(obj[RANK_VALUE_KEY]) if replace is not None else obj
+        return {k: _rank_values(v, visit, replace) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_rank_values(v, visit, replace) for v in obj]
+    return obj
+
+
+def _fingerprint(t: torch.Tensor) -> int:
+    """A 62-bit fingerprint of a tensor's bytes: xxh3 on the host; on an accelerator a
+    position-weighted sum computed there (no copy of the tensor to the host)."""
+    if t.device.type == "cpu":
+        import xxhash
+
+        return xxhash.xxh3_64_intdigest(as_bytes(t.detach().contiguous()).numpy()) & ((1 << 62) - 1)
+    x = t.detach().contiguous().view(-1)
+    b = x.view(torch.uint8)
+    if b.numel() % 4 == 0:
+        words = b.view(torch.int32)
+    else:
+        words = b
+    h = torch.zeros((), dtype=torch.int64, device=t.device)
+    step = 1 << 24
+    for i in range(0, words.numel(), step):
+        w = words[i:i + step].to(torch.int64)
+        pos = torch.arange(i, i + w.numel(), device=t.device, dtype=torch.int64)
+        h = h + (w * (pos * 2654435761 % 4294967291 + 1)).sum() + (w ^ pos).sum()
+    return int(h.item()) & ((1 << 62) - 1)
+
+
+def _check_replicas(comm: Comm, plan: SavePlan, entries: list[Entry]) -> None:
+    """Plain tensors are one value for all ranks: refuse a save where ranks hold different
+    values under one name (one rank's copy would be stored, which one changing from run to
+    run). Compares a fingerprint of every tensor that several ranks hold whole as copy 0,
+    with one all-reduce; the error is raised on every rank."""
+    keys = sorted(k for k, t in plan.tensors.items()
+                  if sum(1 for _, lay in t.pieces if lay.replica == 0 and lay.is_full and lay.numel) > 1)
+    if not keys or comm.world == 1:
+        return
+    by_key = {e.key: e for e in entries}
+    hi = 1 << 62
+    vals = torch.full((len(keys),), hi, dtype=torch.int64)
+    neg = torch.full((len(keys),), hi, dtype=torch.int64)  # -max over holders, computed as min(-v)
+    for i, k in enumerate(keys):
+        e = by_key.get(k)
+        if e is not None and e.layout.replica == 0 and e.layout.is_full:
+            vals[i] = _fingerprint(e.local)
+            neg[i] = -vals[i]
+    lo, _ = comm.min_max(torch.cat([vals, neg]), "save (comparing replicated tensors)")
+    n = len(keys)
+    differ = [keys[i] for i in range(n) if int(lo[i]) != -int(lo[n + i])]
+    if differ:
+        role, name = differ[0]
+        more = f" (and {len(differ) - 1} more: {[f'{r}/{m}' for r, m in differ[1:4]]})" if len(differ) > 1 else ""
+        raise StateDictError(
+            f"tensor {name!r} (role {role}) is a plain tensor with different values on different ranks{more}: a "
+            "plain tensor is saved once for all ranks. Wrap values that differ per rank (RNG states, data positions) "
+            "in unickpt.per_rank(...), describe shards with unickpt.shard(...) or a DTensor, or make the ranks agree "
+            "(broadcast) before saving")
 
 
 def _gather_json(comm: Comm, obj) -> list:

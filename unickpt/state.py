@@ -8,6 +8,12 @@ Rules (see docs/format.md):
 * Top-level tensor leaves go to the role ``other`` under their key.
 * Leaves that are ``None``, bool, int, float, str (or lists of them) are JSON state, kept
   from rank 0 in the manifest and written back into the target dict on load.
+* :func:`per_rank` values are stored once per rank: a tensor as the slice ``[rank]`` of a
+  tensor of shape ``(world, *shape)``, a JSON value as the list of every rank's value (see
+  :data:`PER_RANK_KEY`). They are restored to the same rank when the world size matches.
+* Tensors of one role that are the same memory (tied weights: GPT-2's ``wte`` and
+  ``lm_head``) are stored once, under the first name; the others are *aliases* of it
+  (:attr:`Entry.aliases`), restored from the stored tensor on load.
 * Anything else is refused: nothing is pickled.
 """
 
@@ -25,11 +31,61 @@ from .errors import StateDictError
 from .manifest import name_problem
 from .layout import Layout, ShardedTensor, _is_dtensor, layout_of
 
-__all__ = ["Entry", "flatten", "apply_json_state"]
+__all__ = ["Entry", "PerRank", "per_rank", "flatten", "apply_json_state", "PER_RANK_KEY", "RANK_VALUE_KEY"]
 
 _ROLE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 OTHER_ROLE = "other"
 _JSON_SCALARS = (type(None), bool, int, float, str)
+PER_RANK_KEY = "__unickpt_per_rank__"
+"""In the manifest's JSON state, ``{PER_RANK_KEY: [value of rank 0, value of rank 1, ...]}``
+stands for a :func:`per_rank` JSON value."""
+RANK_VALUE_KEY = "__unickpt_rank_value__"
+"""``{RANK_VALUE_KEY: value}``: one rank's :func:`per_rank` JSON value before the save gathers
+every rank's (never in a manifest)."""
+_RESERVED = (PER_RANK_KEY, RANK_VALUE_KEY)
+
+
+class PerRank:
+    """A value that differs between ranks (RNG states, data-loader positions): see
+    :func:`per_rank`. Loading fills it in place: a tensor is copied into, any other value
+    replaced (read it back from :attr:`value`)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        if isinstance(value, PerRank):
+            value = value.value
+        if not (isinstance(value, torch.Tensor) and not _is_dtensor(value)) and not _is_json(value):
+            raise StateDictError(
+                f"per_rank() takes a plain tensor or a JSON value (None, bool, int, float, str, lists and dicts of "
+                f"them), got {type(value).__name__}")
+        self.value = value
+
+    def __repr__(self) -> str:
+        v = self.value
+        return f"per_rank({f'tensor {list(v.shape)} {v.dtype}' if isinstance(v, torch.Tensor) else repr(v)[:60]})"
+
+
+def per_rank(value: Any) -> PerRank:
+    """Store ``value`` once per rank instead of once for all ranks.
+
+    Plain tensors in a state dict are taken to be the same on every rank (one copy is
+    stored, and a save refuses tensors that differ). Wrap what legitimately differs, such as
+    each rank's RNG state or data position::
+
+        sd = {"model": ..., "rng": unickpt.per_rank(torch.get_rng_state()),
+              "data": unickpt.per_rank({"epoch": 3, "index": loader_pos})}
+        unickpt.save(sd, path)
+        ...
+        res = unickpt.load(sd, path)            # the same structure
+        torch.set_rng_state(sd["rng"].value)    # this rank's own value
+
+    On load, each rank gets back the value its rank saved when the world size is the one that
+    saved; on another world size the value is left as it is and listed in
+    :attr:`~unickpt.LoadResult.skipped`. Tensors must have the same shape and dtype on every
+    rank (an RNG state does).
+    """
+    return PerRank(value)
 
 
 @dataclass(slots=True)
@@ -40,6 +96,10 @@ class Entry:
     name: str
     local: torch.Tensor
     layout: Layout
+    aliases: tuple[str, ...] = ()
+    """Other names of this role whose tensor is the same memory (tied weights)."""
+    per_rank: bool = False
+    """A :func:`per_rank` tensor: ``layout`` is row ``rank`` of a ``(world, *shape)`` tensor."""
 
     @property
     def key(self) -> tuple[str, str]:
@@ -47,7 +107,8 @@ class Entry:
 
 
 def _is_tensor_leaf(v: Any) -> bool:
-    return isinstance(v, (torch.Tensor, ShardedTensor)) or _is_dtensor(v)
+    return isinstance(v, (torch.Tensor, ShardedTensor)) or _is_dtensor(v) or (
+        isinstance(v, PerRank) and isinstance(v.value, torch.Tensor))
 
 
 def _is_json(v: Any) -> bool:
@@ -60,25 +121,57 @@ def _is_json(v: Any) -> bool:
     return False
 
 
-def flatten(state_dict: Mapping[str, Any]) -> tuple[list[Entry], dict[str, Any]]:
-    """Split a state dict into tensor entries and a nested dict of its JSON leaves."""
+def _memory_id(local: torch.Tensor, layout: Layout) -> tuple | None:
+    """What makes two leaves the same memory (tied weights); None for empty tensors (they
+    share no bytes, and may all sit at address 0)."""
+    if local.numel() == 0:
+        return None
+    try:
+        ptr = local.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # tensors without storage (meta, fake): never tied
+        return None
+    return (local.device, ptr, local.storage_offset(), tuple(local.shape), tuple(local.stride()), local.dtype, layout)
+
+
+def flatten(state_dict: Mapping[str, Any], rank: int = 0, world: int = 1) -> tuple[list[Entry], dict[str, Any]]:
+    """Split a state dict into tensor entries and a nested dict of its JSON leaves.
+
+    ``rank``/``world``: where :func:`per_rank` tensors sit in their ``(world, ...)`` tensor.
+    A :func:`per_rank` JSON value appears in the JSON dict as ``{RANK_VALUE_KEY: value}``
+    (the save gathers every rank's)."""
     if not isinstance(state_dict, Mapping):
         raise StateDictError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
     entries: list[Entry] = []
     seen: dict[tuple[str, str], str] = {}
+    tied: dict[tuple[str, Any], int] = {}
     json_state: dict[str, Any] = {}
 
     def add(role: str, name: str, value: Any, where: str) -> None:
         why = name_problem(name)
         if why:
             raise StateDictError(f"{where!r}: cannot store a tensor under this name: {why}")
-        local, layout = layout_of(value)
         key = (role, name)
         if key in seen:
             raise StateDictError(
                 f"state dict entries {seen[key]!r} and {where!r} both map to tensor {name!r} of role {role!r}"
             )
         seen[key] = where
+        if isinstance(value, PerRank):
+            t = value.value
+            if not t.is_contiguous():
+                raise StateDictError(f"{where!r}: a per_rank tensor must be contiguous")
+            layout = Layout((world, *t.shape), (rank,) + (0,) * t.dim(), (1, *t.shape))
+            entries.append(Entry(role, name, t.unsqueeze(0), layout, per_rank=True))
+            return
+        local, layout = layout_of(value)
+        mid = _memory_id(local, layout)
+        first = tied.get((role, mid)) if mid is not None else None
+        if first is not None:  # the same memory under a second name: stored once
+            e = entries[first]
+            e.aliases = (*e.aliases, name)
+            return
+        if mid is not None:
+            tied[(role, mid)] = len(entries)
         entries.append(Entry(role, name, local, layout))
 
     def walk(role: str, prefix: str, value: Any, where: str) -> Any:
@@ -86,11 +179,15 @@ def flatten(state_dict: Mapping[str, Any]) -> tuple[list[Entry], dict[str, Any]]
         if _is_tensor_leaf(value):
             add(role, prefix, value, where)
             return _SKIP
+        if isinstance(value, PerRank):  # a JSON value (tensors are leaves, above)
+            return {RANK_VALUE_KEY: _json_copy(value.value)}
         if isinstance(value, Mapping):
             out = {}
             for k, v in value.items():
                 if not isinstance(k, (str, int)):
                     raise StateDictError(f"key {k!r} at {where!r} must be a str or int")
+                if k in _RESERVED:
+                    raise StateDictError(f"{where!r}: the key {k!r} is reserved by unickpt")
                 sub = walk(role, f"{prefix}.{k}" if prefix else str(k), v, f"{where}.{k}")
                 if sub is not _SKIP:
                     out[str(k)] = sub
@@ -135,6 +232,14 @@ class _Skip:
 _SKIP = _Skip()
 
 
+def _json_copy(v: Any) -> Any:
+    if isinstance(v, (list, tuple)):
+        return [_json_copy(x) for x in v]
+    if isinstance(v, Mapping):
+        return {str(k): _json_copy(x) for k, x in v.items()}
+    return v
+
+
 def _contains_tensor(v: Any) -> bool:
     if _is_tensor_leaf(v):
         return True
@@ -145,9 +250,15 @@ def _contains_tensor(v: Any) -> bool:
     return False
 
 
-def apply_json_state(target: Any, saved: Any) -> None:
-    """Write saved JSON leaves into ``target`` in place, where the target has the same path."""
+def apply_json_state(target: Any, saved: Any, rank: int = 0, world: int = 1,
+                     skipped: list[str] | None = None, where: str = "") -> None:
+    """Write saved JSON leaves into ``target`` in place, where the target has the same path.
+
+    A saved per-rank value (``{PER_RANK_KEY: [...]}``) gives this rank its own value when the
+    world size is the one that saved; otherwise the target keeps its value and the path is
+    appended to ``skipped`` with the reason."""
     if isinstance(target, MutableMapping) and isinstance(saved, Mapping):
+        items = []
         for k, v in saved.items():
             key: Any = k
             if key not in target:
@@ -158,18 +269,33 @@ def apply_json_state(target: Any, saved: Any) -> None:
                 if ik not in target:
                     continue
                 key = ik
-            cur = target[key]
-            if isinstance(cur, (Mapping, MutableSequence)) and isinstance(v, (Mapping, list)) and not _is_leaf_list(cur):
-                apply_json_state(cur, v)
-            elif not _contains_tensor(cur):
-                target[key] = v
+            items.append((key, k, v))
     elif isinstance(target, MutableSequence) and isinstance(saved, list):
-        for i, v in enumerate(saved[: len(target)]):
-            cur = target[i]
-            if isinstance(cur, (Mapping, MutableSequence)) and isinstance(v, (Mapping, list)) and not _is_leaf_list(cur):
-                apply_json_state(cur, v)
+        items = [(i, str(i), v) for i, v in enumerate(saved[: len(target)])]
+    else:
+        return
+    for key, k, v in items:
+        cur = target[key]
+        path = f"{where}.{k}" if where else k
+        if isinstance(v, Mapping) and PER_RANK_KEY in v:
+            values = v[PER_RANK_KEY]
+            if not isinstance(values, list) or len(values) != world:
+                if skipped is not None:
+                    n = len(values) if isinstance(values, list) else "?"
+                    skipped.append(f"{path}: per-rank value saved by {n} ranks, not restored on {world}")
+                continue
+            if isinstance(cur, PerRank):
+                if not isinstance(cur.value, torch.Tensor):
+                    cur.value = values[rank]
             elif not _contains_tensor(cur):
-                target[i] = v
+                target[key] = values[rank]
+        elif isinstance(cur, PerRank):  # saved as one value for all ranks: that value
+            if not isinstance(cur.value, torch.Tensor):
+                cur.value = v
+        elif isinstance(cur, (Mapping, MutableSequence)) and isinstance(v, (Mapping, list)) and not _is_leaf_list(cur):
+            apply_json_state(cur, v, rank, world, skipped, path)
+        elif not _contains_tensor(cur):  # JSON has no tuples: the target's tuples stay tuples (betas)
+            target[key] = tuple(v) if isinstance(cur, tuple) and isinstance(v, list) else v
 
 
 def _is_leaf_list(v: Any) -> bool:

@@ -173,6 +173,20 @@ class Comm:
         self._run("broadcast", what, lambda: g.broadcast([buf], opts))
         return bytes(buf[: int(n.item())].numpy().tobytes())
 
+    def min_max(self, values: torch.Tensor, what: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Element-wise minimum and maximum over the ranks of a 1-D int64 tensor whose values
+        lie in ``[-2**62, 2**62]`` (one all-reduce)."""
+        if not self.active or self.world == 1:
+            return values.clone(), values.clone()
+        g = self.p2p_group
+        opts = _c10d.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        opts.timeout = self._timeout()
+        both = torch.cat([values, -values]).to(torch.int64)
+        self._run("all_reduce", what, lambda: g.allreduce([both], opts))
+        n = values.numel()
+        return both[:n], -both[n:]
+
     def agree(self, error: BaseException | None, what: str) -> None:
         """Collective: raise on every rank if any rank failed.
 

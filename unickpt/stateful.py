@@ -1,0 +1,170 @@
+"""Stateful objects in a state dict, as torch.distributed.checkpoint accepts them.
+
+A top-level value of the state dict given to :func:`unickpt.save` or :func:`unickpt.load`
+may be an ``nn.Module``, an optimizer, an LR scheduler or any object with ``state_dict()``
+and ``load_state_dict()`` (DCP's ``Stateful`` protocol). unickpt calls them:
+
+* **save**: the value is replaced by its state dict. Modules and optimizers go through
+  ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` /
+  ``get_optimizer_state_dict``), so FSDP2 (``fully_shard``) and TP (``parallelize_module``)
+  models give their sharded DTensors and optimizer state is keyed by parameter name
+  (``state.<fqn>.exp_avg``), exactly as DCP users store it: the same checkpoint loads through
+  ``dcp.load`` and through :func:`unickpt.load` with the state dicts ``get_state_dict`` makes.
+  An optimizer is matched to the module of the same state dict that holds its parameters;
+  without one, its plain ``state_dict()`` (parameters numbered) is used.
+* **load**: the targets come from the same functions, after optimizer state that does not
+  exist yet has been created (as ``set_state_dict`` does: one step with zero gradients and
+  learning rate 0), so a fresh optimizer receives its moments, step and param groups.
+  After the tensors are read, every object's ``load_state_dict`` is called with what was
+  loaded: modules first, then optimizers, then the rest, in state-dict order.
+
+Only top-level values are resolved (as in DCP); nested objects are refused by the state
+dict checks like any other non-tensor, non-JSON value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["is_stateful", "for_save", "for_load"]
+
+_WRAPPERS = {"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"}
+
+
+def is_stateful(v: Any) -> bool:
+    """True for values whose state unickpt saves through ``state_dict()``."""
+    if isinstance(v, (Mapping, torch.Tensor)):
+        return False
+    return callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None))
+
+
+def _modules(state_dict: Mapping[str, Any]) -> list[torch.nn.Module]:
+    return [v for v in state_dict.values() if isinstance(v, torch.nn.Module)]
+
+
+def _owner(opt: torch.optim.Optimizer, modules: list[torch.nn.Module]) -> torch.nn.Module | None:
+    """The module of the state dict that holds every parameter of ``opt``."""
+    want = {id(p) for g in opt.param_groups for p in g["params"]}
+    for m in modules:
+        if want <= {id(p) for p in m.parameters()}:
+            return m
+    return None
+
+
+def _fqn(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in _WRAPPERS)
+
+
+def _empty_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """What ``get_optimizer_state_dict`` gives for an optimizer without state, without
+    creating that state (which would change the optimizer being saved)."""
+    names = {id(p): _fqn(n) for n, p in model.named_parameters()}
+    groups = []
+    for g in opt.state_dict()["param_groups"]:
+        groups.append(dict(g))
+    for g, live in zip(groups, opt.param_groups):
+        g["params"] = [names[id(p)] for p in live["params"]]
+    return {"state": {}, "param_groups": groups}
+
+
+def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """Create the state of an optimizer that has none, changing no parameter: one step with
+    zero gradients and learning rate 0 (what ``set_state_dict`` does before loading)."""
+    if opt.state:
+        return
+    params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+    made = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+            made.append(p)
+    lrs = []
+    for g in opt.param_groups:
+        lr = g.get("lr")
+        lrs.append(lr)
+        if isinstance(lr, torch.Tensor):
+            g["lr"] = torch.zeros_like(lr)
+        elif lr is not None:
+            g["lr"] = 0.0
+    try:
+        opt.step()
+    finally:
+        for g, lr in zip(opt.param_groups, lrs):
+            if lr is not None:
+                g["lr"] = lr
+        for p in made:
+            p.grad = None
+
+
+def for_save(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``state_dict`` with every top-level stateful object replaced by its state dict (the
+    same mapping when there is none)."""
+    if not isinstance(state_dict, Mapping) or not any(is_stateful(v) for v in state_dict.values()):
+        return state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    modules = _modules(state_dict)
+    out: dict[str, Any] = {}
+    for k, v in state_dict.items():
+        if isinstance(v, torch.nn.Module):
+            out[k] = get_model_state_dict(v)
+        elif isinstance(v, torch.optim.Optimizer):
+            model = _owner(v, modules)
+            if model is None:
+                out[k] = v.state_dict()
+            elif not v.state:
+                out[k] = _empty_optimizer_state(model, v)
+            else:
+                out[k] = get_optimizer_state_dict(model, v)
+        elif is_stateful(v):
+            out[k] = v.state_dict()
+        else:
+            out[k] = v
+    return out
+
+
+def for_load(state_dict: Mapping[str, Any]) -> tuple[Mapping[str, Any], Callable[[], None]]:
+    """``(targets, finish)``: the state dict with every top-level stateful object replaced by
+    a target state dict to load into, and a function that hands what was loaded to the
+    objects (call it after the load succeeded on every rank)."""
+    if not isinstance(state_dict, Mapping) or not any(is_stateful(v) for v in state_dict.values()):
+        return state_dict, lambda: None
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    modules = _modules(state_dict)
+    out: dict[str, Any] = {}
+    first: list[Callable[[], None]] = []
+    then: list[Callable[[], None]] = []
+    last: list[Callable[[], None]] = []
+    for k, v in state_dict.items():
+        if isinstance(v, torch.nn.Module):
+            sd = out[k] = get_model_state_dict(v)
+            first.append(lambda v=v, sd=sd: set_model_state_dict(v, sd))
+        elif isinstance(v, torch.optim.Optimizer):
+            model = _owner(v, modules)
+            if model is None:
+                _init_optimizer_state(v)
+                sd = out[k] = v.state_dict()
+                then.append(lambda v=v, sd=sd: v.load_state_dict(sd))
+            else:  # creates missing state first
+                sd = out[k] = get_optimizer_state_dict(model, v)
+                then.append(lambda v=v, m=model, sd=sd: set_optimizer_state_dict(m, v, sd))
+        elif is_stateful(v):
+            sd = out[k] = v.state_dict()
+            last.append(lambda v=v, sd=sd: v.load_state_dict(sd))
+        else:
+            out[k] = v
+
+    def finish() -> None:
+        for f in (*first, *then, *last):
+            f()
+
+    return out, finish
