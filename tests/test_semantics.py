@@ -85,6 +85,17 @@ def test_an_optimizer_alone_is_saved_by_parameter_number_and_restored(tmp_path):
     assert _same_optimizer_state(opt, opt2)
 
 
+def test_an_optimizer_saved_before_its_first_step_is_restored_without_state(tmp_path):
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.25)
+    unickpt.save({"model": model, "optim": opt}, tmp_path / "ck")
+    assert not opt.state  # saving did not create state
+    model2 = _mlp(seed=3)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1.0)
+    res = unickpt.load({"model": model2, "optim": opt2}, tmp_path / "ck")
+    assert res.missing == [] and not opt2.state and opt2.param_groups[0]["lr"] == 0.25
+
+
 def test_a_fresh_optimizer_state_dict_is_not_a_silent_no_op(tmp_path):
     """The finding: loading into ``fresh_optimizer.state_dict()`` loaded 0 tensors and said
     nothing. Now the moments are named as unexpected (strict) or listed (not strict)."""

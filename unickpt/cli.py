@@ -227,7 +227,7 @@ def verify_checkpoint(ckpt: str, man: Manifest, progress: Progress = None) -> li
         finally:
             reader.close()
     if man.format_version >= 2:  # files tools read (export copies config.json) must be listed
-        for name in ("config.json", "model.safetensors.index.json"):
+        for name in ("config.json", "generation_config.json", "model.safetensors.index.json"):
             if name not in man.aux and storage.exists(storage.join(ckpt, name)):
                 bad.append((name, "", "not part of the checkpoint (its manifest does not list it)"))
     for name, (size, digest) in sorted(man.aux.items()):  # index, config.json...

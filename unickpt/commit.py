@@ -213,7 +213,7 @@ def sweep_stale(storage: Storage, root: str, final_name: str | None = None) -> l
 
 _OBJ_OWNER = re.compile(r"^\.owner-([0-9a-f]{8,32})$")
 _OBJ_DATA = re.compile(r"^[a-z][a-z0-9_]{0,31}-\d{5,}-of-\d{5,}\.([0-9a-f]{16})\.safetensors$")
-SIDE_FILES = (INDEX_NAME, "config.json")
+SIDE_FILES = (INDEX_NAME, "config.json", "generation_config.json")
 """Fixed-name files a checkpoint may hold beside its data (put after the commit on object stores)."""
 
 

@@ -196,7 +196,7 @@ def load(
         roles: set[str] = set()
         finish = None
         try:
-            state_dict, finish = for_load(state_dict)
+            state_dict, finish = for_load(state_dict, {r for r, _ in man.tensors})
             entries, _ = flatten(state_dict, comm.rank, comm.world)
             entries, missing, skipped, covered = _validate(entries, man, ckpt, comm.world)
             roles = _roles(state_dict)

@@ -126,10 +126,13 @@ def for_save(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
     return out
 
 
-def for_load(state_dict: Mapping[str, Any]) -> tuple[Mapping[str, Any], Callable[[], None]]:
+def for_load(state_dict: Mapping[str, Any], stored_roles: set[str] | None = None
+             ) -> tuple[Mapping[str, Any], Callable[[], None]]:
     """``(targets, finish)``: the state dict with every top-level stateful object replaced by
     a target state dict to load into, and a function that hands what was loaded to the
-    objects (call it after the load succeeded on every rank)."""
+    objects (call it after the load succeeded on every rank). ``stored_roles``: the roles
+    the checkpoint holds tensors of; an optimizer saved before it had any state is restored
+    without state (its param groups only), not given state it never had."""
     if not isinstance(state_dict, Mapping) or not any(is_stateful(v) for v in state_dict.values()):
         return state_dict, lambda: None
     from torch.distributed.checkpoint.state_dict import (
@@ -150,12 +153,14 @@ def for_load(state_dict: Mapping[str, Any]) -> tuple[Mapping[str, Any], Callable
             first.append(lambda v=v, sd=sd: set_model_state_dict(v, sd))
         elif isinstance(v, torch.optim.Optimizer):
             model = _owner(v, modules)
+            stateless = stored_roles is not None and k not in stored_roles and not v.state
             if model is None:
-                _init_optimizer_state(v)
+                if not stateless:
+                    _init_optimizer_state(v)
                 sd = out[k] = v.state_dict()
                 then.append(lambda v=v, sd=sd: v.load_state_dict(sd))
-            else:  # creates missing state first
-                sd = out[k] = get_optimizer_state_dict(model, v)
+            else:  # get_optimizer_state_dict creates missing state first
+                sd = out[k] = _empty_optimizer_state(model, v) if stateless else get_optimizer_state_dict(model, v)
                 then.append(lambda v=v, m=model, sd=sd: set_optimizer_state_dict(m, v, sd))
         elif is_stateful(v):
             sd = out[k] = v.state_dict()
