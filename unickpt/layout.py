@@ -80,6 +80,25 @@ class Layout:
     def runs(self) -> "Runs":
         return _box_runs(self.shape, self.offsets, self.sizes, self.flat)
 
+    @property
+    def n_runs(self) -> int:
+        """``len(self.runs())``, computed without building the runs."""
+        span = _run_span(self.shape, self.offsets, self.sizes, self.flat)
+        return 0 if span is None else span[3] - span[2] + 1
+
+    def single_run(self) -> tuple[int, int] | None:
+        """``(start, length)`` when the layout covers one contiguous run of the full tensor's
+        flattening (``len(self.runs()) == 1``), else None; no arrays are built."""
+        span = _run_span(self.shape, self.offsets, self.sizes, self.flat)
+        if span is None or span[2] != span[3]:
+            return None
+        k, run_len, first, _, base, lo, hi = span
+        start = base + lo - first * run_len
+        if k > 0:  # one run inside row `first` of the partial dimensions
+            coords = np.unravel_index(first, self.sizes[:k])
+            start += sum(int(c) * math.prod(self.shape[j + 1:]) for j, c in enumerate(coords))
+        return start, hi - lo
+
     def to_json(self) -> list:
         return [list(self.offsets), list(self.sizes), list(self.flat) if self.flat else None, self.replica]
 
@@ -116,6 +135,24 @@ class Runs:
         if stop <= start:
             return Runs(np.zeros(0, np.int64), np.zeros(0, np.int64))
         return Runs(np.array([start], np.int64), np.array([stop - start], np.int64))
+
+
+def _run_span(shape, offsets, sizes, flat):
+    """``(k, run_len, first, last, base, lo, hi)`` of :func:`_box_runs` (k: last partial
+    dimension, -1 when none; runs ``first..last`` of length ``run_len``), None when empty."""
+    box_numel = math.prod(sizes)
+    lo, hi = flat if flat is not None else (0, box_numel)
+    if hi <= lo or box_numel == 0:
+        return None
+    k = len(shape) - 1
+    while k >= 0 and offsets[k] == 0 and sizes[k] == shape[k]:
+        k -= 1
+    if k < 0:
+        return (k, hi - lo, 0, 0, 0, lo, hi)
+    stride = math.prod(shape[k + 1:])
+    run_len = sizes[k] * stride
+    base = sum(offsets[j] * math.prod(shape[j + 1:]) for j in range(k + 1))
+    return (k, run_len, lo // run_len, (hi - 1) // run_len, base, lo, hi)
 
 
 def _box_runs(shape, offsets, sizes, flat) -> Runs:

@@ -168,6 +168,8 @@ class SavePlan:
     files: list[FilePlan]
     chunks: dict[int, list[list[Segment]]]  # writer -> buckets of segments
     bucket_bytes: int
+    held_by: list[list[tuple[TensorPlan, Layout]]] | None = None
+    """Per rank, the ``(tensor, layout)`` of every piece it holds (None: found by scanning)."""
     _schedules: dict[int, list[Step]] = field(default_factory=dict)
 
     @property
@@ -200,7 +202,9 @@ def make_plan(
     world = len(summaries)
     nodes = [str(s["node"]) for s in summaries]
     tensors: dict[tuple[str, str], TensorPlan] = {}
+    held_by: list[list[tuple[TensorPlan, Layout]]] = [[] for _ in range(world)]
     for rank, s in enumerate(summaries):
+        mine = held_by[rank]
         for role, name, dtype, shape, offsets, sizes, flat, replica, tag in s["t"]:
             shape = tuple(shape)
             lay = Layout.from_json(shape, [offsets, sizes, flat, replica])
@@ -216,6 +220,7 @@ def make_plan(
                     f"has {dtype} {list(shape)}"
                 )
             t.pieces.append((rank, lay))
+            mine.append((t, lay))
             if lay.is_full:
                 t.full_holders.append(rank)
     for t in tensors.values():
@@ -230,16 +235,18 @@ def make_plan(
         for f in files:
             f.zstd = zstd if f.role != "model" else None
     chunks = _make_chunks(files, world, bucket_bytes)
-    return SavePlan(world, nodes, tensors, files, chunks, bucket_bytes)
+    return SavePlan(world, nodes, tensors, files, chunks, bucket_bytes, held_by)
 
 
 def _check_tiling(t: TensorPlan) -> None:
     src = [(r, lay) for r, lay in t.pieces if lay.replica == 0 and lay.numel > 0]
     if not src and t.numel == 0:
         return
-    runs = [lay.runs() for _, lay in src]
-    starts = np.concatenate([r.starts for r in runs]) if runs else np.zeros(0, np.int64)
-    lengths = np.concatenate([r.lengths for r in runs]) if runs else np.zeros(0, np.int64)
+    singles = [lay.single_run() for _, lay in src]
+    runs = [lay.runs() for (_, lay), one in zip(src, singles) if one is None]
+    ones = np.array([one for one in singles if one is not None], np.int64).reshape(-1, 2)
+    starts = np.concatenate([ones[:, 0], *(r.starts for r in runs)])
+    lengths = np.concatenate([ones[:, 1], *(r.lengths for r in runs)])
     order = np.argsort(starts, kind="stable")
     starts, lengths = starts[order], lengths[order]
     ends = starts + lengths
@@ -259,21 +266,49 @@ def _check_tiling(t: TensorPlan) -> None:
 
 def _assign_writers(tensors: list[TensorPlan], world: int) -> None:
     """Largest tensors first; each goes to the rank holding most of it unless that would push
-    the rank past BALANCE_SLACK x the mean load, else to the least-loaded candidate."""
+    the rank past BALANCE_SLACK x the mean load, else to the least-loaded candidate.
+
+    That is: among candidates (ranks holding it whole, else every rank) whose load stays
+    within the cap, the first by (most held, least loaded, lowest rank); if none, the first by
+    (least loaded, most held, lowest rank). Vectorised over ranks: a tensor costs its pieces
+    plus a few array operations, not a sort of every rank."""
     total = sum(t.nbytes for t in tensors)
     cap = BALANCE_SLACK * total / world if world else 0
-    loads = [0] * world
+    loads = np.zeros(world, np.int64)
     for t in sorted(tensors, key=lambda t: (-t.nbytes, t.role, t.name)):
-        held = [0] * world
+        held: dict[int, int] = {}
         for r, lay in t.pieces:
-            held[r] = max(held[r], lay.numel)
-        cands = t.full_holders or list(range(world))
-        preferred = sorted(cands, key=lambda r: (-held[r], loads[r], r))
-        choice = next((r for r in preferred if loads[r] + t.nbytes <= cap), None)
-        if choice is None:
-            choice = min(cands, key=lambda r: (loads[r], -held[r], r))
+            if lay.numel > held.get(r, 0):
+                held[r] = lay.numel
+        if t.full_holders:
+            cands = np.unique(np.array(t.full_holders, np.int64))  # equal held (whole): by load, rank
+            c_load = loads[cands]
+            fit = cands[c_load + t.nbytes <= cap]
+            choice = int(fit[np.argmin(loads[fit])]) if len(fit) else int(cands[np.argmin(c_load)])
+        else:
+            choice = _pick_any(t.nbytes, held, loads, cap)
         t.writer = choice
         loads[choice] += t.nbytes
+
+
+def _pick_any(nbytes: int, held: dict[int, int], loads: np.ndarray, cap: float) -> int:
+    """:func:`_assign_writers` when every rank is a candidate."""
+    hr = np.fromiter(held.keys(), np.int64, len(held))
+    hn = np.fromiter(held.values(), np.int64, len(held))
+    keep = hn > 0
+    hr, hn = hr[keep], hn[keep]
+    fit = loads[hr] + nbytes <= cap
+    if fit.any():  # a holder within the cap: most held, then least loaded, then lowest rank
+        r, n = hr[fit], hn[fit]
+        return int(r[np.lexsort((r, loads[r], -n))[0]])
+    others = np.ones(len(loads), bool)
+    others[hr] = False
+    if others.any():  # holding nothing: least loaded, then lowest rank (argmin: the first)
+        i = int(np.flatnonzero(others)[np.argmin(loads[others])])
+        if loads[i] + nbytes <= cap:
+            return i
+    low = np.flatnonzero(loads == loads.min())  # over the cap everywhere: least loaded, most held
+    return int(max(low.tolist(), key=lambda r: (held.get(r, 0), -r)))
 
 
 def _can_write_direct(t: TensorPlan, nodes: list[str]) -> bool:
@@ -282,23 +317,21 @@ def _can_write_direct(t: TensorPlan, nodes: list[str]) -> bool:
     srcs = t.sources()
     if any(nodes[r] != nodes[t.writer] for r, _ in srcs):
         return False  # other nodes may not see the writer's disk: gather
-    n_runs = sum(len(lay.runs()) for _, lay in srcs)
+    n_runs = sum(lay.n_runs for _, lay in srcs)
     return t.nbytes / max(n_runs, 1) >= min(DIRECT_MIN_RUN, t.nbytes)
 
 
 def _make_files(tensors, world, nodes, max_file_bytes) -> list[FilePlan]:
     by_role: dict[str, list[list[TensorPlan]]] = {}
     writers_of: dict[str, list[int]] = {}
-    for role in sorted({t.role for t in tensors.values()}):
+    grouped: dict[str, dict[int, list[TensorPlan]]] = {}
+    for t in tensors.values():
+        grouped.setdefault(t.role, {}).setdefault(t.writer, []).append(t)
+    for role in sorted(grouped):
         parts: list[list[TensorPlan]] = []
         owners: list[int] = []
-        for w in range(world):
-            mine = sorted(
-                (t for t in tensors.values() if t.role == role and t.writer == w),
-                key=lambda t: order_key(t.dtype, t.name),
-            )
-            if not mine:
-                continue
+        for w in sorted(grouped[role]):
+            mine = sorted(grouped[role][w], key=lambda t: order_key(t.dtype, t.name))
             cur: list[TensorPlan] = []
             size = 0
             for t in mine:
@@ -339,13 +372,14 @@ def _make_files(tensors, world, nodes, max_file_bytes) -> list[FilePlan]:
 
 def _make_chunks(files: list[FilePlan], world: int, bucket_bytes: int) -> dict[int, list[list[Segment]]]:
     chunks: dict[int, list[list[Segment]]] = {}
-    for w in range(world):
+    by_writer: dict[int, list[tuple[int, FilePlan]]] = {}
+    for fi, f in enumerate(files):
+        by_writer.setdefault(f.writer, []).append((fi, f))
+    for w in sorted(by_writer):
         out: list[list[Segment]] = []
         cur: list[Segment] = []
         room = bucket_bytes
-        for fi, f in enumerate(files):
-            if f.writer != w:
-                continue
+        for fi, f in by_writer[w]:
             for t in f.tensors:
                 if t.direct:
                     continue
@@ -369,15 +403,42 @@ def _make_chunks(files: list[FilePlan], world: int, bucket_bytes: int) -> dict[i
     return chunks
 
 
+def _own_sources(held: list[tuple[TensorPlan, Layout]], rank: int) -> dict[tuple[str, str], list[tuple[int, Layout]]]:
+    """``rank``'s entries in :meth:`TensorPlan.sources`, from the pieces it holds."""
+    out: dict[tuple[str, str], list[tuple[int, Layout]]] = {}
+    for t, lay in held:
+        if t.writer in t.full_holders:
+            if t.writer == rank:
+                out[t.key] = [(rank, Layout.full(t.shape))]
+        elif lay.replica == 0 and lay.numel > 0:
+            out.setdefault(t.key, []).append((rank, lay))
+    return out
+
+
 def _schedule(plan: SavePlan, rank: int) -> list[Step]:
+    """The steps of one rank. Cost: every writer's segments are visited, but only the
+    sources of this rank (its own pieces) and, for the segments it writes, every source of
+    their tensors are intersected: never every rank's pieces of every tensor."""
     steps: list[Step] = []
     runs_cache: dict[tuple[tuple[str, str], int], Runs] = {}
+    all_sources: dict[tuple[str, str], list[tuple[int, Layout]]] = {}
+    if plan.held_by is not None:
+        own = _own_sources(plan.held_by[rank], rank)
+    else:
+        own = {t.key: [(r, lay) for r, lay in t.sources() if r == rank] for t in plan.tensors.values()}
 
     def src_runs(t: TensorPlan, r: int, lay: Layout) -> Runs:
         k = (t.key, r)
         if k not in runs_cache:
             runs_cache[k] = lay.runs()
         return runs_cache[k]
+
+    def sources(t: TensorPlan, w: int) -> list[tuple[int, Layout]]:
+        if w != rank:
+            return own.get(t.key, [])
+        if t.key not in all_sources:
+            all_sources[t.key] = t.sources()
+        return all_sources[t.key]
 
     for s in range(plan.n_steps):
         step = Step()
@@ -387,9 +448,7 @@ def _schedule(plan: SavePlan, rank: int) -> list[Step]:
             for si, seg in enumerate(chunk_list[s]):
                 t = seg.tensor
                 seg_runs = Runs.single(seg.start, seg.stop)
-                for r, lay in t.sources():
-                    if r != rank and w != rank:
-                        continue
+                for r, lay in sources(t, w):
                     g, n, off_src, off_seg = intersect(src_runs(t, r, lay), seg_runs)
                     if len(n) == 0:
                         continue

@@ -1,0 +1,251 @@
+"""Planning at scale: the save planner alone, on simulated ranks (no processes).
+
+    .venv/bin/python bench/plan_scale.py            # 1,000 and 10,000 ranks
+    .venv/bin/python bench/plan_scale.py --quick    # 1,000 ranks only
+
+A Llama-shaped model of ``--layers`` layers (9 tensors each: 2 norms, q/k/v/o, gate/up/down;
+plus embedding, final norm and output head; bf16; dimensions scaled down: planning cost
+depends on counts, not bytes) under three layouts of ``W`` simulated ranks, 8 per node:
+
+* ``zero3``: FSDP-style units: each layer's tensors flattened into one buffer cut into W
+  equal ranges (``unickpt.partition_flat``), one unit for embedding/norm/head;
+* ``tp8-zero``: TP blocks over 8 ranks (q/k/v/gate/up/embedding/head by rows, o/down by
+  columns, norms replicated with replica = TP rank), then each TP rank's blocks of a layer
+  flattened and cut into W/8 equal ranges over its data-parallel group;
+* ``dtensor2d``: a (W/8, 8) mesh, ``(Shard(0), Shard(1))`` boxes (1-D tensors:
+  ``(Shard(0), Replicate())``), computed as ``_dtensor_layout`` does (torch.chunk sizes).
+
+For each it prints what one rank computes today: its summary (bytes), decoding every
+rank's summary, ``make_plan`` and its own ``SavePlan.schedule`` (time and peak Python
+memory, tracemalloc), summary bytes in total (what the all-gather moves to every rank), the
+manifest size (built by the saver's ``_manifest`` from the plan and one checksum range per
+1 MiB block), and the load side at a changed world size (W/2: manifest parse plus the runs
+and byte ranges of every target of a sampled rank). Ratios are to the issue's targets:
+planning time per rank < 1 s, peak planner memory per rank < 256 MiB, manifest size
+independent of ranks.
+
+Runs whose summaries would hold more than ``--max-pieces`` pieces in total are measured on
+the first layers that fit and extrapolated linearly in the layer count (planning is linear
+in pieces); the line says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import time
+import tracemalloc
+
+import numpy as np
+import zstandard
+
+from unickpt.layout import Layout, partition_flat
+from unickpt.manifest import Manifest
+from unickpt.plan import SavePlan, decode_summary, extents_of, make_plan
+
+TARGET_S = 1.0
+TARGET_MEM = 256 << 20
+PER_NODE = 8
+TP = 8
+
+
+def model(layers: int, h: int = 256, kv: int = 64, ffn: int = 704, vocab: int = 4096) -> list[tuple[str, tuple, str]]:
+    """(name, shape, TP split: 'row', 'col' or 'rep') in state-dict order, grouped per unit."""
+    out = [("embed.weight", (vocab, h), "row")]
+    for i in range(layers):
+        p = f"layers.{i}."
+        out += [
+            (p + "attn_norm.weight", (h,), "rep"), (p + "q.weight", (h, h), "row"), (p + "k.weight", (kv, h), "row"),
+            (p + "v.weight", (kv, h), "row"), (p + "o.weight", (h, h), "col"), (p + "ffn_norm.weight", (h,), "rep"),
+            (p + "gate.weight", (ffn, h), "row"), (p + "up.weight", (ffn, h), "row"), (p + "down.weight", (h, ffn), "col"),
+        ]
+    out += [("norm.weight", (h,), "rep"), ("output.weight", (vocab, h), "row")]
+    return out
+
+
+def units(tensors):
+    """FSDP-style wrapping: one unit per layer, one for embedding + norm + head."""
+    by: dict[str, list] = {}
+    for t in tensors:
+        key = t[0].split(".")[1] if t[0].startswith("layers.") else "rest"
+        by.setdefault(key, []).append(t)
+    return list(by.values())
+
+
+def _chunk(n: int, parts: int, i: int) -> tuple[int, int]:
+    c = -(-n // parts)
+    lo = min(i * c, n)
+    return lo, min(lo + c, n) - lo
+
+
+def tp_box(shape, split, tp_rank):
+    """(offsets, sizes, replica) of a TP rank's block."""
+    if split == "rep":
+        return (0,) * len(shape), tuple(shape), tp_rank
+    d = 0 if split == "row" else 1
+    o, s = _chunk(shape[d], TP, tp_rank)
+    offs, sizes = [0] * len(shape), list(shape)
+    offs[d], sizes[d] = o, s
+    return tuple(offs), tuple(sizes), 0
+
+
+def rank_layouts(layout: str, tensors, world: int, rank: int) -> list[tuple[str, Layout]]:
+    out = []
+    if layout == "zero3":
+        for unit in units(tensors):
+            for i, lay, _, _ in partition_flat([s for _, s, _ in unit], world, rank):
+                out.append((unit[i][0], lay))
+    elif layout == "tp8-zero":
+        dp, tp = divmod(rank, TP)
+        for unit in units(tensors):
+            boxes = [tp_box(s, split, tp) for _, s, split in unit]
+            sizes = [math.prod(b[1]) for b in boxes]
+            total = -(-sum(sizes) // (world // TP)) * (world // TP)
+            part = total // (world // TP)
+            lo, hi = dp * part, (dp + 1) * part
+            t0 = 0
+            for (name, shape, _), (offs, bsz, rep), n in zip(unit, boxes, sizes):
+                s, e = max(lo, t0), min(hi, t0 + n)
+                if e > s:
+                    out.append((name, Layout(shape, offs, bsz, (s - t0, e - t0), rep)))
+                t0 += n
+    elif layout == "dtensor2d":
+        mesh = (world // TP, TP)
+        coord = divmod(rank, TP)
+        for name, shape, _ in tensors:
+            offs, sizes, replica = [0] * len(shape), list(shape), 0
+            for m, d in enumerate((0, 1)):
+                if d < len(shape):  # Shard(d) on mesh dim m
+                    o, s = _chunk(shape[d], mesh[m], coord[m])
+                    offs[d], sizes[d] = o, s
+                else:  # Replicate
+                    replica = replica * mesh[m] + coord[m]
+            out.append((name, Layout(shape, tuple(offs), tuple(sizes), None, replica)))
+    else:
+        raise ValueError(layout)
+    return out
+
+
+def summary_rows(layout, tensors, world, rank):
+    return [["model", n, "BF16", list(lay.shape), *lay.to_json(), None] for n, lay in rank_layouts(layout, tensors, world, rank)]
+
+
+def encode(rows, node: str) -> bytes:  # as plan.encode_summary
+    raw = json.dumps({"node": node, "t": rows}, separators=(",", ":")).encode()
+    return zstandard.ZstdCompressor(level=3).compress(raw)
+
+
+def pieces_per_layer(layout: str, world: int) -> float:
+    if layout == "zero3":
+        return 9 + world
+    if layout == "tp8-zero":
+        return TP * (9 + world // TP)
+    return 9 * world
+
+
+def load_side(blob: bytes, layout: str, tensors, world: int, ranks: list[int]) -> tuple[float, int]:
+    """Seconds (max over sampled ranks) a rank of a ``world``-rank job spends before reading:
+    parse + validate the manifest, then runs and byte ranges of every target."""
+    worst, n_runs = 0.0, 0
+    for r in ranks:
+        t0 = time.perf_counter()
+        man = Manifest.from_json(blob, "bench")
+        for name, lay in rank_layouts(layout, tensors, world, r):
+            st = man.tensors[("model", name)]
+            base = man.files[st.file].data_start + st.begin
+            runs = lay.runs()
+            _ = base + runs.starts * 2  # byte offsets of the reads
+            n_runs += len(runs)
+        worst = max(worst, time.perf_counter() - t0)
+    return worst, n_runs
+
+
+def plan_one_rank(blobs: list[bytes], rank: int, bucket: int) -> SavePlan:
+    """What one rank computes today: decode every summary, plan, its own schedule."""
+    plan = make_plan([decode_summary(b) for b in blobs], bucket_bytes=bucket)
+    plan.schedule(rank)
+    return plan
+
+
+def run(layout: str, world: int, layers: int, max_pieces: float, bucket: int, mem: bool) -> None:
+    per = pieces_per_layer(layout, world)
+    fit = max(1, min(layers, int(max_pieces // per)))
+    tensors = model(fit)
+    scale = layers / fit
+    t0 = time.perf_counter()
+    blobs = [encode(summary_rows(layout, tensors, world, r), f"n{r // PER_NODE}") for r in range(world)]
+    gen = time.perf_counter() - t0
+    sizes = np.array([len(b) for b in blobs])
+    sample = sorted({0, 1, world // 2 + 3, world - 1})
+    gc.collect()
+    t0 = time.perf_counter()
+    plan = make_plan([decode_summary(b) for b in blobs], bucket_bytes=bucket)
+    t_plan = time.perf_counter() - t0
+    t_sched = 0.0
+    for r in sample:
+        t1 = time.perf_counter()
+        plan.schedule(r)
+        t_sched = max(t_sched, time.perf_counter() - t1)
+    n_pieces = sum(len(t.pieces) for t in plan.tensors.values())
+    peak = float("nan")
+    if mem:
+        del plan
+        gc.collect()
+        tracemalloc.start()
+        plan = plan_one_rank(blobs, sample[-1], bucket)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    blob = manifest_blob(plan)
+    man = len(blob)
+    t_load, _ = load_side(blob, layout, tensors, world // 2, sorted({0, world // 4 + 1, world // 2 - 1}))
+    per_rank_s = (t_plan + t_sched) * scale
+    note = f"  (measured on {fit} of {layers} layers, x{scale:.1f})" if scale > 1 else ""
+    print(f"{layout:<10}{world:>7}  pieces {n_pieces * scale:>11,.0f}  summary/rank {sizes.mean() * scale / 1024:8.1f} KiB"
+          f"  all-gathered {sizes.sum() * scale / 2**20:9.1f} MiB{note}")
+    print(f"{'':<19}plan/rank {per_rank_s:8.2f} s ({per_rank_s / TARGET_S:6.1f}x target; make_plan {t_plan * scale:.2f} s,"
+          f" schedule {t_sched * scale:.3f} s)  peak mem {peak * scale / 2**20:8.1f} MiB ({peak * scale / TARGET_MEM:5.2f}x)")
+    print(f"{'':<19}manifest {man * scale / 2**20:7.2f} MiB ({man * scale / len(plan.tensors) / scale:.0f} B/tensor), "
+          f"{len(plan.files)} files; load at W/2: {t_load * scale:.3f} s/rank; simulating {gen:.1f} s")
+
+
+def manifest_blob(plan: SavePlan) -> bytes:
+    """The manifest rank 0 would write for this plan: the saver's own ``_manifest``, fed one
+    report with the checksum ranges the writers would produce (1 MiB blocks of each tensor,
+    cut again at every in-place run start)."""
+    from unickpt.format import CHECK_BLOCK
+    from unickpt.saver import _manifest
+
+    checks = {}
+    for t in plan.tensors.values():
+        cuts = {0, t.nbytes, *range(0, t.nbytes, CHECK_BLOCK)}
+        if t.direct:
+            cuts.update(g * t.itemsize for _, _, g, _ in extents_of(t))
+        c = sorted(cuts)
+        checks[f"{t.role}/{t.name}"] = [[a, b, "0123456789abcdef"] for a, b in zip(c, c[1:])]
+    rep = {"checksums": checks, "files": {f.name: f.size for f in plan.files}}
+    return _manifest(plan, [rep], 1, {}, {}, {}).to_json()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="1,000 ranks only")
+    ap.add_argument("--layers", type=int, default=1000)
+    ap.add_argument("--layouts", default="zero3,tp8-zero,dtensor2d")
+    ap.add_argument("--worlds", default=None, help="comma-separated world sizes (default 1000,10000)")
+    ap.add_argument("--max-pieces", type=float, default=1.5e6, help="pieces simulated at most (else extrapolated)")
+    ap.add_argument("--bucket-mib", type=int, default=256)
+    ap.add_argument("--no-mem", action="store_true", help="skip the tracemalloc run (halves the time)")
+    args = ap.parse_args()
+    worlds = [int(w) for w in args.worlds.split(",")] if args.worlds else ([1000] if args.quick else [1000, 10000])
+    n = len(model(args.layers))
+    print(f"model: {args.layers} layers, {n} tensors; targets: plan < {TARGET_S:g} s/rank, "
+          f"peak < {TARGET_MEM >> 20} MiB/rank, manifest independent of ranks")
+    for world in worlds:
+        for layout in args.layouts.split(","):
+            run(layout, world, args.layers, args.max_pieces, args.bucket_mib << 20, not args.no_mem)
+
+
+if __name__ == "__main__":
+    main()
