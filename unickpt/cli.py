@@ -3,10 +3,14 @@
 Every command takes ``--json`` (exactly one JSON object on stdout: the result, its figures,
 or the error), ``-q/--quiet`` (no progress) and ``--debug``. Exit codes: 0 done, 1 a
 verification found damage, 2 an error of the user or the input (one line on stderr, never a
-traceback: bad arguments, missing or odd paths, typed checkpoint errors, broken pipes,
-Ctrl-C), 3 a bug in unickpt (one line and a hint; the traceback with ``--debug`` or
-``UNICKPT_DEBUG=1``). Progress goes to stderr: a tqdm bar on a terminal, a line every
-~5 s or 10% otherwise.
+traceback: bad arguments, missing or odd paths, typed checkpoint errors, Ctrl-C, also while
+starting up), 3 a bug in unickpt (one line and a hint; the traceback with ``--debug`` or
+``UNICKPT_DEBUG=1``), 141 stdout was closed by its reader (``... | head -1``; nothing on
+stderr, the status a shell reports for a tool ended by SIGPIPE). Progress goes to stderr: a
+tqdm bar on a terminal, a line every ~5 s or 10% otherwise.
+
+Only the standard library and unickpt's light modules are imported with this module;
+torch and the readers are imported by :func:`main`, under its Ctrl-C handling.
 """
 
 from __future__ import annotations
@@ -17,17 +21,22 @@ import os
 import sys
 import time
 import traceback
-from typing import Any, Callable
+import warnings
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import __version__
 from ._metrics import gbps, human_bytes
-from .errors import InvalidArgumentError, UnickptError
-from .loader import read_manifest
-from .manifest import Manifest
+from .errors import CheckpointExistsError, CheckpointNotFoundError, FormatError, InvalidArgumentError, UnickptError
+
+if TYPE_CHECKING:
+    from .manifest import Manifest
 
 __all__ = ["main", "verify_checkpoint"]
 
 OK, FAILED, ERROR, BUG = 0, 1, 2, 3
+#: stdout closed by its reader (``| head``): 128 + SIGPIPE, what a shell reports for tools it ends
+PIPE_CLOSED = 141
+ZSTD_LEVELS = (1, 22)
 #: errors of the user, the input or the environment: one line, exit 2
 USER_ERRORS = (UnickptError, OSError, ValueError, NotImplementedError)
 Progress = Callable[[int, int], None] | None
@@ -114,8 +123,27 @@ def _codec_counts(man: Manifest) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
+def _local(path: str) -> bool:
+    return "://" not in path
+
+
+def _source(path: str, what: str = "checkpoint directory") -> str:
+    """``path`` as a source: an existing file is said to be one (the library only says it
+    found no checkpoint directory there)."""
+    if _local(path) and os.path.isfile(path):
+        err = FormatError if what.startswith("torch.distributed") else CheckpointNotFoundError
+        raise err(f"{path}: is a file, not a {what}")
+    return path
+
+
+def _read_manifest(path: str):
+    from .loader import read_manifest
+
+    return read_manifest(_source(path))
+
+
 def _inspect(args):
-    ckpt, man = read_manifest(args.path)
+    ckpt, man = _read_manifest(args.path)
     roles: dict[str, int] = {}
     for role, _ in man.tensors:
         roles[role] = roles.get(role, 0) + 1
@@ -167,7 +195,7 @@ def _inspect(args):
 
 def _verify(args):
     t0 = time.perf_counter()
-    ckpt, man = read_manifest(args.path)  # (format >= 2: the manifest's own checksum is checked here)
+    ckpt, man = _read_manifest(args.path)  # (format >= 2: the manifest's own checksum is checked here)
     bad = _with_progress("verify", args, lambda progress: verify_checkpoint(ckpt, man, progress))
     secs = time.perf_counter() - t0
     nbytes = sum(t.nbytes for t in man.tensors.values())
@@ -241,14 +269,41 @@ def verify_checkpoint(ckpt: str, man: Manifest, progress: Progress = None) -> li
     return bad
 
 
+def _check_export_destination(dst: str, overwrite: bool) -> None:
+    """The destination's checks of the write itself (commit.Transaction, for a folder), made
+    before the export reads configs (transformers logs its own warnings there): an error
+    about DST comes first and alone."""
+    from .commit import Transaction
+    from .storage import storage_for
+
+    storage, final = storage_for(dst)
+    try:
+        txn = Transaction(storage, final, overwrite=overwrite, folder=True)
+        if not (txn.marker and overwrite):  # (on object stores that check replaces the folder)
+            txn._check_destination()
+    finally:
+        storage.close()
+
+
 def _export(args):
     from .export import DTYPE_NAMES, export_hf
+    from .storage import storage_for
 
     max_shard = _size(args.max_shard_size)
+    _source(args.src)
+    _check_export_destination(args.dst, args.overwrite)
     res = _with_progress("export", args, lambda progress: export_hf(
         args.src, args.dst, dtype=DTYPE_NAMES[args.dtype] if args.dtype else None,
         max_shard_bytes=max_shard, config=args.config, overwrite=args.overwrite, progress=progress,
     ))
+    storage, final = storage_for(res["path"])
+    try:
+        has_config = storage.exists(storage.join(final, "config.json"))
+    finally:
+        storage.close()
+    if not has_config:
+        _warn(args, f"the checkpoint has no config.json, so {_safe(res['path'])} has none: it will not load with "
+                    "from_pretrained; pass --config FILE (a config.json, or a folder holding one)")
     return OK, res, (f"exported {res['tensors']} tensors ({human_bytes(res['bytes'])}) in {res['files']} files to "
                      f"{_safe(res['path'])} in {res['seconds']:.2f} s ({res['gbps']:.2f} GB/s)")
 
@@ -261,6 +316,10 @@ def _reshard(args):
         _warn(args, "--drop-optimizer is deprecated; use --drop-role optimizer")
         drop.append("optimizer")
     max_file = _size(args.max_file_size) if args.max_file_size else None
+    lo, hi = ZSTD_LEVELS
+    if args.zstd is not None and not lo <= args.zstd <= hi:
+        raise InvalidArgumentError(f"--zstd {args.zstd}: zstd must be a level from {lo} to {hi}")
+    _source(args.src)
     res = _with_progress("reshard", args, lambda progress: reshard_offline(
         args.src, args.dst, drop_roles=drop, master=args.master, quant=args.quant,
         max_file_bytes=max_file, zstd=args.zstd, overwrite=args.overwrite, progress=progress,
@@ -273,8 +332,14 @@ def _reshard(args):
 def _convert(args):
     from .offline import convert_from_dcp
 
-    res = _with_progress("convert", args, lambda progress: convert_from_dcp(
-        args.from_dcp, args.dst, overwrite=args.overwrite, progress=progress))
+    _source(args.from_dcp, "torch.distributed.checkpoint directory")
+
+    def run(progress):
+        with warnings.catch_warnings():  # DCP warns that it runs without a process group: on purpose here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            return convert_from_dcp(args.from_dcp, args.dst, overwrite=args.overwrite, progress=progress)
+
+    res = _with_progress("convert", args, run)
     return OK, res, (f"converted {res['tensors']} tensors ({human_bytes(res['bytes'])}) to {_safe(res['path'])} in "
                      f"{res['seconds']:.2f} s" + (f"; skipped {len(res['skipped'])} non-tensor entries" if res["skipped"] else ""))
 
@@ -364,7 +429,8 @@ def _where(e: BaseException) -> str:
 
 def _stdout_gone() -> None:
     """After a broken pipe (``unickpt inspect ... | head``): Python's documented recipe, point
-    stdout at devnull so the interpreter's final flush does not fail again."""
+    stdout at devnull so the interpreter's final flush does not fail again (nor print
+    "Exception ignored")."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
@@ -372,8 +438,24 @@ def _stdout_gone() -> None:
         pass
 
 
+def _start_up() -> None:
+    """The slow part of starting (torch, the readers): inside :func:`main`'s handling, so that
+    a Ctrl-C while they load is the usual one line, not a traceback."""
+    import importlib
+
+    importlib.import_module("torch")
+    importlib.import_module(".loader", __package__)
+
+
+def _cli_wording(message: str) -> str:
+    """A library message as the command line says it (``--overwrite``, not ``overwrite=True``)."""
+    return message.replace("use --overwrite / overwrite=True", "use --overwrite").replace(
+        "pass overwrite=True", "pass --overwrite")
+
+
 def _run(argv: list[str]) -> tuple[int, dict, str]:
     """Parse and run one command; typed results, or an exception."""
+    _start_up()
     args = _parser().parse_args(argv)
     if args.storage_options is not None:
         try:
@@ -419,7 +501,8 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as e:
         if debug:
             traceback.print_exc()
-        rc, error, line = ERROR, {"type": type(e).__name__, "message": str(e)}, f"{type(e).__name__}: {e}"
+        msg = _cli_wording(str(e)) if isinstance(e, CheckpointExistsError) else str(e)
+        rc, error, line = ERROR, {"type": type(e).__name__, "message": msg}, f"{type(e).__name__}: {msg}"
     except Exception as e:
         if debug:
             raise
@@ -428,9 +511,8 @@ def main(argv: list[str] | None = None) -> int:
                 "UNICKPT_DEBUG=1 for the traceback and report it)")
     else:
         out = json.dumps({"command": cmd, "ok": rc == OK, "exit_code": rc, **res}, indent=2, default=str) if as_json else text
-        if out and not _out(out):
-            print(f"{prefix}: stdout was closed before the output was complete (broken pipe)", file=sys.stderr)
-            return ERROR
+        if out and not _out(out):  # the reader left (``| head -1``): normal use, said by the exit code only
+            return PIPE_CLOSED
         return rc
     print(f"{prefix}: {_safe(line)}", file=sys.stderr)
     if as_json:

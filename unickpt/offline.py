@@ -9,6 +9,7 @@ intact until the new one is in place.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import math
 import os
@@ -42,8 +43,16 @@ class _Writer:
 
     def __init__(self, dst, overwrite: bool, zstd: int | None = None) -> None:
         self.storage, self.final = storage_for(dst)
+        # the write transaction of saves: begin() sweeps the temporaries of dead owners of
+        # this destination (an earlier killed reshard) and records this process as the owner
         self.txn = _commit.Transaction(self.storage, self.final, overwrite=overwrite)
-        self.txn.begin()
+        try:
+            self.txn.begin()
+        except BaseException:  # (a Ctrl-C inside begin: its temporary may already exist)
+            with _interrupts_held():
+                self.txn.abort()
+                self.storage.close()
+            raise
         self.tmp = self.txn.tmp
         self.zstd = zstd
         self.where: dict[tuple[str, str], tuple[str, dict]] = {}  # key -> (file, part -> TensorInfo)
@@ -170,10 +179,46 @@ class _Writer:
         return TensorEntry(role, name, fname, dt, shape, b, e, (), tag["codec"], 0, parts, args)
 
     def abort(self) -> None:
-        for w in self.writers.values():
-            w.abort()
-        self.storage.close()
-        self.txn.abort()
+        """Remove the temporary, to the end even through another Ctrl-C (held off meanwhile):
+        the data files first, the owner record with the directory last, so that a kill -9
+        on the way leaves a temporary the next write's sweep recognises as abandoned."""
+        with _interrupts_held():
+            try:
+                for w in self.writers.values():
+                    try:
+                        w.abort()
+                    except Exception:  # the temporary goes anyway
+                        pass
+                self.writers.clear()
+                if self.storage.caps.atomic_rename:  # (object stores: the transaction picks this write's objects)
+                    for fname in self.files:
+                        self.storage.remove_file(self.storage.join(self.tmp, fname))
+            finally:
+                try:
+                    self.storage.close()
+                finally:
+                    self.txn.abort()
+
+
+@contextlib.contextmanager
+def _interrupts_held():
+    """Ctrl-C does not interrupt the block (it is ignored while it runs: the interrupt that
+    started a cleanup is already on its way up). Main thread only; elsewhere a no-op."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.getsignal(signal.SIGINT)
+    if old is None:  # a handler not installed from Python: leave it alone
+        yield
+        return
+    signal.signal(signal.SIGINT, lambda *_: None)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def reshard_offline(
