@@ -5,7 +5,9 @@ Per rank, one :class:`Checkpointer` owns
 * a **staging buffer**: a shared-memory segment (``/dev/shm/unickpt-<pid>-<n>``) allocated
   once and reused, grown when the state grows; registered as pinned memory with CUDA
   (``cudaHostRegister``) when CUDA is available, so device-to-host copies run at full speed;
-* a **persistent writer process** (spawned on first use) that maps the segment and runs the
+* a **persistent writer process** (started on first use as a fresh interpreter running
+  :mod:`unickpt._writer_main`: the trainer's ``__main__`` is never imported in it, so
+  scripts need no ``if __name__ == "__main__":`` guard) that maps the segment and runs the
   ordinary synchronous save from it, on **its own gloo process group** with the other ranks'
   writers (the trainer's group is never used from the background). It blocks on its pipe
   while idle and dies with its parent (a watchdog thread notices the parent's death).
@@ -36,12 +38,13 @@ import collections
 import glob
 import json
 import mmap
-import multiprocessing as mp
 import multiprocessing.connection as mpc
 import multiprocessing.util as mp_util
 import signal
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -50,6 +53,7 @@ from typing import Any, Mapping
 import torch
 
 from ._metrics import log
+from ._writer_main import BOOT
 from .errors import AsyncSaveError, UnickptError
 from .format import dtype_name, torch_dtype
 from .layout import Layout
@@ -260,6 +264,98 @@ def _pick_port() -> int:
         return s.getsockname()[1]
 
 
+#: variables a launcher (torchrun, torch.distributed.launch) sets for a trainer: a writer
+#: gets none of them (it joins only its own writers' group, from explicit arguments)
+_LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_LAUNCHER_ENV_PREFIXES = ("TORCHELASTIC_",)
+
+
+def _writer_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items()
+            if k not in _LAUNCHER_ENV and not k.startswith(_LAUNCHER_ENV_PREFIXES)}
+
+
+class _WriterProcess:
+    """A writer process started as a fresh interpreter (:mod:`unickpt._writer_main`), with
+    the part of :class:`multiprocessing.Process`'s interface the checkpointer uses.
+
+    Not ``multiprocessing``'s spawn: that re-imports the trainer's main module in the child,
+    which re-runs a script without an ``if __name__ == "__main__":`` guard (the usual
+    torchrun script) and makes the writer join the training job. Here the child imports only
+    the writer's own modules (through the trainer's ``sys.path``) and gets no launcher
+    variables. The command channel is ``multiprocessing``'s own duplex pipe (a socket pair
+    wrapped in ``Connection``; one end inherited by the child); :attr:`sentinel` is the read
+    end of a pipe whose only write end the child holds: readable once the child has exited,
+    however it ended (``Process.sentinel``'s mechanism)."""
+
+    def __init__(self, popen: subprocess.Popen, sentinel: int) -> None:
+        self._popen, self.sentinel, self.pid = popen, sentinel, popen.pid
+
+    @classmethod
+    def start(cls, target, args: tuple) -> tuple["_WriterProcess", mpc.Connection]:
+        module, name = getattr(target, "__module__", None), getattr(target, "__qualname__", "")
+        if not module or module == "__main__" or "<" in name:
+            raise AsyncSaveError(f"the writer's entry point must be importable by name, not {module}.{name}")
+        if not sys.executable:
+            raise AsyncSaveError("cannot start the writer process: sys.executable is not set")
+        parent, child = mpc.Pipe(duplex=True)
+        sentinel_r, sentinel_w = os.pipe()
+        cfg = {
+            "sys_path": [p for p in sys.path if isinstance(p, str)],
+            "target": f"{module}:{name}",
+            "conn_fd": child.fileno(),
+            "sentinel_fd": sentinel_w,
+            "args": list(args),
+        }
+        try:
+            popen = subprocess.Popen(
+                [sys.executable, "-c", BOOT, json.dumps(cfg)],
+                stdin=subprocess.DEVNULL,  # stdout/stderr: the trainer's (its launcher's logs)
+                pass_fds=(child.fileno(), sentinel_w),
+                env=_writer_env(),
+            )
+        except BaseException:
+            parent.close()
+            os.close(sentinel_r)
+            raise
+        finally:
+            child.close()  # the child has its copies (or there is no child)
+            os.close(sentinel_w)
+        return cls(popen, sentinel_r), parent
+
+    def is_alive(self) -> bool:
+        return self._popen.poll() is None
+
+    @property
+    def exitcode(self) -> int | None:
+        """The exit status once reaped (``-N``: killed by signal N), else ``None``."""
+        return self._popen.poll()
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self._popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        if self._popen.poll() is None:
+            try:
+                self._popen.kill()
+            except ProcessLookupError:
+                pass
+
+    def close(self) -> None:
+        """Release the sentinel (the process is reaped by :meth:`join` or later by
+        :mod:`subprocess`)."""
+        if self.sentinel >= 0:
+            try:
+                os.close(self.sentinel)
+            except OSError:
+                pass
+            self.sentinel = -1
+
+
 class Checkpointer:
     """Staging buffer + persistent writer process of this rank, for one process group."""
 
@@ -267,8 +363,9 @@ class Checkpointer:
         self.group = group
         self.timeout_s = resolve_timeout(timeout_s)  # writers' group setup; default per save
         self._seg: _Segment | None = None
-        self._proc = None
+        self._proc: _WriterProcess | None = None
         self._conn = None
+        self._start_error: BaseException | None = None  # the last writer start failed
         self._last: AsyncSave | None = None
         self._counter = 0
         self._lock = threading.Lock()
@@ -276,21 +373,18 @@ class Checkpointer:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def _start_writer(self, comm: Comm) -> None:
-        """Collective over the trainer's group (called from save(), in the caller's thread)."""
+        """Collective over the trainer's group (called from save(), in the caller's thread).
+        A writer that cannot be started is reported by the save (agreed over the group)."""
         port = comm.broadcast_bytes(str(_pick_port()).encode() if comm.rank == 0 else None).decode()
         addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe()
         env_node = os.environ.get("UNICKPT_NODE_ID") or os.environ.get("GROUP_RANK")
-        proc = ctx.Process(
-            target=_writer_main,
-            args=(child, comm.rank, comm.world, addr, int(port), self.timeout_s, os.getpid(), env_node),
-            name=f"unickpt-writer-{comm.rank}",
-            daemon=True,
-        )
-        proc.start()
-        child.close()
-        self._proc, self._conn = proc, parent
+        self._start_error = None
+        try:
+            self._proc, self._conn = _WriterProcess.start(
+                _writer_main, (comm.rank, comm.world, addr, int(port), self.timeout_s, os.getpid(), env_node)
+            )
+        except (OSError, ValueError, AsyncSaveError) as e:
+            self._start_error = e
 
     def _stop_writer(self, graceful: bool) -> None:
         proc, conn = self._proc, self._conn
@@ -306,6 +400,7 @@ class Checkpointer:
         if proc.is_alive():
             proc.kill()
         proc.join(timeout=10)
+        proc.close()
         try:
             conn.close()
         except OSError:
@@ -356,6 +451,8 @@ class Checkpointer:
 
         err: BaseException | None = None
         try:
+            if self._start_error is not None:
+                raise AsyncSaveError(f"the writer process could not be started: {self._start_error}")
             entries, json_state = flatten(state_dict, comm.rank, comm.world)
             staged = self._layout(entries)
             self._ensure_segment(staged.size)
@@ -486,7 +583,8 @@ class Checkpointer:
             handle.total_seconds = time.perf_counter() - handle.t0
             handle._finished = True
             if msg is None:
-                code = proc.exitcode if not proc.is_alive() else None
+                proc.join(timeout=1.0)  # its pipe closed as it exited: let it be reaped for the code
+                code = proc.exitcode
                 handle._error = AsyncSaveError(
                     f"save of {handle.path}: the writer process of this rank died (exit code {code}); nothing was committed"
                 )
@@ -515,7 +613,7 @@ def checkpointer(group=None) -> Checkpointer:
     if c is None:
         if not _CHECKPOINTERS:
             atexit.register(shutdown)
-            # multiprocessing children skip atexit: run before their daemonic writers are killed
+            # a trainer that is itself a multiprocessing child skips atexit: run at its exit too
             mp_util.Finalize(None, shutdown, exitpriority=100)
             sweep_segments()
         c = _CHECKPOINTERS[key] = Checkpointer(group)

@@ -1,0 +1,154 @@
+"""How the asynchronous writer is launched: real scripts, real launchers.
+
+The writer is a fresh interpreter that never imports the trainer's ``__main__``: a torchrun
+script without an ``if __name__ == "__main__":`` guard must not run again in it (with
+``multiprocessing``'s spawn it did, and the copy joined the job). Each script prints one
+``SCRIPT START`` line per run of its top level, so a second run would be seen.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+import unickpt
+from tests.dist import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# two async saves and one load, at top level (no guard); checks the writer's environment
+BODY = textwrap.dedent(
+    """
+    import os, sys
+    import psutil, torch, torch.distributed as dist
+    import unickpt
+    from unickpt.async_save import checkpointer
+
+    print("SCRIPT START", os.getpid(), flush=True)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    root = sys.argv[1]
+
+    def state(v):
+        return {"model": {"w": unickpt.shard(torch.full((4, 3), float(v + rank)), (4 * world, 3), offsets=(4 * rank, 0))},
+                "step": v}
+
+    h = unickpt.save(state(1), os.path.join(root, "step-1"), step=1, async_save=True)
+    h.wait()
+    writer = psutil.Process(checkpointer()._proc.pid)
+    assert writer.ppid() == os.getpid(), (writer.ppid(), os.getpid())
+    env = writer.environ()
+    leaked = sorted(k for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+                    if k in env) + sorted(k for k in env if k.startswith("TORCHELASTIC_"))
+    assert not leaked, leaked
+    assert not any(a.endswith(".py") for a in writer.cmdline()), writer.cmdline()
+    h = unickpt.save(state(2), os.path.join(root, "step-2"), step=2, async_save=True)
+    h.wait()
+    t = {"model": {"w": torch.zeros(4 * world, 3)}}
+    unickpt.load(t, os.path.join(root, "step-2"))
+    assert torch.equal(t["model"]["w"][4 * rank : 4 * rank + 4], torch.full((4, 3), 2.0 + rank))
+    unickpt.async_save.shutdown()
+    dist.destroy_process_group()
+    print("RANK DONE", rank, flush=True)
+    """
+)
+
+
+def _env(extra=None):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    env.update(extra or {})
+    return env
+
+
+def _run(cmds, cwd, envs) -> list[str]:
+    """Run the commands to the end (each in a session of its own, killed whole if it hangs:
+    a hung job leaves no stray ranks or writers); fail with their output unless all exit 0."""
+    procs = [subprocess.Popen(c, cwd=cwd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for c, e in zip(cmds, envs)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=120)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out
+    return outs
+
+
+def _check(out: str, root: str, world: int = 2) -> None:
+    assert out.count("SCRIPT START") == world, out  # the writers did not run the script
+    assert sorted(line for line in out.splitlines() if line.startswith("RANK DONE")) == \
+        [f"RANK DONE {r}" for r in range(world)], out
+    for step in (1, 2):
+        path = os.path.join(root, f"step-{step}")
+        _, man = unickpt.read_manifest(path)
+        assert man.step == step
+        t = {"model": {"w": torch.zeros(4 * world, 3)}}
+        unickpt.load(t, path)
+        want = torch.cat([torch.full((4, 3), float(step + r)) for r in range(world)])
+        assert torch.equal(t["model"]["w"], want)
+
+
+def test_unguarded_script_under_torchrun(tmp_path):
+    script = tmp_path / "train_noguard.py"
+    script.write_text(BODY)
+    root = tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), str(root)]
+    (out,) = _run([cmd], tmp_path, [_env()])
+    _check(out, str(root))
+
+
+def test_guarded_module_run_with_python_m(tmp_path):
+    """``python -m pkg.train`` (a guarded main), ranks started by hand from the env."""
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    body = "\n".join("    " + line if line else "" for line in BODY.splitlines())
+    (pkg / "train.py").write_text("def main():\n" + body + "\n\nif __name__ == '__main__':\n    main()\n")
+    root = tmp_path / "ckpt"
+    port = free_port()
+    envs = [_env({"RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+            for r in range(2)]
+    outs = _run([[sys.executable, "-m", "mypkg.train", str(root)]] * 2, tmp_path, envs)
+    _check("".join(outs), str(root))
+
+
+def _start_fails_on_rank_1(rank, world, root):
+    import pytest
+
+    from unickpt.errors import AsyncSaveError, UnickptError
+
+    sd = {"model": {"w": unickpt.shard(torch.full((4, 3), float(rank)), (4 * world, 3), offsets=(4 * rank, 0))}}
+    exe = sys.executable
+    if rank == 1:
+        sys.executable = os.path.join(root, "no-such-python")
+    try:
+        # agreed like any error preparing a save: every rank raises, the failing one its own
+        with pytest.raises(AsyncSaveError if rank == 1 else UnickptError, match="writer process could not be started"):
+            unickpt.save(sd, os.path.join(root, "a"), step=1, async_save=True)
+    finally:
+        sys.executable = exe
+    unickpt.save(sd, os.path.join(root, "b"), step=2, async_save=True).wait()  # writers restarted
+    unickpt.async_save.shutdown()
+    return sorted(os.listdir(root))
+
+
+def test_a_writer_that_cannot_start_fails_the_save_on_every_rank(tmp_path):
+    from tests import dist
+
+    out = dist.run(_start_fails_on_rank_1, 2, str(tmp_path))
+    assert out == [["b"], ["b"]]
+    t = {"model": {"w": torch.zeros(8, 3)}}
+    unickpt.load(t, str(tmp_path / "b"))
+    assert torch.equal(t["model"]["w"], torch.cat([torch.zeros(4, 3), torch.ones(4, 3)]))
