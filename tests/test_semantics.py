@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+import xxhash
 from safetensors import safe_open
 
 import unickpt
@@ -111,6 +112,68 @@ def test_a_fresh_optimizer_state_dict_is_not_a_silent_no_op(tmp_path):
     assert res.tensors == 0 and len(res.unexpected) == 12  # 4 parameters x (step, exp_avg, exp_avg_sq)
 
 
+def test_an_optimizer_object_saved_by_dcp_loads_into_an_optimizer_object(tmp_path):
+    """dcp.save calls ``optimizer.state_dict()`` (parameters numbered); unickpt.load with the
+    optimizer object reads that form back instead of expecting parameter names."""
+    import torch.distributed.checkpoint as dcp
+
+    from unickpt.dcp import StorageWriter
+
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    _train(model, opt)
+    dcp.save({"model": model, "optim": opt}, storage_writer=StorageWriter(tmp_path / "ck"), no_dist=True)
+    model2 = _mlp(seed=4)
+    opt2 = torch.optim.Adam(model2.parameters(), lr=1.0)
+    res = unickpt.load({"model": model2, "optim": opt2}, tmp_path / "ck")
+    assert res.missing == [] and res.unexpected == [] and _same_optimizer_state(opt, opt2)
+
+
+def test_json_values_the_checkpoint_lacks_are_missing(tmp_path):
+    unickpt.save({"step": 3, "model": {"w": torch.ones(2)}}, tmp_path / "ck")
+    target = {"step": 0, "epoch": 7, "trainer": {"x": 1}, "model": {"w": torch.zeros(2)}}
+    with pytest.raises(TensorMissingError, match="epoch.*trainer|not in the checkpoint") as ei:
+        unickpt.load(target, tmp_path / "ck")
+    assert sorted(ei.value.missing) == ["epoch", "trainer"]
+    res = unickpt.load(target, tmp_path / "ck", strict=False)
+    assert sorted(res.missing) == ["epoch", "trainer"] and target["step"] == 3 and target["epoch"] == 7
+
+
+class _Counter:
+    """A user's Stateful holding a per-rank value."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def state_dict(self):
+        return {"n": unickpt.per_rank(self.n), "t": unickpt.per_rank(torch.tensor([self.n]))}
+
+    def load_state_dict(self, sd):
+        self.n = sd["n"]
+        assert torch.equal(sd["t"], torch.tensor([self.n]))
+
+
+def test_a_stateful_gets_back_the_values_it_wrapped_in_per_rank(tmp_path):
+    unickpt.save({"counter": _Counter(41)}, tmp_path / "ck")
+    c = _Counter(0)
+    unickpt.load({"counter": c}, tmp_path / "ck")
+    assert c.n == 41
+
+
+def test_a_crafted_per_rank_list_cannot_claim_another_world_size(tmp_path):
+    from unickpt.manifest import Manifest
+
+    unickpt.save({"pos": unickpt.per_rank(5), "model": {"w": torch.ones(1)}}, tmp_path / "ck")
+    raw = json.loads((tmp_path / "ck" / "unickpt.json").read_bytes())
+    raw.pop("manifest_xxh3_128")
+    for bad in ([5, 6], 5, {"x": 1}):
+        raw["state"]["pos"] = {"__unickpt_per_rank__": bad}
+        body = json.dumps(raw, separators=(",", ":")).encode()  # re-sealed: the attacker recomputes the checksum
+        data = body[:-1] + b',"manifest_xxh3_128":"' + xxhash.xxh3_128_hexdigest(body).encode() + b'"}'
+        with pytest.raises(unickpt.errors.FormatError, match="one value per saving rank"):
+            Manifest.from_json(data, "crafted")
+
+
 def test_missing_and_unexpected_are_both_reported(tmp_path):
     unickpt.save({"model": {"a": torch.ones(2), "b": torch.ones(3)}, "optimizer": {"m": torch.ones(1)}},
                  tmp_path / "ck")
@@ -155,6 +218,14 @@ def test_tied_weights_are_stored_once_and_restored_under_every_name(tmp_path):
     # the inference loader returns both names, as one tensor
     w = unickpt.load_for_inference(tmp_path / "ck")
     assert w["lm_head.weight"] is w["transformer.wte.weight"]
+    # and dcp.load through the unickpt reader sees every tied name
+    import torch.distributed.checkpoint as dcp
+
+    from unickpt.dcp import StorageReader
+
+    sd = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
+    dcp.load(sd, storage_reader=StorageReader(tmp_path / "ck"), no_dist=True)
+    assert torch.equal(sd["model"]["lm_head.weight"], model.transformer.wte.weight)
 
 
 def test_per_rank_values_round_trip_on_one_process_and_are_refused_elsewhere(tmp_path):
@@ -187,6 +258,20 @@ def _per_rank_save(rank, world, root):
         refused = None
     except StateDictError as e:
         refused = str(e)
+    # JSON values that differ are refused too (one value is saved for all ranks), naming the path
+    try:
+        unickpt.save({"trainer": {"step": 5, "data_position": 1000 * rank}}, os.path.join(root, "bad-json"))
+        refused_json = None
+    except StateDictError as e:
+        refused_json = str(e)
+    # per_rank tensors must have one shape
+    try:
+        unickpt.save({"buf": unickpt.per_rank(torch.arange(rank + 2))}, os.path.join(root, "bad-shape"))
+        refused_shape = None
+    except StateDictError as e:
+        refused_shape = str(e)
+    assert refused_json and "trainer.data_position" in refused_json, refused_json
+    assert refused_shape and "same shape" in refused_shape and "[2]" in refused_shape, refused_shape
     # the same through the asynchronous writer: the error surfaces from wait()
     h = unickpt.save({"noise": torch.full((3,), float(rank))}, os.path.join(root, "bad-async"), async_save=True)
     try:
@@ -311,3 +396,36 @@ def test_fsdp2_llama_resumes_bit_exact_on_one_and_four_ranks_through_stateful_ob
         assert g2 == groups
         # training goes on from the same state (other world sizes reduce gradients in another order)
         assert l2 == pytest.approx(losses, rel=1e-4), world
+
+
+def _tp_save(rank, world, root):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = parallelize_module(_mlp(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    _train(model, opt, sched)
+    unickpt.save({"model": model, "optim": opt, "sched": sched}, os.path.join(root, "tp"))
+    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).tolist() for k, v in model.state_dict().items()}
+    moments = {}
+    for p, st in zip(model.parameters(), opt.state.values()):
+        moments[len(moments)] = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).tolist() for k, v in st.items()}
+    return full, moments, opt.param_groups[0]["lr"]
+
+
+def test_tensor_parallel_objects_resume_in_one_plain_process(tmp_path):
+    root = str(tmp_path)
+    full, moments, lr = dist.run(_tp_save, 2, root)[0]
+    model = _mlp(seed=9)
+    opt = torch.optim.AdamW(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    res = unickpt.load({"model": model, "optim": opt, "sched": sched}, os.path.join(root, "tp"))
+    assert res.missing == [] and res.unexpected == []
+    assert all(torch.equal(v, torch.tensor(full[k])) for k, v in model.state_dict().items())
+    got = [opt.state[p] for p in model.parameters()]
+    for i, st in moments.items():
+        for k, v in st.items():
+            assert torch.equal(got[i][k], torch.tensor(v)), (i, k)
+    assert opt.param_groups[0]["lr"] == lr and sched.last_epoch == 3

@@ -212,6 +212,15 @@ class StorageReader(_dcp_storage.StorageReader):
                 chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=shape)],
             )
             paths[fqn] = (name,) if role == OTHER_ROLE else (role, name)
+        for (role, name), stored in sorted(man.aliases.items()):  # tied weights: every name reads the stored one
+            fqn = _fqn(role, name)
+            if fqn in keys:
+                raise NotImplementedError(
+                    f"{ckpt}: the tied name {name!r} of role {role} and the tensor {keys[fqn][1]!r} of role "
+                    f"{keys[fqn][0]} both have the DCP key {fqn!r}; load this checkpoint with unickpt.load")
+            keys[fqn] = (role, stored)
+            sdm[fqn] = sdm[_fqn(role, stored)]
+            paths[fqn] = (name,) if role == OTHER_ROLE else (role, name)
         leaves: dict[str, tuple[tuple, Any]] = {}
         for k, v in man.state.items():
             _json_leaves(v, (k,), leaves)

@@ -36,8 +36,8 @@ from .errors import (
 from .format import Hasher, dtype_name, read_header, torch_dtype
 from .layout import Layout, Runs
 from .manifest import MANIFEST_NAME, Manifest, TensorEntry, data_file_name, manifest_cap
-from .state import Entry, apply_json_state, flatten
-from .stateful import for_load
+from .state import Entry, apply_json_state, flatten, json_missing
+from .stateful import for_load, is_stateful
 from .storage import RandomReader, Storage, join_path, per_node, storage_for
 from .transport import Comm
 
@@ -62,8 +62,8 @@ class LoadResult:
     seconds: float
     verified: int
     missing: list[str] = field(default_factory=list)
-    """``role/name`` of target tensors the checkpoint does not hold (left untouched;
-    ``strict=True`` raises instead)."""
+    """Target values the checkpoint does not hold, left untouched (``strict=True`` raises
+    instead): tensors as ``role/name``, JSON values as their dotted path."""
     phases: dict[str, float] = field(default_factory=dict)
     received: int = 0
     """Bytes other ranks read for this one and sent (node-local checkpoints)."""
@@ -194,18 +194,21 @@ def load(
         skipped: list[str] = []
         covered: set[tuple[str, str]] = set()
         roles: set[str] = set()
+        objects: set[str] = set()
         finish = None
         try:
-            state_dict, finish = for_load(state_dict, {r for r, _ in man.tensors})
+            objects = {k for k, v in state_dict.items() if is_stateful(v)} if isinstance(state_dict, Mapping) else set()
+            state_dict, finish = for_load(state_dict, {r for r, _ in man.tensors}, man.state)
             entries, _ = flatten(state_dict, comm.rank, comm.world)
             entries, missing, skipped, covered = _validate(entries, man, ckpt, comm.world)
+            missing += json_missing(state_dict, man.state)  # JSON values the checkpoint does not hold
             roles = _roles(state_dict)
         except Exception as e:
             err = e
         comm.agree(err, "load (checking the target state dict)")
         unexpected = _unexpected(comm, man, covered, roles)
         if strict and (missing or unexpected):
-            err = _mismatch(ckpt, man, missing, unexpected)
+            err = _mismatch(ckpt, man, missing, unexpected, objects)
         comm.agree(err, "load (matching the target to the checkpoint)")
 
     bytes_read = 0
@@ -407,21 +410,24 @@ def _unexpected(comm: Comm, man: Manifest, covered: set[tuple[str, str]], roles:
     return [f"{r}/{n}" for (r, n), v in zip(keys, top.tolist()) if v == 1]
 
 
-def _mismatch(ckpt: str, man: Manifest, missing: list[str], unexpected: list[str]) -> TensorMissingError:
-    """The strict load's error, naming both directions of the mismatch."""
+def _mismatch(ckpt: str, man: Manifest, missing: list[str], unexpected: list[str],
+              objects: set[str] = frozenset()) -> TensorMissingError:
+    """The strict load's error, naming both directions of the mismatch. ``objects``: roles
+    whose target was a stateful object (the hint about optimizer objects is not for them)."""
     def some(keys: list[str]) -> str:
         return ", ".join(keys[:6]) + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
 
     parts = []
-    if len(missing) == 1:
+    if len(missing) == 1 and "/" in missing[0]:
         role, name = missing[0].split("/", 1)
         parts.append(f"tensor {name!r} (role {role}) is not in the checkpoint "
                      f"({sum(1 for r, _ in man.tensors if r == role)} tensors of that role are)")
     elif missing:
-        parts.append(f"{len(missing)} target tensors are not in the checkpoint: {some(missing)}")
+        parts.append(f"{len(missing)} target value(s) are not in the checkpoint: {some(missing)}")
     if unexpected:
         hint = (" (an optimizer whose state does not exist yet? pass the optimizer object itself: unickpt creates "
-                "its state)") if any(u.split("/", 1)[1].startswith("state.") for u in unexpected) else ""
+                "its state)") if any(u.split("/", 1)[1].startswith("state.") and u.split("/", 1)[0] not in objects
+                                     for u in unexpected) else ""
         parts.append(f"{len(unexpected)} tensor(s) of the checkpoint under the target's roles are not in the target: "
                      f"{some(unexpected)}{hint}")
     cls = TensorMissingError if missing else UnexpectedTensorError

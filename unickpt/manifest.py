@@ -525,6 +525,8 @@ def _parse(obj: Any, where: str) -> Manifest:
                 raise FormatError(f"{where}: alias {name!r} (role {role!r}) must name a tensor the checkpoint does not "
                                   f"store and point to one it stores (got {str(target)[:80]!r})")
             aliases[(role, name)] = target
+    world = saved_by.get("world_size")
+    _check_rank_values(state, world, f"{where}: state")
     per_rank: set[tuple[str, str]] = set()
     raw_pr = obj.get("per_rank") or {}
     if not isinstance(raw_pr, dict):
@@ -534,9 +536,9 @@ def _parse(obj: Any, where: str) -> Manifest:
             raise FormatError(f"{where}: per_rank of role {role!r} must be a list of tensor names")
         for name in names:
             t = tensors.get((role, name))
-            if t is None or not t.shape or t.shape[0] < 1:
+            if t is None or not t.shape or t.shape[0] < 1 or (type(world) is int and t.shape[0] != world):
                 raise FormatError(f"{where}: per-rank tensor {name!r} (role {role!r}) must be a stored tensor with "
-                                  "one row per rank")
+                                  f"one row per saving rank ({world})")
             per_rank.add((role, name))
     return Manifest(
         step=step,
@@ -553,6 +555,24 @@ def _parse(obj: Any, where: str) -> Manifest:
         aliases=aliases,
         per_rank=per_rank,
     )
+
+
+def _check_rank_values(obj, world, where: str, depth: int = 0) -> None:
+    """Per-rank JSON values (``{"__unickpt_per_rank__": [...]}``) hold one value per saving rank."""
+    from .state import PER_RANK_KEY
+
+    if isinstance(obj, dict):
+        if PER_RANK_KEY in obj:
+            v = obj[PER_RANK_KEY]
+            if len(obj) != 1 or not isinstance(v, list) or (type(world) is int and len(v) != world):
+                raise FormatError(f"{where}: a per-rank value must be {{{PER_RANK_KEY!r}: [one value per saving rank "
+                                  f"({world})]}}")
+            return
+        for k, x in obj.items():
+            _check_rank_values(x, world, f"{where}.{k}", depth + 1)
+    elif isinstance(obj, list):
+        for i, x in enumerate(obj):
+            _check_rank_values(x, world, f"{where}.{i}", depth + 1)
 
 
 def _str_list(v) -> bool:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
 
 import torch
+import xxhash
 
 from . import commit as _commit
 from ._copy import as_bytes, copy_runs
@@ -396,17 +397,35 @@ def _gather_rank_state(comm: Comm, entries: list[Entry], json_state: dict[str, A
     each :func:`~unickpt.per_rank` value replaced by the list of every rank's value. One
     exchange of small JSON; the result is the same on every rank."""
     mine_al = sorted([e.role, a, e.name] for e in entries for a in e.aliases)
-    mine_pr = sorted([e.role, e.name] for e in entries if e.per_rank)
+    mine_pr = sorted([e.role, e.name, list(e.layout.shape[1:]), dtype_name(e.local.dtype)] for e in entries if e.per_rank)
     values: list = []
     _rank_values(json_state, values.append)
-    everyone = _gather_json(comm, {"al": mine_al, "pr": mine_pr, "v": values})
+    common = _rank_values(json_state, None, lambda v: None)  # what must be the same on every rank
+    digest = xxhash.xxh3_64_hexdigest(json.dumps(common, sort_keys=True, separators=(",", ":")).encode())
+    everyone = _gather_json(comm, {"al": mine_al, "pr": mine_pr, "v": values, "h": digest})
+    if len({x["h"] for x in everyone}) > 1:  # JSON values differ between ranks: find one to name
+        states = _gather_json(comm, common)
+        path, r = _first_difference(states)
+        raise StateDictError(
+            f"the JSON value {path!r} differs between ranks (rank 0 and rank {r}): JSON values are saved once for all "
+            "ranks. Wrap values that differ per rank (data positions, per-rank counters) in unickpt.per_rank(...), or "
+            "make the ranks agree before saving")
     aliases: dict[tuple[str, str], str] = {}
     for r, x in enumerate(everyone):
         for role, alias, name in x["al"]:
             if aliases.setdefault((role, alias), name) != name:
                 raise StateDictError(f"tensor {alias!r} (role {role}) is tied to {aliases[(role, alias)]!r} on one rank "
                                      f"and to {name!r} on rank {r}: every rank must tie the same weights")
-    per_rank_keys = {(role, name) for x in everyone for role, name in x["pr"]}
+    seen: dict[tuple[str, str], tuple[int, list, str]] = {}
+    for r, x in enumerate(everyone):
+        for role, name, shape, dt in x["pr"]:
+            first = seen.setdefault((role, name), (r, shape, dt))
+            if (first[1], first[2]) != (shape, dt):
+                raise StateDictError(
+                    f"per_rank tensor {name!r} (role {role}) must have the same shape and dtype on every rank: rank "
+                    f"{first[0]} has {first[2]} {first[1]}, rank {r} has {dt} {shape} (pad it to one shape, or store "
+                    "the value as JSON)")
+    per_rank_keys = set(seen)
     counts = {len(x["v"]) for x in everyone}
     if len(counts) > 1:
         raise StateDictError(f"the ranks hold different numbers of per_rank() values ({sorted(counts)}): every rank "
@@ -420,6 +439,32 @@ def _gather_rank_state(comm: Comm, entries: list[Entry], json_state: dict[str, A
 
         json_state = _rank_values(json_state, None, gathered)
     return aliases, per_rank_keys, json_state
+
+
+def _first_difference(states: list) -> tuple[str, int]:
+    """The first path (dotted) where a rank's JSON state differs from rank 0's, and that rank."""
+    def diff(a, b, where: str) -> str | None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(set(a) | set(b)):
+                if k not in a or k not in b:
+                    return f"{where}.{k}" if where else k
+                d = diff(a[k], b[k], f"{where}.{k}" if where else k)
+                if d is not None:
+                    return d
+            return None
+        if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+            for i, (x, y) in enumerate(zip(a, b)):
+                d = diff(x, y, f"{where}.{i}" if where else str(i))
+                if d is not None:
+                    return d
+            return None
+        return None if a == b and type(a) is type(b) else (where or "<state>")
+
+    for r, st in enumerate(states[1:], 1):
+        d = diff(states[0], st, "")
+        if d is not None:
+            return d, r
+    return "<state>", 1
 
 
 def _rank_values(obj: Any, visit=None, replace=None) -> Any:

@@ -193,11 +193,12 @@ def flatten(state_dict: Mapping[str, Any], rank: int = 0, world: int = 1) -> tup
                     out[str(k)] = sub
             return out if out else _SKIP
         if isinstance(value, (list, tuple)) and any(_contains_tensor(x) for x in value):
-            for i, v in enumerate(value):
-                sub = walk(role, f"{prefix}.{i}" if prefix else str(i), v, f"{where}.{i}")
-                if sub is not _SKIP:
-                    raise StateDictError(f"{where}.{i}: lists mixing tensors and other values are not supported")
-            return _SKIP
+            # tensors under their index; the JSON rest keeps the list's shape (an optimizer's
+            # param_groups with a tensor lr), None standing for elements that are all tensors
+            subs = [walk(role, f"{prefix}.{i}" if prefix else str(i), v, f"{where}.{i}") for i, v in enumerate(value)]
+            if all(sub is _SKIP for sub in subs):
+                return _SKIP
+            return [None if sub is _SKIP else sub for sub in subs]
         if _is_json(value):
             return list(value) if isinstance(value, tuple) else value
         raise StateDictError(
@@ -296,6 +297,35 @@ def apply_json_state(target: Any, saved: Any, rank: int = 0, world: int = 1,
             apply_json_state(cur, v, rank, world, skipped, path)
         elif not _contains_tensor(cur):  # JSON has no tuples: the target's tuples stay tuples (betas)
             target[key] = tuple(v) if isinstance(cur, tuple) and isinstance(v, list) else v
+
+
+def json_missing(target: Any, saved: Any, where: str = "") -> list[str]:
+    """Dotted paths of the target's JSON leaves (and :func:`per_rank` JSON values) that the
+    saved JSON state does not hold: values a load leaves as they are."""
+    out: list[str] = []
+    if isinstance(target, PerRank) or _is_tensor_leaf(target):
+        return out
+    if isinstance(target, Mapping) and not (isinstance(saved, Mapping) and PER_RANK_KEY in saved):
+        for k, v in target.items():
+            path = f"{where}.{k}" if where else str(k)
+            if _contains_tensor(v) and not isinstance(v, (Mapping, list, tuple)):
+                continue
+            if not isinstance(saved, Mapping) or str(k) not in saved:
+                if not _contains_tensor(v) and not (isinstance(v, (Mapping, list, tuple)) and not v):
+                    out.append(path)
+                elif isinstance(v, Mapping):
+                    out += json_missing(v, {}, path)
+                continue
+            out += json_missing(v, saved[str(k)], path)
+    elif isinstance(target, list) and not _is_leaf_list(target) and isinstance(saved, list):
+        for i, v in enumerate(target):
+            path = f"{where}.{i}" if where else str(i)
+            if i >= len(saved):
+                if not _contains_tensor(v):
+                    out.append(path)
+                continue
+            out += json_missing(v, saved[i], path)
+    return out
 
 
 def _is_leaf_list(v: Any) -> bool:

@@ -99,6 +99,20 @@ def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
             p.grad = None
 
 
+def _unwrap(value: Any) -> Any:
+    """A stateful object's loaded state dict with each :func:`~unickpt.per_rank` wrapper its
+    ``state_dict()`` returned replaced by the value (what it put in is what it gets back)."""
+    from .state import PerRank
+
+    if isinstance(value, PerRank):
+        return value.value
+    if isinstance(value, dict):
+        return {k: _unwrap(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unwrap(v) for v in value]
+    return value
+
+
 def for_save(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
     """``state_dict`` with every top-level stateful object replaced by its state dict (the
     same mapping when there is none)."""
@@ -126,13 +140,25 @@ def for_save(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
     return out
 
 
-def for_load(state_dict: Mapping[str, Any], stored_roles: set[str] | None = None
-             ) -> tuple[Mapping[str, Any], Callable[[], None]]:
+def _numbered(saved: Any) -> bool:
+    """The saved optimizer state dict names parameters by number (``Optimizer.state_dict()``,
+    as ``dcp.save`` stores an optimizer object), not by name."""
+    groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
+    if not isinstance(groups, list):
+        return False
+    params = [p for g in groups if isinstance(g, Mapping) for p in (g.get("params") or [])]
+    return bool(params) and all(type(p) is int for p in params)
+
+
+def for_load(state_dict: Mapping[str, Any], stored_roles: set[str] | None = None,
+             saved_state: Mapping[str, Any] | None = None) -> tuple[Mapping[str, Any], Callable[[], None]]:
     """``(targets, finish)``: the state dict with every top-level stateful object replaced by
     a target state dict to load into, and a function that hands what was loaded to the
     objects (call it after the load succeeded on every rank). ``stored_roles``: the roles
     the checkpoint holds tensors of; an optimizer saved before it had any state is restored
-    without state (its param groups only), not given state it never had."""
+    without state (its param groups only), not given state it never had. ``saved_state``:
+    the checkpoint's JSON state; an optimizer saved with numbered parameters (its plain
+    ``state_dict()``, as ``dcp.save`` stores an optimizer object) is loaded the same way."""
     if not isinstance(state_dict, Mapping) or not any(is_stateful(v) for v in state_dict.values()):
         return state_dict, lambda: None
     from torch.distributed.checkpoint.state_dict import (
@@ -153,6 +179,8 @@ def for_load(state_dict: Mapping[str, Any], stored_roles: set[str] | None = None
             first.append(lambda v=v, sd=sd: set_model_state_dict(v, sd))
         elif isinstance(v, torch.optim.Optimizer):
             model = _owner(v, modules)
+            if model is not None and saved_state is not None and _numbered(saved_state.get(k)):
+                model = None
             stateless = stored_roles is not None and k not in stored_roles and not v.state
             if model is None:
                 if not stateless:
@@ -164,7 +192,7 @@ def for_load(state_dict: Mapping[str, Any], stored_roles: set[str] | None = None
                 then.append(lambda v=v, m=model, sd=sd: set_optimizer_state_dict(m, v, sd))
         elif is_stateful(v):
             sd = out[k] = v.state_dict()
-            last.append(lambda v=v, sd=sd: v.load_state_dict(sd))
+            last.append(lambda v=v, sd=sd: v.load_state_dict(_unwrap(sd)))
         else:
             out[k] = v
 
