@@ -19,15 +19,27 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from typing import TYPE_CHECKING
+
 from . import errors
-from .layout import Layout, ShardedTensor, partition_flat, shard
-from .loader import LoadResult, load, read_manifest
-from .async_save import AsyncSave
-from .inference import load_for_inference
-from .saver import SaveResult
-from .api import save
-from .compress import Compression
-from .state import PerRank, per_rank
+
+# The API is imported on first use (PEP 562): ``import unickpt.cli`` must not import torch
+# before the CLI's ``main`` runs, so that a Ctrl-C while torch loads is handled there.
+_LAZY = {
+    "Layout": ".layout", "ShardedTensor": ".layout", "partition_flat": ".layout", "shard": ".layout",
+    "LoadResult": ".loader", "load": ".loader", "read_manifest": ".loader",
+    "AsyncSave": ".async_save", "load_for_inference": ".inference", "SaveResult": ".saver", "save": ".api",
+    "Compression": ".compress", "PerRank": ".state", "per_rank": ".state",
+}
+if TYPE_CHECKING:
+    from .api import save
+    from .async_save import AsyncSave
+    from .compress import Compression
+    from .inference import load_for_inference
+    from .layout import Layout, ShardedTensor, partition_flat, shard
+    from .loader import LoadResult, load, read_manifest
+    from .saver import SaveResult
+    from .state import PerRank, per_rank
 
 
 def sweep(root, *, storage_options=None) -> list[str]:
@@ -65,6 +77,12 @@ def latest(root, *, storage_options=None) -> str | None:
 
 
 def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
     # ``unickpt.dcp`` (torch.distributed.checkpoint reader/writer) is imported on first use:
     # importing torch.distributed.checkpoint costs time every other user would pay
     if name == "dcp":
