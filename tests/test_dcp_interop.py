@@ -14,35 +14,15 @@ import torch
 import unickpt
 import unickpt.dcp as udcp
 from tests import dist
+from tests.hf_models import LLAMA, fsdp, llama
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-CFG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-           vocab_size=128)
-
-
-def _llama(seed):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(LlamaConfig(**CFG))
-
-
-def _fsdp(model, world):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
 
 
 def _train(model, opt, steps=1, seed=0):
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
-        ids = torch.randint(0, CFG["vocab_size"], (2, 8), generator=g)
+        ids = torch.randint(0, LLAMA["vocab_size"], (2, 8), generator=g)
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
@@ -106,7 +86,7 @@ def _save_on_two_ranks(rank, world, root):
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model = _fsdp(_llama(0), world)
+    model = fsdp(llama(0), world)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     _train(model, opt, 1)
     msd, osd = get_state_dict(model, opt)
@@ -136,7 +116,7 @@ def _load_on_four_ranks(rank, world, root):
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     refs = torch.load(os.path.join(root, "ref.pt"), weights_only=True)
-    model = _fsdp(_llama(1), world)
+    model = fsdp(llama(1), world)
     opt = torch.optim.AdamW(model.parameters(), lr=0.5)
     _train(model, opt, 1, seed=7)  # optimizer state exists, with other values
 
@@ -215,7 +195,7 @@ def test_unickpt_save_loads_through_dcp_on_one_plain_process_bit_exact(saved):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     root, _, refs = saved
-    model = _llama(2)
+    model = llama(2)
     opt = torch.optim.AdamW(model.parameters(), lr=0.5)
     _train(model, opt, 1, seed=3)
     msd, osd = get_state_dict(model, opt)
@@ -293,7 +273,7 @@ def test_convert_from_dcp_keeps_json_state_and_lists_what_it_skips(tmp_path):
 
     from unickpt.offline import convert_from_dcp
 
-    model = _llama(4)
+    model = llama(4)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     _train(model, opt, 1)
     msd, osd = get_state_dict(model, opt)
@@ -304,7 +284,7 @@ def test_convert_from_dcp_keeps_json_state_and_lists_what_it_skips(tmp_path):
     assert "weights_only" in res["skipped"][1] and "not a JSON value" in res["skipped"][0]
     _, man = unickpt.read_manifest(tmp_path / "uni")
     assert man.state["epoch"] == 3 and man.extra["skipped_non_tensors"] == res["skipped"]
-    model2 = _llama(5)
+    model2 = llama(5)
     opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5)
     _train(model2, opt2, 1, seed=9)
     m2, o2 = get_state_dict(model2, opt2)

@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 import unickpt
 from tests import dist
+from tests.hf_models import fsdp, llama
 from unickpt.errors import ShapeMismatchError, StateDictError, TensorMissingError, UnexpectedTensorError
 
 
@@ -315,26 +316,6 @@ def test_per_rank_values_and_divergent_plain_tensors_on_two_ranks(tmp_path):
 
 # -- FSDP2 / TP models from transformers configs, through stateful objects ---------------
 
-def _llama(seed=0):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=32)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg)
-
-
-def _fsdp(model, world):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
 def _llama_steps(model, opt, steps, seed=3):
     g = torch.Generator().manual_seed(seed)
     losses = []
@@ -364,7 +345,7 @@ def _llama_state(model, opt):
 
 
 def _fsdp_save(rank, world, root):
-    model = _fsdp(_llama(), world)
+    model = fsdp(llama(), world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     _llama_steps(model, opt, 2)
     unickpt.save({"model": model, "optim": opt}, os.path.join(root, "llama"), step=2)
@@ -374,7 +355,7 @@ def _fsdp_save(rank, world, root):
 
 
 def _fsdp_resume(rank, world, root):
-    model = _fsdp(_llama(seed=5), world) if world > 1 else _llama(seed=5)
+    model = fsdp(llama(seed=5), world) if world > 1 else llama(seed=5)
     opt = torch.optim.AdamW(model.parameters(), lr=0.5)  # fresh: no state; lr overwritten by the load
     res = unickpt.load({"model": model, "optim": opt}, os.path.join(root, "llama"))
     state, groups = _llama_state(model, opt)

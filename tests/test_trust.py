@@ -329,7 +329,7 @@ def test_a_load_racing_an_overwrite_says_the_checkpoint_changed(ck, monkeypatch)
 # -- finding 5: concurrent saves to one path ----------------------------------------------------
 
 
-def _save_proc(path, value, overwrite, fault, q):
+def _save_proc(path, value, overwrite, fault, q, done=None):
     if fault:
         os.environ["UNICKPT_FAULT"] = fault
     try:
@@ -337,6 +337,9 @@ def _save_proc(path, value, overwrite, fault, q):
         q.put((value, "ok"))
     except BaseException as e:
         q.put((value, type(e).__name__))
+    finally:
+        if done:
+            open(done, "w").close()
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
@@ -346,12 +349,15 @@ def test_concurrent_saves_to_one_path_never_lose_the_winner(tmp_path, overwrite)
         unickpt.save({"model": {"w": torch.zeros(4)}}, p)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    slow = ctx.Process(target=_save_proc, args=(p, 1, overwrite, "before-commit:4", q))
+    done = str(tmp_path.parent / f"{tmp_path.name}-fast-done")  # outside tmp_path, listed below
+    # the slow save waits before its commit until the fast one has finished (however slow
+    # this machine is), so the fast one always commits first
+    slow = ctx.Process(target=_save_proc, args=(p, 1, overwrite, f"before-commit:60:{done}", q))
     slow.start()
     deadline = time.monotonic() + 60
     while not [n for n in os.listdir(tmp_path) if ".tmp-" in n] and time.monotonic() < deadline:
         time.sleep(0.05)
-    fast = ctx.Process(target=_save_proc, args=(p, 2, overwrite, "", q))
+    fast = ctx.Process(target=_save_proc, args=(p, 2, overwrite, "", q, done))
     fast.start()
     fast.join(60)
     slow.join(60)

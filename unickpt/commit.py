@@ -577,10 +577,17 @@ class Transaction:
 def _fault_point(name: str) -> None:
     """Fault injection for tests: ``UNICKPT_FAULT=NAME:SECONDS`` sleeps at the named point
     (after-create, after-data, before-commit, between-renames, ...) so that a test can kill
-    the process there."""
+    the process there; ``NAME:SECONDS:FILE`` waits there until FILE exists (at most SECONDS),
+    so a test orders two processes without betting on their speed."""
     spec = os.environ.get("UNICKPT_FAULT", "")
     if spec.startswith(name + ":"):
-        time.sleep(float(spec.split(":", 1)[1]))
+        secs, _, until = spec.split(":", 1)[1].partition(":")
+        deadline = time.monotonic() + float(secs)
+        if not until:
+            time.sleep(float(secs))
+            return
+        while not os.path.exists(until) and time.monotonic() < deadline:
+            time.sleep(0.02)
 
 
 def _fsync_quietly(storage: Storage, parent: str) -> None:

@@ -66,7 +66,7 @@ from .format import torch_dtype
 from .layout import Layout
 from .manifest import MANIFEST_NAME, Manifest, name_problem
 from .saver import DEFAULT_BUCKET, SaveOptions, SaveResult, save_entries
-from .state import _ROLE, OTHER_ROLE, Entry, _is_json
+from .state import _ROLE, OTHER_ROLE, Entry, _is_json, set_json_path
 from .storage import per_node, storage_for
 from .transport import Comm
 
@@ -103,28 +103,6 @@ def _json_leaves(value: Any, path: tuple, out: dict[str, tuple[tuple, Any]]) -> 
 
 def _terminal(value: list) -> bool:
     return not any(isinstance(x, Mapping) or (isinstance(x, list) and not _terminal(x)) for x in value)
-
-
-def _set_path(root: dict, path: tuple, value: Any, where: str) -> None:
-    """Put ``value`` at ``path`` below ``root``, creating dicts (str keys) and lists (int keys)."""
-    cur: Any = root
-    for k, nxt in zip(path[:-1], path[1:]):
-        make = list if isinstance(nxt, int) else dict
-        if isinstance(cur, list):
-            cur.extend([None] * (k + 1 - len(cur)))
-            if cur[k] is None:
-                cur[k] = make()
-            cur = cur[k]
-        else:
-            cur = cur.setdefault(k, make())
-        if not isinstance(cur, make):
-            raise StateDictError(f"{where!r}: its path crosses a value that is not a {make.__name__}")
-    last = path[-1]
-    if isinstance(cur, list):
-        cur.extend([None] * (last + 1 - len(cur)))
-        cur[last] = value
-    else:
-        cur[last] = value
 
 
 def _done(value: Any) -> Future:
@@ -459,7 +437,7 @@ class StorageWriter(_dcp_storage.StorageWriter):
             gathered = [values]
         for vals in gathered:
             for path, v in vals:
-                _set_path(json_state, tuple(path), v, ".".join(map(str, path)))
+                set_json_path(json_state, tuple(path), v)
         self.last_result = save_entries(comm, (entries, json_state), None, self.path, self.opts)
         return _done(results)
 

@@ -416,7 +416,7 @@ def _dcp_json_state(dcp_dir, meta, keys: list[str], paths: dict[str, tuple]) -> 
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     from .dcp_safe import SafeFileSystemReader
-    from .state import _is_json
+    from .state import _is_json, set_json_path
 
     if not keys:
         return {}, []
@@ -440,7 +440,7 @@ def _dcp_json_state(dcp_dir, meta, keys: list[str], paths: dict[str, tuple]) -> 
             skipped[k] = f"a {type(v).__name__}, not a JSON value"
             continue
         try:
-            _put_json(state, paths[k], _json_copy(v))
+            set_json_path(state, paths[k], _json_copy(v), FormatError)
         except FormatError as e:
             skipped[k] = str(e)
     return state, [f"{k}: {skipped[k]}" for k in sorted(skipped)]
@@ -451,30 +451,6 @@ def _json_copy(v):
     import json
 
     return json.loads(json.dumps(v, allow_nan=False))
-
-
-def _put_json(root: dict, path: tuple, value) -> None:
-    """Set ``value`` at ``path`` below ``root`` (str: dict keys, int: list indices)."""
-    cur = root
-    for k, nxt in zip(path[:-1], path[1:]):
-        make = list if isinstance(nxt, int) else dict
-        if isinstance(cur, list):
-            cur.extend([None] * (k + 1 - len(cur)))
-            if cur[k] is None:
-                cur[k] = make()
-            cur = cur[k]
-        else:
-            cur = cur.setdefault(k, make())
-        if not isinstance(cur, make):
-            raise FormatError(f"its path {list(path)} crosses a value that is not a {make.__name__}")
-    last = path[-1]
-    if isinstance(cur, list):
-        if not isinstance(last, int):
-            raise FormatError(f"its path {list(path)} indexes a list with {last!r}")
-        cur.extend([None] * (last + 1 - len(cur)))
-    elif isinstance(last, int):
-        raise FormatError(f"its path {list(path)} indexes a dict with {last!r}")
-    cur[last] = value
 
 
 DCP_RATIO = 1 << 15  # most raw bytes one stored byte may claim under a compressing transform

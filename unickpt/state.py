@@ -299,6 +299,34 @@ def apply_json_state(target: Any, saved: Any, rank: int = 0, world: int = 1,
             target[key] = tuple(v) if isinstance(cur, tuple) and isinstance(v, list) else v
 
 
+def set_json_path(root: dict, path: tuple, value: Any, error: type[Exception] = StateDictError) -> None:
+    """Put ``value`` at ``path`` below ``root`` (str parts: dict keys, int parts: list
+    indices), creating the dicts and lists on the way; ``error`` (naming the path) when the
+    path crosses a value of another kind."""
+    cur: Any = root
+    for k, nxt in zip(path[:-1], path[1:]):
+        make = list if isinstance(nxt, int) else dict
+        if isinstance(cur, list):
+            if not isinstance(k, int):
+                raise error(f"the path {list(path)} indexes a list with {k!r}")
+            cur.extend([None] * (k + 1 - len(cur)))
+            if cur[k] is None:
+                cur[k] = make()
+            cur = cur[k]
+        else:
+            cur = cur.setdefault(k, make())
+        if not isinstance(cur, make):
+            raise error(f"the path {list(path)} crosses a value that is not a {make.__name__}")
+    last = path[-1]
+    if isinstance(cur, list):
+        if not isinstance(last, int):
+            raise error(f"the path {list(path)} indexes a list with {last!r}")
+        cur.extend([None] * (last + 1 - len(cur)))
+    elif isinstance(last, int):
+        raise error(f"the path {list(path)} indexes a dict with {last!r}")
+    cur[last] = value
+
+
 def json_missing(target: Any, saved: Any, where: str = "") -> list[str]:
     """Dotted paths of the target's JSON leaves (and :func:`per_rank` JSON values) that the
     saved JSON state does not hold: values a load leaves as they are."""
