@@ -55,10 +55,11 @@ class _Parser(argparse.ArgumentParser):
 
 class _Progress:
     """The ``progress(done, total)`` callback of one command, on stderr: a tqdm bar on a
-    terminal; otherwise a line each ``every_s`` seconds or 10% of the bytes; nothing with
-    ``quiet``."""
+    terminal; otherwise, after the first ``first_s`` seconds, a line each ``every_s`` seconds
+    or 10% of the bytes, and the final line; nothing with ``quiet``."""
 
     every_s = 5.0
+    first_s = 2.0  # no intermediate line before this
 
     def __init__(self, label: str, quiet: bool) -> None:
         self.label, self.on = label, not quiet
@@ -81,8 +82,12 @@ class _Progress:
             self.bar.update(done - self.bar.n)
             return
         now, tenth = time.perf_counter(), done * 10 // max(total, 1)
-        if tenth > self.tenth or now - self.last >= self.every_s:
-            self.tenth, self.last = tenth, now
+        final = done >= total
+        if final and self.tenth > 10:
+            return  # the 100% line is out already
+        # intermediate lines only for runs long enough to want them; the last one always
+        if final or (now - self.t0 >= self.first_s and (tenth > self.tenth or now - self.last >= self.every_s)):
+            self.tenth, self.last = (11 if final else tenth), now
             print(f"unickpt {self.label}: {100 * done / max(total, 1):.0f}% ({human_bytes(done)} of "
                   f"{human_bytes(total)}), {gbps(done, now - self.t0):.2f} GB/s", file=sys.stderr, flush=True)
 
