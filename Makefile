@@ -19,8 +19,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# `make bench`: every bench, ~2 GB state (bench/run_all.py); `make bench QUICK=1`: 0.25 GB, a few minutes
 bench: $(STAMP)
-	$(BIN)/python bench/save_load.py
+	$(BIN)/python bench/run_all.py $(if $(QUICK),--quick)
 
 clean:
 	rm -rf $(VENV) runs bench/out

@@ -9,7 +9,8 @@ tensors as DTensors on a 1-D cpu mesh.
 
 Every figure is the median over ``--repeats`` rounds of the *slowest rank's* time; each timed
 region starts after a barrier; the rounds interleave all operations so that noise from other
-work on the machine spreads over all of them. Warm-ups, excluded from every figure: the first
+work on the machine spreads over all of them, unickpt's and DCP's in ABBA order (unickpt first in
+even rounds). Warm-ups, excluded from every figure: the first
 unickpt async save (spawns one writer process per rank, allocates the shared-memory staging
 buffer) and the first DCP async_save (spawns DCP's checkpoint process, ~11 s, and fills the
 stager's cache of shared-memory storages); later saves reuse both.
@@ -61,11 +62,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
-import mmap
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -81,10 +79,11 @@ import torch.distributed as dist  # noqa: E402
 
 import unickpt  # noqa: E402
 import unickpt.async_save as u_async  # noqa: E402
-from bench.save_load import (  # noqa: E402
-    IO_CHUNK, KINDS, chunk_range, clear_dir, floor_write, log, model_shapes, nested,
+from bench._common import (  # noqa: E402
+    OUT, abba, agree_max, clear_dir, floor_buffer, floor_write, log, rm_scratch, run_ranks, scratch,
+    tree_io, write_json,
 )
-from tests import dist as harness  # noqa: E402
+from bench.save_load import KINDS, chunk_range, model_shapes, nested  # noqa: E402
 
 MATMUL = 256
 # op -> the metrics it records per round (seconds)
@@ -103,36 +102,6 @@ TARGETS = {"blocking": 1.0, "blocking_bg": 0.5, "durable": 1.15, "slowdown": 0.7
 
 
 # -- helpers ---------------------------------------------------------------------------
-
-def tree_io() -> dict:
-    """/proc/PID/io counters summed over this process and its descendants (the writers)."""
-    parent = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    todo, tot = [os.getpid()], dict.fromkeys(("rchar", "wchar", "read_bytes", "write_bytes"), 0)
-    while todo:
-        pid = todo.pop()
-        todo += [c for c, p in parent.items() if p == pid]
-        try:
-            with open(f"/proc/{pid}/io") as f:
-                kv = dict(line.split(": ") for line in f.read().splitlines())
-            for k in tot:
-                tot[k] += int(kv[k])
-        except (OSError, KeyError, ValueError):
-            pass
-    return tot
-
-
-def agree_max(x: float) -> float:
-    t = torch.tensor([float(x)], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
 
 @contextlib.contextmanager
 def stderr_to(path: str):
@@ -216,7 +185,7 @@ def rank_job(rank: int, world: int, cfg: dict) -> dict:
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     st = RankState(rank, world, cfg["shapes"])
-    log(rank, f"state built in {time.perf_counter() - t0:.1f} s ({st.local_bytes / 1e9:.2f} GB on rank 0)")
+    log(f"state built in {time.perf_counter() - t0:.1f} s ({st.local_bytes / 1e9:.2f} GB on rank 0)", rank)
     mesh = init_device_mesh("cpu", (world,))
     u_state, d_state = st.sharded(), st.dtensors(mesh)
     compute = Compute()
@@ -224,9 +193,7 @@ def rank_job(rank: int, world: int, cfg: dict) -> dict:
     u_root, d_root = os.path.join(data, "unickpt"), os.path.join(data, "dcp")
     floor_file = os.path.join(data, f"floor-rank{rank}.bin")
     share = -(-st.total_bytes // world // 4096) * 4096
-    buf = mmap.mmap(-1, IO_CHUNK)  # page-aligned source of the O_DIRECT floor, real state bytes
-    first = next(iter(st.src.values())).reshape(-1).view(torch.uint8)
-    buf[: min(IO_CHUNK, first.numel())] = first[:IO_CHUNK].numpy().tobytes()
+    buf = floor_buffer(next(iter(st.src.values())))  # page-aligned source of the O_DIRECT floor
     clear_dir(u_root, rank)
     clear_dir(d_root, rank)
 
@@ -280,11 +247,11 @@ def rank_job(rank: int, world: int, cfg: dict) -> dict:
     compute.run(100)
     unit = agree_max((time.perf_counter() - t) / 100)
     n_phase, n_loop = max(1, round(copy_s / unit)), max(1, round(cfg["loop_seconds"] / unit))
-    log(rank, f"calibrated: matmul {unit * 1e3:.2f} ms; compute phase {n_phase} matmuls (~memcpy {copy_s:.3f} s), "
-              f"loop {n_loop} matmuls")
+    log(f"calibrated: matmul {unit * 1e3:.2f} ms; compute phase {n_phase} matmuls (~memcpy {copy_s:.3f} s), "
+        f"loop {n_loop} matmuls", rank)
     t = time.perf_counter()
     async_op("unickpt", os.path.join(u_root, "warmup"))
-    log(rank, f"unickpt warm-up save {time.perf_counter() - t:.1f} s")
+    log(f"unickpt warm-up save {time.perf_counter() - t:.1f} s", rank)
     t = time.perf_counter()
     err = None
     try:
@@ -293,12 +260,12 @@ def rank_job(rank: int, world: int, cfg: dict) -> dict:
     except Exception as e:  # noqa: BLE001 -- fall back to the thread checkpointer
         err = f"{type(e).__name__}: {e}"
     if agree_max(err is not None):
-        log(rank, f"DCP process checkpointer failed ({err}); using the thread checkpointer + default stager")
+        log(f"DCP process checkpointer failed ({err}); using the thread checkpointer + default stager", rank)
         dcp_mode.update(type=AsyncCheckpointerType.THREAD, name="thread checkpointer + default stager",
                         stager=DefaultStager(StagingOptions(False, False, False, False)))
         clear_dir(d_root, rank)
         async_op("dcp", os.path.join(d_root, "warmup"))
-    log(rank, f"DCP warm-up save {time.perf_counter() - t:.1f} s ({dcp_mode['name']})")
+    log(f"DCP warm-up save {time.perf_counter() - t:.1f} s ({dcp_mode['name']})", rank)
 
     # -- rounds ---------------------------------------------------------------------------
     res: dict = {op: [] for op in OPS}
@@ -309,7 +276,7 @@ def rank_job(rank: int, world: int, cfg: dict) -> dict:
     def record(op: str, out: dict) -> None:
         res[op].append(out)
         shown = " ".join(f"{k} {out[k]:.3f}" for k in OPS[op] if k in out)
-        log(rank, f"round {i + 1}/{cfg['repeats']} {op:<14} {shown} (rank 0)")
+        log(f"round {i + 1}/{cfg['repeats']} {op:<14} {shown} (rank 0)", rank)
 
     def timed(fn) -> dict:
         dist.barrier()
@@ -317,20 +284,27 @@ def rank_job(rank: int, world: int, cfg: dict) -> dict:
         fn()
         return {"seconds": time.perf_counter() - t0}
 
+    def run_unickpt(i: int) -> None:
+        record("unickpt_async", async_op("unickpt", os.path.join(u_root, f"a-{i}")))
+        record("unickpt_bg", async_op("unickpt", os.path.join(u_root, f"bg-{i}"), bg=True, work=n_phase))
+        record("loop_unickpt", async_op("unickpt", os.path.join(u_root, f"loop-{i}"), work=n_loop))
+
+    def run_dcp(i: int) -> None:
+        record("dcp_async", async_op("dcp", os.path.join(d_root, f"a-{i}")))
+        record("dcp_bg", async_op("dcp", os.path.join(d_root, f"bg-{i}"), work=n_phase))
+        record("loop_dcp", async_op("dcp", os.path.join(d_root, f"loop-{i}"), work=n_loop))
+
+    i = 0
     for i in range(cfg["repeats"]):
         record("memcpy", timed(st.memcpy))
         record("write_direct", {"seconds": floor_write(floor_file, buf, share, direct=True)[0]})
         os.remove(floor_file)
-        record("unickpt_async", async_op("unickpt", os.path.join(u_root, f"a-{i}")))
-        record("dcp_async", async_op("dcp", os.path.join(d_root, f"a-{i}")))
-        record("unickpt_bg", async_op("unickpt", os.path.join(u_root, f"bg-{i}"), bg=True, work=n_phase))
-        record("dcp_bg", async_op("dcp", os.path.join(d_root, f"bg-{i}"), work=n_phase))
-        record("loop_unickpt", async_op("unickpt", os.path.join(u_root, f"loop-{i}"), work=n_loop))
         dist.barrier()
         t = time.perf_counter()
         compute.run(n_loop)
         record("loop_alone", {"work": time.perf_counter() - t})
-        record("loop_dcp", async_op("dcp", os.path.join(d_root, f"loop-{i}"), work=n_loop))
+        for block in abba(i, run_unickpt, run_dcp):  # unickpt first in even rounds, DCP in odd ones
+            block(i)
     dcp_mode["stager"].close()
     buf.close()
     u_async.shutdown()  # stop the writer processes before the harness ends the group
@@ -441,40 +415,41 @@ def print_report(s: dict, cfg: dict) -> None:
                   f"{io['wchar'] / 1e9:>8.3f}{io['write_bytes'] / 1e9:>9.3f}")
 
 
+def measure(gb: float = 2.0, ranks: int = 2, repeats: int = 3, loop_seconds: float = 3.0, parent: str | None = None,
+            timeout: float = 1800) -> dict:
+    """Run the whole bench; returns {"config", "summary", "targets", "raw"} (bench/run_all.py
+    calls this). Scratch files in a new directory under ``parent`` (default bench/out/data)."""
+    hidden, layers, shapes = model_shapes(gb)
+    total = 3 * sum(math.prod(s) * 4 for _, s in shapes)
+    parent = os.path.abspath(parent or os.path.join(OUT, "data"))
+    data = scratch(parent, "async")
+    cfg = {"gb": gb, "ranks": ranks, "repeats": repeats, "loop_seconds": loop_seconds,
+           "dir": parent, "data": data, "shapes": shapes,
+           "model": {"hidden": hidden, "layers": layers, "tensors": 3 * len(shapes), "total_bytes": total},
+           "torch": torch.__version__, "unickpt": unickpt.__version__, "cpus": os.cpu_count()}
+    log(f"async_save: {total / 1e9:.3f} GB, {ranks} ranks, {repeats} rounds, data in {data}")
+    try:
+        results = run_ranks(rank_job, ranks, cfg, timeout=timeout)
+    finally:
+        rm_scratch(data)
+    cfg["meta"] = results[0]["meta"]
+    return {"config": cfg, "summary": summarize(results, repeats), "targets": TARGETS, "raw": results}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gb", type=float, default=2.0, help="total state size in GB (default 2.0)")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--loop-seconds", type=float, default=3.0, help="compute loop length alone (default 3)")
-    ap.add_argument("--dir", default=os.path.join(ROOT, "bench", "out", "data"),
+    ap.add_argument("--dir", default=os.path.join(OUT, "data"),
                     help="scratch directory for the files (default bench/out/data; keep it on the real disk)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds before the rank job is killed")
-    ap.add_argument("--json", default=os.path.join(ROOT, "bench", "out", "async_save.json"))
+    ap.add_argument("--json", default=os.path.join(OUT, "async_save.json"))
     args = ap.parse_args()
-
-    hidden, layers, shapes = model_shapes(args.gb)
-    total = 3 * sum(math.prod(s) * 4 for _, s in shapes)
-    data = os.path.join(os.path.abspath(args.dir), f"async-{os.getpid()}")
-    os.makedirs(data)
-    cfg = {"gb": args.gb, "ranks": args.ranks, "repeats": args.repeats, "loop_seconds": args.loop_seconds,
-           "dir": os.path.abspath(args.dir), "data": data, "shapes": shapes,
-           "model": {"hidden": hidden, "layers": layers, "tensors": 3 * len(shapes), "total_bytes": total},
-           "torch": torch.__version__, "unickpt": unickpt.__version__, "cpus": os.cpu_count()}
-    print(f"bench: {total / 1e9:.3f} GB, {args.ranks} ranks, {args.repeats} rounds, data in {data}", file=sys.stderr)
-    try:
-        results = harness.run(rank_job, args.ranks, cfg, timeout=args.timeout, env={"OMP_NUM_THREADS": "1"})
-    finally:
-        shutil.rmtree(data, ignore_errors=True)
-        if os.path.isdir(cfg["dir"]) and not os.listdir(cfg["dir"]):
-            os.rmdir(cfg["dir"])
-    cfg["meta"] = results[0]["meta"]
-    summary = summarize(results, args.repeats)
-    print_report(summary, cfg)
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"config": cfg, "summary": summary, "targets": TARGETS, "raw": results}, f, indent=1)
-    print(f"raw numbers: {args.json}")
+    out = measure(args.gb, args.ranks, args.repeats, args.loop_seconds, args.dir, args.timeout)
+    print_report(out["summary"], out["config"])
+    print(f"raw numbers: {write_json(args.json, out)}")
     return 0
 
 

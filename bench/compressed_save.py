@@ -6,32 +6,34 @@ State: the GPT-like fp32 state of bench/save_load.py (weights, exp_avg ~1e-3 * N
 exp_avg_sq ~1e-6 * |N(0, 1)|), Shard(0) row blocks over ``--ranks`` gloo processes, one thread
 each. For every setting (O0, O1, O2, O1 + zstd 3) and for DCP's save (the uncompressed
 peer), the medians over ``--repeats`` rounds of the slowest rank's time: save (durable and
-committed), cold load into the same layout, and the bytes on disk. Ratios: to the O0 save /
-load of the same run, and the O_DIRECT write floor of the O0 bytes (write direct, as in
-bench/save_load.py).
+committed), cold load into the same layout, and the bytes on disk. unickpt's settings and
+DCP run in ABBA order (unickpt first in even rounds). Ratios: to the O0 save / load of the
+same run, and the O_DIRECT write floor of the O0 bytes (write direct, as in
+bench/save_load.py). ``measure()`` is what bench/run_all.py calls.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import mmap
 import os
 import shutil
 import statistics
 import sys
-import time
 
-import torch
-import torch.distributed as dist
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 import unickpt  # noqa: E402
-from save_load import IO_CHUNK, RankState, clear_dir, cold_barrier, floor_write, model_shapes  # noqa: E402
-from tests import dist as harness  # noqa: E402
+from bench._common import (  # noqa: E402
+    OUT, abba, clear_dir, cold_barrier, floor_buffer, floor_write, fmt, log, print_table, rm_scratch, run_ranks,
+    scratch, slowest,
+)
+from bench.save_load import RankState, model_shapes  # noqa: E402
 
 SETTINGS = {"O0": {}, "O1": {"quant": "O1"}, "O2": {"quant": "O2"}, "O1+zstd3": {"quant": "O1", "zstd": 3}}
 
@@ -54,20 +56,11 @@ def rank_job(rank: int, world: int, cfg: dict) -> dict:
     data = cfg["data"]
     clear_dir(data, rank)
     share = -(-st.total_bytes // world // 4096) * 4096
-    buf = mmap.mmap(-1, IO_CHUNK)
+    buf = floor_buffer(next(iter(st.src.values())))
     out: dict = {k: {"save": [], "load": [], "bytes": 0} for k in [*SETTINGS, "dcp"]}
     out["floor"] = []
 
-    def slowest(fn) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-        return float(dt.item())
-
-    for i in range(cfg["repeats"]):
-        out["floor"].append(slowest(lambda: floor_write(os.path.join(data, f"floor{rank}.bin"), buf, share, True)))
+    def run_unickpt(i: int) -> None:
         for name, kw in SETTINGS.items():
             path = os.path.join(data, f"{name}-{i}")
             out[name]["save"].append(slowest(lambda: unickpt.save(src, path, **kw)))
@@ -75,17 +68,46 @@ def rank_job(rank: int, world: int, cfg: dict) -> dict:
             out[name]["load"].append(slowest(lambda: unickpt.load(tgt, path)))
             if rank == 0:
                 out[name]["bytes"] = unickpt.read_manifest(path)[1].total_bytes
+            log(f"round {i + 1}/{cfg['repeats']} {name:<9} save {out[name]['save'][-1]:.3f} s, "
+                f"load {out[name]['load'][-1]:.3f} s", rank)
+
+    def run_dcp(i: int) -> None:
         path = os.path.join(data, f"dcp-{i}")
         out["dcp"]["save"].append(slowest(lambda: dcp.save(d_src, storage_writer=FileSystemWriter(path, sync_files=True))))
         if rank == 0:
             out["dcp"]["bytes"] = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+        log(f"round {i + 1}/{cfg['repeats']} dcp       save {out['dcp']['save'][-1]:.3f} s", rank)
+
+    for i in range(cfg["repeats"]):
+        out["floor"].append(slowest(lambda: floor_write(os.path.join(data, f"floor{rank}.bin"), buf, share, True)))
+        for block in abba(i, run_unickpt, run_dcp):
+            block(i)
         dist.barrier()
         if rank == 0:
             for d in os.listdir(data):
                 p = os.path.join(data, d)
                 shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
         dist.barrier()
+    buf.close()
     return out
+
+
+def measure(gb: float = 1.0, ranks: int = 2, repeats: int = 3, parent: str | None = None,
+            timeout: float = 3000) -> dict:
+    """Run the bench; returns {"total_bytes", "floor" (s), "settings": {name: {"save", "load"
+    (medians, s), "bytes"}}, "raw"} (bench/run_all.py calls this)."""
+    _, _, shapes = model_shapes(gb)
+    total = 3 * sum(math.prod(s) * 4 for _, s in shapes)
+    data = scratch(parent or os.path.join(OUT, "data"), "compressed")
+    log(f"compressed_save: {total / 1e9:.3f} GB, {ranks} ranks, {repeats} rounds, data in {data}")
+    try:
+        res = run_ranks(rank_job, ranks, {"shapes": shapes, "repeats": repeats, "data": data}, timeout=timeout)[0]
+    finally:
+        rm_scratch(data)
+    med = {k: {m: statistics.median(v[m]) for m in ("save", "load") if v[m]} | {"bytes": v["bytes"]}
+           for k, v in res.items() if k != "floor"}
+    return {"total_bytes": total, "ranks": ranks, "repeats": repeats, "floor": statistics.median(res["floor"]),
+            "settings": med, "raw": res}
 
 
 def main() -> int:
@@ -93,28 +115,20 @@ def main() -> int:
     ap.add_argument("--gb", type=float, default=1.0)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dir", default=os.path.join(os.path.dirname(HERE), "bench", "out", "data"))
+    ap.add_argument("--dir", default=os.path.join(OUT, "data"))
     args = ap.parse_args()
-    _, _, shapes = model_shapes(args.gb)
-    total = 3 * sum(math.prod(s) * 4 for _, s in shapes)
-    data = os.path.join(os.path.abspath(args.dir), f"compressed-{os.getpid()}")
-    os.makedirs(data)
-    cfg = {"shapes": shapes, "repeats": args.repeats, "data": data}
-    try:
-        res = harness.run(rank_job, args.ranks, cfg, timeout=3000, env={"OMP_NUM_THREADS": "1"})[0]
-    finally:
-        shutil.rmtree(data, ignore_errors=True)
-    med = {k: {m: statistics.median(v[m]) for m in ("save", "load") if v[m]} | {"bytes": v["bytes"]}
-           for k, v in res.items() if k != "floor"}
-    floor = statistics.median(res["floor"])
+    out = measure(args.gb, args.ranks, args.repeats, args.dir)
+    med, floor = out["settings"], out["floor"]
     o0 = med["O0"]
-    print(f"state {total / 1e9:.2f} GB fp32 (weights, exp_avg, exp_avg_sq), {args.ranks} ranks, medians of {args.repeats}; "
-          f"O_DIRECT write floor {floor:.2f} s")
-    print(f"{'setting':<10}{'GB on disk':>11}{'x O0':>7}{'save s':>8}{'x O0':>7}{'x floor':>8}{'load s':>8}{'x O0':>7}")
+    print(f"state {out['total_bytes'] / 1e9:.2f} GB fp32 (weights, exp_avg, exp_avg_sq), {args.ranks} ranks, medians "
+          f"of {args.repeats}; O_DIRECT write floor {floor:.2f} s")
+    rows = []
     for k, v in med.items():
-        load = f"{v['load']:>8.2f}{v['load'] / o0['load']:>7.2f}" if "load" in v else f"{'-':>8}{'-':>7}"
-        print(f"{k:<10}{v['bytes'] / 1e9:>11.3f}{v['bytes'] / o0['bytes']:>7.2f}{v['save']:>8.2f}{v['save'] / o0['save']:>7.2f}"
-              f"{v['save'] / floor:>8.2f}{load}")
+        rows.append([k, fmt(v["bytes"] / 1e9), fmt(v["bytes"] / o0["bytes"], ".2f"), fmt(v["save"], ".2f"),
+                     fmt(v["save"] / o0["save"], ".2f"), fmt(v["save"] / floor, ".2f"),
+                     fmt(v["load"], ".2f") if "load" in v else "-",
+                     fmt(v["load"] / o0["load"], ".2f") if "load" in v else "-"])
+    print_table(["setting", "GB on disk", "x O0", "save s", "x O0", "x floor", "load s", "x O0"], rows)
     return 0
 
 

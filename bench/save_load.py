@@ -10,7 +10,8 @@ split) of every tensor. Each process uses one thread (``OMP_NUM_THREADS=1``).
 
 Every figure is the median over ``--repeats`` rounds of the *slowest rank's* wall time;
 each timed region starts after a barrier. The rounds interleave all operations, so noise
-from other work on the machine spreads over all of them. GB/s = bytes / median seconds,
+from other work on the machine spreads over all of them; unickpt's and DCP's operations run
+in ABBA order (unickpt first in even rounds, DCP first in odd ones). GB/s = bytes / median seconds,
 aggregated over ranks (the bytes of the whole state, or of the whole checkpoint for
 unickpt save).
 
@@ -22,6 +23,7 @@ Floors (what the machine can do, measured in the same run):
   write buffer  the same through the page cache (+ fsync): for reference, usually noisy.
   read cold     each rank reads its direct-written file back in 64 MiB preads after fsync +
                 posix_fadvise(DONTNEED): the floor for the load targets.
+  read warm     the same read again, the file now in the page cache (for reference).
 
 Operations:
   unickpt save          unickpt.save(...) to a new step directory (durable, committed).
@@ -43,17 +45,14 @@ Also printed: unickpt's own phase timings (SaveResult/LoadResult.phases) and, pe
 operation, the bytes that went through read/write system calls (socket traffic such as
 gloo's included) and the bytes that reached the block layer, from /proc/self/io, so a load
 that reads twice what it delivers, or a save that ships data between ranks, shows.
-Raw numbers go to bench/out/save_load.json.
+Raw numbers go to bench/out/save_load.json. ``measure()`` is what bench/run_all.py calls.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import mmap
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -69,19 +68,21 @@ import torch.distributed as dist  # noqa: E402
 import xxhash  # noqa: E402
 
 import unickpt  # noqa: E402
-from tests import dist as harness  # noqa: E402
+from bench._common import (  # noqa: E402
+    OUT, abba, clear_dir, cold_barrier, floor_buffer, floor_read, floor_write, log, print_table,
+    fmt, rm_scratch, run_ranks, scratch, timed, write_json,
+)
 
-IO_CHUNK = 64 << 20
 KINDS = ("model", "exp_avg", "exp_avg_sq")
 OPS = (
-    "memcpy", "write_buffered", "write_direct", "read_cold",
+    "memcpy", "write_buffered", "write_direct", "read_cold", "read_warm",
     "unickpt_save", "unickpt_load", "unickpt_load_reshard",
     "unickpt_load_noverify", "unickpt_load_reshard_noverify",
     "dcp_save", "dcp_load", "dcp_load_reshard",
 )
 LABELS = {
     "memcpy": "memcpy floor", "write_buffered": "write buffered+fsync",
-    "write_direct": "write O_DIRECT+fsync", "read_cold": "read cold",
+    "write_direct": "write O_DIRECT+fsync", "read_cold": "read cold", "read_warm": "read warm",
     "unickpt_save": "unickpt save", "unickpt_load": "unickpt load",
     "unickpt_load_reshard": "unickpt load reshard", "dcp_save": "dcp save",
     "unickpt_load_noverify": "  same, verify=none", "unickpt_load_reshard_noverify": "  same, verify=none",
@@ -205,58 +206,6 @@ def zero(tensors: dict) -> None:
         t.zero_()
 
 
-# -- helpers ---------------------------------------------------------------------------
-
-def io_counters() -> dict:
-    """This process's I/O counters: rchar/wchar (bytes through read/write calls, page cache
-    hits included) and read_bytes/write_bytes (bytes that reached the block layer)."""
-    with open("/proc/self/io") as f:
-        kv = dict(line.split(": ") for line in f.read().splitlines())
-    return {k: int(kv[k]) for k in ("rchar", "wchar", "read_bytes", "write_bytes")}
-
-
-def timed(fn):
-    """(seconds, result, I/O counter deltas) of ``fn()``, started after a barrier."""
-    dist.barrier()
-    c0 = io_counters()
-    t0 = time.perf_counter()
-    out = fn()
-    dt = time.perf_counter() - t0
-    c1 = io_counters()
-    return dt, out, {k: c1[k] - c0[k] for k in c0}
-
-
-def make_cold(paths: list[str]) -> None:
-    """fsync + DONTNEED every file under ``paths`` (files or directories)."""
-    files = []
-    for p in paths:
-        if os.path.isdir(p):
-            files += [os.path.join(d, f) for d, _, fs in os.walk(p) for f in fs]
-        elif os.path.exists(p):
-            files.append(p)
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def cold_barrier(path: str, rank: int) -> None:
-    """Rank 0 makes every file of a checkpoint cold, then everyone proceeds together."""
-    if rank == 0:
-        make_cold([path])
-    dist.barrier()
-
-
-def clear_dir(path: str, rank: int) -> None:
-    if rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
-        os.makedirs(path, exist_ok=True)
-    dist.barrier()
-
-
 # -- floors ----------------------------------------------------------------------------
 
 def floor_memcpy(st: RankState):
@@ -266,50 +215,7 @@ def floor_memcpy(st: RankState):
     return timed(copy)
 
 
-def floor_write(path: str, buf: mmap.mmap, share: int, direct: bool):
-    if os.path.exists(path):
-        os.remove(path)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
-    view = memoryview(buf)
-
-    def write():
-        fd = os.open(path, flags, 0o644)
-        try:
-            off = 0
-            while off < share:
-                n = min(IO_CHUNK, share - off)
-                off += os.pwrite(fd, view[:n], off)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    return timed(write)
-
-
-def floor_read_cold(path: str, buf: mmap.mmap):
-    make_cold([path])
-    view = memoryview(buf)
-    size = os.path.getsize(path)
-
-    def read():
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            off = 0
-            while off < size:
-                k = os.preadv(fd, [view[: min(IO_CHUNK, size - off)]], off)
-                if k <= 0:
-                    raise OSError(f"{path}: short read at {off}")
-                off += k
-        finally:
-            os.close(fd)
-    return timed(read)
-
-
 # -- the rank job ----------------------------------------------------------------------
-
-def log(rank: int, msg: str) -> None:
-    if rank == 0:
-        print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
 
 def rank_job(rank: int, world: int, cfg: dict) -> dict:
     """Runs on every rank: builds the state, then ``repeats`` rounds of every operation."""
@@ -320,7 +226,7 @@ def rank_job(rank: int, world: int, cfg: dict) -> dict:
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     st = RankState(rank, world, cfg["shapes"])
-    log(rank, f"state built in {time.perf_counter() - t0:.1f} s ({st.local_bytes / 1e9:.2f} GB on rank 0)")
+    log(f"state built in {time.perf_counter() - t0:.1f} s ({st.local_bytes / 1e9:.2f} GB on rank 0)", rank)
     mesh = init_device_mesh("cpu", (world,))
     u_src, u_tgt, u_rtgt = st.sharded("src"), st.sharded("tgt"), st.sharded("rtgt")
     d_src, d_tgt, d_rtgt = st.dtensors("src", mesh), st.dtensors("tgt", mesh), st.dtensors("rtgt", mesh)
@@ -329,10 +235,7 @@ def rank_job(rank: int, world: int, cfg: dict) -> dict:
     u_root, d_root = os.path.join(data, "unickpt"), os.path.join(data, "dcp")
     floor_file = os.path.join(data, f"floor-rank{rank}.bin")
     share = -(-st.total_bytes // world // 4096) * 4096
-    buf = mmap.mmap(-1, IO_CHUNK)  # page-aligned; filled with real state bytes
-    first = next(iter(st.src.values())).reshape(-1).view(torch.uint8)
-    n = min(IO_CHUNK, first.numel())
-    buf[:n] = first[:n].numpy().tobytes()
+    buf = floor_buffer(next(iter(st.src.values())))  # page-aligned; real state bytes
     clear_dir(u_root, rank)
     clear_dir(d_root, rank)
 
@@ -347,17 +250,11 @@ def rank_job(rank: int, world: int, cfg: dict) -> dict:
         seconds, out, io = measured
         res[op]["seconds"].append(seconds)
         res[op]["io"].append(io)
-        log(rank, f"round {i + 1}/{cfg['repeats']} {LABELS[op]:<22} {seconds:7.3f} s (rank 0)")
+        log(f"round {i + 1}/{cfg['repeats']} {LABELS[op]:<22} {seconds:7.3f} s (rank 0)", rank)
         return out
 
-    for i in range(cfg["repeats"]):
-        record("memcpy", floor_memcpy(st))
-        record("write_buffered", floor_write(floor_file, buf, share, direct=False))
-        record("write_direct", floor_write(floor_file, buf, share, direct=True))
-        record("read_cold", floor_read_cold(floor_file, buf))
-        os.remove(floor_file)
-
-        # unickpt: save, then cold loads of that checkpoint
+    def run_unickpt(i: int) -> None:
+        """unickpt: save, then cold loads of that checkpoint."""
         clear_dir(u_root, rank)
         path = os.path.join(u_root, f"step-{i}")
         r = record("unickpt_save", timed(lambda: unickpt.save(u_src, path, step=i)))
@@ -379,8 +276,10 @@ def rank_job(rank: int, world: int, cfg: dict) -> dict:
             res[op]["bytes_read"].append(r.bytes_read)
             if i == 0:
                 checks[op] = verify_same(st) if op.startswith("unickpt_load_no") or op == "unickpt_load" else verify_reshard(st)
+        clear_dir(u_root, rank)
 
-        # DCP on the same data
+    def run_dcp(i: int) -> None:
+        """DCP on the same data."""
         clear_dir(d_root, rank)
         dpath = os.path.join(d_root, f"step-{i}")
         record("dcp_save", timed(lambda: dcp.save(d_src, storage_writer=FileSystemWriter(dpath, sync_files=True))))
@@ -391,6 +290,19 @@ def rank_job(rank: int, world: int, cfg: dict) -> dict:
             record(op, timed(lambda: dcp.load(tgt, storage_reader=FileSystemReader(dpath))))
             if i == 0:
                 checks[op] = verify_same(st) if op == "dcp_load" else verify_reshard(st)
+        clear_dir(d_root, rank)
+
+    i = 0
+    for i in range(cfg["repeats"]):
+        record("memcpy", floor_memcpy(st))
+        record("write_buffered", floor_write(floor_file, buf, share, direct=False))
+        record("write_direct", floor_write(floor_file, buf, share, direct=True))
+        record("read_cold", floor_read(floor_file, buf, cold=True))
+        record("read_warm", floor_read(floor_file, buf, cold=False))
+        os.remove(floor_file)
+
+        for block in abba(i, run_unickpt, run_dcp):
+            block(i)
     buf.close()
     dist.barrier()
     return res
@@ -442,16 +354,16 @@ def print_report(summary: dict, cfg: dict, verify: dict) -> None:
     print(f"\nstate: {m['total_bytes'] / 1e9:.3f} GB fp32 ({m['tensors']} tensors = {m['layers']} layers x 4 + "
           f"embeddings, hidden {m['hidden']}, x3 for weights + exp_avg + exp_avg_sq), "
           f"{cfg['ranks']} ranks, Shard(0) row blocks, {cfg['repeats']} rounds, data dir {cfg['dir']}")
-    print(f"{'operation':<23}{'median s':>10}{'GB/s':>8}{'x floor':>9}{'x DCP':>8}  target")
+    rows = []
     for op in OPS:
         s = summary[op]
-        xf = f"{s['x_floor']:.2f}" if "x_floor" in s else ""
-        xd = f"{s['x_dcp']:.2f}" if "x_dcp" in s else ""
         tgt = ""
         if op in TARGETS:
             ok = s["x_floor"] <= TARGETS[op]
             tgt = f"<= {TARGETS[op]:.2f}x {LABELS[FLOOR_OF[op]]}: {'PASS' if ok else 'MISS'}"
-        print(f"{LABELS[op]:<23}{s['median']:>10.3f}{s['gbps']:>8.2f}{xf:>9}{xd:>8}  {tgt}")
+        rows.append([LABELS[op], fmt(s["median"]), fmt(s["gbps"], ".2f"), fmt(s.get("x_floor"), ".2f"),
+                     fmt(s.get("x_dcp"), ".2f"), tgt])
+    print_table(["operation", "median s", "GB/s", "x floor", "x DCP", "target"], rows)
     print("\nunickpt phases, seconds (median over rounds of the slowest rank; per-rank medians in brackets;\n"
           "save: gather and fsync are parts of write):")
     for op, nv in VERIFY_OF.items():
@@ -475,14 +387,36 @@ def print_report(summary: dict, cfg: dict, verify: dict) -> None:
               f"(state share {m['total_bytes'] / cfg['ranks'] / 1e9:.3f} GB)")
     print("\nI/O per operation, GB summed over ranks (median over rounds; /proc/self/io: read/write = through "
           "syscalls, disk = reached the block layer):")
-    print(f"  {'operation':<23}{'read':>8}{'disk rd':>9}{'write':>8}{'disk wr':>9}")
+    rows = []
     for op in OPS[1:]:
         io = summary[op]["io_sum_over_ranks"]
-        print(f"  {LABELS[op]:<23}{io['rchar'] / 1e9:>8.3f}{io['read_bytes'] / 1e9:>9.3f}"
-              f"{io['wchar'] / 1e9:>8.3f}{io['write_bytes'] / 1e9:>9.3f}")
+        rows.append([LABELS[op]] + [fmt(io[k] / 1e9) for k in ("rchar", "read_bytes", "wchar", "write_bytes")])
+    print_table(["operation", "read", "disk rd", "write", "disk wr"], rows)
     bad = {k: v for k, v in verify.items() if v}
     print("\nverification (round 1): " + ("all loaded data matches the source" if not bad
           else f"MISMATCHES: {bad}"))
+
+
+def measure(gb: float = 2.0, ranks: int = 2, repeats: int = 3, parent: str | None = None,
+            timeout: float = 1800) -> dict:
+    """Run the whole bench (rank job, summary); returns {"config", "summary", "verify", "raw"}.
+    The scratch files go to a new directory under ``parent`` (default bench/out/data), removed
+    at the end."""
+    hidden, layers, shapes = model_shapes(gb)
+    total = 3 * sum(math.prod(s) * 4 for _, s in shapes)
+    parent = os.path.abspath(parent or os.path.join(OUT, "data"))
+    data = scratch(parent, "run")
+    cfg = {"gb": gb, "ranks": ranks, "repeats": repeats, "dir": parent, "data": data, "shapes": shapes,
+           "model": {"hidden": hidden, "layers": layers, "tensors": 3 * len(shapes), "total_bytes": total},
+           "torch": torch.__version__, "unickpt": unickpt.__version__, "cpus": os.cpu_count()}
+    log(f"save_load: {total / 1e9:.3f} GB, {ranks} ranks, {repeats} rounds, data in {data}")
+    try:
+        results = run_ranks(rank_job, ranks, cfg, timeout=timeout)
+    finally:
+        rm_scratch(data)
+    summary = summarize(results, repeats)
+    verify = {k: sum(r["verify"][k] for r in results) for k in results[0]["verify"]}
+    return {"config": cfg, "summary": summary, "verify": verify, "targets": TARGETS, "raw": results}
 
 
 def main() -> int:
@@ -490,36 +424,15 @@ def main() -> int:
     ap.add_argument("--gb", type=float, default=2.0, help="total state size in GB (default 2.0)")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dir", default=os.path.join(ROOT, "bench", "out", "data"),
+    ap.add_argument("--dir", default=os.path.join(OUT, "data"),
                     help="scratch directory for the files (default bench/out/data; keep it on the real disk)")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds before the rank job is killed")
-    ap.add_argument("--json", default=os.path.join(ROOT, "bench", "out", "save_load.json"))
+    ap.add_argument("--json", default=os.path.join(OUT, "save_load.json"))
     args = ap.parse_args()
-
-    hidden, layers, shapes = model_shapes(args.gb)
-    total = 3 * sum(math.prod(s) * 4 for _, s in shapes)
-    data = os.path.join(os.path.abspath(args.dir), f"run-{os.getpid()}")
-    os.makedirs(data)
-    cfg = {"gb": args.gb, "ranks": args.ranks, "repeats": args.repeats, "dir": os.path.abspath(args.dir),
-           "data": data, "shapes": shapes,
-           "model": {"hidden": hidden, "layers": layers, "tensors": 3 * len(shapes), "total_bytes": total},
-           "torch": torch.__version__, "unickpt": unickpt.__version__, "cpus": os.cpu_count()}
-    print(f"bench: {total / 1e9:.3f} GB, {args.ranks} ranks, {args.repeats} rounds, data in {data}", file=sys.stderr)
-    try:
-        results = harness.run(rank_job, args.ranks, cfg, timeout=args.timeout, env={"OMP_NUM_THREADS": "1"})
-    finally:
-        shutil.rmtree(data, ignore_errors=True)
-        if os.path.isdir(cfg["dir"]) and not os.listdir(cfg["dir"]):
-            os.rmdir(cfg["dir"])
-    summary = summarize(results, args.repeats)
-    verify = {k: sum(r["verify"][k] for r in results) for k in results[0]["verify"]}
-    print_report(summary, cfg, verify)
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"config": cfg, "summary": summary, "verify": verify, "targets": TARGETS,
-                   "raw": results}, f, indent=1)
-    print(f"raw numbers: {args.json}")
-    return 1 if any(verify.values()) else 0
+    out = measure(args.gb, args.ranks, args.repeats, args.dir, args.timeout)
+    print_report(out["summary"], out["config"], out["verify"])
+    print(f"raw numbers: {write_json(args.json, out)}")
+    return 1 if any(out["verify"].values()) else 0
 
 
 if __name__ == "__main__":

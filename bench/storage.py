@@ -13,7 +13,7 @@ Targets (backend / client / library), every one saved and loaded in every round:
   local  -       unickpt  unickpt.save/load on a directory under ``--dir`` (default
                           bench/out/storage-tmp; removed at the end). Durable save (fsync);
                           the load is cold (every file fsynced + POSIX_FADV_DONTNEED first,
-                          bench/save_load.make_cold), as in bench/save_load.py.
+                          bench/_common.make_cold), as in bench/save_load.py.
   local  -       dcp      torch.distributed.checkpoint with FileSystemWriter(sync_files=True)
                           / FileSystemReader, cold load likewise.
   memory fsspec  unickpt  ``memory://`` (fsspec's in-process MemoryFileSystem).
@@ -78,7 +78,6 @@ bench/out/storage.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import signal
@@ -91,16 +90,15 @@ import warnings
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-BENCH = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(BENCH)
-for p in (ROOT, BENCH):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
 import unickpt  # noqa: E402
-from save_load import KINDS, make_cold, model_shapes, nested  # noqa: E402
+from bench._common import OUT, fmt, log, make_cold, print_table, write_json  # noqa: E402
+from bench.save_load import KINDS, model_shapes, nested  # noqa: E402
 from tests.s3server import S3Server  # noqa: E402
 
 # (backend, client, library)
@@ -200,10 +198,6 @@ class RequestLog:
             k = f"{m.group(1)} {m.group(2)}"
             out[k] = out.get(k, 0) + 1
         return dict(sorted(out.items()))
-
-
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 # -- one target ------------------------------------------------------------------------
@@ -342,15 +336,15 @@ def print_report(summary: dict, cfg: dict, raw: dict) -> None:
     print(f"\nstate: {m['total_bytes'] / 1e9:.3f} GB fp32 ({m['tensors']} tensors = {m['layers']} layers x 4 + "
           f"embeddings, hidden {m['hidden']}, x3 for weights + exp_avg + exp_avg_sq; bench/save_load.py's state), "
           f"1 process, {cfg['repeats']} rounds; s3 = moto on 127.0.0.1")
-    print(f"{'backend':<8}{'client':<9}{'library':<9}{'op':<6}{'median s':>10}{'GB/s':>8}{'x local':>9}"
-          f"{'x DCP':>8}{'cpu s':>8}{'srv cpu s':>11}")
+    rows = []
     for op in OPS:
         for t in TARGETS:
             s = summary[key(t)][op]
-            xd = f"{s['x_dcp']:.2f}" if "x_dcp" in s else ""
-            srv = f"{s['srv_cpu']:.2f}" if t[0] == "s3" else ""
-            print(f"{t[0]:<8}{t[1]:<9}{t[2]:<9}{op:<6}{s['median']:>10.3f}{s['gbps']:>8.3f}{s['x_local']:>9.2f}"
-                  f"{xd:>8}{s['cpu']:>8.2f}{srv:>11}")
+            rows.append([t[0], t[1], t[2], op, fmt(s["median"]), fmt(s["gbps"]), fmt(s["x_local"], ".2f"),
+                         fmt(s.get("x_dcp"), ".2f"), fmt(s["cpu"], ".2f"),
+                         fmt(s["srv_cpu"], ".2f") if t[0] == "s3" else ""])
+    print_table(["backend", "client", "library", "op", "median s", "GB/s", "x local", "x DCP", "cpu s", "srv cpu s"],
+                rows, left=4)
     print("\nunickpt phases, seconds (median over rounds):")
     for t in TARGETS:
         if t[2] != "unickpt":
@@ -393,10 +387,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gb", type=float, default=2.0, help="total state size in GB (default 2.0)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dir", default=os.path.join(ROOT, "bench", "out", "storage-tmp"),
+    ap.add_argument("--dir", default=os.path.join(OUT, "storage-tmp"),
                     help="parent of the local-disk checkpoints (default bench/out/storage-tmp; a temporary "
                          "directory is made in it and removed at the end)")
-    ap.add_argument("--json", default=os.path.join(ROOT, "bench", "out", "storage.json"))
+    ap.add_argument("--json", default=os.path.join(OUT, "storage.json"))
     args = ap.parse_args()
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up (server, files) on kill
@@ -435,10 +429,7 @@ def main() -> int:
             os.rmdir(parent)
     summary = summarize(raw, total)
     print_report(summary, cfg, raw)
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"config": cfg, "summary": summary, "raw": raw}, f, indent=1)
-    print(f"raw numbers: {args.json}")
+    print(f"raw numbers: {write_json(args.json, {'config': cfg, 'summary': summary, 'raw': raw})}")
     return 1 if any(raw["verify"].values()) else 0
 
 

@@ -1,0 +1,228 @@
+"""Every bench in one go: machine floors, unickpt against DCP on the same state, memory peaks and
+the planner simulation; ONE table, JSON under bench/results/.
+
+    .venv/bin/python bench/run_all.py            # ~2 GB state, 3 rounds (make bench)
+    .venv/bin/python bench/run_all.py --quick    # 0.25 GB state, 3 rounds (make bench QUICK=1)
+
+Parts (each is the ``measure()`` function of a bench that also runs on its own):
+
+  bench/save_load.py        floors (memcpy into reused memory, O_DIRECT write + fsync, buffered
+                            write + fsync, cold and warm read), unickpt and DCP save (durable),
+                            cold load into the same Shard(0) layout and cold resharded load into
+                            Shard(1) column blocks (row -> column), 2 gloo ranks.
+  bench/async_save.py       async save: blocking time (staging in the call; background staging
+                            behind a compute phase), durable + committed, slowdown of a concurrent
+                            compute loop; DCP's process checkpointer + shared-memory stager.
+  bench/compressed_save.py  saves with O0, O1, O2, O1 + zstd 3 (and their cold loads), DCP's save.
+  bench/memory.py           peak extra RSS per rank: sync save, async save (trainer and writer),
+                            load, export, offline reshard, each against its bound.
+  bench/plan_scale.py       the save planner on 1,000 simulated ranks (its --quick), 3 layouts;
+                            --quick: with --max-pieces 1.5e5 (the first layers that fit are
+                            measured and the figures scaled linearly to 1,000 layers, as
+                            plan_scale does and says).
+
+Every timing is the median over the rounds (>= 3) of the slowest rank; unickpt (A) and DCP (B)
+run in ABBA order (A first in even rounds, B first in odd ones) inside every rank job. Columns:
+"s" = median seconds; "GB/s" = state bytes / s; "x floor" = s / the machine floor of the same
+bytes (saves: O_DIRECT write; loads: cold read; blocking: memcpy into reused memory), "x DCP" =
+unickpt s / DCP s for the same operation (< 1: unickpt faster). Exit status 1, with a line
+saying why, when a memory bound is exceeded or loaded data differ from what was saved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import re
+import sys
+import time
+import traceback
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from bench import async_save, compressed_save, memory, save_load  # noqa: E402
+from bench._common import MiB, OUT, RESULTS, fmt, log, machine, my_segments, print_table, write_json  # noqa: E402
+
+PARTS = ("save_load", "async", "compressed", "memory", "plan")
+PRESETS = {  # state GB, rounds, compute loop s (async), memory rounds, plan_scale --max-pieces
+    "quick": {"gb": 0.25, "repeats": 3, "loop_seconds": 1.0, "memory_repeats": 2, "plan_max_pieces": 1.5e5},
+    "full": {"gb": 2.0, "repeats": 3, "loop_seconds": 3.0, "memory_repeats": 2, "plan_max_pieces": 1.5e6},
+}
+
+
+def plan_quick(max_pieces: float = 1.5e6) -> list[dict]:
+    """bench/plan_scale.py --quick (1,000 ranks, 1,000 layers, every layout), its printed figures
+    parsed. ``max_pieces`` is its --max-pieces: above it, plan_scale measures the first layers
+    that fit and extrapolates linearly in the layer count (and says so)."""
+    from bench import plan_scale as ps
+
+    rows = []
+    for layout in ("zero3", "tp8-zero", "dtensor2d"):
+        buf = io.StringIO()
+        t0 = time.perf_counter()
+        with contextlib.redirect_stdout(buf):
+            ps.run(layout, 1000, 1000, max_pieces, 256 << 20, True)
+        text = buf.getvalue()
+        num = lambda pat: float(re.search(pat, text).group(1).replace(",", ""))  # noqa: E731
+        scaled = re.search(r"measured on (\d+) of", text)
+        rows.append({"layout": layout, "world": 1000, "measured_layers": int(scaled.group(1)) if scaled else 1000, "plan_s": num(r"plan/rank\s+([\d.]+) s"),
+                     "peak_mib": num(r"peak mem\s+([\d.]+) MiB"), "manifest_mib": num(r"manifest\s+([\d.]+) MiB"),
+                     "pieces": num(r"pieces\s+([\d,]+)"), "text": text, "wall_s": time.perf_counter() - t0})
+        log(f"plan_scale {layout}: plan/rank {rows[-1]['plan_s']:.2f} s, peak {rows[-1]['peak_mib']:.0f} MiB")
+    return rows
+
+
+def table(res: dict) -> list[list[str]]:
+    """The one table: [section, operation, s, GB/s, x floor, x DCP, note]."""
+    rows: list[list[str]] = []
+
+    def row(section, op, s=None, gbps=None, xf=None, xd=None, note=""):
+        rows.append([section, op, fmt(s), fmt(gbps, ".2f"), fmt(xf, ".2f"), fmt(xd, ".2f"), note])
+
+    if "save_load" in res:
+        sl = res["save_load"]
+        s, cfg = sl["summary"], sl["config"]
+        ranks = cfg["ranks"]
+        for op, name in (("memcpy", "copy into reused memory"), ("write_direct", "write O_DIRECT + fsync"),
+                         ("write_buffered", "write buffered + fsync"), ("read_cold", "read cold"),
+                         ("read_warm", "read warm (page cache)")):
+            row("floor", name, s[op]["median"], s[op]["gbps"], note=f"{ranks} ranks, each its own file / buffer")
+        for u, d, name, tgt in (("unickpt_save", "dcp_save", "save (durable, committed)", 1.15),
+                                ("unickpt_load", "dcp_load", "load same layout, cold", 1.15),
+                                ("unickpt_load_reshard", "dcp_load_reshard", "load resharded row->column, cold", 1.15)):
+            note = f"target <= {tgt:.2f}x floor: {'met' if s[u]['x_floor'] <= tgt else 'MISSED'}"
+            if u in save_load.VERIFY_OF:
+                note += f"; verification {s[u]['verify_cost'] * 100:+.1f}%"
+            row("unickpt", name, s[u]["median"], s[u]["gbps"], s[u]["x_floor"], s[u]["x_dcp"], note)
+            row("DCP", name, s[d]["median"], s[d]["gbps"], s[d]["x_floor"], 1.0)
+    if "async" in res:
+        a = res["async"]["summary"]
+        d = a["derived"]
+        total = res["async"]["config"]["model"]["total_bytes"]
+        med = lambda op, k: a[op][k]["median"]  # noqa: E731
+        row("floor", "async: copy into reused memory", d["memcpy_floor"], total / d["memcpy_floor"] / 1e9)
+        row("floor", "async: write O_DIRECT + fsync", d["disk_floor"], total / d["disk_floor"] / 1e9)
+        for op, name, key in (("unickpt_async", "async save blocking (staging in the call)", "blocking"),
+                              ("unickpt_bg", "async save blocking, staging behind compute", "blocking_bg")):
+            v = med(op, "blocking")
+            tgt = async_save.TARGETS[key]
+            row("unickpt", name, v, None, v / d["memcpy_floor"], v / d["dcp_best_blocking"],
+                f"target <= {tgt:.2f}x DCP: {'met' if d['checks'][key] <= tgt else 'MISSED'}")
+        row("DCP", "async save blocking (call + staging)", d["dcp_best_blocking"], None,
+            d["dcp_best_blocking"] / d["memcpy_floor"], 1.0, res["async"]["config"]["meta"]["dcp_mode"])
+        v, ref = med("unickpt_async", "durable"), med("dcp_async", "durable")
+        row("unickpt", "async save durable + committed", v, total / v / 1e9, v / d["disk_floor"], v / ref,
+            f"target <= 1.15x floor: {'met' if d['checks']['durable'] <= 1.15 else 'MISSED'}")
+        row("DCP", "async save durable + committed", ref, total / ref / 1e9, ref / d["disk_floor"], 1.0)
+        alone = med("loop_alone", "work")
+        row("unickpt", "compute loop slowdown during async save", d["slowdown_unickpt"], None, None,
+            d["slowdown_ratio"], f"loop alone {alone:.2f} s; target <= 0.70x DCP: "
+            f"{'met' if d['slowdown_ratio'] <= 0.7 else 'MISSED'}")
+        row("DCP", "compute loop slowdown during async save", d["slowdown_dcp"], None, None, 1.0)
+    if "compressed" in res:
+        c = res["compressed"]
+        st, floor, total = c["settings"], c["floor"], c["total_bytes"]
+        o0 = st["O0"]
+        for name, v in st.items():
+            lib = "DCP" if name == "dcp" else "unickpt"
+            load = f", cold load {v['load']:.3f} s ({v['load'] / o0['load']:.2f}x O0)" if "load" in v else ""
+            row(lib, f"save {'(uncompressed)' if name == 'dcp' else name}", v["save"], total / v["save"] / 1e9,
+                v["save"] / floor, None if name == "dcp" else v["save"] / st["dcp"]["save"],
+                f"{v['bytes'] / 1e9:.3f} GB on disk ({v['bytes'] / o0['bytes']:.2f}x O0){load}")
+        row("floor", "compressed: write O_DIRECT + fsync", floor, total / floor / 1e9)
+    if "memory" in res:
+        for r in res["memory"]["rows"]:
+            extra = "unmeasured" if r["extra"] is None else f"{r['extra'] / MiB:.0f} MiB"
+            row("memory", f"peak extra RSS: {r['what']}",
+                note=f"{extra} <= {r['bound'] / MiB:.0f} MiB ({r['note']}): {'ok' if r['ok'] else 'EXCEEDED'}")
+    if "plan" in res:
+        for p in res["plan"]:
+            ext = "" if p["measured_layers"] == 1000 else f" (on {p['measured_layers']} of 1000 layers, scaled)"
+            row("planner", f"make_plan + schedule, {p['layout']}, {p['world']} ranks", p["plan_s"], None, None, None,
+                f"1000 layers{ext}; target < 1 s/rank: {'met' if p['plan_s'] < 1 else 'MISSED'}; peak {p['peak_mib']:.0f} MiB "
+                f"(target < 256: {'met' if p['peak_mib'] < 256 else 'MISSED'}); manifest {p['manifest_mib']:.2f} MiB")
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="0.25 GB state, 3 rounds, 1 s compute loop (a few minutes)")
+    ap.add_argument("--gb", type=float, default=None, help="state size in GB (default 2.0; --quick 0.25)")
+    ap.add_argument("--repeats", type=int, default=None, help="rounds per timing (default 3, at least 3)")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    ap.add_argument("--dir", default=os.path.join(OUT, "data"), help="scratch directory (on the real disk)")
+    ap.add_argument("--json", default=None, help="default bench/results/run_all-{quick,full}-TIME.json")
+    args = ap.parse_args()
+    preset = dict(PRESETS["quick" if args.quick else "full"])
+    if args.gb is not None:
+        preset["gb"] = args.gb
+    if args.repeats is not None:
+        preset["repeats"] = args.repeats
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        ap.error(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
+    gb, n, ranks = preset["gb"], preset["repeats"], args.ranks
+    info = {"mode": "quick" if args.quick else "full", "preset": preset, "ranks": ranks, "parts": parts,
+            "machine": machine(), "seconds": {}}
+    log(f"run_all ({info['mode']}): {gb} GB, {ranks} ranks, {n} rounds; parts {', '.join(parts)}")
+    res: dict = {}
+    t_all = time.perf_counter()
+    errors: dict[str, str] = {}
+    for part in parts:
+        t0 = time.perf_counter()
+        try:
+            if part == "save_load":
+                res[part] = save_load.measure(gb, ranks, n, args.dir)
+            elif part == "async":
+                res[part] = async_save.measure(gb, ranks, n, preset["loop_seconds"], args.dir)
+            elif part == "compressed":
+                res[part] = compressed_save.measure(gb, ranks, n, args.dir)
+            elif part == "memory":
+                res[part] = memory.measure(gb, ranks, preset["memory_repeats"], args.dir)
+            elif part == "plan":
+                res[part] = plan_quick(preset["plan_max_pieces"])
+        except Exception as e:  # the other parts still run; the run fails at the end
+            errors[part] = f"{type(e).__name__}: {e}"
+            print(f"[bench] {part} FAILED:\n{traceback.format_exc()}", file=sys.stderr)
+        info["seconds"][part] = time.perf_counter() - t0
+        log(f"{part} {'FAILED' if part in errors else 'done'} in {info['seconds'][part]:.0f} s")
+    info["seconds"]["total"] = time.perf_counter() - t_all
+
+    m = res.get("save_load", {}).get("config", {}).get("model") or {}
+    print(f"\nunickpt vs DCP, {info['mode']} run: {gb} GB fp32 GPT-like state (weights + 2 Adam moments"
+          + (f", {m['total_bytes'] / 1e9:.3f} GB, hidden {m['hidden']}, {m['layers']} layers" if m else "")
+          + f"), {ranks} gloo ranks, 1 thread each, medians of {n} rounds (slowest rank), ABBA order; "
+          f"{info['machine']['cpus']} CPUs, load average {info['machine']['loadavg_at_start'][0]:.1f} at start")
+    rows = table(res)
+    print_table(["", "operation", "s", "GB/s", "x floor", "x DCP", "note"], rows, left=2, left_last=True)
+
+    fails = [f"{part} did not run to the end: {e.splitlines()[0] if e else e}" for part, e in errors.items()]
+    if "memory" in res:
+        fails += memory.fail_lines(res["memory"])
+    if "save_load" in res:
+        bad = {k: v for k, v in res["save_load"]["verify"].items() if v}
+        if bad:
+            fails.append(f"LOADED DATA DIFFER from the saved state (tensors per operation): {bad}")
+    left = my_segments()
+    if left:
+        fails.append(f"shared-memory segments left: {left}")
+    info["fails"] = fails
+    path = args.json or os.path.join(RESULTS, f"run_all-{info['mode']}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    write_json(path, {"info": info, "table": rows, "results": res})
+    print(f"\ntook {info['seconds']['total'] / 60:.1f} min ("
+          + ", ".join(f"{k} {v:.0f} s" for k, v in info["seconds"].items() if k != "total") + f"); JSON: {path}")
+    for f in fails:
+        print(f"FAIL: {f}")
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
