@@ -522,6 +522,7 @@ def _read_all(entries, man: Manifest, storage, ckpt, verify, progress, rank=0, w
     verifying: list = []
     pending: deque = deque()
     in_flight = [0]
+    spans = _SpanStream(pool, READ_THREADS)
 
     def verify_direct(reader, base, st, runs, isz, dest):
         if not vscratch:
@@ -584,13 +585,17 @@ def _read_all(entries, man: Manifest, storage, ckpt, verify, progress, rank=0, w
                             mv = memoryview(dest[lo * isz + a : lo * isz + a + k].numpy())
                             futs.append(pool.submit(reader.readinto, base + g * isz + a, mv))
                     in_flight[0] += runs.numel * isz
-                else:
-                    checked = _read_spans(reader, base, st, runs, isz, dest, _scratch(), verify != "none", pool)
+                else:  # read in one stream with every other short-run target, after this loop
+                    spans.add(reader, base, st, runs, isz, dest, verify != "none",
+                              lambda checked, item=(st, runs, isz, dest, local, direct, [], None):
+                              finish(item[:7] + (checked,)))
+                    continue
             pending.append((st, runs, isz, dest, local, direct, futs, checked))
             while pending and (in_flight[0] > READ_AHEAD or not pending[0][6] or len(pending) > 256):
                 finish(pending.popleft())
         while pending:
             finish(pending.popleft())
+        spans.run()
         for st, fut in verifying:
             tally(st, fut.result())
     finally:
@@ -707,47 +712,84 @@ def _verify_direct(reader, base: int, st: TensorEntry, runs: Runs, isz: int, des
     return check.ok, check.checked
 
 
-def _read_spans(reader, base: int, st: TensorEntry, runs: Runs, isz: int, dest: torch.Tensor,
-                scratch: torch.Tensor, verify: bool, pool=None) -> tuple[bool, int]:
-    """Short runs (column blocks, small pieces): read the whole checksummed ranges they touch
-    through ``scratch`` (two halves: with ``pool``, the next piece is read while this one is
-    hashed and scattered), verify them as they stream, and scatter the runs into ``dest``."""
+SPAN_PIECE = 8 << 20  # bytes of one span read (column blocks, small pieces)
+
+
+def _span_pieces(st: TensorEntry, runs: Runs, isz: int, verify: bool) -> tuple["_StreamCheck", list[tuple[int, int]]]:
+    """Short runs (column blocks, small pieces): the byte pieces to read, the whole
+    checksummed ranges the runs touch (merged when they overlap or lie within SPAN_GAP: one
+    read, not many), cut at SPAN_PIECE; and the check that verifies them as they stream."""
     check = _StreamCheck(st.checksums if verify else ())
-    s_el, l_el, lo_el = runs.starts, runs.lengths, runs.local
+    s_el, l_el = runs.starts, runs.lengths
     e_el = s_el + l_el
     bs, es = check.touch_runs(s_el * isz, e_el * isz)  # widened to whole checksummed ranges
-    # spans: widened runs merged when they overlap or lie within SPAN_GAP (one read, not many)
     cut = np.flatnonzero(bs[1:] > np.maximum.accumulate(es)[:-1] + SPAN_GAP) + 1
     firsts, lasts = np.concatenate(([0], cut)), np.concatenate((cut, [len(bs)])) - 1
     span_b, span_e = bs[firsts], np.maximum.accumulate(es)[lasts]
-    half = scratch.numel() // 2
-    cap = (half // isz) * isz
+    cap = (SPAN_PIECE // isz) * isz
     pieces = []
     for b, e in zip(span_b.tolist(), span_e.tolist()):
         pos, e = (b // isz) * isz, -(-e // isz) * isz
         while pos < e:
             pieces.append((pos, min(cap, e - pos)))
             pos += pieces[-1][1]
+    return check, pieces
 
-    def read(n: int):
-        pos, k = pieces[n]
-        buf = scratch[(n % 2) * half :][:k]
-        reader.readinto(base + pos, memoryview(buf.numpy()))
-        return buf
 
-    ahead = pool.submit(read, 0) if pool is not None and pieces else None
-    for n, (pos, k) in enumerate(pieces):
-        buf = ahead.result() if ahead is not None else read(n)
-        ahead = pool.submit(read, n + 1) if pool is not None and n + 1 < len(pieces) else None
-        if verify:
+class _SpanStream:
+    """The span reads of every short-run target, as one stream: up to ``depth`` pieces are
+    read by the pool ahead of the one being verified and scattered (in order, on the calling
+    thread), across target boundaries, so the disk never waits for the hashing, the
+    scattering or the start of the next tensor. Memory: ``depth + 1`` buffers of
+    SPAN_PIECE bytes, reused."""
+
+    def __init__(self, pool, depth: int) -> None:
+        self.pool, self.depth = pool, max(1, depth)
+        self.bufs: list[torch.Tensor] = []  # allocated by the first run that reads
+        self.jobs: list = []  # (reader, base, st, runs, isz, dest, check, pieces, done)
+
+    def add(self, reader, base: int, st: TensorEntry, runs: Runs, isz: int, dest: torch.Tensor, verify: bool,
+            done: Callable[[tuple[bool, int]], None]) -> None:
+        check, pieces = _span_pieces(st, runs, isz, verify)
+        self.jobs.append((reader, base, runs, isz, dest, check, pieces, done))
+
+    def run(self) -> None:
+        order = [(j, n) for j, job in enumerate(self.jobs) for n in range(len(job[6]))]
+        if order and not self.bufs:
+            self.bufs = [torch.empty(SPAN_PIECE, dtype=torch.uint8) for _ in range(self.depth + 1)]
+        flight: deque = deque()
+
+        def submit(k: int) -> None:
+            j, n = order[k]
+            reader, base, _, _, _, _, pieces, _ = self.jobs[j]
+            pos, size = pieces[n]
+            buf = self.bufs[k % len(self.bufs)][:size]
+            flight.append(self.pool.submit(reader.readinto, base + pos, memoryview(buf.numpy())))
+
+        for k in range(min(self.depth, len(order))):
+            submit(k)
+        for k, (j, n) in enumerate(order):
+            flight.popleft().result()
+            if k + self.depth < len(order):
+                submit(k + self.depth)
+            _, _, runs, isz, dest, check, pieces, done = self.jobs[j]
+            pos, size = pieces[n]
+            buf = self.bufs[k % len(self.bufs)][:size]
             check.feed(pos, buf)
-        p_el, q_el = pos // isz, (pos + k) // isz
-        i, j = int(np.searchsorted(e_el, p_el, side="right")), int(np.searchsorted(s_el, q_el, side="left"))
-        if j > i:
-            a = np.maximum(s_el[i:j], p_el)
-            z = np.minimum(e_el[i:j], q_el)
-            copy_runs(buf, a - p_el, dest, lo_el[i:j] + (a - s_el[i:j]), z - a, isz)
-    return check.ok, check.checked
+            s_el, l_el, lo_el = runs.starts, runs.lengths, runs.local
+            e_el = s_el + l_el
+            p_el, q_el = pos // isz, (pos + size) // isz
+            a_i, b_i = int(np.searchsorted(e_el, p_el, side="right")), int(np.searchsorted(s_el, q_el, side="left"))
+            if b_i > a_i:
+                a = np.maximum(s_el[a_i:b_i], p_el)
+                z = np.minimum(e_el[a_i:b_i], q_el)
+                copy_runs(buf, a - p_el, dest, lo_el[a_i:b_i] + (a - s_el[a_i:b_i]), z - a, isz)
+            if n == len(pieces) - 1:
+                done((check.ok, check.checked))
+        for j, job in enumerate(self.jobs):  # targets without any piece (nothing to read)
+            if not job[6]:
+                job[7]((job[5].ok, job[5].checked))
+        self.jobs.clear()
 
 
 def _split_runs(runs: Runs, cap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
