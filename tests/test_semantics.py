@@ -222,11 +222,14 @@ def test_tied_weights_are_stored_once_and_restored_under_every_name(tmp_path):
     # and dcp.load through the unickpt reader sees every tied name
     import torch.distributed.checkpoint as dcp
 
-    from unickpt.dcp import StorageReader
+    from unickpt.dcp import StorageReader, StorageWriter
 
     sd = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
     dcp.load(sd, storage_reader=StorageReader(tmp_path / "ck"), no_dist=True)
     assert torch.equal(sd["model"]["lm_head.weight"], model.transformer.wte.weight)
+    # dcp.save through the unickpt writer stores them once too
+    dcp.save({"model": model.state_dict()}, storage_writer=StorageWriter(tmp_path / "dcp"), no_dist=True)
+    assert unickpt.read_manifest(tmp_path / "dcp")[1].aliases == {("model", "lm_head.weight"): "transformer.wte.weight"}
 
 
 def test_per_rank_values_round_trip_on_one_process_and_are_refused_elsewhere(tmp_path):

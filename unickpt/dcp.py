@@ -66,7 +66,7 @@ from .format import torch_dtype
 from .layout import Layout
 from .manifest import MANIFEST_NAME, Manifest, name_problem
 from .saver import DEFAULT_BUCKET, SaveOptions, SaveResult, save_entries
-from .state import _ROLE, OTHER_ROLE, Entry, _is_json, set_json_path
+from .state import _ROLE, OTHER_ROLE, Entry, _is_json, set_json_path, tie
 from .storage import per_node, storage_for
 from .transport import Comm
 
@@ -485,7 +485,7 @@ class StorageWriter(_dcp_storage.StorageWriter):
             entries.append(Entry(role, name, local, lay))
             results.append(WriteResult(index=item.index, size_in_bytes=lay.numel * local.element_size(),
                                        storage_data={"role": role, "name": name}))
-        return entries, values, results
+        return tie(entries), values, results  # tied weights stored once, as unickpt.save does
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Nothing left: the checkpoint was committed by every rank's ``write_data`` (the

@@ -31,7 +31,7 @@ from .errors import StateDictError
 from .manifest import name_problem
 from .layout import Layout, ShardedTensor, _is_dtensor, layout_of
 
-__all__ = ["Entry", "PerRank", "per_rank", "flatten", "apply_json_state", "PER_RANK_KEY", "RANK_VALUE_KEY"]
+__all__ = ["Entry", "PerRank", "per_rank", "flatten", "tie", "apply_json_state", "PER_RANK_KEY", "RANK_VALUE_KEY"]
 
 _ROLE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 OTHER_ROLE = "other"
@@ -133,6 +133,23 @@ def _memory_id(local: torch.Tensor, layout: Layout) -> tuple | None:
     return (local.device, ptr, local.storage_offset(), tuple(local.shape), tuple(local.stride()), local.dtype, layout)
 
 
+def tie(entries: list[Entry]) -> list[Entry]:
+    """Entries of one role that are the same memory (tied weights) folded into the first
+    one's :attr:`Entry.aliases`: stored once, restored under every name."""
+    first: dict[tuple[str, Any], Entry] = {}
+    out: list[Entry] = []
+    for e in entries:
+        mid = None if e.per_rank else _memory_id(e.local, e.layout)
+        owner = first.get((e.role, mid)) if mid is not None else None
+        if owner is not None:
+            owner.aliases = (*owner.aliases, e.name, *e.aliases)
+            continue
+        if mid is not None:
+            first[(e.role, mid)] = e
+        out.append(e)
+    return out
+
+
 def flatten(state_dict: Mapping[str, Any], rank: int = 0, world: int = 1) -> tuple[list[Entry], dict[str, Any]]:
     """Split a state dict into tensor entries and a nested dict of its JSON leaves.
 
@@ -143,7 +160,6 @@ def flatten(state_dict: Mapping[str, Any], rank: int = 0, world: int = 1) -> tup
         raise StateDictError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
     entries: list[Entry] = []
     seen: dict[tuple[str, str], str] = {}
-    tied: dict[tuple[str, Any], int] = {}
     json_state: dict[str, Any] = {}
 
     def add(role: str, name: str, value: Any, where: str) -> None:
@@ -164,14 +180,6 @@ def flatten(state_dict: Mapping[str, Any], rank: int = 0, world: int = 1) -> tup
             entries.append(Entry(role, name, t.unsqueeze(0), layout, per_rank=True))
             return
         local, layout = layout_of(value)
-        mid = _memory_id(local, layout)
-        first = tied.get((role, mid)) if mid is not None else None
-        if first is not None:  # the same memory under a second name: stored once
-            e = entries[first]
-            e.aliases = (*e.aliases, name)
-            return
-        if mid is not None:
-            tied[(role, mid)] = len(entries)
         entries.append(Entry(role, name, local, layout))
 
     def walk(role: str, prefix: str, value: Any, where: str) -> Any:
@@ -223,7 +231,7 @@ def flatten(state_dict: Mapping[str, Any], rank: int = 0, world: int = 1) -> tup
             sub = walk(OTHER_ROLE, k, v, k)
         if sub is not _SKIP:
             json_state[k] = sub
-    return entries, json_state
+    return tie(entries), json_state
 
 
 class _Skip:
