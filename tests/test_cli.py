@@ -15,6 +15,14 @@ import torch
 import unickpt
 
 
+
+def _sigint_default() -> None:
+    """In the child before exec: SIGINT as a terminal gives it. A job started in the background
+    by a non-interactive shell (CI runners, ``make test &``) inherits SIGINT ignored, and a
+    Python started so never raises KeyboardInterrupt: the Ctrl-C tests would hang."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "unickpt.cli", *args], capture_output=True, text=True)
 
@@ -283,7 +291,7 @@ def test_ctrl_c_during_verify_exits_2_with_one_line(tmp_path):
     """A real SIGINT while verify reads (a reader slowed down so the signal lands mid-read)."""
     p = _ckpt(tmp_path)
     proc = subprocess.Popen([sys.executable, "-c", SLOW_VERIFY, "verify", str(p), "-q"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            preexec_fn=_sigint_default, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stderr.readline().strip() == "checking"
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
@@ -310,7 +318,7 @@ def test_ctrl_c_while_starting_up_exits_2_with_one_line(tmp_path, as_json):
     there): the same one line as later, no traceback."""
     p = _ckpt(tmp_path)
     proc = subprocess.Popen([sys.executable, "-c", SLOW_START, "inspect", str(p), *(["--json"] if as_json else [])],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            preexec_fn=_sigint_default, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stderr.readline().strip() == "starting"
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
@@ -361,7 +369,7 @@ def test_a_killed_reshard_is_swept_by_the_next_and_ctrl_c_leaves_nothing(tmp_pat
     root.mkdir()
     dst = root / "re"
     proc = subprocess.Popen([sys.executable, "-c", SLOW_RESHARD, "reshard", str(p), str(dst), "-q"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            preexec_fn=_sigint_default, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stderr.readline().strip() == "writing"
     proc.kill()  # kill -9 mid-way
     proc.communicate(timeout=60)
@@ -373,7 +381,7 @@ def test_a_killed_reshard_is_swept_by_the_next_and_ctrl_c_leaves_nothing(tmp_pat
 
     dst2 = root / "re2"
     proc = subprocess.Popen([sys.executable, "-c", SLOW_RESHARD, "reshard", str(p), str(dst2), "-q"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            preexec_fn=_sigint_default, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stderr.readline().strip() == "writing"
     assert _temporaries(root)
     proc.send_signal(signal.SIGINT)
