@@ -15,9 +15,15 @@ depends on counts, not bytes) under three layouts of ``W`` simulated ranks, 8 pe
 * ``dtensor2d``: a (W/8, 8) mesh, ``(Shard(0), Shard(1))`` boxes (1-D tensors:
   ``(Shard(0), Replicate())``), computed as ``_dtensor_layout`` does (torch.chunk sizes).
 
-For each it prints what one rank computes today: its summary (bytes), decoding every
+Layouts carry their rule hints (``partition_flat(..., names=, boxes=)``, the DTensor grid),
+so each rank's summary is a few rule claims (``plan.summarize``); ``--explicit`` plans from
+one row per piece instead (the planner before rules, for comparison). Rank summaries are
+synthesised from the rules (every rank's real ``summarize`` would be O(pieces) to simulate);
+``summarize`` itself is timed on the sampled ranks' real entries.
+
+For each it prints what one rank computes: its summary (bytes), decoding every
 rank's summary, ``make_plan`` and its own ``SavePlan.schedule`` (time and peak Python
-memory, tracemalloc), summary bytes in total (what the all-gather moves to every rank), the
+memory, tracemalloc), summary bytes in total (what the all-gathers move to every rank), the
 manifest size (built by the saver's ``_manifest`` from the plan and one checksum range per
 1 MiB block), and the load side at a changed world size (W/2: manifest parse plus the runs
 and byte ranges of every target of a sampled rank). Ratios are to the issue's targets:
@@ -41,9 +47,12 @@ import tracemalloc
 import numpy as np
 import zstandard
 
+import torch
+
 from unickpt.layout import Layout, partition_flat
 from unickpt.manifest import Manifest
-from unickpt.plan import SavePlan, decode_summary, extents_of, make_plan
+from unickpt.plan import LocalSummary, SavePlan, _digest, assemble, decode_summary, extents_of, make_plan, summarize
+from unickpt.state import Entry
 
 TARGET_S = 1.0
 TARGET_MEM = 256 << 20
@@ -95,34 +104,29 @@ def rank_layouts(layout: str, tensors, world: int, rank: int) -> list[tuple[str,
     out = []
     if layout == "zero3":
         for unit in units(tensors):
-            for i, lay, _, _ in partition_flat([s for _, s, _ in unit], world, rank):
+            for i, lay, _, _ in partition_flat([s for _, s, _ in unit], world, rank, names=[n for n, _, _ in unit]):
                 out.append((unit[i][0], lay))
     elif layout == "tp8-zero":
         dp, tp = divmod(rank, TP)
         for unit in units(tensors):
             boxes = [tp_box(s, split, tp) for _, s, split in unit]
-            sizes = [math.prod(b[1]) for b in boxes]
-            total = -(-sum(sizes) // (world // TP)) * (world // TP)
-            part = total // (world // TP)
-            lo, hi = dp * part, (dp + 1) * part
-            t0 = 0
-            for (name, shape, _), (offs, bsz, rep), n in zip(unit, boxes, sizes):
-                s, e = max(lo, t0), min(hi, t0 + n)
-                if e > s:
-                    out.append((name, Layout(shape, offs, bsz, (s - t0, e - t0), rep)))
-                t0 += n
+            for i, lay, _, _ in partition_flat([s for _, s, _ in unit], world // TP, dp, boxes=boxes,
+                                               names=[n for n, _, _ in unit]):
+                out.append((unit[i][0], lay))
     elif layout == "dtensor2d":
         mesh = (world // TP, TP)
         coord = divmod(rank, TP)
         for name, shape, _ in tensors:
+            pl = (0, 1) if len(shape) > 1 else (0, -1)  # (Shard(0), Shard(1)); 1-D: (Shard(0), Replicate())
             offs, sizes, replica = [0] * len(shape), list(shape), 0
-            for m, d in enumerate((0, 1)):
-                if d < len(shape):  # Shard(d) on mesh dim m
+            for m, d in enumerate(pl):
+                if d >= 0:
                     o, s = _chunk(shape[d], mesh[m], coord[m])
                     offs[d], sizes[d] = o, s
-                else:  # Replicate
+                else:
                     replica = replica * mesh[m] + coord[m]
-            out.append((name, Layout(shape, tuple(offs), tuple(sizes), None, replica)))
+            hint = ("grid", mesh, pl, coord[0] * mesh[1] + coord[1])  # as _dtensor_layout gives it
+            out.append((name, Layout(shape, tuple(offs), tuple(sizes), None, replica, hint)))
     else:
         raise ValueError(layout)
     return out
@@ -162,11 +166,66 @@ def load_side(blob: bytes, layout: str, tensors, world: int, ranks: list[int]) -
     return worst, n_runs
 
 
-def plan_one_rank(blobs: list[bytes], rank: int, bucket: int) -> SavePlan:
-    """What one rank computes today: decode every summary, plan, its own schedule."""
-    plan = make_plan([decode_summary(b) for b in blobs], bucket_bytes=bucket)
+def plan_one_rank(blobs, rank: int, bucket: int) -> SavePlan:
+    """What one rank computes: decode every summary (rules: heads and payloads), plan, its
+    own schedule."""
+    if isinstance(blobs, tuple):
+        heads, payloads = blobs
+        summaries, rules = assemble(heads, payloads)
+        plan = make_plan(summaries, bucket_bytes=bucket, rules=rules)
+    else:
+        plan = make_plan([decode_summary(b) for b in blobs], bucket_bytes=bucket)
     plan.schedule(rank)
     return plan
+
+
+def _entries(layout, tensors, world, rank):
+    return [Entry("model", n, torch.empty(0), lay) for n, lay in rank_layouts(layout, tensors, world, rank)]
+
+
+def rule_inputs(layout: str, tensors, world: int) -> tuple[list[bytes], list[bytes], float]:
+    """Every rank's head and payload, synthesised from the rules: the index-0 rank of each
+    group (ZeRO / TP group, mesh) is summarised for real; a member ``i`` claims the group's
+    units it holds a piece of (ranks past a unit's last element hold only padding of it).
+    Returns the heads, the payloads and the seconds of one real ``summarize`` (max)."""
+    groups = [(0, list(range(world)))] if layout != "tp8-zero" else [
+        (tp, [dp * TP + tp for dp in range(world // TP)]) for tp in range(TP)]
+    local: list = [None] * world
+    worst = 0.0
+    for _, members in groups:
+        t0 = time.perf_counter()
+        ents = _entries(layout, tensors, world, members[0])
+        ls = summarize(ents, ["BF16"] * len(ents), f"n{members[0] // PER_NODE}")
+        worst = max(worst, time.perf_counter() - t0)
+        assert not ls.rows and len(ls.claims) == 1, "index 0 holds a piece of every unit"
+        digests = ls.sets[ls.claims[0][0]]
+        last = {}
+        for d in digests:
+            body = ls.units[d]
+            if body["k"] == "grid":
+                last[d] = body["n"] - 1
+            else:
+                used = sum(math.prod(t[3]) for t in body["t"])
+                last[d] = (used - 1) // (body["total"] // body["n"])
+        cache: dict = {}
+        for i, r in enumerate(members):
+            key = tuple(d for d in digests if last[d] >= i) if min(last.values()) < i else None
+            if key not in cache:
+                ds = list(key) if key is not None else digests
+                cache[key] = (_digest(ds), ds)
+            sid, ds = cache[key]
+            local[r] = LocalSummary(f"n{r // PER_NODE}", [], [(sid, i)], {sid: ds}, ls.units, {sid: []})
+    for r in sorted({0, world // 2 + 3, world - 1}):  # sampled ranks: their real summaries agree
+        t0 = time.perf_counter()
+        ents = _entries(layout, tensors, world, r)
+        real = summarize(ents, ["BF16"] * len(ents), f"n{r // PER_NODE}")
+        worst = max(worst, time.perf_counter() - t0)
+        assert real.claims == local[r].claims and not real.rows, r
+    heads = [x.head() for x in local]
+    from unickpt.plan import _claim_owners
+
+    owners = _claim_owners(heads)
+    return heads, [x.payload(heads, r, owners) for r, x in enumerate(local)], worst
 
 
 def run(layout: str, world: int, layers: int, max_pieces: float, bucket: int, mem: bool) -> None:
@@ -202,12 +261,51 @@ def run(layout: str, world: int, layers: int, max_pieces: float, bucket: int, me
     t_load, _ = load_side(blob, layout, tensors, world // 2, sorted({0, world // 4 + 1, world // 2 - 1}))
     per_rank_s = (t_plan + t_sched) * scale
     note = f"  (measured on {fit} of {layers} layers, x{scale:.1f})" if scale > 1 else ""
-    print(f"{layout:<10}{world:>7}  pieces {n_pieces * scale:>11,.0f}  summary/rank {sizes.mean() * scale / 1024:8.1f} KiB"
+    print(f"{layout:<10}{world:>7}  explicit pieces {n_pieces * scale:>11,.0f}  summary/rank {sizes.mean() * scale / 1024:8.1f} KiB"
           f"  all-gathered {sizes.sum() * scale / 2**20:9.1f} MiB{note}")
     print(f"{'':<19}plan/rank {per_rank_s:8.2f} s ({per_rank_s / TARGET_S:6.1f}x target; make_plan {t_plan * scale:.2f} s,"
           f" schedule {t_sched * scale:.3f} s)  peak mem {peak * scale / 2**20:8.1f} MiB ({peak * scale / TARGET_MEM:5.2f}x)")
     print(f"{'':<19}manifest {man * scale / 2**20:7.2f} MiB ({man * scale / len(plan.tensors) / scale:.0f} B/tensor), "
           f"{len(plan.files)} files; load at W/2: {t_load * scale:.3f} s/rank; simulating {gen:.1f} s")
+
+
+def run_rules(layout: str, world: int, layers: int, bucket: int, mem: bool) -> None:
+    tensors = model(layers)
+    t0 = time.perf_counter()
+    heads, payloads, t_sum = rule_inputs(layout, tensors, world)
+    gen = time.perf_counter() - t0
+    sent = np.array([len(h) + len(p) for h, p in zip(heads, payloads)])
+    sample = sorted({0, 1, world // 2 + 3, world - 1})
+    gc.collect()
+    t0 = time.perf_counter()
+    summaries, rules = assemble(heads, payloads)
+    t_dec = time.perf_counter() - t0
+    plan = make_plan(summaries, bucket_bytes=bucket, rules=rules)
+    t_plan = time.perf_counter() - t0 - t_dec
+    t_sched = 0.0
+    for r in sample:
+        t1 = time.perf_counter()
+        plan.schedule(r)
+        t_sched = max(t_sched, time.perf_counter() - t1)
+    assert all(t.rules for t in plan.tensors.values())
+    peak = float("nan")
+    if mem:
+        del plan
+        gc.collect()
+        tracemalloc.start()
+        plan = plan_one_rank((heads, payloads), sample[-1], bucket)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    blob = manifest_blob(plan)
+    t_load, _ = load_side(blob, layout, tensors, world // 2, sorted({0, world // 4 + 1, world // 2 - 1}))
+    per_rank_s = t_dec + t_plan + t_sched
+    print(f"{layout:<10}{world:>7}  rules   summary/rank {sent.mean() / 1024:8.2f} KiB (max {sent.max() / 1024:.1f})"
+          f"  all-gathered {sent.sum() / 2**20:7.2f} MiB")
+    print(f"{'':<19}plan/rank {per_rank_s:8.2f} s ({per_rank_s / TARGET_S:6.2f}x target; decode {t_dec:.2f} s, "
+          f"make_plan {t_plan:.2f} s, schedule {t_sched:.3f} s; summarize {t_sum:.3f} s)  "
+          f"peak mem {peak / 2**20:7.1f} MiB ({peak / TARGET_MEM:5.2f}x)")
+    print(f"{'':<19}manifest {len(blob) / 2**20:7.2f} MiB ({len(blob) / len(plan.tensors):.0f} B/tensor), "
+          f"{len(plan.files)} files; load at W/2: {t_load:.3f} s/rank; simulating {gen:.1f} s")
 
 
 def manifest_blob(plan: SavePlan) -> bytes:
@@ -237,6 +335,7 @@ def main() -> None:
     ap.add_argument("--max-pieces", type=float, default=1.5e6, help="pieces simulated at most (else extrapolated)")
     ap.add_argument("--bucket-mib", type=int, default=256)
     ap.add_argument("--no-mem", action="store_true", help="skip the tracemalloc run (halves the time)")
+    ap.add_argument("--explicit", action="store_true", help="one summary row per piece (the planner before rules)")
     args = ap.parse_args()
     worlds = [int(w) for w in args.worlds.split(",")] if args.worlds else ([1000] if args.quick else [1000, 10000])
     n = len(model(args.layers))
@@ -244,7 +343,10 @@ def main() -> None:
           f"peak < {TARGET_MEM >> 20} MiB/rank, manifest independent of ranks")
     for world in worlds:
         for layout in args.layouts.split(","):
-            run(layout, world, args.layers, args.max_pieces, args.bucket_mib << 20, not args.no_mem)
+            if args.explicit:
+                run(layout, world, args.layers, args.max_pieces, args.bucket_mib << 20, not args.no_mem)
+            else:
+                run_rules(layout, world, args.layers, args.bucket_mib << 20, not args.no_mem)
 
 
 if __name__ == "__main__":

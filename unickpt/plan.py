@@ -11,6 +11,7 @@ concrete sends, receives and copies of one rank, step by step.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from dataclasses import dataclass, field
@@ -22,26 +23,16 @@ import zstandard
 from .errors import LayoutError
 from .format import build_header, itemsize, order_key
 from .compress import QUANT_CODECS, stored_parts
-from .layout import Layout, Runs, intersect
+from .layout import FlatUnit, Layout, Runs, _run_span, intersect
 from .state import Entry
 
-__all__ = ["encode_summary", "decode_summary", "summary_digest", "make_plan", "SavePlan", "TensorPlan", "FilePlan"]
+__all__ = ["encode_summary", "decode_summary", "summary_digest", "summarize", "assemble", "LocalSummary", "make_plan",
+           "SavePlan", "TensorPlan", "FilePlan"]
 
 BALANCE_SLACK = 1.1
 DIRECT_MIN_RUN = 256 << 10
 """Pieces whose runs average at least this many bytes are written by their holder straight
 into the writer's file (same node only) instead of travelling to the writer."""
-
-
-def encode_summary(entries: list[Entry], dtypes: list[str], node: str, tags: dict | None = None) -> bytes:
-    """``tags``: codec tag per entry key (see :mod:`unickpt.compress`)."""
-    tags = tags or {}
-    rows = [
-        [e.role, e.name, dt, list(e.layout.shape), *e.layout.to_json(), tags.get(e.key)]
-        for e, dt in zip(entries, dtypes)
-    ]
-    raw = json.dumps({"node": node, "t": rows}, separators=(",", ":")).encode()
-    return zstandard.ZstdCompressor(level=3).compress(raw)
 
 
 def summary_digest(summary: bytes) -> bytes:
@@ -58,7 +49,7 @@ class TensorPlan:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    pieces: list[tuple[int, Layout]]  # every rank's layout, replicas included
+    explicit: list[tuple[int, Layout]]  # pieces named one by one, replicas included
     full_holders: list[int]
     writer: int = -1
     file: str = ""
@@ -68,6 +59,39 @@ class TensorPlan:
     codec: dict | None = None  # codec tag (unickpt.compress); None: stored as is
     parts: dict[str, tuple[str, str, tuple[int, ...], int, int]] = field(default_factory=dict)
     """Quantized tensors: part -> (header key, dtype, shape, begin, end) in the file."""
+    rules: list = field(default_factory=list)
+    """``(unit, slot)`` of the rules whose members hold pieces of this tensor (lazy pieces:
+    never materialised in the plan); empty once the tensor is planned from explicit pieces."""
+
+    @property
+    def pieces(self) -> list[tuple[int, Layout]]:
+        """Every rank's layout, replicas included, in rank order (materialised: O(pieces))."""
+        if not self.rules:
+            return self.explicit
+        out = list(self.explicit)
+        for u, j in self.rules:
+            out += u.claimed_pieces(j)
+        out.sort(key=lambda p: p[0])
+        return out
+
+    def full_pieces(self) -> list[tuple[int, Layout]]:
+        """``(rank, layout)`` of the pieces that are the whole tensor: O(full holders)."""
+        if not self.rules:
+            return [(r, lay) for r, lay in self.explicit if lay.is_full]
+        out = [(r, u.piece(j, i)) for u, j in self.rules for r in u.full_ranks(j) for i in u.indices_of(r)]
+        return sorted(out, key=lambda p: p[0])
+
+    def sources_of(self, rank: int) -> list[tuple[int, Layout]]:
+        """``rank``'s entries in :meth:`sources`, without visiting other ranks' pieces."""
+        if self.writer in self.full_holders:
+            return [(rank, Layout.full(self.shape))] if rank == self.writer else []
+        out = [(r, lay) for r, lay in self.explicit if r == rank and lay.replica == 0 and lay.numel > 0]
+        for u, j in self.rules:
+            for i in u.indices_of(rank):
+                lay = u.piece(j, i)
+                if lay is not None and lay.replica == 0 and lay.numel > 0:
+                    out.append((rank, lay))
+        return out
 
     @property
     def quantized(self) -> bool:
@@ -105,10 +129,11 @@ class TensorPlan:
         return [(r, lay) for r, lay in self.pieces if lay.replica == 0 and lay.numel > 0]
 
 
-def extents_of(t: "TensorPlan") -> list[tuple[int, int, int, int]]:
-    """Direct tensors: ``(rank, local_elem, tensor_elem, count)`` runs, in tensor order."""
+def extents_of(t: "TensorPlan", rank: int | None = None) -> list[tuple[int, int, int, int]]:
+    """Direct tensors: ``(rank, local_elem, tensor_elem, count)`` runs, in tensor order; of
+    ``rank`` only when given (its own pieces: no other rank's piece is visited)."""
     out = []
-    for r, lay in t.sources():
+    for r, lay in (t.sources() if rank is None else t.sources_of(rank)):
         runs = lay.runs()
         for g, n, lo in zip(runs.starts.tolist(), runs.lengths.tolist(), runs.local.tolist()):
             out.append((r, lo, g, n))
@@ -169,7 +194,9 @@ class SavePlan:
     chunks: dict[int, list[list[Segment]]]  # writer -> buckets of segments
     bucket_bytes: int
     held_by: list[list[tuple[TensorPlan, Layout]]] | None = None
-    """Per rank, the ``(tensor, layout)`` of every piece it holds (None: found by scanning)."""
+    """Per rank, the ``(tensor, layout)`` of every explicit piece it holds (None: found by scanning)."""
+    claims: list[list[tuple["_Set", int]]] | None = None
+    """Per rank, its rule claims ``(set, index)``: its other pieces, computed on demand."""
     _schedules: dict[int, list[Step]] = field(default_factory=dict)
 
     @property
@@ -185,6 +212,22 @@ class SavePlan:
     def files_of(self, rank: int) -> list[FilePlan]:
         return [f for f in self.files if f.writer == rank]
 
+    def pieces_of(self, rank: int) -> list[tuple[TensorPlan, Layout]]:
+        """``(tensor, layout)`` of every piece ``rank`` holds: O(its own pieces)."""
+        out = list(self.held_by[rank]) if self.held_by is not None else [
+            (t, lay) for t in self.tensors.values() for r, lay in t.explicit if r == rank]
+        for st, i in (self.claims[rank] if self.claims else ()):
+            for u in st.units:
+                for j in u.slots_of(i):
+                    if u.span(j)[0] == u.span(j)[1]:
+                        continue
+                    t = self.tensors[(u.body["role"], u.slots[j][0])]
+                    if any(x is u and y == j for x, y in t.rules):
+                        lay = u.piece(j, i)
+                        if lay is not None:
+                            out.append((t, lay))
+        return out
+
     def schedule(self, rank: int) -> list[Step]:
         if rank not in self._schedules:
             self._schedules[rank] = _schedule(self, rank)
@@ -193,12 +236,15 @@ class SavePlan:
 
 def make_plan(
     summaries: list[dict], *, bucket_bytes: int, max_file_bytes: int | None = None, zstd: int | None = None,
-    shared_writes: bool = True,
+    shared_writes: bool = True, rules: dict | None = None,
 ) -> SavePlan:
     """``zstd``: level for the files of every role but ``model`` (model files stay plain).
     ``shared_writes``: the storage lets several ranks write one file (its
     :attr:`~unickpt.storage.Capabilities.shared_writes`); without it every piece is gathered
-    to its file's one writer."""
+    to its file's one writer. ``rules``: ``{"sets": {sid: [unit digest]}, "units": {digest:
+    body}}``, the rule bodies named by the summaries' claims ``"c": [[sid, index]]`` (see
+    :func:`summarize` and :func:`assemble`); a claimed unit's pieces are never materialised
+    unless its tensors fit no rule check (then they are planned as explicit pieces)."""
     world = len(summaries)
     nodes = [str(s["node"]) for s in summaries]
     tensors: dict[tuple[str, str], TensorPlan] = {}
@@ -208,38 +254,51 @@ def make_plan(
         for role, name, dtype, shape, offsets, sizes, flat, replica, tag in s["t"]:
             shape = tuple(shape)
             lay = Layout.from_json(shape, [offsets, sizes, flat, replica])
-            t = tensors.get((role, name))
-            if t is None:
-                t = tensors[(role, name)] = TensorPlan(role, name, dtype, shape, [], [], codec=tag)
-            elif t.codec != tag:
-                raise LayoutError(f"tensor {name!r} (role {role}): ranks disagree on its codec ({t.codec} vs {tag})")
-            elif t.dtype != dtype or t.shape != shape:
-                first = t.pieces[0][0] if t.pieces else "?"
-                raise LayoutError(
-                    f"tensor {name!r} (role {role}): rank {first} has {t.dtype} {list(t.shape)} but rank {rank} "
-                    f"has {dtype} {list(shape)}"
-                )
-            t.pieces.append((rank, lay))
+            t = _tensor(tensors, role, name, dtype, shape, tag, rank)
+            t.explicit.append((rank, lay))
             mine.append((t, lay))
             if lay.is_full:
                 t.full_holders.append(rank)
+    claims = _read_claims(summaries, rules or {}, tensors)
     for t in tensors.values():
+        if t.rules:
+            _settle(t, held_by)
         if not t.full_holders:
             _check_tiling(t)
     _assign_writers(list(tensors.values()), world)
+    node_id = {n: i for i, n in enumerate(dict.fromkeys(nodes))}
+    node_of = np.array([node_id[n] for n in nodes], np.int64)
     for t in tensors.values():
         # framed files are written by their owner only, frame by frame
-        t.direct = shared_writes and _can_write_direct(t, nodes) and not (zstd and t.role != "model")
+        t.direct = shared_writes and _can_write_direct(t, nodes, node_of) and not (zstd and t.role != "model")
     files = _make_files(tensors, world, nodes, max_file_bytes)
     if zstd:
         for f in files:
             f.zstd = zstd if f.role != "model" else None
     chunks = _make_chunks(files, world, bucket_bytes)
-    return SavePlan(world, nodes, tensors, files, chunks, bucket_bytes, held_by)
+    return SavePlan(world, nodes, tensors, files, chunks, bucket_bytes, held_by, claims)
+
+
+def _tensor(tensors, role, name, dtype, shape, tag, rank) -> TensorPlan:
+    t = tensors.get((role, name))
+    if t is None:
+        t = tensors[(role, name)] = TensorPlan(role, name, dtype, shape, [], [], codec=tag)
+    elif t.codec != tag:
+        raise LayoutError(f"tensor {name!r} (role {role}): ranks disagree on its codec ({t.codec} vs {tag})")
+    elif t.dtype != dtype or t.shape != shape:
+        first = t.explicit[0][0] if t.explicit else (t.rules[0][0].first_rank() if t.rules else "?")
+        rank = rank.first_rank() if isinstance(rank, _Unit) else rank
+        raise LayoutError(
+            f"tensor {name!r} (role {role}): rank {first} has {t.dtype} {list(t.shape)} but rank {rank} "
+            f"has {dtype} {list(shape)}"
+        )
+    return t
 
 
 def _check_tiling(t: TensorPlan) -> None:
-    src = [(r, lay) for r, lay in t.pieces if lay.replica == 0 and lay.numel > 0]
+    if t.rules:
+        return  # _settle checked the rules tile it
+    src = [(r, lay) for r, lay in t.explicit if lay.replica == 0 and lay.numel > 0]
     if not src and t.numel == 0:
         return
     singles = [lay.single_run() for _, lay in src]
@@ -271,36 +330,42 @@ def _assign_writers(tensors: list[TensorPlan], world: int) -> None:
     That is: among candidates (ranks holding it whole, else every rank) whose load stays
     within the cap, the first by (most held, least loaded, lowest rank); if none, the first by
     (least loaded, most held, lowest rank). Vectorised over ranks: a tensor costs its pieces
-    plus a few array operations, not a sort of every rank."""
+    (or, for rules, a few array operations over the members holding it), not a sort of
+    every rank."""
     total = sum(t.nbytes for t in tensors)
     cap = BALANCE_SLACK * total / world if world else 0
     loads = np.zeros(world, np.int64)
     for t in sorted(tensors, key=lambda t: (-t.nbytes, t.role, t.name)):
-        held: dict[int, int] = {}
-        for r, lay in t.pieces:
-            if lay.numel > held.get(r, 0):
-                held[r] = lay.numel
         if t.full_holders:
             cands = np.unique(np.array(t.full_holders, np.int64))  # equal held (whole): by load, rank
             c_load = loads[cands]
             fit = cands[c_load + t.nbytes <= cap]
             choice = int(fit[np.argmin(loads[fit])]) if len(fit) else int(cands[np.argmin(c_load)])
+        elif t.rules:
+            choice = _pick_any(t.nbytes, *_rule_holders(t), loads, cap)
         else:
-            choice = _pick_any(t.nbytes, held, loads, cap)
+            held: dict[int, int] = {}
+            for r, lay in t.explicit:
+                if lay.numel > held.get(r, 0):
+                    held[r] = lay.numel
+            hr = np.fromiter(held.keys(), np.int64, len(held))
+            hn = np.fromiter(held.values(), np.int64, len(held))
+            choice = _pick_any(t.nbytes, hr, hn, loads, cap)
         t.writer = choice
         loads[choice] += t.nbytes
 
 
-def _pick_any(nbytes: int, held: dict[int, int], loads: np.ndarray, cap: float) -> int:
-    """:func:`_assign_writers` when every rank is a candidate."""
-    hr = np.fromiter(held.keys(), np.int64, len(held))
-    hn = np.fromiter(held.values(), np.int64, len(held))
+def _pick_any(nbytes: int, hr: np.ndarray, hn: np.ndarray, loads: np.ndarray, cap: float) -> int:
+    """:func:`_assign_writers` when every rank is a candidate; ``hr``/``hn``: the ranks
+    holding part of the tensor (each once) and how many elements."""
     keep = hn > 0
     hr, hn = hr[keep], hn[keep]
     fit = loads[hr] + nbytes <= cap
     if fit.any():  # a holder within the cap: most held, then least loaded, then lowest rank
         r, n = hr[fit], hn[fit]
-        return int(r[np.lexsort((r, loads[r], -n))[0]])
+        r = r[n == n.max()]
+        lr = loads[r]
+        return int(r[lr == lr.min()].min())
     others = np.ones(len(loads), bool)
     others[hr] = False
     if others.any():  # holding nothing: least loaded, then lowest rank (argmin: the first)
@@ -308,17 +373,493 @@ def _pick_any(nbytes: int, held: dict[int, int], loads: np.ndarray, cap: float) 
         if loads[i] + nbytes <= cap:
             return i
     low = np.flatnonzero(loads == loads.min())  # over the cap everywhere: least loaded, most held
-    return int(max(low.tolist(), key=lambda r: (held.get(r, 0), -r)))
+    held = np.zeros(len(loads), np.int64)
+    held[hr] = hn
+    h = held[low]
+    return int(low[h == h.max()].min())
 
 
-def _can_write_direct(t: TensorPlan, nodes: list[str]) -> bool:
+def _can_write_direct(t: TensorPlan, nodes: list[str], node_of: np.ndarray | None = None) -> bool:
     if t.nbytes == 0 or t.quantized:  # quantized: the writer encodes whole groups
         return False
+    if t.rules and t.writer not in t.full_holders:
+        ranks, n_runs = _rule_sources(t)
+        if node_of is None:
+            node_of = np.array([hash(n) for n in nodes], np.int64)
+        if len(ranks) and np.any(node_of[ranks] != node_of[t.writer]):
+            return False
+        return t.nbytes / max(int(n_runs), 1) >= min(DIRECT_MIN_RUN, t.nbytes)
     srcs = t.sources()
     if any(nodes[r] != nodes[t.writer] for r, _ in srcs):
         return False  # other nodes may not see the writer's disk: gather
     n_runs = sum(lay.n_runs for _, lay in srcs)
     return t.nbytes / max(n_runs, 1) >= min(DIRECT_MIN_RUN, t.nbytes)
+
+
+# -- rules: pieces described by a rule, never materialised --------------------------------
+
+
+def _chunk(n: int, parts: int, i):
+    """torch.chunk / DTensor Shard sizes: ``(offset, size)`` of part ``i`` (arrays work)."""
+    c = -(-n // parts) if parts else 0
+    lo = np.minimum(i * c, n)
+    return lo, np.minimum(lo + c, n) - lo
+
+
+class _Set:
+    """Claims of one set of units: member index -> rank (and back)."""
+
+    __slots__ = ("sid", "units", "index_of", "claims")
+
+    def __init__(self, sid: str, units: list) -> None:
+        self.sid, self.units, self.index_of = sid, units, {}
+        self.claims: list[tuple[int, int]] = []  # (index, rank)
+
+
+class _Unit:
+    """A rule: ``flat`` (named tensors' blocks flattened back to back, ``total`` elements cut
+    into ``n`` equal ranges; member ``i`` holds range ``i``) or ``grid`` (one tensor sharded
+    over a mesh of ``n`` members, torch.chunk sizes; member ``i``: row-major coordinate)."""
+
+    __slots__ = ("body", "kind", "n", "slots", "t0", "bn", "part", "sets", "members", "counts", "regular", "_geo")
+
+    def __init__(self, body: dict) -> None:
+        self.body, self.kind, self.n = body, body["k"], int(body["n"])
+        self.sets: list[_Set] = []
+        self.members: np.ndarray | None = None  # index -> rank (-1: unclaimed), shared by units of the same sets
+        self.counts: np.ndarray | None = None  # claimed members before each index
+        self.regular = True
+        self._geo = None
+        if self.kind == "flat":
+            self.slots = [(name, tuple(sh), tuple(o), tuple(z), int(r)) for name, sh, o, z, r in body["t"]]
+            self.bn = [math.prod(z) for _, _, _, z, _ in self.slots]
+            self.t0 = np.concatenate([[0], np.cumsum(self.bn, dtype=np.int64)]).tolist()
+            self.part = int(body["total"]) // self.n
+            if self.t0[-1] > int(body["total"]) or int(body["total"]) % self.n:
+                raise LayoutError(f"flat unit of {self.t0[-1]} elements does not fit {body['total']} over {self.n}")
+        elif self.kind == "grid":
+            name, sh = body["t"][0]
+            self.slots = [(name, tuple(sh), None, None, 0)]
+            if math.prod(body["mesh"]) != self.n or len(body["pl"]) != len(body["mesh"]):
+                raise LayoutError(f"grid rule of {name!r}: mesh {body['mesh']} does not have {self.n} members")
+        else:
+            raise LayoutError(f"unknown layout rule {self.kind!r}")
+
+    @property
+    def claims(self):
+        """``(index, rank)`` of every claim on this unit (duplicates included)."""
+        return [c for st in self.sets for c in st.claims]
+
+    def first_rank(self) -> int:
+        return min((r for _, r in self.claims), default=-1)
+
+    def any_claimed(self, a: int, b: int) -> bool:
+        return int(self.counts[b] - self.counts[a]) > 0
+
+    def indices_of(self, rank: int) -> list[int]:
+        return [s.index_of[rank] for s in self.sets if rank in s.index_of]
+
+    def span(self, j: int) -> tuple[int, int]:
+        """Members ``[a, b)`` whose pieces of slot ``j`` are rows of the summary today."""
+        if self.kind == "grid":
+            return 0, self.n
+        if self.bn[j] == 0:
+            return 0, 0
+        return self.t0[j] // self.part, (self.t0[j] + self.bn[j] - 1) // self.part + 1
+
+    def piece(self, j: int, i: int) -> Layout | None:
+        name, shape, offs, sizes, rep = self.slots[j]
+        if self.kind == "flat":
+            lo = max(i * self.part, self.t0[j])
+            hi = min((i + 1) * self.part, self.t0[j + 1])
+            if hi <= lo:
+                return None
+            return Layout(shape, offs, sizes, (lo - self.t0[j], hi - self.t0[j]), rep)
+        coord = np.unravel_index(i, self.body["mesh"])
+        offs, sizes, rep = [0] * len(shape), list(shape), 0
+        for m, d in enumerate(self.body["pl"]):
+            if d < 0:
+                rep = rep * self.body["mesh"][m] + int(coord[m])
+            else:
+                o, z = _chunk(shape[d], self.body["mesh"][m], int(coord[m]))
+                offs[d], sizes[d] = int(o), int(z)
+        return Layout(shape, tuple(offs), tuple(sizes), None, rep)
+
+    def slots_of(self, i: int) -> range:
+        """Slots member ``i`` holds a piece of."""
+        if self.kind == "grid":
+            return range(1)
+        lo, hi = i * self.part, (i + 1) * self.part
+        a = bisect.bisect_right(self.t0, lo) - 1
+        b = bisect.bisect_left(self.t0, hi)
+        return range(max(a, 0), min(b, len(self.slots)))
+
+    def claimed_pieces(self, j: int) -> list[tuple[int, Layout]]:
+        a, b = self.span(j)
+        out = []
+        for i, r in self.claims:
+            if a <= i < b:
+                lay = self.piece(j, i)
+                if lay is not None:
+                    out.append((r, lay))
+        return out
+
+    def complete(self, j: int) -> bool:
+        a, b = self.span(j)
+        return self.regular and int(self.counts[b] - self.counts[a]) == b - a
+
+    def arrays(self, j: int):
+        """Over members ``[a, b)`` of slot ``j``: ``(ranks, held, replica, runs, full)``
+        (flat: replica and runs may be one number for all, full is None: see full_ranks)."""
+        name, shape, offs, sizes, rep = self.slots[j]
+        a, b = self.span(j)
+        ranks = self.members[a:b]
+        if self.kind == "flat":  # members a+1..b-2 hold `part` elements; the ends, what is left
+            lo = np.arange(a, b, dtype=np.int64) * self.part - self.t0[j]
+            hi = lo + self.part
+            lo[0], hi[-1] = 0, self.bn[j]
+            np.maximum(lo, 0, out=lo)
+            span = _run_span(shape, offs, sizes, None)
+            runs = 1 if span is None or span[0] < 0 else (hi - 1) // span[1] - lo // span[1] + 1
+            return ranks, hi - lo, rep, runs, None
+        geo = self._geo if self._geo is not None else _grid_geo(shape, tuple(self.body["mesh"]), tuple(self.body["pl"]))
+        self._geo = geo
+        return (ranks, *geo)
+
+    def full_ranks(self, j: int) -> list[int]:
+        """Ranks whose piece of slot ``j`` is the whole tensor."""
+        if self.kind == "flat":
+            name, shape, offs, sizes, rep = self.slots[j]
+            a, b = self.span(j)
+            return [int(self.members[a])] if b == a + 1 and sizes == shape else []
+        ranks, _, _, _, full = self.arrays(j)
+        return ranks[full].tolist()
+
+    def tiles(self, j: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """The box this unit's replica-0 pieces of slot ``j`` tile (None: no replica-0 piece)."""
+        name, shape, offs, sizes, rep = self.slots[j]
+        if self.kind == "grid":
+            return (0,) * len(shape), shape
+        return (offs, sizes) if rep == 0 else None
+
+
+_GEO: dict = {}
+
+
+def _grid_geo(shape, mesh, pl):
+    """Per member of a grid (row-major coordinates): held, replica, runs, full; cached by
+    geometry (tensors of one shape on one mesh share it)."""
+    key = (shape, mesh, pl)
+    if key in _GEO:
+        return _GEO[key]
+    nd = len(shape)
+    offs = [np.zeros(mesh, np.int64) for _ in range(nd)]
+    sizes = [np.full(mesh, shape[d], np.int64) for d in range(nd)]
+    rep = np.zeros(mesh, np.int64)
+    for m, d in enumerate(pl):
+        c = np.arange(mesh[m], dtype=np.int64).reshape([-1 if k == m else 1 for k in range(len(mesh))])
+        if d < 0:
+            rep = rep * mesh[m] + c
+        else:
+            o, z = _chunk(shape[d], mesh[m], c)
+            offs[d] = np.broadcast_to(o, mesh).copy()
+            sizes[d] = np.broadcast_to(z, mesh).copy()
+    held = np.ones(mesh, np.int64)
+    for z in sizes:
+        held = held * z
+    runs = np.ones(mesh, np.int64)  # runs of a box: product of the sizes before its last partial dim
+    partial_seen = np.zeros(mesh, bool)
+    for d in reversed(range(nd)):
+        partial = (offs[d] != 0) | (sizes[d] != shape[d])
+        runs = np.where(partial_seen, runs * sizes[d], runs)
+        partial_seen |= partial
+    runs = np.where(held > 0, runs, 0)
+    full = held == math.prod(shape)
+    geo = (held.ravel(), np.broadcast_to(rep, mesh).ravel(), runs.ravel(), full.ravel())
+    if len(_GEO) > 4096:
+        _GEO.clear()
+    _GEO[key] = geo
+    return geo
+
+
+def _read_claims(summaries: list[dict], rules: dict, tensors: dict) -> list[list[tuple[_Set, int]]]:
+    """Claims ``"c": [[sid, index]]`` of every rank: members of the units, rule tensors."""
+    claims: list[list[tuple[_Set, int]]] = [[] for _ in summaries]
+    if not any(s.get("c") for s in summaries):
+        return claims
+    units = {d: _Unit(b) for d, b in rules.get("units", {}).items()}
+    sets: dict[str, _Set] = {}
+    for sid, digests in rules.get("sets", {}).items():
+        try:
+            sets[sid] = _Set(sid, [units[d] for d in digests])
+        except KeyError as e:
+            raise LayoutError(f"layout rule {e} is claimed but was not sent") from None
+        for u in sets[sid].units:
+            u.sets.append(sets[sid])
+    for rank, s in enumerate(summaries):
+        for sid, index in s.get("c", ()):
+            st = sets.get(sid)
+            if st is None:
+                raise LayoutError(f"rank {rank} claims layout rule set {sid} that was not sent")
+            if rank in st.index_of:
+                raise LayoutError(f"rank {rank} claims layout rule set {sid} twice")
+            st.index_of[rank] = int(index)
+            st.claims.append((int(index), rank))
+            claims[rank].append((st, int(index)))
+    shared: dict[tuple, tuple[np.ndarray, np.ndarray, bool]] = {}
+    for u in units.values():
+        if not any(st.claims for st in u.sets):
+            continue
+        key = (u.n, tuple(sorted(st.sid for st in u.sets)))
+        if key not in shared:
+            members = np.full(u.n, -1, np.int64)
+            ok = True
+            for st in u.sets:
+                idx = np.array([i for i, _ in st.claims], np.int64)
+                rk = np.array([r for _, r in st.claims], np.int64)
+                inside = (idx >= 0) & (idx < u.n)
+                ok = ok and bool(inside.all())
+                idx, rk = idx[inside], rk[inside]
+                if len(np.unique(idx)) != len(idx) or np.any(members[idx] >= 0):
+                    ok = False
+                    for i, r in zip(idx.tolist(), rk.tolist()):
+                        if members[i] < 0:
+                            members[i] = r
+                else:
+                    members[idx] = rk
+            claimed = members >= 0
+            ok = ok and len(np.unique(members[claimed])) == int(claimed.sum())
+            counts = np.concatenate([[0], np.cumsum(claimed, dtype=np.int64)])
+            shared[key] = (members, counts, ok)
+        u.members, u.counts, u.regular = shared[key]
+        role, dtype, tag = u.body["role"], u.body["dtype"], u.body.get("tag")
+        for j, (name, shape, _, _, _) in enumerate(u.slots):
+            a, b = u.span(j)
+            if a == b or not u.any_claimed(a, b):
+                continue  # no element, or no claimed member holds one: no piece (no row either)
+            t = _tensor(tensors, role, name, dtype, shape, tag, u)
+            t.rules.append((u, j))
+    return claims
+
+
+def _settle(t: TensorPlan, held_by: list) -> None:
+    """Keep ``t``'s pieces as rules when the rules alone tile it (every member holding a
+    piece claimed once; the replica-0 boxes tile the tensor) and they give its full
+    holders; else materialise them as explicit pieces (planned exactly as before)."""
+    ok = not t.explicit and all(u.complete(j) for u, j in t.rules)
+    if ok and t.numel > 0:
+        boxes = [u.tiles(j) for u, j in t.rules]
+        boxes = [b for b in boxes if b is not None]
+        ok = _boxes_tile(t.shape, boxes)
+    if ok:
+        t.full_holders = sorted(r for u, j in t.rules for r in u.full_ranks(j))
+        return
+    for u, j in t.rules:
+        for r, lay in u.claimed_pieces(j):
+            t.explicit.append((r, lay))
+            held_by[r].append((t, lay))
+    t.explicit.sort(key=lambda p: p[0])
+    t.full_holders = [r for r, lay in t.explicit if lay.is_full]
+    t.rules = []
+
+
+def _boxes_tile(shape, boxes) -> bool:
+    key = (tuple(shape), tuple(sorted(boxes)))
+    if key not in _TILES:
+        if len(_TILES) > 4096:
+            _TILES.clear()
+        _TILES[key] = _boxes_tile_(shape, boxes)
+    return _TILES[key]
+
+
+_TILES: dict = {}
+
+
+def _boxes_tile_(shape, boxes) -> bool:
+    runs = [Layout(tuple(shape), tuple(o), tuple(z)).runs() for o, z in boxes]
+    if not runs:
+        return False
+    starts = np.concatenate([r.starts for r in runs])
+    lengths = np.concatenate([r.lengths for r in runs])
+    order = np.argsort(starts, kind="stable")
+    starts, lengths = starts[order], lengths[order]
+    return bool(int(lengths.sum()) == math.prod(shape) and starts[0] == 0
+                and np.array_equal(starts[1:], (starts + lengths)[:-1]))
+
+
+def _rule_holders(t: TensorPlan) -> tuple[np.ndarray, np.ndarray]:
+    """Ranks holding part of a rule tensor (each once) and the most each holds."""
+    parts = [u.arrays(j)[:2] for u, j in t.rules]
+    if len(parts) == 1:
+        return parts[0]
+    ranks = np.concatenate([p[0] for p in parts])
+    held = np.concatenate([p[1] for p in parts])
+    order = np.lexsort((-held, ranks))
+    ranks, held = ranks[order], held[order]
+    first = np.ones(len(ranks), bool)
+    first[1:] = ranks[1:] != ranks[:-1]
+    return ranks[first], held[first]
+
+
+def _rule_sources(t: TensorPlan) -> tuple[np.ndarray, int]:
+    """Ranks of a rule tensor's replica-0 pieces and their run count in total."""
+    ranks, n_runs = [], 0
+    for u, j in t.rules:
+        r, held, rep, runs, _ = u.arrays(j)
+        keep = (rep == 0) & (held > 0)
+        ranks.append(r[keep])
+        n_runs += int(runs[keep].sum()) if isinstance(runs, np.ndarray) else runs * int(keep.sum())
+    if not ranks:
+        return np.zeros(0, np.int64), 0
+    return np.concatenate(ranks), n_runs
+
+
+# -- the summary of one rank: explicit rows and rule claims --------------------------------
+
+
+def _digest(obj) -> str:
+    return xxhash.xxh3_128_hexdigest(json.dumps(obj, separators=(",", ":")).encode())
+
+
+def _rows(entries, dtypes, tags):
+    return [[e.role, e.name, dt, list(e.layout.shape), *e.layout.to_json(), tags.get(e.key)]
+            for e, dt in zip(entries, dtypes)]
+
+
+@dataclass
+class LocalSummary:
+    """One rank's description of its entries: explicit rows for what fits no rule, and
+    claims ``(set id, member index)`` on sets of rule units. :meth:`head` travels first
+    (digest and claims: who sends which rule body), then :meth:`payload`."""
+
+    node: str
+    rows: list  # explicit rows
+    claims: list[tuple[str, int]]  # (set id, index)
+    sets: dict[str, list[str]]  # set id -> unit digests
+    units: dict[str, dict]  # digest -> body
+    fallback: dict[str, list]  # set id -> the rows of its pieces (sent if the claim is ambiguous)
+
+    def digest(self) -> bytes:
+        # a set id is the digest of its units' digests, a unit's digest that of its body
+        return xxhash.xxh3_128_digest(json.dumps([self.node, self.rows, self.claims], separators=(",", ":")).encode())
+
+    def head(self) -> bytes:
+        return json.dumps([self.digest().hex(), self.claims], separators=(",", ":")).encode()
+
+    def payload(self, heads: list[bytes], rank: int, owners: tuple | None = None) -> bytes:
+        """``owners``: :func:`_claim_owners` of ``heads`` when already computed."""
+        lowest, ambiguous = owners if owners is not None else _claim_owners(heads)
+        rows = list(self.rows)
+        sets, units = {}, {}
+        for sid, i in self.claims:
+            if (sid, i) in ambiguous:
+                rows += self.fallback[sid]
+            elif lowest.get(sid) == rank:
+                sets[sid] = self.sets[sid]
+                for d in self.sets[sid]:
+                    units[d] = self.units[d]
+        raw = json.dumps({"node": self.node, "t": rows, "s": sets, "u": units}, separators=(",", ":")).encode()
+        return zstandard.ZstdCompressor(level=3).compress(raw)
+
+
+def _claim_owners(heads: list[bytes]) -> tuple[dict[str, int], set]:
+    """From every rank's head: the lowest claimant of each set (it sends the set's body) and
+    the claims ``(set, index)`` made by more than one rank (those ranks send rows instead)."""
+    lowest: dict[str, int] = {}
+    seen: dict[tuple[str, int], int] = {}
+    ambiguous = set()
+    for rank, h in enumerate(heads):
+        for sid, i in json.loads(h)[1]:
+            k = (sid, int(i))
+            if k in seen:
+                ambiguous.add(k)
+            seen[k] = rank
+    for rank, h in enumerate(heads):
+        for sid, i in json.loads(h)[1]:
+            if (sid, int(i)) not in ambiguous and sid not in lowest:
+                lowest[sid] = rank
+    return lowest, ambiguous
+
+
+def assemble(heads: list[bytes], payloads: list[bytes]) -> tuple[list[dict], dict]:
+    """``make_plan``'s ``summaries`` and ``rules`` from every rank's head and payload."""
+    _, ambiguous = _claim_owners(heads)
+    summaries, sets, units = [], {}, {}
+    for h, p in zip(heads, payloads):
+        d = json.loads(zstandard.ZstdDecompressor().decompress(p))
+        sets.update(d["s"])
+        units.update(d["u"])
+        c = [[sid, int(i)] for sid, i in json.loads(h)[1] if (sid, int(i)) not in ambiguous]
+        summaries.append({"node": d["node"], "t": d["t"], "c": c})
+    return summaries, {"sets": sets, "units": units}
+
+
+def summarize(entries: list[Entry], dtypes: list[str], node: str, tags: dict | None = None) -> LocalSummary:
+    """This rank's :class:`LocalSummary`. A layout's hint (:func:`~unickpt.layout.partition_flat`
+    with names, a DTensor) proposes a rule; the rank claims it only when its own entries are
+    exactly the rule's pieces at its index (every piece the rule gives it, each equal to its
+    layout, same role, dtype and codec tag throughout); anything else is an explicit row."""
+    tags = tags or {}
+    explicit: list[int] = []
+    flat: dict[tuple, list[int]] = {}
+    grid: dict[int, tuple[dict, int]] = {}
+    for k, (e, dt) in enumerate(zip(entries, dtypes)):
+        h = e.layout.hint
+        if isinstance(h, tuple) and len(h) == 3 and isinstance(h[0], FlatUnit) and not e.per_rank:
+            flat.setdefault((h[0], h[1], e.role, dt, json.dumps(tags.get(e.key))), []).append(k)
+        elif isinstance(h, tuple) and len(h) == 4 and h[0] == "grid" and not e.per_rank and math.prod(e.layout.shape) > 0:
+            body = {"k": "grid", "n": math.prod(h[1]), "mesh": list(h[1]), "pl": list(h[2]),
+                    "t": [[e.name, list(e.layout.shape)]], "role": e.role, "dtype": dt, "tag": tags.get(e.key)}
+            grid[k] = (body, int(h[3]))
+        else:
+            explicit.append(k)
+    by_index: dict[int, list[tuple[str, dict, list[int]]]] = {}
+    for (unit, index, role, dt, tag), ks in flat.items():
+        body = {"k": "flat", "n": unit.world, "total": unit.total, "role": role, "dtype": dt, "tag": json.loads(tag),
+                "t": [[n, list(sh), list(b[0]), list(b[1]), b[2]] for n, sh, b in zip(unit.names, unit.shapes, unit.boxes)]}
+        if _claim_ok(body, index, [entries[k] for k in ks]):
+            by_index.setdefault(index, []).append((_digest(body), body, ks))
+        else:
+            explicit += ks
+    for k, (body, index) in grid.items():
+        if _claim_ok(body, index, [entries[k]]):
+            by_index.setdefault(index, []).append((_digest(body), body, [k]))
+        else:
+            explicit.append(k)
+    rows = _rows([entries[k] for k in sorted(explicit)], [dtypes[k] for k in sorted(explicit)], tags)
+    claims, sets, units, fallback = [], {}, {}, {}
+    for index in sorted(by_index):
+        us = sorted(by_index[index], key=lambda x: x[0])
+        digests = [d for d, _, _ in us]
+        sid = _digest(digests)  # ranks holding the same units share it (one body sent)
+        claims.append((sid, index))
+        sets[sid] = digests
+        units.update({d: b for d, b, _ in us})
+        ks = sorted(k for _, _, ks in us for k in ks)
+        fallback[sid] = _rows([entries[k] for k in ks], [dtypes[k] for k in ks], tags)
+    return LocalSummary(node, rows, claims, sets, units, fallback)
+
+
+def _claim_ok(body: dict, index: int, mine: list[Entry]) -> bool:
+    try:
+        u = _Unit(body)
+    except LayoutError:
+        return False
+    if not 0 <= index < u.n:
+        return False
+    have = {e.name: e.layout for e in mine}
+    want = {}
+    for j in u.slots_of(index):
+        lay = u.piece(j, index)
+        if lay is not None:
+            want[u.slots[j][0]] = lay
+    return len(have) == len(mine) and have == want
+
+
+def encode_summary(entries: list[Entry], dtypes: list[str], node: str, tags: dict | None = None) -> bytes:
+    """Explicit rows only (one per entry): the summary before rules, kept for tools/tests."""
+    raw = json.dumps({"node": node, "t": _rows(entries, dtypes, tags or {})}, separators=(",", ":")).encode()
+    return zstandard.ZstdCompressor(level=3).compress(raw)
 
 
 def _make_files(tensors, world, nodes, max_file_bytes) -> list[FilePlan]:
@@ -422,10 +963,7 @@ def _schedule(plan: SavePlan, rank: int) -> list[Step]:
     steps: list[Step] = []
     runs_cache: dict[tuple[tuple[str, str], int], Runs] = {}
     all_sources: dict[tuple[str, str], list[tuple[int, Layout]]] = {}
-    if plan.held_by is not None:
-        own = _own_sources(plan.held_by[rank], rank)
-    else:
-        own = {t.key: [(r, lay) for r, lay in t.sources() if r == rank] for t in plan.tensors.values()}
+    own = _own_sources(plan.pieces_of(rank), rank)
 
     def src_runs(t: TensorPlan, r: int, lay: Layout) -> Runs:
         k = (t.key, r)

@@ -33,7 +33,7 @@ from .format import BlockHasher, Hasher, block_sums, dtype_name, torch_dtype
 from .container import ZstdWriter
 from .compress import EXCEPTION_WARN, Compression, encode_chunk, prepare
 from .manifest import INDEX_NAME, MANIFEST_NAME, FileEntry, Manifest, Part, TensorEntry
-from .plan import SavePlan, Step, decode_summary, encode_summary, extents_of, make_plan, summary_digest
+from .plan import LocalSummary, SavePlan, Step, assemble, extents_of, make_plan, summarize
 from .state import PER_RANK_KEY, RANK_VALUE_KEY, Entry, _is_json, flatten
 from .storage import Storage, per_node, storage_for
 from .transport import Comm, node_id, resolve_timeout
@@ -219,7 +219,7 @@ def save_entries(
         try:  # collectives inside come before anything that can fail (see compress.prepare)
             entries, tags, exceptions, dropped = prepare(entries, comp, lambda o: _gather_json(comm, o))
             dtypes = [dtype_name(e.local.dtype) for e in entries]
-            summary = encode_summary(entries, dtypes, node_id(), tags)
+            summary = summarize(entries, dtypes, node_id(), tags)  # rules where layouts have them
         except Exception as e:
             err = e
         comm.agree(err, "save (compressing the master weights)")
@@ -365,11 +365,12 @@ def _aux(files: Mapping[str, bytes], extra_files: Mapping[str, str] | None) -> d
     return out
 
 
-def _agree_plan(comm: Comm, summary: bytes, bucket_bytes: int, max_file_bytes: int | None, zstd: int | None = None,
-                shared_writes: bool = True) -> SavePlan:
-    """Exchange digests; reuse the cached plan when every rank's summary is unchanged,
-    otherwise exchange the summaries themselves and plan again."""
-    digests = tuple(comm.all_gather_bytes(summary_digest(summary)))
+def _agree_plan(comm: Comm, summary: LocalSummary, bucket_bytes: int, max_file_bytes: int | None,
+                zstd: int | None = None, shared_writes: bool = True) -> SavePlan:
+    """Exchange heads (digest and rule claims); reuse the cached plan when every rank's
+    summary is unchanged, otherwise exchange the payloads (explicit rows, each rule body
+    once, sent by its lowest claimant) and plan again."""
+    digests = tuple(comm.all_gather_bytes(summary.head()))
     from . import plan as _plan
 
     key = (id(comm.group), comm.world, digests, bucket_bytes, max_file_bytes, zstd, _plan.DIRECT_MIN_RUN, shared_writes)
@@ -378,11 +379,11 @@ def _agree_plan(comm: Comm, summary: bytes, bucket_bytes: int, max_file_bytes: i
     hits = comm.all_gather_bytes(b"1" if plan is not None else b"0")
     if plan is not None and all(h == b"1" for h in hits):
         return plan
-    summaries = [decode_summary(s) for s in comm.all_gather_bytes(summary)]
+    summaries, rules = assemble(list(digests), comm.all_gather_bytes(summary.payload(list(digests), comm.rank)))
     err = None
     try:
         plan = make_plan(summaries, bucket_bytes=bucket_bytes, max_file_bytes=max_file_bytes, zstd=zstd,
-                         shared_writes=shared_writes)
+                         shared_writes=shared_writes, rules=rules)
     except UnickptError as e:
         err = e
     comm.agree(err, "save (planning)")
@@ -508,8 +509,8 @@ def _check_replicas(comm: Comm, plan: SavePlan, entries: list[Entry]) -> None:
     values under one name (one rank's copy would be stored, which one changing from run to
     run). Compares a fingerprint of every tensor that several ranks hold whole as copy 0,
     with one all-reduce; the error is raised on every rank."""
-    keys = sorted(k for k, t in plan.tensors.items()
-                  if sum(1 for _, lay in t.pieces if lay.replica == 0 and lay.is_full and lay.numel) > 1)
+    keys = sorted(k for k, t in plan.tensors.items() if len(t.full_holders) > 1 and t.numel
+                  and sum(1 for _, lay in t.full_pieces() if lay.replica == 0) > 1)
     if not keys or comm.world == 1:
         return
     by_key = {e.key: e for e in entries}
@@ -712,9 +713,8 @@ def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, 
     extents = []  # (file index, tensor, local elem, tensor elem, count)
     for t in plan.tensors.values():
         if t.direct:
-            for r, lo, g, n in extents_of(t):
-                if r == rank:
-                    extents.append((file_index[t.file], t, lo, g, n))
+            for _, lo, g, n in extents_of(t, rank):
+                extents.append((file_index[t.file], t, lo, g, n))
     extents.sort(key=lambda e: (e[0], e[1].begin + e[3] * e[1].itemsize))
     needed = sorted({i for i, f in enumerate(files) if f.writer == rank} | {e[0] for e in extents})
     writers = {}
