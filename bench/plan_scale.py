@@ -214,6 +214,9 @@ def rule_inputs(layout: str, tensors, world: int) -> tuple[list[bytes], list[byt
                 ds = list(key) if key is not None else digests
                 cache[key] = (_digest(ds), ds)
             sid, ds = cache[key]
+            if not ds:  # only padding: holds nothing, claims nothing
+                local[r] = LocalSummary(f"n{r // PER_NODE}", [], [], {}, {}, {})
+                continue
             local[r] = LocalSummary(f"n{r // PER_NODE}", [], [(sid, i)], {sid: ds}, ls.units, {sid: []})
     for r in sorted({0, world // 2 + 3, world - 1}):  # sampled ranks: their real summaries agree
         t0 = time.perf_counter()
