@@ -57,23 +57,27 @@ PRESETS = {  # state GB, rounds, compute loop s (async), memory rounds, plan_sca
 
 
 def plan_quick(max_pieces: float = 1.5e6) -> list[dict]:
-    """bench/plan_scale.py --quick (1,000 ranks, 1,000 layers, every layout), its printed figures
-    parsed. ``max_pieces`` is its --max-pieces: above it, plan_scale measures the first layers
-    that fit and extrapolates linearly in the layer count (and says so)."""
+    """bench/plan_scale.py --quick (1,000 ranks, 1,000 layers, every layout) with rule summaries
+    (what saves use), its printed figures parsed. ``max_pieces`` is unused by the rule planner
+    (it bounds the explicit one, ``plan_scale.py --explicit``)."""
     from bench import plan_scale as ps
 
     rows = []
     for layout in ("zero3", "tp8-zero", "dtensor2d"):
         buf = io.StringIO()
         t0 = time.perf_counter()
-        with contextlib.redirect_stdout(buf):
-            ps.run(layout, 1000, 1000, max_pieces, 256 << 20, True)
+        with contextlib.redirect_stdout(buf):  # the planner as saves run it: rule summaries
+            ps.run_rules(layout, 1000, 1000, 256 << 20, True)
         text = buf.getvalue()
-        num = lambda pat: float(re.search(pat, text).group(1).replace(",", ""))  # noqa: E731
-        scaled = re.search(r"measured on (\d+) of", text)
-        rows.append({"layout": layout, "world": 1000, "measured_layers": int(scaled.group(1)) if scaled else 1000, "plan_s": num(r"plan/rank\s+([\d.]+) s"),
+
+        def num(pat):
+            m = re.search(pat, text)
+            return float(m.group(1).replace(",", "")) if m else None
+
+        rows.append({"layout": layout, "world": 1000, "measured_layers": 1000, "plan_s": num(r"plan/rank\s+([\d.]+) s"),
                      "peak_mib": num(r"peak mem\s+([\d.]+) MiB"), "manifest_mib": num(r"manifest\s+([\d.]+) MiB"),
-                     "pieces": num(r"pieces\s+([\d,]+)"), "text": text, "wall_s": time.perf_counter() - t0})
+                     "summary_kib": num(r"summary/rank\s+([\d.]+) KiB"), "text": text,
+                     "wall_s": time.perf_counter() - t0})
         log(f"plan_scale {layout}: plan/rank {rows[-1]['plan_s']:.2f} s, peak {rows[-1]['peak_mib']:.0f} MiB")
     return rows
 
@@ -143,9 +147,9 @@ def table(res: dict) -> list[list[str]]:
                 note=f"{extra} <= {r['bound'] / MiB:.0f} MiB ({r['note']}): {'ok' if r['ok'] else 'EXCEEDED'}")
     if "plan" in res:
         for p in res["plan"]:
-            ext = "" if p["measured_layers"] == 1000 else f" (on {p['measured_layers']} of 1000 layers, scaled)"
-            row("planner", f"make_plan + schedule, {p['layout']}, {p['world']} ranks", p["plan_s"], None, None, None,
-                f"1000 layers{ext}; target < 1 s/rank: {'met' if p['plan_s'] < 1 else 'MISSED'}; peak {p['peak_mib']:.0f} MiB "
+            row("planner", f"decode + make_plan + schedule, {p['layout']}, {p['world']} ranks", p["plan_s"], None, None,
+                None, f"1000 layers, rule summaries ({p['summary_kib']:.1f} KiB/rank); target < 1 s/rank: "
+                f"{'met' if p['plan_s'] < 1 else 'MISSED'}; peak {p['peak_mib']:.0f} MiB "
                 f"(target < 256: {'met' if p['peak_mib'] < 256 else 'MISSED'}); manifest {p['manifest_mib']:.2f} MiB")
     return rows
 
