@@ -33,9 +33,10 @@ from .errors import (
     UnexpectedTensorError,
     UnickptError,
 )
-from .format import Hasher, dtype_name, read_header, torch_dtype
+from .format import Hasher, dtype_name, parse_header, read_header, torch_dtype
 from .layout import Layout, Runs
 from .manifest import MANIFEST_NAME, Manifest, TensorEntry, data_file_name, manifest_cap
+from .noderead import SharedJob, eligible, read_shared
 from .state import Entry, apply_json_state, flatten, json_missing
 from .stateful import for_load, is_stateful
 from .storage import RandomReader, Storage, join_path, per_node, storage_for
@@ -227,7 +228,8 @@ def load(
         entries = local
     with ph.phase("read"):
         try:
-            bytes_read, verified, bad = _read_all(entries, man, storage, ckpt, verify, progress, comm.rank, comm.world)
+            bytes_read, verified, bad = _read_all(entries, man, storage, ckpt, verify, progress, comm.rank, comm.world,
+                                                  comm=comm if comm.world > 1 and not node_local else None)
         except Exception as e:  # agreed below: every rank raises, none waits alone
             err = _changed(storage, ckpt, man) or e
         if node_local:  # collective, also for a rank whose own reads failed
@@ -476,13 +478,19 @@ def _check_file(reader: RandomReader, man: Manifest, fname: str) -> None:
     fe = man.files[fname]
     if reader.size != fe.size:
         raise FormatError(f"{reader.path}: {reader.size} bytes on disk, the manifest records {fe.size} (truncated or replaced?)")
+    hdr = None
     if fe.header_xxh3:  # format >= 2: every header byte (metadata, padding) is checksummed
         head = bytearray(min(fe.data_start, reader.size))
         reader.readinto(0, memoryview(head))
         if Hasher.of(head) != fe.header_xxh3:
             raise ChecksumError(f"{reader.path}: safetensors header does not match its checksum in the manifest",
                                 [(fname, "")])
-    hdr = read_header(reader)
+        try:  # the verified bytes hold the whole header: parse them, not a second read
+            hdr = parse_header(reader.path, bytes(head), reader.size)
+        except FormatError:  # longer than recorded, or unparsable: read_header below says which
+            pass
+    if hdr is None:
+        hdr = read_header(reader)
     if hdr.data_start != fe.data_start:
         raise FormatError(f"{reader.path}: data starts at {hdr.data_start}, the manifest records {fe.data_start}")
     for (role, name), t in man.tensors.items():
@@ -494,11 +502,14 @@ def _check_file(reader: RandomReader, man: Manifest, fname: str) -> None:
                 raise FormatError(f"{reader.path}: header entry {key!r} of tensor {name!r} disagrees with the manifest")
 
 
-def _read_all(entries, man: Manifest, storage, ckpt, verify, progress, rank=0, world=1):
+def _read_all(entries, man: Manifest, storage, ckpt, verify, progress, rank=0, world=1, comm: Comm | None = None):
     """Read every target's runs. Long runs are split into READ_CHUNK preads served by
     READ_THREADS threads (several requests in flight keep the disk busy, as a sequential
     stream with read-ahead would); short runs go through a window. Each target is finished
-    (copied back if needed, verified) once its reads are done."""
+    (copied back if needed, verified) once its reads are done.
+
+    With ``comm`` (collective: every rank of it calls this once), short-run targets whose
+    bytes other ranks of the node also need are read once per node (:mod:`unickpt.noderead`)."""
     files = _Files(storage, ckpt, man)
     scratch: list[torch.Tensor] = []
     bad: list[tuple[str, str]] = []
@@ -553,7 +564,9 @@ def _read_all(entries, man: Manifest, storage, ckpt, verify, progress, rank=0, w
         if progress is not None:
             progress(counts["bytes"], total)
 
-    try:
+    def issue_reads() -> None:
+        """Issue the reads of every target: long runs now, short runs into ``spans`` (or
+        ``shared``: read node-shared, when the tensor can be)."""
         for e in todo:
             st = man.tensors[e.key]
             if st.codec != "raw":
@@ -586,15 +599,39 @@ def _read_all(entries, man: Manifest, storage, ckpt, verify, progress, rank=0, w
                             futs.append(pool.submit(reader.readinto, base + g * isz + a, mv))
                     in_flight[0] += runs.numel * isz
                 else:  # read in one stream with every other short-run target, after this loop
-                    spans.add(reader, base, st, runs, isz, dest, verify != "none",
-                              lambda checked, item=(st, runs, isz, dest, local, direct, [], None):
-                              finish(item[:7] + (checked,)))
+                    done = (lambda checked, item=(st, runs, isz, dest, local, direct, [], None):
+                            finish(item[:7] + (checked,)))
+                    if comm is not None and eligible(st, isz):
+                        touched = _StreamCheck(st.checksums)
+                        touched.touch_runs(runs.starts * isz, (runs.starts + runs.lengths) * isz)
+                        shared.append(SharedJob(st, reader, base, runs, isz, dest, touched.touched, done))
+                    else:
+                        spans.add(reader, base, st, runs, isz, dest, verify != "none", done)
                     continue
             pending.append((st, runs, isz, dest, local, direct, futs, checked))
             while pending and (in_flight[0] > READ_AHEAD or not pending[0][6] or len(pending) > 256):
                 finish(pending.popleft())
         while pending:
             finish(pending.popleft())
+
+    shared: list[SharedJob] = []  # short-run targets read node-shared (with comm)
+    try:
+        early: BaseException | None = None
+        try:
+            issue_reads()
+        except Exception as e:
+            if comm is None:
+                raise
+            early = e  # the others are told at the first exchange below, then this rank raises
+        if comm is not None:
+            n, alone, aborted = read_shared(comm, shared, man, files, pool, verify != "none", early is not None)
+            if early is not None:
+                raise early
+            if aborted:
+                return files.bytes_read, counts["verified"], bad
+            counts["verified"] += n
+            for j in alone:
+                spans.add(j.reader, j.base, j.st, j.runs, j.isz, j.dest, verify != "none", j.done)
         spans.run()
         for st, fut in verifying:
             tally(st, fut.result())

@@ -1,0 +1,164 @@
+"""Node-shared reads (unickpt.noderead): ranks of one node that need interleaved pieces of
+the same stored bytes (column blocks) read each checksummed range once, counted by the
+storage layer's readers; results are bit-exact; damage, I/O errors and a missing shared
+memory directory behave as they do for ranks reading alone."""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+
+import torch
+
+import unickpt
+from tests import dist
+
+ROWS, COLS = 1536, 512  # 3 MiB per fp32 matrix: several checksummed 1 MiB blocks each
+NAMES = ("a", "b", "c")
+
+
+def _full() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {n: torch.randn(ROWS + 8 * i, COLS, generator=g) for i, n in enumerate(NAMES)}
+
+
+def _save(rank, world, root):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    unickpt.save({"model": {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in _full().items()}}, root)
+
+
+def _load_columns(rank, world, root, node_of=None, patch=None):
+    """Load every matrix as column blocks (Shard(1)); returns (bytes_read, verified, ok) or the error."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if node_of is not None:
+        os.environ["UNICKPT_NODE_ID"] = node_of[rank]
+    if patch is not None:
+        patch(rank)
+    mesh = init_device_mesh("cpu", (world,))
+    full = _full()
+    tgt = {"model": {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(1)]) for k, v in full.items()}}
+    t0 = time.monotonic()
+    try:
+        res = unickpt.load(tgt, root, timeout_s=20)
+    except Exception as e:
+        return type(e).__name__, str(e), time.monotonic() - t0
+    ok = all(torch.equal(tgt["model"][k].to_local(), v.tensor_split(world, dim=1)[rank]) for k, v in full.items())
+    return res.bytes_read, res.verified, ok
+
+
+def _both(rank, world, root, node_of=None):
+    """The same load with node-shared reads and without (UNICKPT_NODE_SHARED_READS=0)."""
+    shared = _load_columns(rank, world, root, node_of)
+    os.environ["UNICKPT_NODE_SHARED_READS"] = "0"
+    alone = _load_columns(rank, world, root, node_of)
+    return shared, alone
+
+
+def _tensor_bytes() -> int:
+    return sum(v.numel() * 4 for v in _full().values())
+
+
+def test_ranks_of_a_node_read_each_needed_byte_once(tmp_path):
+    root = str(tmp_path / "ck")
+    dist.run(_save, 2, root)
+    out = dist.run(_both, 2, root)
+    shared, alone = [o[0] for o in out], [o[1] for o in out]
+    assert all(s[2] for s in shared) and all(a[2] for a in alone), out
+    need = _tensor_bytes()  # column blocks: the node needs every stored byte, once
+    total_shared = sum(s[0] for s in shared)
+    total_alone = sum(a[0] for a in alone)
+    assert total_alone - total_shared == need, (total_alone, total_shared, need)  # alone: every rank reads all
+    headers = total_shared - need  # safetensors headers, read by every rank that opens a file
+    assert 0 < headers < 64 << 10, headers
+    # every checksummed range checked once per node, not once per rank
+    assert sum(s[1] for s in shared) * 2 == sum(a[1] for a in alone), out
+
+
+def test_each_node_reads_its_needs_once(tmp_path):
+    """4 ranks on 2 simulated nodes (UNICKPT_NODE_ID): each node reads the bytes its two
+    ranks need once."""
+    root = str(tmp_path / "ck")
+    dist.run(_save, 2, root)
+    nodes = ["n0", "n0", "n1", "n1"]
+    out = dist.run(_both, 4, root, nodes)
+    assert all(o[0][2] and o[1][2] for o in out), out
+    for node in (0, 1):
+        shared = out[2 * node][0][0] + out[2 * node + 1][0][0]
+        alone = out[2 * node][1][0] + out[2 * node + 1][1][0]
+        need = _tensor_bytes()  # a node's two column blocks of 4 cover every 1 MiB block
+        assert 0 < shared - need < 64 << 10 and alone - shared >= need // 2, (node, shared, alone, need)
+
+
+def test_three_ranks_load_what_two_saved(tmp_path):
+    root = str(tmp_path / "ck")
+    dist.run(_save, 2, root)
+    out = dist.run(_load_columns, 3, root)
+    assert all(o[2] for o in out), out
+
+
+def _damage(root: str) -> None:
+    """Flip one byte in the middle of tensor 'b' in its data file."""
+    _, man = unickpt.read_manifest(root)
+    st = man.tensors[("model", "b")]
+    path = os.path.join(root, st.file)
+    at = man.files[st.file].data_start + st.begin + (st.end - st.begin) // 2
+    with open(path, "r+b") as f:
+        f.seek(at)
+        x = f.read(1)
+        f.seek(at)
+        f.write(bytes([x[0] ^ 0x10]))
+
+
+def test_a_damaged_block_fails_every_rank_that_uses_it(tmp_path):
+    root = str(tmp_path / "ck")
+    dist.run(_save, 2, root)
+    _damage(root)
+    out = dist.run(_load_columns, 2, root)
+    for o in out:  # both ranks need bytes of the damaged block: both name it, whoever read it
+        assert o[0] == "ChecksumError" and "'b'" in o[1], out
+
+
+def _eio_on_block_reads(rank):
+    """Rank 1 fails every read larger than a header (the shared rounds' reads)."""
+    if rank != 1:
+        return
+    import unickpt.storage as st
+
+    real = st._Reader.readinto
+
+    def readinto(self, offset, out):
+        if len(memoryview(out)) > 256 << 10:
+            raise OSError(errno.EIO, "injected", self.path)
+        return real(self, offset, out)
+
+    st._Reader.readinto = readinto
+
+
+def test_an_io_error_in_a_shared_round_stops_every_rank_at_once(tmp_path):
+    root = str(tmp_path / "ck")
+    dist.run(_save, 2, root)
+    out = dist.run(_load_columns, 2, root, None, _eio_on_block_reads, timeout=90)
+    assert out[1][0] == "StorageError" and "injected" in out[1][1], out
+    assert out[0][0] == "DistributedError" and "rank 1" in out[0][1] and out[0][2] < 10, out
+
+
+def _no_shm_on_rank_0(rank):
+    if rank == 0:
+        import unickpt.noderead as nr
+
+        nr.SHM_DIR = "/nonexistent-shm-dir"
+
+
+def test_without_shared_memory_ranks_read_alone(tmp_path):
+    root = str(tmp_path / "ck")
+    dist.run(_save, 2, root)
+    out = dist.run(_load_columns, 2, root, None, _no_shm_on_rank_0)
+    assert all(o[2] for o in out), out
+    assert sum(o[0] for o in out) >= 2 * _tensor_bytes(), out  # each read everything itself
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("unickpt-read-")]

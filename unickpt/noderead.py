@@ -1,0 +1,369 @@
+"""Node-shared reads: the ranks of one node read each byte range they need once.
+
+When several ranks of a node need interleaved pieces of the same stored bytes (column
+blocks of row-major tensors: every rank needs a slice of every row), independent reads move
+the same bytes through read calls once per rank and hash them once per rank. Instead, the
+ranks of a node agree on the union of the checksummed ranges they need and read it once:
+
+1. One all-gather: each rank's node, the checksummed ranges (indices into
+   ``TensorEntry.checksums``) its short-run targets touch, and whether it can map shared
+   memory. Every rank computes every node's plan from it, so the plans need no further
+   agreement.
+2. A node shares only when it pays: at least two ranks, and the ranks' needs add up to
+   more than :data:`MIN_OVERLAP` times their union. Otherwise its ranks read alone.
+3. The node's lowest rank creates a shared-memory segment (``/dev/shm``, mode 0600,
+   unlinked as soon as every rank of the node has mapped it) of two buffers of
+   :data:`ROUND` bytes. The union is cut into rounds of at most ``ROUND`` bytes at
+   checksummed-range boundaries; in round ``k`` every rank of the node reads a disjoint,
+   contiguous share of the round into buffer ``k % 2`` and hashes every range it read;
+   meanwhile it scatters round ``k - 1`` from the other buffer into its own targets. One
+   all-reduce per round (carrying a failure flag, so a failing rank stops every rank at
+   the next round, with a timeout) separates the two.
+4. The ranges whose checksum did not match are all-gathered at the end; every rank that
+   used bytes of such a tensor reports it (``ChecksumError`` naming file and tensor).
+
+Bytes through read calls per node = bytes of the checksummed ranges its ranks need (each
+counted once); each range is hashed once, by the rank that read it. A rank returns bytes
+that a rank of its own node read and verified (same job, same node, a 0600 segment).
+Where shared memory cannot be set up (no ``/dev/shm``, out of space), every rank falls back
+to reading alone: sharing changes speed, never results.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import secrets
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ._copy import copy_runs
+from ._metrics import log
+from .format import Hasher
+from .layout import Runs
+from .manifest import Manifest, TensorEntry
+from .transport import Comm, node_id
+
+__all__ = ["SharedJob", "read_shared", "ROUND", "MIN_OVERLAP", "enabled"]
+
+ROUND = 64 << 20
+"""Bytes a node reads per round (the segment holds two rounds)."""
+MIN_OVERLAP = 1.25
+"""A node shares its reads when its ranks' needs add up to at least this many times their union."""
+PIECE = 8 << 20  # one read call at most
+SHM_DIR = "/dev/shm"
+
+
+def enabled() -> bool:
+    """Node-shared reads are on unless ``UNICKPT_NODE_SHARED_READS=0``."""
+    return os.environ.get("UNICKPT_NODE_SHARED_READS", "1") != "0"
+
+
+@dataclass
+class SharedJob:
+    """One short-run target: its runs in ``st``'s bytes and which checksummed ranges they touch."""
+
+    st: TensorEntry
+    reader: object  # RandomReader of st.file
+    base: int  # file offset of st's first byte
+    runs: Runs
+    isz: int
+    dest: torch.Tensor  # flat uint8: the target's bytes
+    touched: np.ndarray  # bool per st.checksums range
+    done: Callable[[tuple[bool, int]], None]
+
+
+def eligible(st: TensorEntry, isz: int) -> bool:
+    """A tensor can be read shared when its checksummed ranges are small enough to pack into
+    rounds and start on element boundaries (so a range never splits an element)."""
+    if st.codec != "raw" or not st.checksums:
+        return False
+    b = np.fromiter((c[0] for c in st.checksums), dtype=np.int64, count=len(st.checksums))
+    e = np.fromiter((c[1] for c in st.checksums), dtype=np.int64, count=len(st.checksums))
+    return bool(int((e - b).max()) <= ROUND // 4 and not (b % isz).any())
+
+
+def _intervals(mask: np.ndarray) -> list[list[int]]:
+    """``[start, end)`` of the true stretches of a bool array."""
+    d = np.diff(np.concatenate(([0], mask.astype(np.int8), [0])))
+    return np.stack([np.flatnonzero(d == 1), np.flatnonzero(d == -1)], axis=1).tolist()
+
+
+@dataclass
+class _NodePlan:
+    ranks: list[int]  # the node's ranks, ascending; ranks[0] creates the segment
+    token: str
+    # one row per checksummed range of the union, in read order
+    tensor: np.ndarray  # index into the manifest's tensor keys
+    rng: np.ndarray  # index into that tensor's checksums
+    begin: np.ndarray  # bytes, relative to the tensor
+    end: np.ndarray
+    round: np.ndarray
+    seg: np.ndarray  # offset in the round's buffer
+    reader: np.ndarray  # position in ranks of the rank that reads it
+    rounds: int
+
+
+def _plan_node(ranks: list[int], token: str, needs: dict[int, np.ndarray], keys: list, man: Manifest) -> _NodePlan:
+    cols: dict[str, list] = {k: [] for k in ("tensor", "rng", "begin", "end")}
+    order = sorted(needs, key=lambda t: (man.tensors[keys[t]].file, man.tensors[keys[t]].begin))
+    for t in order:
+        st = man.tensors[keys[t]]
+        idx = np.flatnonzero(needs[t])
+        cols["tensor"].append(np.full(len(idx), t, dtype=np.int64))
+        cols["rng"].append(idx)
+        cols["begin"].append(np.array([st.checksums[i][0] for i in idx.tolist()], dtype=np.int64))
+        cols["end"].append(np.array([st.checksums[i][1] for i in idx.tolist()], dtype=np.int64))
+    tensor, rng, begin, end = (np.concatenate(cols[k]) if cols[k] else np.zeros(0, np.int64)
+                               for k in ("tensor", "rng", "begin", "end"))
+    size = end - begin
+    rnd = np.zeros(len(size), dtype=np.int64)
+    seg = np.zeros(len(size), dtype=np.int64)
+    k, used = 0, 0
+    for i, n in enumerate(size.tolist()):  # first fit in order; a range never spans two rounds
+        if used + n > ROUND and used:
+            k, used = k + 1, 0
+        rnd[i], seg[i] = k, used
+        used += n
+    rounds = k + 1 if len(size) else 0
+    # each round's bytes cut into len(ranks) contiguous shares of about equal size
+    reader = np.zeros(len(size), dtype=np.int64)
+    m = len(ranks)
+    for r in range(rounds):
+        sel = np.flatnonzero(rnd == r)
+        total = int(seg[sel[-1]] + size[sel[-1]])
+        mid = seg[sel] + size[sel] // 2
+        reader[sel] = np.minimum(mid * m // max(total, 1), m - 1)
+    return _NodePlan(ranks, token, tensor, rng, begin, end, rnd, seg, reader, rounds)
+
+
+class _Segment:
+    """The node's shared buffers: created by the node's first rank, mapped by the others."""
+
+    def __init__(self, path: str, size: int, create: bool) -> None:
+        self.path, self.size, self.created = path, size, create
+        self.map: mmap.mmap | None = None
+        flags = os.O_RDWR | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+        fd = os.open(path, flags | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            st = os.fstat(fd)
+            if st.st_size != size or st.st_uid != os.getuid():
+                raise OSError(f"{path}: not the segment this load created")
+            self.map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
+
+    def unlink(self) -> None:
+        if self.created:
+            self.created = False
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        self.unlink()
+        self.bytes = None
+        if self.map is not None:
+            try:
+                self.map.close()
+            except BufferError:  # a view still exists: the mapping goes with the last one
+                pass
+            self.map = None
+
+
+def _sync(comm: Comm, failed: bool, what: str) -> bool:
+    """One all-reduce: True when any rank failed (every rank gets the same answer)."""
+    _, top = comm.min_max(torch.tensor([1 if failed else 0], dtype=torch.int64), what)
+    return bool(top[0].item())
+
+
+def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, verify: bool, failed: bool
+                ) -> tuple[int, list[SharedJob], bool]:
+    """Collective over ``comm``: read ``jobs`` with the other ranks of this node.
+
+    Every rank calls it exactly once per load (with ``failed=True`` when its own reads
+    already failed: then every rank returns at once). ``files.get(name)`` opens readers,
+    ``pool`` runs the reads. Returns ``(ranges verified here, jobs left to read alone,
+    aborted)``: ``aborted`` means some rank failed and nothing more should be read."""
+    keys = list(man.tensors)
+    index = {k: i for i, k in enumerate(keys)}
+    need: dict[int, np.ndarray] = {}
+    for j in jobs:
+        t = index[j.st.key]
+        need[t] = need.get(t, np.zeros(len(j.st.checksums), dtype=bool)) | j.touched
+    can = enabled() and os.path.isdir(SHM_DIR)
+    me = {"node": node_id(), "can": can, "token": secrets.token_hex(8), "failed": failed,
+          "need": [[t, a, b] for t, m in sorted(need.items()) for a, b in _intervals(m)]}
+    all_ = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(me).encode(), "load (node-shared reads)")]
+    if any(d["failed"] for d in all_):
+        return 0, [], True
+    nodes: dict[str, list[int]] = {}
+    for r, d in enumerate(all_):
+        nodes.setdefault(d["node"], []).append(r)
+    plans: dict[str, _NodePlan] = {}
+    for node, ranks in nodes.items():
+        if len(ranks) < 2 or not all(all_[r]["can"] for r in ranks):
+            continue
+        union: dict[int, np.ndarray] = {}
+        asked = 0
+        for r in ranks:
+            for t, a, b in all_[r]["need"]:
+                if not (0 <= t < len(keys)) or not (0 <= a < b <= len(man.tensors[keys[t]].checksums)):
+                    continue  # a peer's bad descriptor: it reads alone (its own reads check it)
+                m = union.setdefault(t, np.zeros(len(man.tensors[keys[t]].checksums), dtype=bool))
+                m[a:b] = True
+                asked += sum(c[1] - c[0] for c in man.tensors[keys[t]].checksums[a:b])
+        total = sum(sum(c[1] - c[0] for c, u in zip(man.tensors[keys[t]].checksums, m.tolist()) if u)
+                    for t, m in union.items())
+        if total and asked >= MIN_OVERLAP * total:
+            plans[node] = _plan_node(ranks, all_[ranks[0]]["token"], union, keys, man)
+    plan = plans.get(me["node"])
+    rounds = max((p.rounds for p in plans.values()), default=0)
+    if not rounds:
+        return 0, jobs, False
+
+    # the segment: created by the node's first rank, opened by the others, then unlinked
+    seg: _Segment | None = None
+    err = False
+    size = 2 * ROUND if plan is None else 2 * min(ROUND, int((plan.end - plan.begin).sum()))
+    path = os.path.join(SHM_DIR, f"unickpt-read-{plan.token}") if plan is not None else ""
+    try:
+        if plan is not None and comm.rank == plan.ranks[0]:
+            seg = _Segment(path, size, create=True)
+    except OSError as e:
+        log.info("node-shared reads off: cannot create %s (%s)", path, e)
+        err = True
+    if not _sync(comm, err, "load (node-shared reads: segment)"):
+        try:
+            if plan is not None and seg is None:
+                seg = _Segment(path, size, create=False)
+        except OSError as e:
+            log.info("node-shared reads off: cannot map %s (%s)", path, e)
+            err = True
+        err = _sync(comm, err, "load (node-shared reads: mapping)")
+    else:
+        err = True
+    if seg is not None:
+        seg.unlink()  # every rank of the node mapped it (or gave up): nothing left in /dev/shm
+    if err:  # sharing is only speed: everyone reads alone
+        if seg is not None:
+            seg.close()
+        return 0, jobs, False
+    try:
+        return _rounds(comm, plan, seg, jobs, keys, index, man, files, pool, verify, rounds)
+    finally:
+        if seg is not None:
+            seg.close()
+
+
+def _rounds(comm, plan: _NodePlan | None, seg: _Segment | None, jobs: list[SharedJob], keys, index, man,
+            files, pool, verify: bool, rounds: int) -> tuple[int, list[SharedJob], bool]:
+    half = seg.size // 2 if seg is not None else 0
+    me = plan.ranks.index(comm.rank) if plan is not None else -1
+    by_tensor = {}
+    for j in jobs:
+        by_tensor.setdefault(index[j.st.key], []).append(j)
+    bad: set[int] = set()
+    checked = 0
+    failure: BaseException | None = None
+
+    def read_round(k: int) -> list:
+        """Submit this rank's reads of round ``k``; returns [(future, rows)] in order."""
+        sel = np.flatnonzero((plan.round == k) & (plan.reader == me))
+        out = []
+        i = 0
+        while i < len(sel):  # consecutive ranges of one tensor: one read (at most PIECE bytes)
+            j = i + 1
+            while (j < len(sel) and plan.tensor[sel[j]] == plan.tensor[sel[i]] and plan.rng[sel[j]] == plan.rng[sel[j - 1]] + 1
+                   and plan.end[sel[j]] - plan.begin[sel[i]] <= PIECE):
+                j += 1
+            rows = sel[i:j]
+            st = man.tensors[keys[int(plan.tensor[rows[0]])]]
+            b, n = int(plan.begin[rows[0]]), int(plan.end[rows[-1]] - plan.begin[rows[0]])
+            at = (k % 2) * half + int(plan.seg[rows[0]])
+            reader = files.get(st.file)
+            base = man.files[st.file].data_start + st.begin
+            out.append((pool.submit(reader.readinto, base + b, memoryview(seg.map)[at : at + n]), rows))
+            i = j
+        return out
+
+    def check_round(k: int, reads: list) -> None:
+        nonlocal checked
+        for fut, rows in reads:
+            fut.result()
+            if not verify:
+                continue
+            for r in rows.tolist():
+                t, i = int(plan.tensor[r]), int(plan.rng[r])
+                at = (k % 2) * half + int(plan.seg[r])
+                hx = man.tensors[keys[t]].checksums[i][2]
+                checked += 1
+                if Hasher.of(memoryview(seg.map)[at : at + int(plan.end[r] - plan.begin[r])]) != hx:
+                    bad.add(t)
+
+    def scatter_round(k: int) -> None:
+        sel = np.flatnonzero(plan.round == k)
+        for t in np.unique(plan.tensor[sel]).tolist():
+            if t not in by_tensor:
+                continue
+            rows = sel[plan.tensor[sel] == t]
+            # contiguous stretches of ranges (adjacent in the tensor and in the buffer)
+            cut = np.flatnonzero((plan.begin[rows[1:]] != plan.end[rows[:-1]])
+                                 | (plan.seg[rows[1:]] != plan.seg[rows[:-1]] + plan.end[rows[:-1]] - plan.begin[rows[:-1]])) + 1
+            for part in np.split(rows, cut):
+                ub, ue = int(plan.begin[part[0]]), int(plan.end[part[-1]])
+                at = (k % 2) * half + int(plan.seg[part[0]])
+                for j in by_tensor[t]:
+                    _scatter(j, seg.bytes[at : at + ue - ub], ub, ue)
+
+    for k in range(rounds + 1):
+        reads: list = []
+        if plan is not None:
+            try:
+                if k < plan.rounds:
+                    reads = read_round(k)
+                if 1 <= k <= plan.rounds:  # while this round's reads are in flight
+                    scatter_round(k - 1)
+                check_round(k, reads)
+            except BaseException as e:  # stops every rank at this round's sync
+                failure = e
+                for fut, _ in reads:
+                    fut.cancel()
+                    try:
+                        fut.result()
+                    except BaseException:
+                        pass
+        if _sync(comm, failure is not None, "load (node-shared reads)"):
+            if failure is not None:
+                raise failure
+            return checked, [], True  # a peer failed: it reports why, every rank stops here
+    gathered = comm.all_gather_bytes(json.dumps(sorted(bad)).encode(), "load (node-shared reads: checksums)")
+    bad_all = {t for b in gathered for t in json.loads(b)}
+    left = []
+    for j in jobs:
+        if plan is None:
+            left.append(j)
+        else:
+            j.done((index[j.st.key] not in bad_all, 0))
+    return checked, left, False
+
+
+def _scatter(j: SharedJob, buf: torch.Tensor, ub: int, ue: int) -> None:
+    """Copy the parts of ``j``'s runs inside tensor bytes ``[ub, ue)`` (held in ``buf``)."""
+    isz = j.isz
+    s_el, l_el, lo_el = j.runs.starts, j.runs.lengths, j.runs.local
+    e_el = s_el + l_el
+    p_el, q_el = ub // isz, ue // isz
+    a_i, b_i = int(np.searchsorted(e_el, p_el, side="right")), int(np.searchsorted(s_el, q_el, side="left"))
+    if b_i > a_i:
+        a = np.maximum(s_el[a_i:b_i], p_el)
+        z = np.minimum(e_el[a_i:b_i], q_el)
+        copy_runs(buf, a - p_el, j.dest, lo_el[a_i:b_i] + (a - s_el[a_i:b_i]), z - a, isz)
