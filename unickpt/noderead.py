@@ -12,13 +12,13 @@ ranks of a node agree on the union of the checksummed ranges they need and read 
 2. A node shares only when it pays: at least two ranks, and the ranks' needs add up to
    more than :data:`MIN_OVERLAP` times their union. Otherwise its ranks read alone.
 3. The node's lowest rank creates a shared-memory segment (``/dev/shm``, mode 0600,
-   unlinked as soon as every rank of the node has mapped it) of two buffers of
-   :data:`ROUND` bytes. The union is cut into rounds of at most ``ROUND`` bytes at
+   unlinked as soon as every rank of the node has mapped it) of :data:`BUFFERS` buffers
+   of :data:`ROUND` bytes. The union is cut into rounds of at most ``ROUND`` bytes at
    checksummed-range boundaries; in round ``k`` every rank of the node reads a disjoint,
-   contiguous share of the round into buffer ``k % 2`` and hashes every range it read;
-   meanwhile it scatters round ``k - 1`` from the other buffer into its own targets. One
-   all-reduce per round (carrying a failure flag, so a failing rank stops every rank at
-   the next round, with a timeout) separates the two.
+   contiguous share of the round into buffer ``k % BUFFERS`` and hashes every range it
+   read (in the reading thread); after one all-reduce (which carries a failure flag, so a
+   failing rank stops every rank at the next round, within the timeout) every rank
+   scatters round ``k`` into its own targets while round ``k + 1`` is being read.
 4. The ranges whose checksum did not match are all-gathered at the end; every rank that
    used bytes of such a tensor reports it (``ChecksumError`` naming file and tensor).
 
@@ -50,8 +50,9 @@ from .transport import Comm, node_id
 
 __all__ = ["SharedJob", "read_shared", "ROUND", "MIN_OVERLAP", "enabled"]
 
-ROUND = 64 << 20
-"""Bytes a node reads per round (the segment holds two rounds)."""
+ROUND = 32 << 20
+"""Bytes a node reads per round."""
+BUFFERS = 3  # rounds held by the segment: one being scattered, one read, one free for the next
 MIN_OVERLAP = 1.25
 """A node shares its reads when its ranks' needs add up to at least this many times their union."""
 PIECE = 8 << 20  # one read call at most
@@ -233,7 +234,7 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
     # the segment: created by the node's first rank, opened by the others, then unlinked
     seg: _Segment | None = None
     err = False
-    size = 2 * ROUND if plan is None else 2 * min(ROUND, int((plan.end - plan.begin).sum()))
+    size = 0 if plan is None else BUFFERS * min(ROUND, int((plan.end - plan.begin).sum()))
     path = os.path.join(SHM_DIR, f"unickpt-read-{plan.token}") if plan is not None else ""
     try:
         if plan is not None and comm.rank == plan.ranks[0]:
@@ -266,21 +267,45 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
 
 def _rounds(comm, plan: _NodePlan | None, seg: _Segment | None, jobs: list[SharedJob], keys, index, man,
             files, pool, verify: bool, rounds: int) -> tuple[int, list[SharedJob], bool]:
-    half = seg.size // 2 if seg is not None else 0
+    """The rounds. Round ``k`` lives in buffer ``k % BUFFERS``. Iteration ``k``: wait for this
+    rank's reads of round ``k`` (each read task hashes what it read), start its reads of round
+    ``k + 1`` (its buffer last held round ``k - 2``, which every rank finished scattering
+    before the sync of round ``k - 1``), sync, then scatter round ``k`` while round ``k + 1``
+    is read. The disk never waits for a sync or a scatter."""
+    slot = seg.size // BUFFERS if seg is not None else 0
     me = plan.ranks.index(comm.rank) if plan is not None else -1
-    by_tensor = {}
+    by_tensor: dict[int, list[SharedJob]] = {}
     for j in jobs:
         by_tensor.setdefault(index[j.st.key], []).append(j)
     bad: set[int] = set()
     checked = 0
     failure: BaseException | None = None
+    inflight: dict[int, list] = {}
 
-    def read_round(k: int) -> list:
-        """Submit this rank's reads of round ``k``; returns [(future, rows)] in order."""
+    def read_hash(reader, offset: int, at: int, n: int, rows: np.ndarray) -> tuple[int, list[int]]:
+        """One read into the segment, then the checksum of every range it holds."""
+        view = memoryview(seg.map)[at : at + n]
+        try:
+            reader.readinto(offset, view)
+            if not verify:
+                return 0, []
+            wrong = []
+            for r in rows.tolist():
+                t, i = int(plan.tensor[r]), int(plan.rng[r])
+                a = int(plan.seg[r]) - int(plan.seg[rows[0]])
+                if Hasher.of(view[a : a + int(plan.end[r] - plan.begin[r])]) != man.tensors[keys[t]].checksums[i][2]:
+                    wrong.append(t)
+            return len(rows), wrong
+        finally:
+            view.release()
+
+    def submit(k: int) -> list:
+        """Start this rank's reads of round ``k``: consecutive ranges of one tensor in one read
+        of at most PIECE bytes."""
         sel = np.flatnonzero((plan.round == k) & (plan.reader == me))
         out = []
         i = 0
-        while i < len(sel):  # consecutive ranges of one tensor: one read (at most PIECE bytes)
+        while i < len(sel):
             j = i + 1
             while (j < len(sel) and plan.tensor[sel[j]] == plan.tensor[sel[i]] and plan.rng[sel[j]] == plan.rng[sel[j - 1]] + 1
                    and plan.end[sel[j]] - plan.begin[sel[i]] <= PIECE):
@@ -288,63 +313,63 @@ def _rounds(comm, plan: _NodePlan | None, seg: _Segment | None, jobs: list[Share
             rows = sel[i:j]
             st = man.tensors[keys[int(plan.tensor[rows[0]])]]
             b, n = int(plan.begin[rows[0]]), int(plan.end[rows[-1]] - plan.begin[rows[0]])
-            at = (k % 2) * half + int(plan.seg[rows[0]])
-            reader = files.get(st.file)
             base = man.files[st.file].data_start + st.begin
-            out.append((pool.submit(reader.readinto, base + b, memoryview(seg.map)[at : at + n]), rows))
+            out.append(pool.submit(read_hash, files.get(st.file), base + b, (k % BUFFERS) * slot + int(plan.seg[rows[0]]),
+                                   n, rows))
             i = j
         return out
 
-    def check_round(k: int, reads: list) -> None:
+    def collect(futs: list) -> None:
         nonlocal checked
-        for fut, rows in reads:
-            fut.result()
-            if not verify:
-                continue
-            for r in rows.tolist():
-                t, i = int(plan.tensor[r]), int(plan.rng[r])
-                at = (k % 2) * half + int(plan.seg[r])
-                hx = man.tensors[keys[t]].checksums[i][2]
-                checked += 1
-                if Hasher.of(memoryview(seg.map)[at : at + int(plan.end[r] - plan.begin[r])]) != hx:
-                    bad.add(t)
+        for f in futs:
+            n, wrong = f.result()
+            checked += n
+            bad.update(wrong)
 
-    def scatter_round(k: int) -> None:
+    def scatter(k: int) -> None:
         sel = np.flatnonzero(plan.round == k)
         for t in np.unique(plan.tensor[sel]).tolist():
             if t not in by_tensor:
                 continue
             rows = sel[plan.tensor[sel] == t]
-            # contiguous stretches of ranges (adjacent in the tensor and in the buffer)
+            # stretches of ranges adjacent in the tensor and in the buffer
             cut = np.flatnonzero((plan.begin[rows[1:]] != plan.end[rows[:-1]])
                                  | (plan.seg[rows[1:]] != plan.seg[rows[:-1]] + plan.end[rows[:-1]] - plan.begin[rows[:-1]])) + 1
             for part in np.split(rows, cut):
                 ub, ue = int(plan.begin[part[0]]), int(plan.end[part[-1]])
-                at = (k % 2) * half + int(plan.seg[part[0]])
+                at = (k % BUFFERS) * slot + int(plan.seg[part[0]])
                 for j in by_tensor[t]:
                     _scatter(j, seg.bytes[at : at + ue - ub], ub, ue)
 
-    for k in range(rounds + 1):
-        reads: list = []
-        if plan is not None:
+    try:
+        if plan is not None and plan.rounds:
             try:
-                if k < plan.rounds:
-                    reads = read_round(k)
-                if 1 <= k <= plan.rounds:  # while this round's reads are in flight
-                    scatter_round(k - 1)
-                check_round(k, reads)
-            except BaseException as e:  # stops every rank at this round's sync
+                inflight[0] = submit(0)
+            except BaseException as e:
                 failure = e
-                for fut, _ in reads:
-                    fut.cancel()
-                    try:
-                        fut.result()
-                    except BaseException:
-                        pass
-        if _sync(comm, failure is not None, "load (node-shared reads)"):
-            if failure is not None:
-                raise failure
-            return checked, [], True  # a peer failed: it reports why, every rank stops here
+        for k in range(rounds):
+            if plan is not None and failure is None:
+                try:
+                    if k < plan.rounds:
+                        collect(inflight.pop(k))
+                    if k + 1 < plan.rounds:
+                        inflight[k + 1] = submit(k + 1)
+                except BaseException as e:  # stops every rank at this round's sync
+                    failure = e
+            if _sync(comm, failure is not None, "load (node-shared reads)"):
+                if failure is not None:
+                    raise failure
+                return checked, [], True  # a peer failed: it reports why; every rank stops here
+            if plan is not None and k < plan.rounds:
+                scatter(k)
+    finally:  # reads still in flight write into the segment: wait for them before it goes
+        for futs in inflight.values():
+            for f in futs:
+                f.cancel()
+                try:
+                    f.result()
+                except BaseException:
+                    pass
     gathered = comm.all_gather_bytes(json.dumps(sorted(bad)).encode(), "load (node-shared reads: checksums)")
     bad_all = {t for b in gathered for t in json.loads(b)}
     left = []

@@ -1,0 +1,267 @@
+"""Resharded cold loads against the cold-read floor and DCP, per target layout and width.
+
+    .venv/bin/python bench/reshard_load.py                      # ~1.2 GB, widths 512 and 5120
+    .venv/bin/python bench/reshard_load.py --gb 0.3 --widths 512 --repeats 3
+
+A state of fp32 matrices ``W`` columns wide (``--widths``; ~48 MiB each, ``--gb`` in all) is
+saved once per source layout (2 ranks), then loaded cold into other layouts, unickpt and
+torch.distributed.checkpoint alternating in ABBA order, ``--repeats`` rounds:
+
+* ``row->column``: saved as row blocks (Shard(0)), loaded as column blocks (Shard(1)), 2 ranks;
+* ``column->row``: saved as Shard(1), loaded as Shard(0), 2 ranks;
+* ``ZeRO->TP``: unickpt saved from ZeRO flat ranges (``partition_flat`` over every matrix,
+  cutting rows), DCP from FSDP2-style Shard(0) DTensors; loaded as TP column blocks, 2 ranks;
+* ``2->3``: saved as Shard(0) by 2 ranks, loaded as Shard(1) by 3;
+* ``row->TPxZeRO``: loaded by 4 ranks, TP 2 x ZeRO 2: unickpt into each TP column block
+  flattened and cut into 2 ZeRO ranges (``partition_flat(boxes=)``), DCP into the FSDP2 + TP
+  placement ``(Shard(0), Shard(1))`` on a (2, 2) mesh (DCP cannot express flat ranges).
+
+Each load job measures its floor in the same job: every rank writes ``state / ranks`` bytes
+to its own file (O_DIRECT), then reads it back cold (fsync + DONTNEED) in 64 MiB preads.
+Figures: median over rounds of the slowest rank; ``x floor`` = seconds / the floor's
+seconds; ``x DCP`` = unickpt / DCP. ``read/need`` = bytes through unickpt's read calls
+(every rank's ``LoadResult.bytes_read``) / bytes of the stored tensors the targets cover.
+Loaded data are checked against the formula that made them (round 1, outside the timing).
+Targets (issue #13): <= 1.15x the floor and <= 0.6x DCP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import unickpt  # noqa: E402
+from bench._common import (OUT, abba, barrier, clear_dir, cold_barrier, floor_buffer, floor_read,  # noqa: E402
+                           floor_write, fmt, log, median, print_table, run_ranks, timed, write_json)
+
+SCENARIOS = {  # name: (source layout (unickpt, DCP), load world, target layout (unickpt, DCP))
+    "row->column": (("row", "row"), 2, ("col", "col")),
+    "column->row": (("col", "col"), 2, ("row", "row")),
+    "ZeRO->TP": (("zero", "row"), 2, ("col", "col")),
+    "2->3": (("row", "row"), 3, ("col", "col")),
+    "row->TPxZeRO": (("row", "row"), 4, ("tpzero", "2d")),
+}
+MOD = 1 << 24  # values below 2**24 are exact in fp32
+
+
+def shapes(gb: float, width: int) -> list[tuple[int, int]]:
+    rows = max(8, (48 << 20) // (4 * width))
+    n = max(2, round(gb * 1e9 / (rows * width * 4)))
+    return [(rows + 8 * (i % 3), width) for i in range(n)]  # uneven row counts: clipped blocks
+
+
+def _chunk(n: int, world: int, rank: int) -> tuple[int, int]:
+    c = -(-n // world)
+    s = min(rank * c, n)
+    return s, max(0, min(c, n - s))
+
+
+def _values(st: "unickpt.ShardedTensor", tid: int) -> torch.Tensor:
+    """The local bytes of a piece: element ``g`` of tensor ``tid`` is ``(g + 7919 tid) % 2**24``."""
+    r = st.layout.runs()
+    ln = r.lengths
+    pos = np.arange(int(ln.sum())) - np.repeat(np.cumsum(ln) - ln, ln)
+    out = np.empty(len(pos), dtype=np.float32)
+    out[np.repeat(r.local, ln) + pos] = ((np.repeat(r.starts, ln) + pos + 7919 * tid) % MOD).astype(np.float32)
+    return torch.from_numpy(out)
+
+
+def pieces(kind: str, shp: list, world: int, rank: int, fill: bool) -> dict:
+    """unickpt ShardedTensors of ``rank`` under layout ``kind`` (values, or zeros)."""
+    out = {}
+    if kind in ("row", "col"):
+        for i, (n, m) in enumerate(shp):
+            if kind == "row":
+                s, k = _chunk(n, world, rank)
+                t = unickpt.shard(torch.zeros(k, m), (n, m), offsets=(s, 0))
+            else:
+                s, k = _chunk(m, world, rank)
+                t = unickpt.shard(torch.zeros(n, k), (n, m), offsets=(0, s))
+            out[f"w{i}"] = (i, t)
+    elif kind == "zero":
+        for i, lay, a, b in unickpt.partition_flat(shp, world, rank):
+            out[f"w{i}"] = (i, unickpt.ShardedTensor(torch.zeros(b - a), lay))
+    elif kind == "tpzero":  # TP 2 (column blocks) x ZeRO over the rest
+        tp, dp = 2, world // 2
+        t_r, d_r = rank % tp, rank // tp
+        boxes = []
+        for n, m in shp:
+            c0, cn = _chunk(m, tp, t_r)
+            boxes.append(((0, c0), (n, cn), 0))
+        for i, lay, a, b in unickpt.partition_flat(shp, dp, d_r, boxes=boxes):
+            out[f"w{i}"] = (i, unickpt.ShardedTensor(torch.zeros(b - a), lay))
+    else:
+        raise ValueError(kind)
+    if fill:
+        for i, t in out.values():
+            t.local.copy_(_values(t, i).view(t.local.shape))
+    return out
+
+
+def dtensors(kind: str, shp: list, mesh, fill: bool) -> dict:
+    """DCP's DTensors under ``kind`` (row, col on a 1-D mesh; 2d: (Shard(0), Shard(1)))."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    place = {"row": [Shard(0)], "col": [Shard(1)], "2d": [Shard(0), Shard(1)]}[kind]
+    coords = mesh.get_coordinate()
+    out = {}
+    for i, (n, m) in enumerate(shp):
+        box_o, box_s = [0, 0], [n, m]
+        for mdim, p in enumerate(place):
+            s, k = _chunk((n, m)[p.dim], mesh.size(mdim), coords[mdim])
+            box_o[p.dim], box_s[p.dim] = box_o[p.dim] + s, k
+        st = unickpt.shard(torch.zeros(*box_s), (n, m), offsets=tuple(box_o))
+        if fill:
+            st.local.copy_(_values(st, i).view(box_s))
+        out[f"w{i}"] = (i, st, DTensor.from_local(st.local, mesh, place, run_check=False, shape=(n, m), stride=(m, 1)))
+    return out
+
+
+def _mesh(kind: str, world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world // 2, 2) if kind == "2d" else (world,))
+
+
+def save_job(rank: int, world: int, cfg: dict) -> None:
+    """Saves the sources once: unickpt under each source layout, DCP under each."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    shp = cfg["shapes"]
+    for kind in sorted({s[0] for s, _, _ in SCENARIOS.values()}):
+        sd = {"model": {k: t for k, (_, t) in pieces(kind, shp, world, rank, True).items()}}
+        unickpt.save(sd, os.path.join(cfg["data"], f"u-{kind}"))
+    for kind in sorted({s[1] for s, _, _ in SCENARIOS.values()}):
+        sd = {"model": {k: d for k, (_, _, d) in dtensors(kind, shp, _mesh(kind, world), True).items()}}
+        dcp.save(sd, storage_writer=FileSystemWriter(os.path.join(cfg["data"], f"d-{kind}"), sync_files=True))
+    barrier()
+
+
+def load_job(rank: int, world: int, cfg: dict) -> dict:
+    """Every scenario loaded by ``world`` ranks: floor, then unickpt and DCP in ABBA order."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    torch.set_num_threads(1)
+    shp, data = cfg["shapes"], cfg["data"]
+    total = sum(n * m * 4 for n, m in shp)
+    share = -(-total // world // 4096) * 4096
+    floor_file = os.path.join(data, f"floor-{world}-{rank}.bin")
+    buf = floor_buffer(torch.ones(IO_ELEMS))
+    barrier()
+    floor_write(floor_file, buf, share, direct=True)
+    res: dict = {"floor": []}
+    names = [n for n, (_, w, _) in SCENARIOS.items() if w == world and n in cfg["scenarios"]]
+    for n in names:
+        res[n] = {"unickpt": [], "dcp": [], "bytes_read": [], "bad": None}
+    for i in range(cfg["repeats"]):
+        res["floor"].append(floor_read(floor_file, buf, cold=True)[0])
+        for name in names:
+            (src_u, src_d), _, (tgt_u, tgt_d) = SCENARIOS[name]
+
+            def run_u():
+                tg = pieces(tgt_u, shp, world, rank, False)
+                path = os.path.join(data, f"u-{src_u}")
+                cold_barrier(path, rank)
+                dt, r, _ = timed(lambda: unickpt.load({"model": {k: t for k, (_, t) in tg.items()}}, path))
+                res[name]["unickpt"].append(dt)
+                res[name]["bytes_read"].append(r.bytes_read)
+                if i == 0:
+                    res[name]["bad"] = sum(not torch.equal(t.local.reshape(-1), _values(t, j)) for j, t in tg.values())
+
+            def run_d():
+                mesh = _mesh(tgt_d, world)
+                tg = dtensors(tgt_d, shp, mesh, False)
+                path = os.path.join(data, f"d-{src_d}")
+                cold_barrier(path, rank)
+                dt, _, _ = timed(lambda: dcp.load({"model": {k: d for k, (_, _, d) in tg.items()}},
+                                                  storage_reader=FileSystemReader(path)))
+                res[name]["dcp"].append(dt)
+                if i == 0:
+                    res[name]["dcp_bad"] = sum(not torch.equal(s.local.reshape(-1), _values(s, j))
+                                               for j, s, _ in tg.values())
+
+            for run in abba(i, run_u, run_d):
+                run()
+            log(f"{name} round {i + 1}: unickpt {res[name]['unickpt'][-1]:.3f} s, DCP {res[name]['dcp'][-1]:.3f} s", rank)
+    os.remove(floor_file)
+    buf.close()
+    barrier()
+    return res
+
+
+IO_ELEMS = 1 << 20
+
+
+def measure(gb: float = 1.2, widths=(512, 5120), repeats: int = 3, parent: str | None = None,
+            scenarios=tuple(SCENARIOS)) -> list[dict]:
+    """Rows per (width, scenario): medians of the slowest rank, floor, ratios, read/need."""
+    rows = []
+    for width in widths:
+        shp = shapes(gb, width)
+        data = os.path.join(parent or os.path.join(OUT, "data"), f"reshard-{os.getpid()}-{width}")
+        os.makedirs(data, exist_ok=True)
+        try:
+            cfg = {"shapes": shp, "data": data, "repeats": repeats, "scenarios": list(scenarios)}
+            total = sum(n * m * 4 for n, m in shp)
+            log(f"width {width}: {len(shp)} matrices, {total / 1e9:.2f} GB; saving the sources")
+            run_ranks(save_job, 2, cfg)
+            for world in sorted({w for n, (_, w, _) in SCENARIOS.items() if n in scenarios}):
+                out = run_ranks(load_job, world, cfg)
+                floor = median(max(r["floor"][i] for r in out) for i in range(repeats))
+                for name in [n for n, (_, w, _) in SCENARIOS.items() if w == world and n in scenarios]:
+                    u = median(max(r[name]["unickpt"][i] for r in out) for i in range(repeats))
+                    d = median(max(r[name]["dcp"][i] for r in out) for i in range(repeats))
+                    read = median(sum(r[name]["bytes_read"][i] for r in out) for i in range(repeats))
+                    bad = sum(r[name]["bad"] for r in out) + sum(r[name]["dcp_bad"] for r in out)
+                    rows.append({"width": width, "scenario": name, "ranks": world, "gb": total / 1e9,
+                                 "floor_s": floor, "unickpt_s": u, "dcp_s": d, "x_floor": u / floor, "x_dcp": u / d,
+                                 "read_over_need": read / total, "bad": bad,
+                                 "raw": {"floor": [r["floor"] for r in out], "unickpt": [r[name]["unickpt"] for r in out],
+                                         "dcp": [r[name]["dcp"] for r in out]}})
+        finally:
+            shutil.rmtree(data, ignore_errors=True)
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+    table = []
+    for r in rows:
+        met = "met" if r["x_floor"] <= 1.15 and r["x_dcp"] <= 0.6 else "MISSED"
+        table.append([str(r["width"]), r["scenario"], str(r["ranks"]), fmt(r["floor_s"]), fmt(r["unickpt_s"]),
+                      fmt(r["dcp_s"]), fmt(r["x_floor"], ".2f"), fmt(r["x_dcp"], ".2f"), fmt(r["read_over_need"], ".2f"),
+                      f"<= 1.15x floor, <= 0.6x DCP: {met}" + ("" if not r["bad"] else f"; {r['bad']} WRONG tensors")])
+    print_table(["width", "scenario", "ranks", "floor s", "unickpt s", "DCP s", "x floor", "x DCP", "read/need", "target"],
+                table, left=2, left_last=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gb", type=float, default=1.2)
+    ap.add_argument("--widths", default="512,5120")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    ap.add_argument("--dir", default=os.path.join(OUT, "data"))
+    ap.add_argument("--json", default=os.path.join(OUT, "reshard_load.json"))
+    a = ap.parse_args()
+    scen = tuple(s for s in a.scenarios.split(",") if s)
+    unknown = set(scen) - set(SCENARIOS)
+    if unknown:
+        ap.error(f"unknown scenarios {sorted(unknown)}; known: {', '.join(SCENARIOS)}")
+    rows = measure(a.gb, tuple(int(w) for w in a.widths.split(",")), max(1, a.repeats), a.dir, scen)
+    print_rows(rows)
+    write_json(a.json, {"rows": rows, "args": vars(a)})
+    return 1 if any(r["bad"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
