@@ -13,6 +13,10 @@ Parts (each is the ``measure()`` function of a bench that also runs on its own):
   bench/async_save.py       async save: blocking time (staging in the call; background staging
                             behind a compute phase), durable + committed, slowdown of a concurrent
                             compute loop; DCP's process checkpointer + shared-memory stager.
+  bench/reshard_load.py     resharded cold loads per target layout (row->column, column->row,
+                            ZeRO->TP, 2->3 ranks, row->TP x ZeRO on 4 ranks) on matrices 512 and
+                            5120 columns wide (0.6 x the state size each; --quick: 512 only),
+                            against the cold-read floor of the same job and DCP.
   bench/compressed_save.py  saves with O0, O1, O2, O1 + zstd 3 (and their cold loads), DCP's save.
   bench/memory.py           peak extra RSS per rank: sync save, async save (trainer and writer),
                             load, export, offline reshard, each against its bound.
@@ -46,10 +50,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench import async_save, compressed_save, memory, save_load  # noqa: E402
+from bench import async_save, compressed_save, memory, reshard_load, save_load  # noqa: E402
 from bench._common import MiB, OUT, RESULTS, fmt, log, machine, my_segments, print_table, write_json  # noqa: E402
 
-PARTS = ("save_load", "async", "compressed", "memory", "plan")
+PARTS = ("save_load", "reshard", "async", "compressed", "memory", "plan")
 PRESETS = {  # state GB, rounds, compute loop s (async), memory rounds, plan_scale --max-pieces
     "quick": {"gb": 0.25, "repeats": 3, "loop_seconds": 1.0, "memory_repeats": 2, "plan_max_pieces": 1.5e5},
     "full": {"gb": 2.0, "repeats": 3, "loop_seconds": 3.0, "memory_repeats": 2, "plan_max_pieces": 1.5e6},
@@ -105,6 +109,13 @@ def table(res: dict) -> list[list[str]]:
                 note += f"; verification {s[u]['verify_cost'] * 100:+.1f}%"
             row("unickpt", name, s[u]["median"], s[u]["gbps"], s[u]["x_floor"], s[u]["x_dcp"], note)
             row("DCP", name, s[d]["median"], s[d]["gbps"], s[d]["x_floor"], 1.0)
+    if "reshard" in res:
+        for r in res["reshard"]:
+            ok = r["x_floor"] <= 1.15 and r["x_dcp"] <= 0.6
+            row("unickpt", f"load {r['scenario']}, {r['width']} wide, {r['ranks']} ranks, cold", r["unickpt_s"],
+                r["gb"] / r["unickpt_s"], r["x_floor"], r["x_dcp"],
+                f"floor {r['floor_s']:.3f} s, DCP {r['dcp_s']:.3f} s, read/need {r['read_over_need']:.2f}; "
+                f"target <= 1.15x floor, <= 0.6x DCP: {'met' if ok else 'MISSED'}")
     if "async" in res:
         a = res["async"]["summary"]
         d = a["derived"]
@@ -185,6 +196,8 @@ def main() -> int:
         try:
             if part == "save_load":
                 res[part] = save_load.measure(gb, ranks, n, args.dir)
+            elif part == "reshard":
+                res[part] = reshard_load.measure(0.6 * gb, (512,) if args.quick else (512, 5120), n, args.dir)
             elif part == "async":
                 res[part] = async_save.measure(gb, ranks, n, preset["loop_seconds"], args.dir)
             elif part == "compressed":
@@ -215,6 +228,9 @@ def main() -> int:
         bad = {k: v for k, v in res["save_load"]["verify"].items() if v}
         if bad:
             fails.append(f"LOADED DATA DIFFER from the saved state (tensors per operation): {bad}")
+    wrong = [f"{r['scenario']} {r['width']}" for r in res.get("reshard", []) if r["bad"]]
+    if wrong:
+        fails.append(f"LOADED DATA DIFFER after resharded loads: {wrong}")
     left = my_segments()
     if left:
         fails.append(f"shared-memory segments left: {left}")
