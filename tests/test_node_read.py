@@ -162,3 +162,19 @@ def test_without_shared_memory_ranks_read_alone(tmp_path):
     assert all(o[2] for o in out), out
     assert sum(o[0] for o in out) >= 2 * _tensor_bytes(), out  # each read everything itself
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("unickpt-read-")]
+
+
+def test_a_segment_left_by_a_killed_load_is_removed_by_the_next(tmp_path):
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()  # a pid that no longer runs
+    stale = f"/dev/shm/unickpt-read-{p.pid}-0123456789abcdef"
+    with open(stale, "wb") as f:
+        f.write(b"\0" * 4096)
+    root = str(tmp_path / "ck")
+    dist.run(_save, 2, root)
+    out = dist.run(_load_columns, 2, root)
+    assert all(o[2] for o in out), out
+    assert not os.path.exists(stale)

@@ -180,6 +180,29 @@ class _Segment:
             self.map = None
 
 
+def _sweep_dead() -> None:
+    """Remove segments left by loads whose creating process is gone (killed between creating
+    its segment and unlinking it, two all-reduces later). A live creator in another PID
+    namespace looks dead: its peers then fail to map the segment and read alone."""
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith("unickpt-read-")]
+    except OSError:
+        return
+    for n in names:
+        pid = n[len("unickpt-read-"):].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(os.path.join(SHM_DIR, n))
+            except OSError:
+                pass
+        except OSError:  # alive (another user's process): not ours to judge
+            pass
+
+
 def _sync(comm: Comm, failed: bool, what: str) -> bool:
     """One all-reduce: True when any rank failed (every rank gets the same answer)."""
     _, top = comm.min_max(torch.tensor([1 if failed else 0], dtype=torch.int64), what)
@@ -201,7 +224,7 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
         t = index[j.st.key]
         need[t] = need.get(t, np.zeros(len(j.st.checksums), dtype=bool)) | j.touched
     can = enabled() and os.path.isdir(SHM_DIR)
-    me = {"node": node_id(), "can": can, "token": secrets.token_hex(8), "failed": failed,
+    me = {"node": node_id(), "can": can, "token": f"{os.getpid()}-{secrets.token_hex(8)}", "failed": failed,
           "need": [[t, a, b] for t, m in sorted(need.items()) for a, b in _intervals(m)]}
     all_ = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(me).encode(), "load (node-shared reads)")]
     if any(d["failed"] for d in all_):
@@ -238,6 +261,7 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
     path = os.path.join(SHM_DIR, f"unickpt-read-{plan.token}") if plan is not None else ""
     try:
         if plan is not None and comm.rank == plan.ranks[0]:
+            _sweep_dead()
             seg = _Segment(path, size, create=True)
     except OSError as e:
         log.info("node-shared reads off: cannot create %s (%s)", path, e)
