@@ -9,10 +9,11 @@ asynchronous machinery that runs it in a writer process.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from .async_save import checkpointer
 from .compress import Compression
+from .errors import InvalidArgumentError
 from .saver import DEFAULT_BUCKET, ProgressFn, SaveOptions, save_entries
 from .stateful import for_save
 from .transport import Comm
@@ -43,6 +44,8 @@ def save(
     timeout_s: float | None = None,
     storage_options: Mapping[str, Any] | None = None,
     hf_config: Any = None,
+    replicas: int = 0,
+    also: Sequence[str | os.PathLike] = (),
 ):
     """Save ``state_dict`` as the checkpoint directory ``path``; collective over ``group``.
 
@@ -102,6 +105,14 @@ def save(
             ``generation_config.json``) are written into the checkpoint, so the folder loads
             with ``from_pretrained``. Automatic when a top-level value is a ``transformers``
             model (unless ``extra_files`` has a ``config.json``).
+        replicas: node-local paths (``{node}``): each node's files are also written into
+            the directories of this many other nodes before the commit, and the manifest
+            lists who holds which copy, so losing any ``replicas`` nodes loses no file (the
+            memory tier: docs/memory_tier.md).
+        also: with ``async_save``: more checkpoint paths the writer processes write from
+            the same staging memory after ``path`` (with ``replicas=0``), each a complete,
+            separately committed checkpoint (a durable copy of a memory snapshot for the
+            price of one staging copy). ``handle.results`` lists every result.
 
     Every option is checked before anything is staged or written, and bad input raises the
     same typed error with or without ``async_save``: :class:`~unickpt.errors.StateDictError`
@@ -126,15 +137,19 @@ def save(
         opts = SaveOptions.of(
             step=step, extra=extra, overwrite=overwrite, bucket_bytes=bucket_bytes, max_file_bytes=max_file_bytes,
             direct_io=direct_io, strategy=strategy, extra_files=extra_files, quant=quant, master=master, zstd=zstd,
-            compression=compression, timeout_s=timeout_s, storage_options=storage_options,
+            compression=compression, timeout_s=timeout_s, storage_options=storage_options, replicas=replicas,
         )
+        also = tuple(also)
+        if also and not async_save:
+            raise InvalidArgumentError("also= needs async_save=True (the writer processes write every path)")
         _check_shared(path, storage_options, async_save, group)
     except Exception as e:  # agreed below: a rank alone with bad options must not strand the others
         err = e
     comm = Comm(group, timeout_s=opts.timeout_s if opts is not None else None)
     comm.agree(err, "save (checking the options)")
     if async_save:
-        return checkpointer(group).save(state_dict, path, opts, background_staging=background_staging, progress=progress)
+        return checkpointer(group).save(state_dict, path, opts, background_staging=background_staging, progress=progress,
+                                        also=also)
     return save_entries(comm, None, state_dict, path, opts, progress)
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import glob
 import json
 import mmap
@@ -173,6 +174,7 @@ class AsyncSave:
         self._staged = threading.Event()
         self._stage_error: BaseException | None = None
         self._result = None
+        self.results: list = []  # one SaveResult per path written (the path, then ``also``)
         self._error: BaseException | None = None
         self._finished = False
         self._surfaced = False  # the error was raised to the caller once
@@ -422,9 +424,11 @@ class Checkpointer:
     # -- save ----------------------------------------------------------------------------------
 
     def save(self, state_dict: Mapping[str, Any], path, opts: SaveOptions, *, background_staging: bool = False,
-             progress: ProgressFn | None = None) -> AsyncSave:
+             progress: ProgressFn | None = None, also: tuple = ()) -> AsyncSave:
         """Stage ``state_dict`` and hand it to this rank's writer with ``opts`` (checked
-        already: see ``unickpt.save``, the entry point); collective over the group."""
+        already: see ``unickpt.save``, the entry point); collective over the group. The
+        writer then writes each path of ``also`` from the same staging memory (with
+        ``replicas=0``), each its own committed checkpoint."""
         if not isinstance(opts, SaveOptions):
             raise TypeError(f"opts must be a SaveOptions, got {type(opts).__name__}")
         comm = Comm(self.group, timeout_s=opts.timeout_s)
@@ -468,6 +472,7 @@ class Checkpointer:
             "entries": staged.entries,
             "state": json_state,
             "path": writer_path(path),
+            "also": [writer_path(p) for p in also],
             "timeout_s": comm.timeout_s,  # the writers wait for each other at most this long
             "opts": opts.to_json(),
             "progress": progress is not None,
@@ -590,6 +595,7 @@ class Checkpointer:
                 )
             elif msg.get("ok"):
                 handle._result = SaveResult(**msg["result"])
+                handle.results = [SaveResult(**r) for r in msg.get("results") or [msg["result"]]]
             else:
                 handle._error = AsyncSaveError(f"save of {handle.path} failed: {msg.get('error')}")
             return
@@ -729,15 +735,18 @@ def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: f
                 entries.append(Entry(role, name, local, layout, tuple(aliases), bool(per_rank)))
             opts = SaveOptions.from_json(cmd["opts"])
             sender = _ProgressSender(conn) if cmd.get("progress") else None
+            results = []
             try:
-                res = save_entries(comm, (entries, cmd["state"]), None, cmd["path"], opts, sender)
+                results.append(save_entries(comm, (entries, cmd["state"]), None, cmd["path"], opts, sender))
+                for other in cmd.get("also") or ():  # e.g. the durable copy of a memory snapshot
+                    results.append(save_entries(comm, (entries, cmd["state"]), None, other,
+                                                dataclasses.replace(opts, replicas=0), None))
             finally:
                 if sender is not None:
                     sender.close()  # its last report goes before our answer
-            _reply(conn, {"ok": True, "result": {
-                "path": res.path, "step": res.step, "files": res.files, "bytes": res.bytes,
-                "local_bytes": res.local_bytes, "seconds": res.seconds, "phases": res.phases,
-            }})
+            out = [{"path": r.path, "step": r.step, "files": r.files, "bytes": r.bytes, "local_bytes": r.local_bytes,
+                    "seconds": r.seconds, "phases": r.phases} for r in results]
+            _reply(conn, {"ok": True, "result": out[0], "results": out})
         except Exception as e:
             _reply(conn, {"ok": False, "error": f"{type(e).__name__}: {e}"})
             break  # the writers' group may be broken: the parent restarts us

@@ -75,6 +75,7 @@ class FileEntry:
     stored_size: int = -1
     frames: tuple = ()
     header_xxh3: str = ""  # of the safetensors header, bytes [0, data_start) (format >= 2)
+    replicas: tuple[str, ...] = ()  # node-local saves: other nodes that hold a copy (memory tier)
 
     @property
     def stored(self) -> int:
@@ -87,6 +88,8 @@ class FileEntry:
             out["header_xxh3"] = self.header_xxh3
         if self.container == "zstd":
             out.update(container="zstd", stored_size=self.stored_size, frames=[list(f) for f in self.frames])
+        if self.replicas:
+            out["replicas"] = list(self.replicas)
         return out
 
 
@@ -429,6 +432,9 @@ def _parse(obj: Any, where: str) -> Manifest:
         hx = f.get("header_xxh3", "")
         if version >= 2 and not (isinstance(hx, str) and _HEX.fullmatch(hx)):
             raise FormatError(f"{w}: 'header_xxh3' must be 16 hex digits")
+        replicas = f.get("replicas", [])
+        if not _str_list(replicas) or len(set(replicas)) != len(replicas) or f.get("node") in replicas:
+            raise FormatError(f"{w}: 'replicas' must be a list of distinct node names other than the file's node")
         container = f.get("container", "plain")
         if container == "zstd":
             from .container import check_frames
@@ -438,10 +444,10 @@ def _parse(obj: Any, where: str) -> Manifest:
                 raise FormatError(f"{w}: stored_size must be >= 0")
             frames = tuple(check_frames(_req(f, "frames", list, w), size, stored, w))
             files[name] = FileEntry(name, _req(f, "role", str, w), _req(f, "node", str, w), writer, size, start,
-                                    "zstd", stored, frames, hx)
+                                    "zstd", stored, frames, hx, tuple(replicas))
         elif container == "plain":
             files[name] = FileEntry(name, _req(f, "role", str, w), _req(f, "node", str, w), writer, size, start,
-                                    header_xxh3=hx)
+                                    header_xxh3=hx, replicas=tuple(replicas))
         else:
             raise FormatError(f"{w}: unknown container {container!r} (this unickpt knows plain, zstd)")
     tensors: dict[tuple[str, str], TensorEntry] = {}

@@ -19,7 +19,7 @@ import operator
 import re
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Mapping
 
 import torch
@@ -93,6 +93,10 @@ class SaveOptions:
     compression: Compression | None = None  # None: nothing compressed (an inactive one becomes None)
     timeout_s: float | None = None  # None: UNICKPT_TIMEOUT_S, else 600 (see transport.resolve_timeout)
     storage_options: Mapping[str, Any] | None = field(default=None, repr=False)
+    replicas: int = 0
+    """Node-local saves (``{node}`` in the path): each node's data files are also written
+    into the directories of this many other nodes before the commit (the memory tier's
+    replication); at most the number of other nodes."""
 
     def __post_init__(self) -> None:
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -135,6 +139,7 @@ class SaveOptions:
             put("compression", comp if comp.active else None)
         if self.timeout_s is not None:
             put("timeout_s", resolve_timeout(self.timeout_s))
+        put("replicas", _whole("replicas", self.replicas, 0))
         if self.storage_options is not None:
             if not isinstance(self.storage_options, Mapping) or not _is_json(self.storage_options):
                 raise InvalidArgumentError(
@@ -285,6 +290,12 @@ def save_entries(
                     except Exception as e:
                         err = e
         comm.agree(err, "save (writing)")
+        copies: dict[str, list[str]] = {}
+        if opts.replicas:
+            with ph.phase("replicate"):  # before the commit: a committed copy is a complete one
+                from .replicate import replicate
+
+                copies = replicate(comm, plan, storage, tmp, txn.file_name, opts.replicas, path, dir_rank)
         _commit._fault_point("after-data")
         with ph.phase("commit"):
             reports = [json.loads(r) for r in comm.all_gather_bytes(json.dumps(result).encode())]
@@ -295,6 +306,8 @@ def save_entries(
                                     dropped, comp, txn.file_name)
                     man.aliases = aliases
                     man.per_rank = per_rank_keys
+                    for name, nodes in copies.items():
+                        man.files[txn.file_name(name)] = replace(man.files[txn.file_name(name)], replicas=tuple(nodes))
                     idx = man.hf_index()
                     man.aux = _aux({INDEX_NAME: idx} if idx is not None else {}, opts.extra_files)
                     blob = man.to_json()
