@@ -2,11 +2,13 @@
 
     torchrun --standalone --nproc-per-node N examples/train.py --zero-stage S --tp T \
         --steps K --save-every E --ckpt-dir D [--resume] [--dtype fp32|bf16] [--seed X] \
-        [--global-batch B] [--eval-every E] [--metrics-jsonl FILE]
+        [--global-batch B] [--eval-every E] [--metrics-jsonl FILE] \
+        [--memory-dir /dev/shm/run --memory-every N --memory-replicas R --memory-keep K]
 
 ``--steps`` is the total optimizer step count: a resumed run continues to the same end.
 ``--resume`` continues from the newest committed checkpoint under ``--ckpt-dir`` (saved
-under any strategy).
+under any strategy), or, with ``--memory-dir``, from the newest step complete in either tier
+(memory snapshots on this job's nodes and their replicas first; docs/memory_tier.md).
 """
 
 from __future__ import annotations
@@ -45,6 +47,11 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--memory-dir", default=None, help="in-memory tier: node-local tmpfs directory ({node} expanded)")
+    ap.add_argument("--memory-every", type=int, default=1, help="memory snapshot every N steps")
+    ap.add_argument("--memory-replicas", type=int, default=None, help="other nodes holding copies (default 1 if >1 node)")
+    ap.add_argument("--memory-keep", type=int, default=2, help="memory snapshots kept per node")
+    ap.add_argument("--memory-budget", type=float, default=None, metavar="GIB", help="host memory per node for the tier")
     ap.add_argument("--eval-every", type=int, default=0)
     ap.add_argument("--metrics-jsonl")
     ap.add_argument("--log-every", type=int, default=10)
@@ -71,6 +78,9 @@ def main() -> None:
         checkpoint=UnifiedCheckpoint(
             dir=args.ckpt_dir, every=args.save_every, keep=args.keep, async_save=args.async_save,
             quant=None if args.quant == "O0" else args.quant, master=args.master_weights, zstd=args.zstd,
+            memory_dir=args.memory_dir, memory_every=args.memory_every, memory_replicas=args.memory_replicas,
+            memory_keep=args.memory_keep,
+            memory_budget=None if args.memory_budget is None else int(args.memory_budget * (1 << 30)),
         ),
         global_batch=args.global_batch,
         micro_batch=args.micro_batch,
@@ -90,11 +100,10 @@ def main() -> None:
         rec = trainer.train_step()
         if rank == 0 and (rec["step"] % args.log_every == 0 or rec["step"] == args.steps):
             print(f"step {rec['step']:5d}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  {rec['tokens_per_s']:.0f} tok/s", flush=True)
-        if args.save_every and rec["step"] % args.save_every == 0:
-            trainer.save()
+        trainer.checkpoint_step()  # memory snapshot and/or durable checkpoint, when due
         if args.eval_every and rec["step"] % args.eval_every == 0 and rec["step"] < args.steps:
             trainer.evaluate()
-    trainer.wait_save()  # an asynchronous save in flight: durable (and reported) before exit
+    trainer.close()  # the save in flight durable and reported; memory snapshots freed
     ev = trainer.evaluate()
     if rank == 0:
         print(f"eval loss {ev:.4f} at step {trainer.step}", flush=True)

@@ -55,15 +55,18 @@ def sweep(root, *, storage_options=None) -> list[str]:
 
 def retain(root, keep: int, *, storage_options=None) -> list[str]:
     """Delete all but the newest ``keep`` committed ``step-*`` checkpoints under ``root``
-    (only behind newer checkpoints whose manifests read; the newest is never deleted).
+    (only behind newer checkpoints whose manifests read and whose files are there: with
+    ``{node}`` in ``root``, the files this node wrote or holds copies of; the newest is
+    never deleted).
     Each is hidden atomically before its files go (object stores: its manifest, the commit
     marker, is deleted first), so a crash never leaves half of one visible. Returns the
     deleted paths."""
     from .commit import retain as _retain
-    from .storage import storage_for
+    from .storage import per_node, storage_for
+    from .transport import node_id
 
     storage, p = storage_for(root, storage_options)
-    return _retain(storage, p, keep)
+    return _retain(storage, p, keep, node_id() if per_node(root) else None)
 
 
 def latest(root, *, storage_options=None) -> str | None:

@@ -1,4 +1,4 @@
-"""Command line: ``unickpt inspect|verify|export|reshard|convert``.
+"""Command line: ``unickpt inspect|verify|export|reshard|convert|clean-memory``.
 
 Every command takes ``--json`` (exactly one JSON object on stdout: the result, its figures,
 or the error), ``-q/--quiet`` (no progress) and ``--debug``. Exit codes: 0 done, 1 a
@@ -349,6 +349,14 @@ def _convert(args):
                      f"{res['seconds']:.2f} s" + (f"; skipped {len(res['skipped'])} non-tensor entries" if res["skipped"] else ""))
 
 
+def _clean_memory(args):
+    from .memtier import clean
+
+    removed = clean(args.dir, force=args.force)
+    return OK, {"removed": removed}, (f"removed {len(removed)} snapshot director{'y' if len(removed) == 1 else 'ies'} "
+                                      f"from {_safe(args.dir)}" if removed else f"nothing to remove in {_safe(args.dir)}")
+
+
 def _size(text: str) -> int:
     """``5GiB``, ``512M``, ``4096``: a positive whole number of bytes (InvalidArgumentError otherwise)."""
     import math
@@ -418,11 +426,16 @@ def _parser() -> _Parser:
     pc.add_argument("dst", help="destination checkpoint (created atomically)")
     pc.add_argument("--overwrite", action="store_true", help="replace DST (kept intact until the new one is in place)")
     pc.set_defaults(fn=_convert)
+    pm = sub.add_parser("clean-memory", parents=[common],
+                        help="free the memory tier's snapshots left on this node by a job that is gone")
+    pm.add_argument("dir", help="the node's memory directory (a {node} in it is this node's id)")
+    pm.add_argument("--force", action="store_true", help="even if a process of the owning job still runs here")
+    pm.set_defaults(fn=_clean_memory)
     return p
 
 
 def _command_of(argv: list[str]) -> str | None:
-    return next((a for a in argv if a in ("inspect", "verify", "export", "reshard", "convert")), None)
+    return next((a for a in argv if a in ("inspect", "verify", "export", "reshard", "convert", "clean-memory")), None)
 
 
 def _where(e: BaseException) -> str:

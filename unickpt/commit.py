@@ -299,9 +299,10 @@ def retire(storage: Storage, path: str) -> None:
     storage.remove_tree(gone)
 
 
-def retain(storage: Storage, root: str, keep: int) -> list[str]:
+def retain(storage: Storage, root: str, keep: int, node: str | None = None) -> list[str]:
     """Retire all but the newest ``keep`` committed ``step-*`` checkpoints under ``root``;
-    return the retired paths."""
+    return the retired paths. ``node``: ``root`` is that node's directory of node-local
+    checkpoints, which holds the files written on the node and their copies, not all."""
     if type(keep) is not int or keep < 1:
         raise InvalidArgumentError(f"keep must be an integer of at least 1, got {keep!r}")
     steps = committed_steps(storage, root)
@@ -311,7 +312,8 @@ def retain(storage: Storage, root: str, keep: int) -> list[str]:
     for _, kept in steps[-keep:]:  # delete older ones only behind checkpoints that read
         try:
             man = Manifest.from_json(read_manifest_bytes(storage, kept), kept)
-            missing = [f for f in man.files if not storage.isfile(storage.join(kept, f))]
+            held = [f for f, fe in man.files.items() if node is None or fe.node == node or node in fe.replicas]
+            missing = [f for f in held if not storage.isfile(storage.join(kept, f))]
             if missing:
                 raise CheckpointNotFoundError(f"{storage.join(kept, missing[0])}: listed in the manifest, missing")
         except Exception as e:

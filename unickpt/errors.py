@@ -23,6 +23,7 @@ __all__ = [
     "StorageError",
     "CheckpointChangedError",
     "InvalidArgumentError",
+    "MemoryBudgetError",
 ]
 
 
@@ -103,6 +104,12 @@ class StorageError(UnickptError, OSError):
 
 class CheckpointChangedError(UnickptError):
     """The checkpoint was replaced (or removed) while it was being read; load it again."""
+
+
+class MemoryBudgetError(UnickptError, MemoryError):
+    """The in-memory tier would not fit in a node's memory (its snapshots, replicas and
+    staging, against the memory directory's free space, the host's available memory, or the
+    budget given); raised before training starts, naming the node and the figures."""
 
 
 class InvalidArgumentError(UnickptError, ValueError):

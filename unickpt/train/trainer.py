@@ -94,8 +94,34 @@ class UnifiedCheckpoint:
     """For a URL ``dir`` (``s3://bucket/run``, any fsspec URL): options of its file system
     (credentials and endpoint default to the standard AWS environment; docs/storage.md)."""
 
+    memory_dir: str | None = None
+    """In-memory tier (docs/memory_tier.md): node-local host memory for snapshots, a tmpfs path
+    such as ``/dev/shm/run`` (``{node}`` is expanded per node; appended as a subdirectory when
+    absent). Snapshots are complete checkpoints, taken asynchronously every ``memory_every``
+    steps, replicated to ``memory_replicas`` other nodes, newest ``memory_keep`` kept; a
+    resume picks the newest step complete across both tiers. ``None``: no memory tier."""
+    memory_every: int = 1
+    memory_replicas: int | None = None
+    """Other nodes holding a copy of each node's snapshot files (``None``: 1 when the job spans
+    several nodes, else 0)."""
+    memory_keep: int = 2
+    memory_budget: int | None = None
+    """Bytes of host memory per node the tier may take (``None``: the memory directory's free
+    space and the host's available memory); checked before training starts."""
+
     def __post_init__(self) -> None:
         unickpt.Compression(quant=self.quant, master=self.master, zstd=self.zstd)  # validates
+        if self.memory_dir is not None:
+            for name, lo in (("memory_every", 1), ("memory_keep", 1)):
+                v = getattr(self, name)
+                if type(v) is not int or v < lo:
+                    raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+            if self.memory_replicas is not None and (type(self.memory_replicas) is not int or self.memory_replicas < 0):
+                raise ValueError(f"memory_replicas must be an integer >= 0 or None, got {self.memory_replicas!r}")
+            if "://" in self.memory_dir:
+                raise ValueError(f"memory_dir must be a local (tmpfs) path, got {self.memory_dir!r}")
+            if "{node}" not in self.memory_dir:
+                self.memory_dir = os.path.join(self.memory_dir, "{node}")
 
 
 @dataclass
@@ -148,10 +174,18 @@ class Trainer:
         self.units = self._build_units()
         self.history: list[dict] = []
         self._pending: unickpt.AsyncSave | None = None
+        self._pending_tiers: list[str] = []
+        self._durable_step = -1  # newest durable checkpoint this run wrote or resumed from
+        self._resumed_from: int | None = None  # checkpoints of later steps belong to an abandoned run
         self._dir_rank = self._manages_directory(checkpoint.dir) if checkpoint is not None else False
+        self._mem_rank = False
         if checkpoint is not None:
             self._sweep(checkpoint.dir)
-        if resume == "auto" and checkpoint is not None and self._any_rank(
+            if checkpoint.memory_dir is not None:
+                self._setup_memory_tier()
+        if resume == "auto" and checkpoint is not None and checkpoint.memory_dir is not None:
+            self._resume_from_tiers()
+        elif resume == "auto" and checkpoint is not None and self._any_rank(
                 unickpt.latest(checkpoint.dir, storage_options=checkpoint.storage_options) is not None):
             self.load(checkpoint.dir)
 
@@ -255,8 +289,7 @@ class Trainer:
         while self.step < steps:
             out.append(self.train_step())
             self.poll_save()
-            if self.ckpt and self.ckpt.every and self.step % self.ckpt.every == 0:
-                self.save()
+            self.checkpoint_step()
             if self.eval_every and self.step % self.eval_every == 0 and self.step < steps:
                 self.evaluate()
         self.evaluate()
@@ -290,26 +323,61 @@ class Trainer:
             },
         }
 
+    def checkpoint_step(self) -> None:
+        """After an optimizer step: a memory snapshot every ``memory_every`` steps (with the
+        durable checkpoint written from it by the writer processes when one is due), or a
+        durable checkpoint every ``every`` steps."""
+        c = self.ckpt
+        if c is None:
+            return
+        durable = bool(c.every) and self.step % c.every == 0
+        if c.memory_dir is not None and self.step % c.memory_every == 0:
+            self._snapshot(durable)
+        elif durable:
+            self.save()
+
+    def _save_kw(self) -> dict:
+        strategy = {"zero_stage": self.parallel.zero_stage, "tp": self.parallel.tp, "dp": self.mesh.dp_size, "dtype": self.dtype_name}
+        config = json.dumps(hf_config(self.cfg, {"fp32": "float32", "bf16": "bfloat16"}[self.dtype_name]), indent=2)
+        comp = unickpt.Compression(quant=self.ckpt.quant, master=self.ckpt.master, zstd=self.ckpt.zstd, eps=self.optim.eps)
+        # a run resumed from step S replaces, as it reaches them, checkpoints of later steps
+        # left by the run it continues (e.g. past a damaged snapshot it fell back from)
+        overwrite = self._resumed_from is not None and self.step > self._resumed_from
+        return dict(step=self.step, strategy=strategy, extra={"model_config": asdict(self.cfg)},
+                    extra_files={"config.json": config}, compression=comp, overwrite=overwrite)
+
+    def _snapshot(self, durable: bool):
+        """A memory snapshot of this step (asynchronous: the step pays the staging copy); with
+        ``durable``, the writers also write the durable checkpoint from the same staging."""
+        c = self.ckpt
+        self.wait_save()  # back-pressure: one save in flight
+        t0 = time.perf_counter()
+        also = [join_path(c.dir, f"step-{self.step:08d}")] if durable else []
+        self._pending = unickpt.save(self.state_dict(), os.path.join(c.memory_dir, f"step-{self.step:08d}"),
+                                     async_save=True, background_staging=c.overlap, replicas=self._mem_replicas,
+                                     also=also, storage_options=c.storage_options, **self._save_kw())
+        self._pending_tiers = ["memory"] + (["durable"] if durable else [])
+        self._pending_t0, self._pending_block = t0, time.perf_counter() - t0
+        return self._pending
+
     def save(self):
         """Checkpoint the current step. Synchronous, or with ``async_save`` a handle whose
         completion is reported (metrics, config.json, retention) once it is committed."""
         assert self.ckpt is not None
         t0 = time.perf_counter()
         path = join_path(self.ckpt.dir, f"step-{self.step:08d}")
-        strategy = {"zero_stage": self.parallel.zero_stage, "tp": self.parallel.tp, "dp": self.mesh.dp_size, "dtype": self.dtype_name}
-        config = json.dumps(hf_config(self.cfg, {"fp32": "float32", "bf16": "bfloat16"}[self.dtype_name]), indent=2)
-        comp = unickpt.Compression(quant=self.ckpt.quant, master=self.ckpt.master, zstd=self.ckpt.zstd, eps=self.optim.eps)
-        kw = dict(step=self.step, strategy=strategy, extra={"model_config": asdict(self.cfg)},
-                  extra_files={"config.json": config}, compression=comp, storage_options=self.ckpt.storage_options)
-        if self.ckpt.async_save:
+        kw = dict(self._save_kw(), storage_options=self.ckpt.storage_options)
+        if self.ckpt.async_save or self._pending is not None:
             self.wait_save()  # back-pressure: one save in flight
+        if self.ckpt.async_save:
             t0 = time.perf_counter()
             self._pending = unickpt.save(self.state_dict(), path, async_save=True, background_staging=self.ckpt.overlap, **kw)
+            self._pending_tiers = ["durable"]
             self._pending_t0, self._pending_block = t0, time.perf_counter() - t0
             return self._pending
         res = unickpt.save(self.state_dict(), path, **kw)
         total = time.perf_counter() - t0
-        self._after_save(res, total, total)
+        self._after_save(res, total, total, "durable")
         return res
 
     def poll_save(self) -> None:
@@ -322,9 +390,10 @@ class Trainer:
         h, self._pending = self._pending, None
         if h is None:
             return
-        res = h.wait()
+        h.wait()
         blocking = self._pending_block + h.staging_wait_seconds  # the save() call + waiting for staging
-        self._after_save(res, blocking, h.total_seconds or (time.perf_counter() - self._pending_t0))
+        for res, tier in zip(h.results, self._pending_tiers):
+            self._after_save(res, blocking, h.total_seconds or (time.perf_counter() - self._pending_t0), tier)
 
     def _manages_directory(self, root: str) -> bool:
         """Rank 0; with node-local storage ({node} in the path) the first rank of each node."""
@@ -343,13 +412,98 @@ class Trainer:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
-    def _after_save(self, res, blocking: float, total: float) -> None:
-        if self._dir_rank:
-            if self.ckpt.keep:
+    def _after_save(self, res, blocking: float, total: float, tier: str = "durable") -> None:
+        if tier == "memory":
+            if self._mem_rank:  # each node's first rank rotates that node's snapshots
+                for old in unickpt.retain(self.ckpt.memory_dir, self.ckpt.memory_keep):
+                    log.info("memory tier: rotated out %s", old)
+        else:
+            self._durable_step = max(self._durable_step, res.step if res.step is not None else -1)
+            if self._dir_rank and self.ckpt.keep:
                 _commit._fault_point("retention")
                 for old in unickpt.retain(self.ckpt.dir, self.ckpt.keep, storage_options=self.ckpt.storage_options):
                     log.info("retention: deleted %s", old)
-        self._emit({"event": "save", "step": res.step, "blocking_s": blocking, "total_s": total, "bytes": res.bytes})
+        self._emit({"event": "save", "tier": tier, "step": res.step, "blocking_s": blocking, "total_s": total,
+                    "bytes": res.bytes})
+
+    # -- the memory tier ---------------------------------------------------------------------
+
+    def _setup_memory_tier(self) -> None:
+        """Nodes, replicas, the memory budget (checked before the first step), ownership of
+        this node's memory directory, and what a dead run left there."""
+        from unickpt import memtier
+        from unickpt.state import flatten
+        from unickpt.transport import Comm, node_id
+
+        c = self.ckpt
+        comm = Comm(None)
+        entries, _ = flatten(self.state_dict(), comm.rank, comm.world)
+        local = sum(e.local.numel() * e.local.element_size() for e in entries)
+        primary = sum(e.local.numel() * e.local.element_size() for e in entries if e.layout.replica == 0)
+        me = {"node": node_id(), "pid": os.getpid(), "local": local, "primary": primary}
+        everyone = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(me).encode())]
+        nodes = list(dict.fromkeys(r["node"] for r in everyone))
+        replicas = c.memory_replicas if c.memory_replicas is not None else min(1, len(nodes) - 1)
+        if replicas > len(nodes) - 1:
+            raise unickpt.errors.InvalidArgumentError(
+                f"memory_replicas={replicas}, but the job spans {len(nodes)} node(s): at most {len(nodes) - 1}")
+        self._mem_replicas = replicas
+        self._mem_rank = next(r for r, x in enumerate(everyone) if x["node"] == me["node"]) == comm.rank
+        budget = memtier.plan_budget(sum(r["primary"] for r in everyone), len(nodes), c.memory_keep, replicas,
+                                     sum(r["local"] for r in everyone if r["node"] == me["node"]))
+        memtier.check_budget(comm, c.memory_dir, budget, c.memory_budget)
+        self._mem_pids = [r["pid"] for r in everyone if r["node"] == me["node"]]
+        if self._mem_rank:
+            memtier.write_owner(c.memory_dir, self._mem_pids)
+            for p in unickpt.sweep(c.memory_dir):
+                log.info("memory tier: removed %s, left by an interrupted snapshot", p)
+        if self.mesh.rank == 0:
+            log.info("memory tier: %d node(s), %d replica(s); per node %s", len(nodes), replicas, budget.describe())
+        if self.mesh.world > 1:
+            dist.barrier()
+
+    def _resume_from_tiers(self) -> None:
+        """Resume from the newest step complete in either tier (memory first at equal steps);
+        a candidate that fails to load (damaged, incomplete) is logged and the next one tried."""
+        from unickpt import memtier
+        from unickpt.transport import Comm
+
+        cands = memtier.candidates(Comm(None), self.ckpt.memory_dir, self.ckpt.dir, self.ckpt.storage_options)
+        last: Exception | None = None
+        for cand in cands:
+            try:
+                self.load(cand.path, tier=cand.tier)
+                if cand.tier == "durable":
+                    self._durable_step = cand.step
+                return
+            except unickpt.errors.UnickptError as e:
+                last = e
+                if self.mesh.rank == 0:
+                    log.warning("resume: %s step %d at %s does not load (%s); trying the next candidate",
+                                cand.tier, cand.step, cand.path, e)
+        if last is not None:
+            raise last
+
+    def close(self) -> None:
+        """Clean shutdown: wait for the save in flight; with the memory tier, write the newest
+        state to the durable tier if the durable tier is behind, then free this node's
+        snapshots (nothing is left in host memory)."""
+        self.wait_save()
+        c = self.ckpt
+        if c is None or c.memory_dir is None:
+            return
+        if self._durable_step < self.step:
+            self.save()
+            self.wait_save()
+        from unickpt import memtier
+
+        if self.mesh.world > 1:
+            dist.barrier()  # every rank is done with the snapshots
+        if self._mem_rank:
+            for p in memtier.clean(c.memory_dir, owner_pids=self._mem_pids):
+                log.info("memory tier: freed %s", p)
+        if self.mesh.world > 1:
+            dist.barrier()
 
     def _sweep(self, root: str) -> None:
         """At start: remove temporary directories of interrupted saves (rank 0) and staging
@@ -363,7 +517,7 @@ class Trainer:
         if self.mesh.world > 1:
             dist.barrier()
 
-    def load(self, path: str) -> unickpt.LoadResult:
+    def load(self, path: str, tier: str = "durable") -> unickpt.LoadResult:
         """Restore the whole training state from ``path`` (saved under any strategy)."""
         t0 = time.perf_counter()
         sd = self.state_dict()
@@ -386,7 +540,9 @@ class Trainer:
         if "rng" in sd:
             torch.set_rng_state(sd["rng"]["torch_cpu"].local.reshape(-1).clone())
         self.step = int(sd["trainer"]["step"])
-        self._emit({"event": "load", "step": self.step, "seconds": time.perf_counter() - t0, "bytes_read": res.bytes_read, "path": res.path})
+        self._resumed_from = self.step
+        self._emit({"event": "load", "tier": tier, "step": self.step, "seconds": time.perf_counter() - t0,
+                    "bytes_read": res.bytes_read, "path": res.path})
         return res
 
     def _emit(self, rec: dict) -> None:
