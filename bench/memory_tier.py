@@ -1,0 +1,208 @@
+"""The in-memory tier against asynchronous saves to disk and cold loads from disk, in one run.
+
+    .venv/bin/python bench/memory_tier.py [--gb 2.0] [--repeats 3] [--dir PATH]
+
+State: the GPT-like fp32 state of bench/save_load.py (weights + two Adam moments), Shard(0)
+row blocks over 4 gloo ranks on 2 simulated nodes (``UNICKPT_NODE_ID`` n0, n0, n1, n1), one
+thread per rank. Snapshots go to ``/dev/shm/unickpt-bench-*/{node}`` with ``replicas=1``
+(every node holds the other's files), as ``UnifiedCheckpoint(memory_dir=...)`` takes them;
+disk checkpoints to ``--dir``.
+
+Per round (medians over ``--repeats`` of the slowest rank; after one warm-up of each kind):
+  async save (disk)     blocking time of ``unickpt.save(..., async_save=True)`` to disk, and
+                        its time to durable + committed: the tier's reference;
+  snapshot              blocking time of a memory snapshot (``replicas=1``), its time to
+                        committed on both nodes, and the bytes replicated between nodes (the
+                        ``replicate`` phase's share of it);
+  compute slowdown      a loop of steps (256x256 matmuls on one thread, ~``--step-seconds``
+                        each) with a snapshot after every step (back-pressure: a step waits
+                        for the previous snapshot, as the trainer does), minus the same loop
+                        without snapshots;
+  recovery              cold load from disk (fsync + DONTNEED), same layout and resharded
+                        into Shard(1) column blocks, against loads of the newest snapshot from
+                        memory, same layout and resharded.
+Targets (issue #14): snapshot blocking <= the async save's blocking; recovery from memory
+<= 0.25x the cold load from disk (same layout, and resharded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import unickpt  # noqa: E402
+from bench._common import (OUT, barrier, cold_barrier, fmt, log, median, print_table, run_ranks, scratch,  # noqa: E402
+                           rm_scratch, timed, write_json)
+from bench.save_load import RankState, model_shapes  # noqa: E402
+
+NODES = ["n0", "n0", "n1", "n1"]
+
+
+def _work(n: int, a: torch.Tensor) -> None:
+    for _ in range(n):
+        a = (a @ a).clamp_(-1, 1)
+
+
+def rank_job(rank: int, world: int, cfg: dict) -> dict:
+    os.environ["UNICKPT_NODE_ID"] = NODES[rank]
+    torch.set_num_threads(1)
+    st = RankState(rank, world, cfg["shapes"])
+    src, tgt, rtgt = st.sharded("src"), st.sharded("tgt"), st.sharded("rtgt")
+    mem, disk = cfg["mem"], cfg["disk"]
+    res: dict = {k: [] for k in ("async_block", "async_durable", "snap_block", "snap_commit", "replicated",
+                                 "replicate_s", "loop_alone", "loop_snap", "disk_load", "disk_reshard",
+                                 "mem_load", "mem_reshard")}
+    a = torch.randn(256, 256)
+    t0 = time.perf_counter()
+    _work(20, a)
+    per = (time.perf_counter() - t0) / 20
+    iters = max(1, int(cfg["step_seconds"] / per))
+    step = 0
+
+    def snapshot(i: int):
+        return unickpt.save(src, os.path.join(mem, "{node}", f"step-{i:08d}"), step=i, async_save=True, replicas=1,
+                            overwrite=True)
+
+    # warm-ups: writer processes and staging (excluded)
+    unickpt.save(src, os.path.join(disk, "warm"), async_save=True).wait()
+    step += 1
+    snapshot(step).wait()
+    for i in range(cfg["repeats"]):
+        path = os.path.join(disk, f"step-{i:08d}")
+        h = None
+
+        def call():
+            nonlocal h
+            h = unickpt.save(src, path, step=i, async_save=True)
+        dt, _, _ = timed(call)
+        res["async_block"].append(dt)
+        res["async_durable"].append(timed(lambda: h.wait())[0] + dt)
+
+        step += 1
+        dt, h2, _ = timed(lambda: snapshot(step))
+        res["snap_block"].append(dt)
+        res["snap_commit"].append(timed(lambda: h2.wait())[0] + dt)
+        r = h2.results[0]
+        res["replicated"].append(r.bytes)  # replicas=1: every stored byte travels once more
+        res["replicate_s"].append(r.phases.get("replicate", 0.0))
+        if rank % 2 == 0:  # each node's first rank rotates its snapshots (keep 1)
+            unickpt.retain(os.path.join(mem, "{node}"), 1)
+        barrier()
+
+        # compute loop: alone, then with a snapshot after every step
+        steps = cfg["loop_steps"]
+        res["loop_alone"].append(timed(lambda: [_work(iters, a) for _ in range(steps)])[0])
+
+        def loop():
+            nonlocal step
+            h = None
+            for _ in range(steps):
+                _work(iters, a)
+                if h is not None:
+                    h.wait()
+                    if rank % 2 == 0:  # bounded host memory: the newest snapshot only
+                        unickpt.retain(os.path.join(mem, "{node}"), 1)
+                step += 1
+                h = snapshot(step)
+            h.wait()
+        res["loop_snap"].append(timed(loop)[0])
+        if rank % 2 == 0:
+            unickpt.retain(os.path.join(mem, "{node}"), 1)
+        barrier()
+
+        # recovery: cold loads from disk against loads from memory (same layout, resharded)
+        for key, target, where in (("disk_load", tgt, path), ("disk_reshard", rtgt, path),
+                                   ("mem_load", tgt, os.path.join(mem, "{node}")),
+                                   ("mem_reshard", rtgt, os.path.join(mem, "{node}"))):
+            if key.startswith("disk"):
+                cold_barrier(path, rank)
+            res[key].append(timed(lambda: unickpt.load(target, where))[0])
+        if i == 0:
+            res["bad"] = sum(not torch.equal(st.src[k], st.tgt[k]) for k in st.src)
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        log(f"round {i + 1}: snapshot blocking {res['snap_block'][-1]:.3f} s, async {res['async_block'][-1]:.3f} s; "
+            f"recovery memory {res['mem_load'][-1]:.3f} s vs disk {res['disk_load'][-1]:.3f} s", rank)
+    unickpt.async_save.shutdown()
+    barrier()
+    return res
+
+
+def measure(gb: float = 2.0, repeats: int = 3, parent: str | None = None, step_seconds: float = 0.5,
+            loop_steps: int = 4) -> dict:
+    hidden, layers, shapes = model_shapes(gb)
+    total = 3 * sum(n * m * 4 for _, (n, m) in shapes)
+    parent = os.path.abspath(parent or os.path.join(OUT, "data"))
+    os.makedirs(parent, exist_ok=True)
+    disk = scratch(parent, "memtier")
+    mem = tempfile.mkdtemp(prefix="unickpt-bench-", dir="/dev/shm")
+    cfg = {"shapes": shapes, "disk": disk, "mem": mem, "repeats": repeats, "step_seconds": step_seconds,
+           "loop_steps": loop_steps}
+    log(f"memory_tier: {total / 1e9:.3f} GB, 4 ranks on 2 simulated nodes, {repeats} rounds")
+    try:
+        out = run_ranks(rank_job, 4, cfg)
+    finally:
+        rm_scratch(disk)
+        shutil.rmtree(mem, ignore_errors=True)
+
+    def med(k):
+        return median(max(r[k][i] for r in out) for i in range(repeats))
+
+    s = {k: med(k) for k in out[0] if k != "bad"}
+    s["replicated"] = median(out[0]["replicated"])  # stored bytes (rank 0's result: every rank's is the total)
+    s["slowdown"] = s["loop_snap"] - s["loop_alone"]
+    s["total_bytes"] = total
+    s["bad"] = sum(r["bad"] for r in out)
+    return s
+
+
+def print_report(s: dict) -> None:
+    rows = [
+        ["async save to disk: blocking", fmt(s["async_block"]), "", "reference"],
+        ["async save to disk: durable + committed", fmt(s["async_durable"]), "", ""],
+        ["memory snapshot: blocking", fmt(s["snap_block"]), fmt(s["snap_block"] / s["async_block"], ".2f"),
+         f"x async blocking; target <= 1.00: {'met' if s['snap_block'] <= s['async_block'] else 'MISSED'}"],
+        ["memory snapshot: committed on both nodes", fmt(s["snap_commit"]), "", ""],
+        ["replication: bytes to the peer node / s", f"{s['replicated'] / 1e9:.2f} GB", fmt(s["replicate_s"]),
+         "s in the writers' replicate phase"],
+        ["compute loop alone / with a snapshot every step", f"{s['loop_alone']:.3f} / {s['loop_snap']:.3f}",
+         fmt(s["slowdown"] / s["loop_alone"], ".2f"), "slowdown, fraction of the loop"],
+        ["recovery, same layout: disk cold / memory", f"{s['disk_load']:.3f} / {s['mem_load']:.3f}",
+         fmt(s["mem_load"] / s["disk_load"], ".2f"),
+         f"x disk; target <= 0.25: {'met' if s['mem_load'] <= 0.25 * s['disk_load'] else 'MISSED'}"],
+        ["recovery, resharded (Shard(1)): disk cold / memory", f"{s['disk_reshard']:.3f} / {s['mem_reshard']:.3f}",
+         fmt(s["mem_reshard"] / s["disk_reshard"], ".2f"),
+         f"x disk; target <= 0.25: {'met' if s['mem_reshard'] <= 0.25 * s['disk_reshard'] else 'MISSED'}"],
+    ]
+    print(f"\nmemory tier: {s['total_bytes'] / 1e9:.3f} GB fp32 state, 4 ranks on 2 simulated nodes, medians of the slowest rank")
+    print_table(["operation", "s", "ratio", "note"], rows, left=1, left_last=True)
+    if s["bad"]:
+        print(f"FAIL: {s['bad']} tensors differ after the load")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gb", type=float, default=2.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--step-seconds", type=float, default=0.5)
+    ap.add_argument("--dir", default=os.path.join(OUT, "data"))
+    ap.add_argument("--json", default=os.path.join(OUT, "memory_tier.json"))
+    a = ap.parse_args()
+    s = measure(a.gb, max(1, a.repeats), a.dir, a.step_seconds)
+    print_report(s)
+    write_json(a.json, s)
+    return 1 if s["bad"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
