@@ -17,6 +17,9 @@ Parts (each is the ``measure()`` function of a bench that also runs on its own):
                             ZeRO->TP, 2->3 ranks, row->TP x ZeRO on 4 ranks) on matrices 512 and
                             5120 columns wide (0.6 x the state size each; --quick: 512 only),
                             against the cold-read floor of the same job and DCP.
+  bench/memory_tier.py      the in-memory tier on 2 simulated nodes of 2 ranks: snapshot blocking
+                            against an async save to disk, compute slowdown with a snapshot every
+                            step, replication, recovery from memory against a cold disk load.
   bench/compressed_save.py  saves with O0, O1, O2, O1 + zstd 3 (and their cold loads), DCP's save.
   bench/memory.py           peak extra RSS per rank: sync save, async save (trainer and writer),
                             load, export, offline reshard, each against its bound.
@@ -50,10 +53,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench import async_save, compressed_save, memory, reshard_load, save_load  # noqa: E402
+from bench import async_save, compressed_save, memory, memory_tier, reshard_load, save_load  # noqa: E402
 from bench._common import MiB, OUT, RESULTS, fmt, log, machine, my_segments, print_table, write_json  # noqa: E402
 
-PARTS = ("save_load", "reshard", "async", "compressed", "memory", "plan")
+PARTS = ("save_load", "reshard", "async", "memtier", "compressed", "memory", "plan")
 PRESETS = {  # state GB, rounds, compute loop s (async), memory rounds, plan_scale --max-pieces
     "quick": {"gb": 0.25, "repeats": 3, "loop_seconds": 1.0, "memory_repeats": 2, "plan_max_pieces": 1.5e5},
     "full": {"gb": 2.0, "repeats": 3, "loop_seconds": 3.0, "memory_repeats": 2, "plan_max_pieces": 1.5e6},
@@ -140,6 +143,19 @@ def table(res: dict) -> list[list[str]]:
             d["slowdown_ratio"], f"loop alone {alone:.2f} s; target <= 0.70x DCP: "
             f"{'met' if d['slowdown_ratio'] <= 0.7 else 'MISSED'}")
         row("DCP", "compute loop slowdown during async save", d["slowdown_dcp"], None, None, 1.0)
+    if "memtier" in res:
+        m = res["memtier"]
+        row("unickpt", "memory snapshot blocking (4 ranks, 2 nodes, replicas 1)", m["snap_block"], None, None, None,
+            f"async save to disk blocks {m['async_block']:.3f} s; target <= it: "
+            f"{'met' if m['snap_block'] <= m['async_block'] else 'MISSED'}")
+        row("unickpt", "memory snapshot committed on both nodes", m["snap_commit"], m["total_bytes"] / m["snap_commit"] / 1e9,
+            note=f"replicated {m['replicated'] / 1e9:.2f} GB in {m['replicate_s']:.2f} s (writers)")
+        row("unickpt", "compute slowdown, a snapshot every step", m["slowdown"], None, None, None,
+            f"loop alone {m['loop_alone']:.2f} s ({m['slowdown'] / m['loop_alone'] * 100:.0f}% slower)")
+        for key, disk, name in (("mem_load", "disk_load", "same layout"), ("mem_reshard", "disk_reshard", "resharded")):
+            ok = m[key] <= 0.25 * m[disk]
+            row("unickpt", f"recovery from memory, {name}", m[key], m["total_bytes"] / m[key] / 1e9, None, None,
+                f"cold disk load {m[disk]:.3f} s ({m[key] / m[disk]:.2f}x); target <= 0.25x: {'met' if ok else 'MISSED'}")
     if "compressed" in res:
         c = res["compressed"]
         st, floor, total = c["settings"], c["floor"], c["total_bytes"]
@@ -198,6 +214,8 @@ def main() -> int:
                 res[part] = save_load.measure(gb, ranks, n, args.dir)
             elif part == "reshard":
                 res[part] = reshard_load.measure(0.6 * gb, (512,) if args.quick else (512, 5120), n, args.dir)
+            elif part == "memtier":
+                res[part] = memory_tier.measure(gb, n, args.dir)
             elif part == "async":
                 res[part] = async_save.measure(gb, ranks, n, preset["loop_seconds"], args.dir)
             elif part == "compressed":
@@ -229,6 +247,8 @@ def main() -> int:
         if bad:
             fails.append(f"LOADED DATA DIFFER from the saved state (tensors per operation): {bad}")
     wrong = [f"{r['scenario']} {r['width']}" for r in res.get("reshard", []) if r["bad"]]
+    if res.get("memtier", {}).get("bad"):
+        wrong.append("memory tier recovery")
     if wrong:
         fails.append(f"LOADED DATA DIFFER after resharded loads: {wrong}")
     left = my_segments()
