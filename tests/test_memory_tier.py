@@ -224,7 +224,7 @@ def test_memory_budget_too_small_is_a_typed_error_before_training(tmp_path, shm)
     out = dist.run(_on_nodes, 2, ["n0", "n1"], 1, 1, 3, str(tmp_path / "ck"), shm, 2, False, {"memory_budget": 1 << 16})
     for name, msg in out:
         assert name in ("MemoryBudgetError", "DistributedError"), (name, msg)
-    assert any(n == "MemoryBudgetError" and "needs" in m and "x (1 + 1 replica(s))" in m for n, m in out), out
+    assert any(n == "MemoryBudgetError" and "needs" in m and "of copies from 1 other node(s)" in m for n, m in out), out
     assert not os.path.exists(tmp_path / "ck" / "step-00000001")
 
 

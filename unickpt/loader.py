@@ -13,7 +13,7 @@ import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Callable, Collection, Literal, Mapping
 
 import numpy as np
 import torch
@@ -132,6 +132,7 @@ def load(
     bucket_bytes: int = 256 << 20,
     timeout_s: float | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    avoid_local: Collection[str] = (),
 ) -> LoadResult:
     """Fill ``state_dict`` in place from the checkpoint at ``path``; collective over ``group``.
 
@@ -168,6 +169,9 @@ def load(
             ``UNICKPT_TIMEOUT_S``, else 600).
         storage_options: for a URL ``path`` (``s3://``, ``memory://``, any fsspec URL),
             options of its file system (credentials, endpoint...; docs/storage.md).
+        avoid_local: node-local checkpoints: names of data files this rank's node must not
+            read from its own directory (a copy found damaged): they are read by ranks of
+            nodes that hold another copy (``FileEntry.replicas``) and sent.
 
     Raises:
         CheckpointNotFoundError, TensorMissingError, UnexpectedTensorError, ShapeMismatchError,
@@ -221,7 +225,7 @@ def load(
     if node_local:  # node-local files: this rank reads what its node holds, the rest is sent
         from .remote import files_needed
 
-        sees = {f for f in man.files if storage.exists(storage.join(ckpt, f))}
+        sees = {f for f in man.files if f not in set(avoid_local) and storage.exists(storage.join(ckpt, f))}
         local = []
         for e in entries:
             (remote if e.layout.numel and not files_needed(man, e.key) <= sees else local).append(e)

@@ -32,8 +32,10 @@ from .manifest import MANIFEST_NAME, Manifest, data_file_name
 from .storage import expand_node, per_node, storage_for
 from .transport import Comm, node_id
 
-__all__ = ["Candidate", "Budget", "plan_budget", "check_budget", "candidates", "clean", "OWNER_FILE"]
+__all__ = ["Candidate", "Budget", "plan_budget", "check_budget", "candidates", "claim", "clean", "OWNER_FILE", "JOB_KEY"]
 
+JOB_KEY = "memory_tier_job"
+"""Key of a snapshot's manifest ``extra`` naming the job it belongs to (its durable directory)."""
 OWNER_FILE = ".unickpt-memory-owner.json"
 """Written into a node's memory directory by the job using it (host and the pids of its ranks
 on the node): :func:`clean` refuses while any of them runs."""
@@ -50,23 +52,36 @@ class Candidate:
 class Budget:
     """Host memory the tier takes on one node (bytes)."""
 
-    node_share: int  # the node's share of one checkpoint (stored bytes / nodes)
+    own: int  # one snapshot's files written on this node
+    copies: int  # one snapshot's copies of other nodes' files held here
     snapshots: int  # kept + the one being written
     replicas: int
     staging: int  # shared-memory staging of the node's ranks (the async save's copy)
 
     @property
+    def per_snapshot(self) -> int:
+        """One snapshot on this node, with its headers, manifest and side files (1% + 1 MiB)."""
+        return (self.own + self.copies) * 101 // 100 + (1 << 20)
+
+    @property
     def total(self) -> int:
-        return self.snapshots * (1 + self.replicas) * self.node_share + self.staging
+        return self.snapshots * self.per_snapshot + self.staging
 
     def describe(self) -> str:
-        return (f"{self.snapshots} snapshots (keep + 1 in flight) x (1 + {self.replicas} replica(s)) x "
-                f"{human_bytes(self.node_share)} (this node's share) + {human_bytes(self.staging)} staging = "
-                f"{human_bytes(self.total)}")
+        return (f"{self.snapshots} snapshots (keep + 1 in flight) x ({human_bytes(self.own)} written here + "
+                f"{human_bytes(self.copies)} of copies from {self.replicas} other node(s), + headers) + "
+                f"{human_bytes(self.staging)} staging = {human_bytes(self.total)}")
 
 
-def plan_budget(stored_bytes: int, nodes: int, keep: int, replicas: int, staging_bytes: int) -> Budget:
-    return Budget(-(-stored_bytes // max(nodes, 1)), keep + 1, replicas, staging_bytes)
+def plan_budget(node_bytes: dict[str, int], node: str, keep: int, replicas: int, staging_bytes: int) -> Budget:
+    """The budget of ``node``: ``node_bytes`` = stored bytes each node writes per snapshot, in
+    node order (writers are balanced over ranks: a node's share is its ranks' share); it holds
+    copies of the ``replicas`` nodes before it (see :func:`unickpt.replicate.replica_nodes`)."""
+    from .replicate import replica_nodes
+
+    nodes = list(node_bytes)
+    copies = sum(node_bytes[n] for n in nodes if n != node and node in replica_nodes(nodes, n, replicas))
+    return Budget(node_bytes[node], copies, keep + 1, replicas, staging_bytes)
 
 
 def _held_bytes(path: str) -> int:
@@ -124,17 +139,20 @@ def _step_report(memory_dir: str) -> dict:
             blob = read_manifest_bytes(storage, path)
             man = Manifest.from_json(blob, storage.join(path, MANIFEST_NAME))
             here = sorted(n for n in storage.file_sizes(path) if data_file_name(n))
-            out[str(step)] = {"digest": Hasher.of128(blob), "needed": sorted(man.files), "here": here}
+            out[str(step)] = {"digest": Hasher.of128(blob), "needed": sorted(man.files), "here": here,
+                              "job": man.extra.get(JOB_KEY)}
         except (UnickptError, OSError) as e:
             log.warning("memory tier: snapshot %s does not read (%s): not a resume candidate", path, e)
     return out
 
 
-def candidates(comm: Comm, memory_dir: str | None, durable_dir: str | None, storage_options=None) -> list[Candidate]:
+def candidates(comm: Comm, memory_dir: str | None, durable_dir: str | None, storage_options=None,
+               job: str | None = None) -> list[Candidate]:
     """Collective: every resumable step, newest first (the same list on every rank). A memory
-    step is listed when the nodes of this job hold all its files (counting copies on other
-    nodes) and every node that has it holds the same manifest; durable steps are every
-    committed ``step-*`` under ``durable_dir`` (a load verifies them)."""
+    step is listed when it belongs to ``job`` (recorded in its manifest), the nodes of this
+    job hold all its files (counting copies on other nodes) and every node that has it holds
+    the same manifest; durable steps are every committed ``step-*`` under ``durable_dir`` (a
+    load verifies them)."""
     err = None
     mine: dict = {}
     durable: list = []
@@ -163,6 +181,9 @@ def candidates(comm: Comm, memory_dir: str | None, durable_dir: str | None, stor
         if len({r["digest"] for r in recs}) != 1:
             log.warning("memory tier: nodes hold different snapshots named step %d: not a resume candidate", step)
             continue
+        if job is not None and recs[0].get("job") != job:
+            log.warning("memory tier: step %d belongs to another job (%s): not a resume candidate", step, recs[0].get("job"))
+            continue
         here = set().union(*(r["here"] for r in recs))
         missing = set(recs[0]["needed"]) - here
         if missing:
@@ -174,23 +195,28 @@ def candidates(comm: Comm, memory_dir: str | None, durable_dir: str | None, stor
     return sorted(out, key=lambda c: (-c.step, c.tier != "memory"))
 
 
-def write_owner(memory_dir: str, pids: list[int]) -> None:
-    """Record the job's ranks on this node (for :func:`clean` of a dead job)."""
+def write_owner(memory_dir: str, pids: list[int], job: str | None = None) -> None:
+    """Record the job and its ranks on this node (for :func:`claim` and :func:`clean`)."""
     here = expand_node(memory_dir)
     os.makedirs(here, exist_ok=True)
     tmp = os.path.join(here, f".{OWNER_FILE}.{os.getpid()}")
     with open(tmp, "w") as f:
-        json.dump({"host": socket.gethostname(), "pids": sorted(pids)}, f)
+        json.dump({"host": socket.gethostname(), "pids": sorted(pids), "job": job}, f)
     os.replace(tmp, os.path.join(here, OWNER_FILE))
 
 
-def _live_owner(here: str) -> list[int]:
+def _owner(here: str) -> dict | None:
     try:
         with open(os.path.join(here, OWNER_FILE)) as f:
             rec = json.load(f)
+        return rec if isinstance(rec, dict) else None
     except (OSError, ValueError):
-        return []
-    if rec.get("host") != socket.gethostname():
+        return None
+
+
+def _live_owner(here: str, rec: dict | None = None) -> list[int]:
+    rec = rec if rec is not None else _owner(here)
+    if not rec or rec.get("host") != socket.gethostname():
         return []
     live = []
     for pid in rec.get("pids", []):
@@ -205,29 +231,77 @@ def _live_owner(here: str) -> list[int]:
     return live
 
 
-def clean(memory_dir: str, *, force: bool = False, owner_pids: list[int] | None = None) -> list[str]:
-    """Remove every snapshot (committed or not) from this node's memory directory
-    (``{node}`` expanded), then the directory if it is left empty; returns what was removed.
-    Refuses (:class:`~unickpt.errors.InvalidArgumentError`) while a process of the job that
-    owns the directory still runs on this host, unless ``force``; ``owner_pids``: the
-    caller's own job (a clean shutdown), never counted as live."""
+def _snapshots(here: str) -> list[str]:
+    try:
+        return sorted(n for n in os.listdir(here) if n.startswith(("step-", ".step-")))
+    except OSError:
+        return []
+
+
+def claim(memory_dir: str, job: str, pids: list[int]) -> None:
+    """This node's memory directory for ``job`` (its first rank calls this at start): refused
+    (:class:`~unickpt.errors.InvalidArgumentError`) when it is a link, when another job's
+    snapshots are in it, or when other processes of a job still run on it; then the owner
+    record names ``job`` and ``pids``."""
     from .errors import InvalidArgumentError
 
-    here = expand_node(memory_dir) if per_node(memory_dir) else os.fspath(memory_dir)
+    here = expand_node(memory_dir)
+    if os.path.islink(here):
+        raise InvalidArgumentError(f"{here}: the memory directory is a symbolic link; give the real path")
+    rec = _owner(here)
+    live = [p for p in _live_owner(here, rec) if p not in set(pids)]
+    if live:
+        raise InvalidArgumentError(f"{here}: in use by a running job (pids {live} on this host): one memory directory "
+                                   "per job")
+    if rec is not None and rec.get("job") != job and _snapshots(here):
+        raise InvalidArgumentError(
+            f"{here}: holds snapshots of another job ({rec.get('job')!r}); this job is {job!r}. Free them with "
+            f"`unickpt clean-memory {here}` or give this job its own memory_dir")
+    if rec is None and any(n.startswith("step-") for n in _snapshots(here)):
+        raise InvalidArgumentError(f"{here}: holds step-* directories but no memory-tier owner record: not a memory "
+                                   "directory of this job (another job's, or a durable checkpoint root?)")
+    write_owner(memory_dir, pids, job)
+
+
+def clean(memory_dir: str, *, force: bool = False, owner_pids: list[int] | None = None) -> list[str]:
+    """Remove every snapshot (committed or not) from a node's memory directory, then the
+    directory if it is left empty; returns what was removed. ``{node}`` in ``memory_dir``
+    matches every node directory there whose owner record names this host (an epilog does
+    not know the node id the job had). Refuses (:class:`~unickpt.errors.InvalidArgumentError`)
+    a link, a directory without the tier's owner record (a durable checkpoint root, say), and
+    one whose owning job still has a process on this host; ``force`` overrides the last two.
+    ``owner_pids``: the caller's own job (a clean shutdown), never counted as live."""
+    import glob
+
+    from .errors import InvalidArgumentError
+
+    p = os.fspath(memory_dir)
+    if per_node(p):
+        host = socket.gethostname()
+        dirs = [d for d in sorted(glob.glob(glob.escape(p).replace(glob.escape("{node}"), "*")))
+                if os.path.isdir(d) and not os.path.islink(d) and (_owner(d) or {}).get("host") == host]
+        return [x for d in dirs for x in clean(d, force=force, owner_pids=owner_pids)]
+    here = p
+    if os.path.islink(here):
+        raise InvalidArgumentError(f"{here}: a symbolic link; give the memory directory itself")
     if not os.path.isdir(here):
         return []
-    live = [p for p in _live_owner(here) if p not in set(owner_pids or ())]
+    rec = _owner(here)
+    if rec is None and not force:
+        raise InvalidArgumentError(f"{here}: no memory-tier owner record ({OWNER_FILE}): not a memory directory "
+                                   "(a durable checkpoint root?); nothing removed (--force to remove its step-* anyway)")
+    live = [x for x in _live_owner(here, rec) if x not in set(owner_pids or ())]
     if live and not force:
         raise InvalidArgumentError(f"{here}: snapshots of a running job (pids {live} on this host); stop it first, "
                                    "or pass force")
     removed = []
     for name in sorted(os.listdir(here)):
-        p = os.path.join(here, name)
-        if name.startswith(("step-", ".step-")) and os.path.isdir(p) and not os.path.islink(p):
-            shutil.rmtree(p, ignore_errors=True)
-            removed.append(p)
+        q = os.path.join(here, name)
+        if name.startswith(("step-", ".step-")) and os.path.isdir(q) and not os.path.islink(q):
+            shutil.rmtree(q, ignore_errors=True)
+            removed.append(q)
         elif name == OWNER_FILE or name.startswith(f".{OWNER_FILE}."):
-            os.unlink(p)
+            os.unlink(q)
     try:
         os.rmdir(here)
     except OSError:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import unickpt
 from unickpt import commit as _commit
 from unickpt._metrics import log
-from unickpt.storage import join_path
+from unickpt.storage import expand_node, join_path
 
 from .data import TextData
 from .model import Llama, LlamaConfig, hf_config
@@ -118,6 +118,8 @@ class UnifiedCheckpoint:
                     raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
             if self.memory_replicas is not None and (type(self.memory_replicas) is not int or self.memory_replicas < 0):
                 raise ValueError(f"memory_replicas must be an integer >= 0 or None, got {self.memory_replicas!r}")
+            if self.memory_budget is not None and (type(self.memory_budget) is not int or self.memory_budget < 1):
+                raise ValueError(f"memory_budget must be a whole number of bytes >= 1 or None, got {self.memory_budget!r}")
             if "://" in self.memory_dir:
                 raise ValueError(f"memory_dir must be a local (tmpfs) path, got {self.memory_dir!r}")
             if "{node}" not in self.memory_dir:
@@ -349,13 +351,17 @@ class Trainer:
     def _snapshot(self, durable: bool):
         """A memory snapshot of this step (asynchronous: the step pays the staging copy); with
         ``durable``, the writers also write the durable checkpoint from the same staging."""
+        from unickpt import memtier
+
         c = self.ckpt
         self.wait_save()  # back-pressure: one save in flight
         t0 = time.perf_counter()
         also = [join_path(c.dir, f"step-{self.step:08d}")] if durable else []
+        kw = self._save_kw()
+        kw["extra"] = {**kw["extra"], memtier.JOB_KEY: self._mem_job}  # resumes take only their own job's
         self._pending = unickpt.save(self.state_dict(), os.path.join(c.memory_dir, f"step-{self.step:08d}"),
                                      async_save=True, background_staging=c.overlap, replicas=self._mem_replicas,
-                                     also=also, storage_options=c.storage_options, **self._save_kw())
+                                     also=also, storage_options=c.storage_options, **kw)
         self._pending_tiers = ["memory"] + (["durable"] if durable else [])
         self._pending_t0, self._pending_block = t0, time.perf_counter() - t0
         return self._pending
@@ -449,18 +455,35 @@ class Trainer:
                 f"memory_replicas={replicas}, but the job spans {len(nodes)} node(s): at most {len(nodes) - 1}")
         self._mem_replicas = replicas
         self._mem_rank = next(r for r, x in enumerate(everyone) if x["node"] == me["node"]) == comm.rank
-        budget = memtier.plan_budget(sum(r["primary"] for r in everyone), len(nodes), c.memory_keep, replicas,
+        # writers are balanced over ranks: a node writes its ranks' share of the stored bytes
+        stored = sum(r["primary"] for r in everyone)
+        ranks_of = {n: sum(1 for r in everyone if r["node"] == n) for n in nodes}
+        node_bytes = {n: -(-stored * ranks_of[n] // comm.world) for n in nodes}
+        budget = memtier.plan_budget(node_bytes, me["node"], c.memory_keep, replicas,
                                      sum(r["local"] for r in everyone if r["node"] == me["node"]))
         memtier.check_budget(comm, c.memory_dir, budget, c.memory_budget)
         self._mem_pids = [r["pid"] for r in everyone if r["node"] == me["node"]]
+        self._mem_job = self._job_id()
+        err = None
         if self._mem_rank:
-            memtier.write_owner(c.memory_dir, self._mem_pids)
-            for p in unickpt.sweep(c.memory_dir):
-                log.info("memory tier: removed %s, left by an interrupted snapshot", p)
+            try:
+                memtier.claim(c.memory_dir, self._mem_job, self._mem_pids)
+                for p in unickpt.sweep(c.memory_dir):
+                    log.info("memory tier: removed %s, left by an interrupted snapshot", p)
+            except Exception as e:
+                err = e
+        comm.agree(err, "memory tier (claiming the memory directories)")
         if self.mesh.rank == 0:
             log.info("memory tier: %d node(s), %d replica(s); per node %s", len(nodes), replicas, budget.describe())
         if self.mesh.world > 1:
             dist.barrier()
+
+    def _job_id(self) -> str:
+        """The job a memory directory and its snapshots belong to: the durable directory."""
+        from unickpt.storage import is_url
+
+        d = self.ckpt.dir
+        return d if is_url(d) else os.path.abspath(d)
 
     def _resume_from_tiers(self) -> None:
         """Resume from the newest step complete in either tier (memory first at equal steps);
@@ -468,21 +491,43 @@ class Trainer:
         from unickpt import memtier
         from unickpt.transport import Comm
 
-        cands = memtier.candidates(Comm(None), self.ckpt.memory_dir, self.ckpt.dir, self.ckpt.storage_options)
+        comm = Comm(None)
+        cands = memtier.candidates(comm, self.ckpt.memory_dir, self.ckpt.dir, self.ckpt.storage_options, self._mem_job)
+        self._durable_step = max((c.step for c in cands if c.tier == "durable"), default=-1)
         last: Exception | None = None
         for cand in cands:
-            try:
-                self.load(cand.path, tier=cand.tier)
-                if cand.tier == "durable":
-                    self._durable_step = cand.step
-                return
-            except unickpt.errors.UnickptError as e:
-                last = e
-                if self.mesh.rank == 0:
-                    log.warning("resume: %s step %d at %s does not load (%s); trying the next candidate",
-                                cand.tier, cand.step, cand.path, e)
+            avoid: list[str] = []
+            retried = False  # the same on every rank (avoid is per node)
+            while True:
+                try:
+                    self.load(cand.path, tier=cand.tier, avoid_local=avoid)
+                    return
+                except unickpt.errors.UnickptError as e:
+                    last = e
+                    if self.mesh.rank == 0:
+                        log.warning("resume: %s step %d at %s does not load (%s)", cand.tier, cand.step, cand.path, e)
+                    if cand.tier != "memory" or retried:
+                        break
+                    retried = True
+                    # a damaged copy: read the files the checks named from the nodes that hold
+                    # another copy (every rank learns its own node's bad files), once
+                    avoid = self._bad_copies(comm, e)
+                    if not self._any_rank(bool(avoid)):  # no copy was found damaged: not worth a retry
+                        break
+                    log.warning("resume: retrying %s step %d without this node's copies of %s", cand.tier, cand.step,
+                                ", ".join(avoid) or "nothing")
+            if self.mesh.rank == 0:
+                log.warning("resume: trying the next candidate")
         if last is not None:
             raise last
+
+    def _bad_copies(self, comm, e: Exception) -> list[str]:
+        """Collective: the data files whose copy on this rank's node failed its checks."""
+        from unickpt.transport import node_id
+
+        mine = sorted({f for f, _ in getattr(e, "bad", [])}) if isinstance(e, unickpt.errors.ChecksumError) else []
+        everyone = [json.loads(b) for b in comm.all_gather_bytes(json.dumps([node_id(), mine]).encode())]
+        return sorted({f for n, fs in everyone if n == node_id() for f in fs})
 
     def close(self) -> None:
         """Clean shutdown: wait for the save in flight; with the memory tier, write the newest
@@ -491,6 +536,7 @@ class Trainer:
         self.wait_save()
         c = self.ckpt
         if c is None or c.memory_dir is None:
+            unickpt.async_save.shutdown()  # writer processes stopped, staging memory freed
             return
         if self._durable_step < self.step:
             self.save()
@@ -500,8 +546,9 @@ class Trainer:
         if self.mesh.world > 1:
             dist.barrier()  # every rank is done with the snapshots
         if self._mem_rank:
-            for p in memtier.clean(c.memory_dir, owner_pids=self._mem_pids):
+            for p in memtier.clean(expand_node(c.memory_dir), owner_pids=self._mem_pids):
                 log.info("memory tier: freed %s", p)
+        unickpt.async_save.shutdown()  # writer processes stopped, staging memory freed
         if self.mesh.world > 1:
             dist.barrier()
 
@@ -517,7 +564,7 @@ class Trainer:
         if self.mesh.world > 1:
             dist.barrier()
 
-    def load(self, path: str, tier: str = "durable") -> unickpt.LoadResult:
+    def load(self, path: str, tier: str = "durable", avoid_local: list[str] = ()) -> unickpt.LoadResult:
         """Restore the whole training state from ``path`` (saved under any strategy)."""
         t0 = time.perf_counter()
         sd = self.state_dict()
@@ -536,7 +583,7 @@ class Trainer:
             # another world size: per-rank streams cannot map one to one; reseed per rank
             del sd["rng"]
             torch.manual_seed(self.seed * 7919 + self.mesh.rank + 1_000_003 * (man.step or 0))
-        res = unickpt.load(sd, ckpt, storage_options=so)
+        res = unickpt.load(sd, ckpt, storage_options=so, avoid_local=avoid_local)
         if "rng" in sd:
             torch.set_rng_state(sd["rng"]["torch_cpu"].local.reshape(-1).clone())
         self.step = int(sd["trainer"]["step"])
