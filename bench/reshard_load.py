@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import unickpt  # noqa: E402
-from bench._common import (OUT, abba, barrier, clear_dir, cold_barrier, floor_buffer, floor_read,  # noqa: E402
+from bench._common import (OUT, abba, barrier, cold_barrier, floor_buffer, floor_read,  # noqa: E402
                            floor_write, fmt, log, median, print_table, run_ranks, timed, write_json)
 
 SCENARIOS = {  # name: (source layout (unickpt, DCP), load world, target layout (unickpt, DCP))

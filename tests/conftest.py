@@ -34,3 +34,14 @@ def s3():
             else:
                 os.environ[k] = v
         server.stop()
+
+
+@pytest.fixture
+def shm():
+    """A fresh directory in host memory (/dev/shm) for memory-tier snapshots, removed after."""
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="unickpt-test-mem-", dir="/dev/shm")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

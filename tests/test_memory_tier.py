@@ -16,23 +16,14 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import psutil
-import pytest
 
 from tests import dist
 from tests.test_trainer import STEPS, _close, _train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture
-def shm():
-    d = tempfile.mkdtemp(prefix="unickpt-test-mem-", dir="/dev/shm")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 # -- real torchrun agents ------------------------------------------------------------------

@@ -3,12 +3,9 @@ code as first written (the docstring says what happened) and passes with its fix
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -17,13 +14,6 @@ import unickpt
 from tests import dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture
-def shm():
-    d = tempfile.mkdtemp(prefix="unickpt-test-attack-", dir="/dev/shm")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def _ckpt(path, step=1):
