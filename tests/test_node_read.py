@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import time
 
+import pytest
 import torch
 
 import unickpt
@@ -60,14 +62,21 @@ def _both(rank, world, root, node_of=None):
     return shared, alone
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """One checkpoint of the three matrices, saved by 2 ranks as row blocks (read-only: a
+    test that damages it works on a copy)."""
+    root = str(tmp_path_factory.mktemp("node_read") / "ck")
+    dist.run(_save, 2, root)
+    return root
+
+
 def _tensor_bytes() -> int:
     return sum(v.numel() * 4 for v in _full().values())
 
 
-def test_ranks_of_a_node_read_each_needed_byte_once(tmp_path):
-    root = str(tmp_path / "ck")
-    dist.run(_save, 2, root)
-    out = dist.run(_both, 2, root)
+def test_ranks_of_a_node_read_each_needed_byte_once(saved):
+    out = dist.run(_both, 2, saved)
     shared, alone = [o[0] for o in out], [o[1] for o in out]
     assert all(s[2] for s in shared) and all(a[2] for a in alone), out
     need = _tensor_bytes()  # column blocks: the node needs every stored byte, once
@@ -80,13 +89,11 @@ def test_ranks_of_a_node_read_each_needed_byte_once(tmp_path):
     assert sum(s[1] for s in shared) * 2 == sum(a[1] for a in alone), out
 
 
-def test_each_node_reads_its_needs_once(tmp_path):
+def test_each_node_reads_its_needs_once(saved):
     """4 ranks on 2 simulated nodes (UNICKPT_NODE_ID): each node reads the bytes its two
     ranks need once."""
-    root = str(tmp_path / "ck")
-    dist.run(_save, 2, root)
     nodes = ["n0", "n0", "n1", "n1"]
-    out = dist.run(_both, 4, root, nodes)
+    out = dist.run(_both, 4, saved, nodes)
     assert all(o[0][2] and o[1][2] for o in out), out
     for node in (0, 1):
         shared = out[2 * node][0][0] + out[2 * node + 1][0][0]
@@ -95,10 +102,8 @@ def test_each_node_reads_its_needs_once(tmp_path):
         assert 0 < shared - need < 64 << 10 and alone - shared >= need // 2, (node, shared, alone, need)
 
 
-def test_three_ranks_load_what_two_saved(tmp_path):
-    root = str(tmp_path / "ck")
-    dist.run(_save, 2, root)
-    out = dist.run(_load_columns, 3, root)
+def test_three_ranks_load_what_two_saved(saved):
+    out = dist.run(_load_columns, 3, saved)
     assert all(o[2] for o in out), out
 
 
@@ -115,9 +120,9 @@ def _damage(root: str) -> None:
         f.write(bytes([x[0] ^ 0x10]))
 
 
-def test_a_damaged_block_fails_every_rank_that_uses_it(tmp_path):
+def test_a_damaged_block_fails_every_rank_that_uses_it(saved, tmp_path):
     root = str(tmp_path / "ck")
-    dist.run(_save, 2, root)
+    shutil.copytree(saved, root)
     _damage(root)
     out = dist.run(_load_columns, 2, root)
     for o in out:  # both ranks need bytes of the damaged block: both name it, whoever read it
@@ -140,10 +145,8 @@ def _eio_on_block_reads(rank):
     st._Reader.readinto = readinto
 
 
-def test_an_io_error_in_a_shared_round_stops_every_rank_at_once(tmp_path):
-    root = str(tmp_path / "ck")
-    dist.run(_save, 2, root)
-    out = dist.run(_load_columns, 2, root, None, _eio_on_block_reads, timeout=90)
+def test_an_io_error_in_a_shared_round_stops_every_rank_at_once(saved):
+    out = dist.run(_load_columns, 2, saved, None, _eio_on_block_reads, timeout=90)
     assert out[1][0] == "StorageError" and "injected" in out[1][1], out
     assert out[0][0] == "DistributedError" and "rank 1" in out[0][1] and out[0][2] < 10, out
 
@@ -155,16 +158,14 @@ def _no_shm_on_rank_0(rank):
         nr.SHM_DIR = "/nonexistent-shm-dir"
 
 
-def test_without_shared_memory_ranks_read_alone(tmp_path):
-    root = str(tmp_path / "ck")
-    dist.run(_save, 2, root)
-    out = dist.run(_load_columns, 2, root, None, _no_shm_on_rank_0)
+def test_without_shared_memory_ranks_read_alone(saved):
+    out = dist.run(_load_columns, 2, saved, None, _no_shm_on_rank_0)
     assert all(o[2] for o in out), out
     assert sum(o[0] for o in out) >= 2 * _tensor_bytes(), out  # each read everything itself
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("unickpt-read-")]
 
 
-def test_a_segment_left_by_a_killed_load_is_removed_by_the_next(tmp_path):
+def test_a_segment_left_by_a_killed_load_is_removed_by_the_next(saved):
     import subprocess
     import sys
 
@@ -173,8 +174,6 @@ def test_a_segment_left_by_a_killed_load_is_removed_by_the_next(tmp_path):
     stale = f"/dev/shm/unickpt-read-{p.pid}-0123456789abcdef"
     with open(stale, "wb") as f:
         f.write(b"\0" * 4096)
-    root = str(tmp_path / "ck")
-    dist.run(_save, 2, root)
-    out = dist.run(_load_columns, 2, root)
+    out = dist.run(_load_columns, 2, saved)
     assert all(o[2] for o in out), out
     assert not os.path.exists(stale)
