@@ -15,12 +15,21 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 
 import torch
 import torch.distributed as dist
 
 from unickpt.train import LlamaConfig, OptimConfig, ParallelConfig, TextData, Trainer, UnifiedCheckpoint
+
+
+def _gib(text: str) -> float:
+    """A positive, finite number of GiB (argparse type)."""
+    v = float(text)
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number of GiB, got {text!r}")
+    return v
 
 
 def main() -> None:
@@ -51,7 +60,7 @@ def main() -> None:
     ap.add_argument("--memory-every", type=int, default=1, help="memory snapshot every N steps")
     ap.add_argument("--memory-replicas", type=int, default=None, help="other nodes holding copies (default 1 if >1 node)")
     ap.add_argument("--memory-keep", type=int, default=2, help="memory snapshots kept per node")
-    ap.add_argument("--memory-budget", type=float, default=None, metavar="GIB", help="host memory per node for the tier")
+    ap.add_argument("--memory-budget", type=_gib, default=None, metavar="GIB", help="host memory per node for the tier")
     ap.add_argument("--eval-every", type=int, default=0)
     ap.add_argument("--metrics-jsonl")
     ap.add_argument("--log-every", type=int, default=10)
