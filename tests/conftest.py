@@ -42,6 +42,6 @@ def shm():
     import shutil
     import tempfile
 
-    d = tempfile.mkdtemp(prefix="unickpt-test-mem-", dir="/dev/shm")
+    d = tempfile.mkdtemp(prefix="memtier-test-", dir="/dev/shm")
     yield d
     shutil.rmtree(d, ignore_errors=True)
