@@ -100,21 +100,17 @@ def test_writer_killed_mid_write_raises_everywhere_and_later_saves_work(tmp_path
     assert unickpt.load(t, os.path.join(root, "step-00000001")).step == 1
 
 
-def _copy_fails_midway(rank, world, root):
+def _copy_fails(rank, world, root):
     import unickpt.async_save as a
 
-    sd = _state(rank, world, scale=64)  # 1 MB per tensor; the writers start before the copy ends
+    sd = _state(rank, world, scale=64)
     unickpt.save(sd, os.path.join(root, "step-00000001"), step=1, async_save=True).wait(timeout=120)
-    a.NOTE_BYTES = 1  # the writer hears of every copied entry
     if rank == 1:
         real = a.Checkpointer._copy
 
-        def copy(self, entries, staged, note):
-            def failing_note(k):
-                if k == 3:
-                    raise RuntimeError("injected copy failure")
-                note(k)
-            real(self, entries, staged, failing_note)
+        def copy(self, entries, staged):
+            real(self, entries[:2], staged)  # part of the state is staged, then the copy fails
+            raise RuntimeError("injected copy failure")
 
         a.Checkpointer._copy = copy
     errors = []
@@ -133,9 +129,9 @@ def _copy_fails_midway(rank, world, root):
     return errors, listing
 
 
-def test_a_copy_that_fails_midway_fails_the_save_on_every_rank(tmp_path):
+def test_a_copy_that_fails_in_the_call_raises_a_typed_error_and_fails_the_save_everywhere(tmp_path):
     root = str(tmp_path)
-    out = dist.run(_copy_fails_midway, 2, root)
+    out = dist.run(_copy_fails, 2, root)
     assert "injected copy failure" in out[1][0][0] and len(out[1][0]) == 2 and len(out[0][0]) == 1
     for errors, listing in out:
         assert listing == ["step-00000001"]  # nothing committed, no temporary left

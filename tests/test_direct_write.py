@@ -189,10 +189,10 @@ def _async_odd_pieces(rank, world, root):
         staged.append(cp._layout(entries))
         unickpt.save(sd, os.path.join(root, f"sync-{k}"), step=k)
     # after a save the writer's plan gives every large piece the page phase it has in its file
-    hint = cp._hint
-    assert hint.signature == staged[-1].signature and all(isinstance(p, int) for p in hint.phases)
-    assert all(row[5] % PAGE == hint.phases[i] for row, i in zip(staged[-1].entries, staged[-1].order))
-    return hint.phases
+    sig, phases = cp._phases
+    assert sig == staged[-1].signature and all(isinstance(p, int) for p in phases)
+    assert all(row[5] % PAGE == p for row, p in zip(staged[-1].entries, phases))
+    return phases
 
 
 def test_async_pieces_with_odd_offsets_are_staged_at_their_phase_and_load_back(tmp_path):

@@ -48,7 +48,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -67,7 +67,6 @@ __all__ = ["AsyncSave", "Checkpointer", "checkpointer", "shutdown"]
 SHM_DIR = "/dev/shm"
 ALIGN = 4096
 PROGRESS_INTERVAL = 0.1  # seconds between a writer's progress reports (plus the final one)
-NOTE_BYTES = 64 << 20  # the trainer tells its writer how far the copy is about this often
 
 
 def _shm_prefix(pid: int | None = None) -> str:
@@ -154,23 +153,9 @@ class _Segment:
 
 @dataclass
 class _Staged:
-    """Where a save's entries sit in the segment (see :meth:`Checkpointer._layout`)."""
-
-    entries: list[list]  # the rows of the save command, in the order they are copied
+    entries: list[list]
     size: int
-    signature: str  # what the entries are, without where they sit
-    order: list[int]  # index in the flattened state of each row
-
-
-@dataclass
-class _Hint:
-    """What a writer's plan says about staging the next save of the same entries: each
-    entry's page phase (or None) and the order the writer reads them in, both by index in
-    the flattened state."""
-
-    signature: str
-    phases: list[int | None]
-    order: list[int]
+    signature: str  # what the entries are, without where they sit (see Checkpointer._layout)
 
 
 class AsyncSave:
@@ -194,7 +179,8 @@ class AsyncSave:
         self._finished = False
         self._surfaced = False  # the error was raised to the caller once
         self.total_seconds: float | None = None
-        self._staged_as: _Staged | None = None
+        self._signature = ""  # of the staged entries (Checkpointer._layout)
+        self._n_entries = 0
 
     # -- staging -------------------------------------------------------------------------
 
@@ -387,7 +373,9 @@ class Checkpointer:
         self._last: AsyncSave | None = None
         self._counter = 0
         self._lock = threading.Lock()
-        self._hint: _Hint | None = None  # from the writer's plan of the last save (see _layout)
+        # (signature of the staged entries, page phase of each or None): from the writer's
+        # plan of the last save of the same entries (see _layout)
+        self._phases: tuple[str, list[int | None]] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -479,7 +467,7 @@ class Checkpointer:
             err = e
         comm.agree(err, "asynchronous save (preparing the staging buffer)")  # no writer is left waiting
         handle = AsyncSave(self, os.fspath(path), opts.step, progress)
-        handle._staged_as = staged
+        handle._signature, handle._n_entries = staged.signature, len(staged.entries)
         self._last = handle
         cmd = {
             "op": "save",
@@ -495,9 +483,9 @@ class Checkpointer:
 
         def stage() -> None:
             t = time.perf_counter()
-            try:  # the writer plans, then writes each entry as soon as it is told it is staged
+            try:
+                self._copy(entries, staged)
                 self._conn.send_bytes(json.dumps(cmd).encode())
-                self._copy(entries, staged, lambda k: self._conn.send_bytes(b'{"op": "staged", "upto": %d}' % k))
             except BaseException as e:  # surfaced by wait_staged()/wait()
                 handle._stage_error = e
                 try:  # the writers still meet: ours fails the save on every rank
@@ -521,14 +509,12 @@ class Checkpointer:
         return handle
 
     def _layout(self, entries: list[Entry]) -> _Staged:
-        """Where each entry goes in the segment, and the order of the copy. Entries are
-        64-byte aligned, in the state's order, unless the writer's plan of the previous
-        save of the same entries gave a hint (the plan stays the same as long as the entries
-        do: the writers' plan cache): then they are copied in the order the writer reads
-        them, and those it writes in place sit at the offset within a page their bytes have
-        in their file, so its O_DIRECT writes take them straight from the segment. A hint
-        that no longer fits costs only the copies it would have saved: the writer checks
-        the alignment of every write itself."""
+        """Where each entry goes in the segment. Entries are 64-byte aligned, except those the
+        writer's plan of the previous save of the same entries gave a page phase: they sit at
+        that offset within a page, the one their bytes have in their file, so the writer's
+        O_DIRECT writes take them straight from the segment (the plan is the same as long as
+        the entries are: the writers' plan cache). A phase that no longer fits costs only
+        the copy it would have saved: the writer checks every write's alignment itself."""
         rows = []
         for e in entries:
             n = e.local.numel() * e.local.element_size()
@@ -536,17 +522,16 @@ class Checkpointer:
             rows.append([e.role, e.name, dtype_name(e.local.dtype), list(lay.shape), lay.to_json(), 0, n,
                          list(e.aliases), e.per_rank])
         signature = json.dumps(rows)
-        hint = self._hint if self._hint is not None and self._hint.signature == signature else None
-        order = hint.order if hint is not None else list(range(len(rows)))
+        phases = self._phases[1] if self._phases is not None and self._phases[0] == signature else None
         pos = 0
-        for i in order:
-            phase = hint.phases[i] if hint is not None else None
-            if phase is not None and phase % entries[i].local.element_size():
+        for i, row in enumerate(rows):
+            phase = phases[i] if phases is not None else None
+            if not (type(phase) is int and 0 <= phase < ALIGN and phase % entries[i].local.element_size() == 0):
                 phase = None
             pos += (phase - pos) % ALIGN if phase is not None else -pos % 64
-            rows[i][5] = pos
-            pos += rows[i][6]
-        return _Staged([rows[i] for i in order], -(-pos // 64) * 64, signature, order)
+            row[5] = pos
+            pos += row[6]
+        return _Staged(rows, -(-pos // 64) * 64, signature)
 
     def _ensure_segment(self, size: int) -> None:
         if self._seg is not None and self._seg.size >= size:
@@ -561,32 +546,22 @@ class Checkpointer:
             self._seg.close(unlink=True)
         self._seg = seg
 
-    def _copy(self, entries: list[Entry], staged: _Staged, note: Callable[[int], None]) -> None:
-        """Copy the entries into the segment in the staged order; ``note(k)`` once the first
-        ``k`` rows are there (every :data:`NOTE_BYTES` or so, and at the end), device copies
-        synchronised first."""
+    def _copy(self, entries: list[Entry], staged: _Staged) -> None:
         buf = self._seg.tensor
         devices = set()
-        unnoted = 0
-        for k, (i, row) in enumerate(zip(staged.order, staged.entries), 1):
-            e = entries[i]
+        for e, row in zip(entries, staged.entries):
             off, n = row[5], row[6]
-            if n:
-                dst = buf[off : off + n].view(e.local.dtype).view(e.local.shape)
-                src = e.local.detach()
-                if src.device.type == "cuda":
-                    devices.add(src.device)
-                    dst.copy_(src, non_blocking=self._seg.pinned)
-                else:
-                    dst.copy_(src)
-                unnoted += n
-            if unnoted >= NOTE_BYTES or k == len(entries):
-                for dev in devices:  # the current device is per thread: wait on each one used
-                    torch.cuda.synchronize(dev)
-                note(k)
-                unnoted = 0
-        if not entries:
-            note(0)
+            if n == 0:
+                continue
+            dst = buf[off : off + n].view(e.local.dtype).view(e.local.shape)
+            src = e.local.detach()
+            if src.device.type == "cuda":
+                devices.add(src.device)
+                dst.copy_(src, non_blocking=self._seg.pinned)
+            else:
+                dst.copy_(src)
+        for dev in devices:  # the current device is per thread: wait on each one used
+            torch.cuda.synchronize(dev)
 
     # -- results ----------------------------------------------------------------------------------
 
@@ -639,26 +614,12 @@ class Checkpointer:
                 )
             elif msg.get("ok"):
                 handle._result = SaveResult(**msg["result"])
-                self._hint = _hint_of(handle._staged_as, msg.get("phases"), msg.get("order"))
+                phases = msg.get("phases")
+                if isinstance(phases, list) and len(phases) == handle._n_entries:
+                    self._phases = (handle._signature, phases)
             else:
                 handle._error = AsyncSaveError(f"save of {handle.path} failed: {msg.get('error')}")
             return
-
-
-def _hint_of(staged: _Staged | None, phases, order) -> _Hint | None:
-    """The writer's hint (by row of the save command) by index in the flattened state; None
-    if it does not fit the save."""
-    if staged is None or not isinstance(phases, list) or not isinstance(order, list):
-        return None
-    n = len(staged.entries)
-    if len(phases) != n or sorted(x for x in order if type(x) is int) != list(range(n)):
-        return None
-    if not all(p is None or (type(p) is int and 0 <= p < ALIGN) for p in phases):
-        return None
-    by_state: list[int | None] = [None] * n
-    for row, p in enumerate(phases):
-        by_state[staged.order[row]] = p
-    return _Hint(staged.signature, by_state, [staged.order[row] for row in order])
 
 
 def writer_path(path) -> str:
@@ -795,19 +756,25 @@ def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: f
                 entries.append(Entry(role, name, local, layout, tuple(aliases), bool(per_rank)))
             opts = SaveOptions.from_json(cmd["opts"])
             sender = _ProgressSender(conn) if cmd.get("progress") else None
-            feed = _StagingFeed(conn, [e.key for e in entries], comm.timeout_s)
-            hint: dict[str, list] = {}
+            phases: list[int | None] = [None] * len(entries)
+
+            def planned(plan, entries=entries, phases=phases) -> None:
+                want = plan.page_phases(rank, ALIGN)
+                for i, e in enumerate(entries):
+                    p = want.get(e.key)
+                    if p is not None and e.local.numel() * e.local.element_size() >= FROM_MEMORY_MIN \
+                            and p % e.local.element_size() == 0:
+                        phases[i] = p
+
             try:
-                res = save_entries(comm, (entries, cmd["state"]), None, cmd["path"], opts, sender,
-                                   lambda plan: hint.update(_staging_hint(plan, rank, entries)), feed.wait)
+                res = save_entries(comm, (entries, cmd["state"]), None, cmd["path"], opts, sender, planned)
             finally:
                 if sender is not None:
                     sender.close()  # its last report goes before our answer
-                feed.join()  # every staging message of this save is read before the next command
             _reply(conn, {"ok": True, "result": {
                 "path": res.path, "step": res.step, "files": res.files, "bytes": res.bytes,
                 "local_bytes": res.local_bytes, "seconds": res.seconds, "phases": res.phases,
-            }, **hint})
+            }, "phases": phases})
         except Exception as e:
             _reply(conn, {"ok": False, "error": f"{type(e).__name__}: {e}"})
             break  # the writers' group may be broken: the parent restarts us
@@ -818,77 +785,6 @@ def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: f
         pass
     for seg in segments.values():
         seg.close(unlink=False)
-
-
-def _staging_hint(plan, rank: int, entries: list[Entry]) -> dict[str, list]:
-    """For the trainer's next save of the same entries (see :meth:`Checkpointer._layout`):
-    ``phases``, the page phase of each entry written in place that is long enough to be
-    written from memory, else None; ``order``, the entries in the order this rank writes
-    them (in-place ones first, by file and offset)."""
-    want = plan.page_phases(rank, ALIGN)
-    index = {e.key: i for i, e in enumerate(entries)}
-    phases: list[int | None] = [None] * len(entries)
-    for key, p in want.items():
-        e = entries[index[key]]
-        if e.local.numel() * e.local.element_size() >= FROM_MEMORY_MIN and p % e.local.element_size() == 0:
-            phases[index[key]] = p
-    first = [index[k] for k in want]
-    return {"phases": phases, "order": first + sorted(set(range(len(entries))) - set(first))}
-
-
-class _StagingFeed:
-    """The trainer's copy into the segment as its writer sees it: the save command comes
-    first, then ``{"op": "staged", "upto": k}`` once the first ``k`` rows are copied (the
-    last one with every row), or ``{"op": "abort"}``, read here by a thread of its own.
-    :meth:`wait` is the save's ``ready``: it blocks until an entry (``None``: every entry)
-    is staged, and raises if it never will be (the copy failed, the trainer is gone) or
-    after ``timeout_s``."""
-
-    def __init__(self, conn, keys: list[tuple[str, str]], timeout_s: float) -> None:
-        self._row = {k: i for i, k in enumerate(keys)}
-        self._n, self._timeout = len(keys), timeout_s
-        self._cv = threading.Condition()
-        self._upto = 0
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._read, args=(conn,), name="unickpt-staging-feed", daemon=True)
-        self._thread.start()
-
-    def _read(self, conn) -> None:
-        while True:
-            try:
-                msg = json.loads(conn.recv_bytes())
-            except (EOFError, OSError):
-                return self._fail(AsyncSaveError("the trainer went away while staging"))
-            op = msg.get("op")
-            if op == "staged":
-                with self._cv:
-                    self._upto = max(self._upto, int(msg["upto"]))
-                    self._cv.notify_all()
-                if self._upto >= self._n:
-                    return
-            else:
-                what = msg.get("error") if op == "abort" else f"unexpected message {op!r}"
-                return self._fail(AsyncSaveError(f"staging failed: {what}"))
-
-    def _fail(self, e: BaseException) -> None:
-        with self._cv:
-            self._error = e
-            self._cv.notify_all()
-
-    def wait(self, key: tuple[str, str] | None) -> None:
-        row = self._row.get(key, self._n - 1) if key is not None else self._n - 1
-        deadline = time.monotonic() + self._timeout
-        with self._cv:
-            while self._upto <= row and self._error is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise AsyncSaveError(f"staging did not finish within {self._timeout:.0f} s")
-                self._cv.wait(left)
-            if self._upto <= row:
-                raise self._error
-
-    def join(self) -> None:
-        self._thread.join()
 
 
 def _reply(conn, obj: dict) -> None:

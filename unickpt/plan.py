@@ -233,23 +233,19 @@ class SavePlan:
         modulo ``page``, for its bytes to have the same offset within a page as in the file
         (so an O_DIRECT write can take them without a copy): tensor key -> the file offset,
         modulo ``page``, of its local element 0. A piece of several runs whose offsets differ
-        gets the phase that matches most of its bytes. Keys come in the order the rank
-        writes them (file, then offset in the file)."""
-        file_index = {f.name: i for i, f in enumerate(self.files)}
-        header = [len(f.header) for f in self.files]
-        runs = []  # (file index, file offset, key, phase, bytes)
+        gets the phase that matches most of its bytes."""
+        header = {f.name: len(f.header) for f in self.files}
+        out = {}
         for t in self.tensors.values():
-            if t.direct:
-                fi = file_index[t.file]
-                for _, lo, g, n in extents_of(t, rank):
-                    off = header[fi] + t.begin + g * t.itemsize
-                    runs.append((fi, off, t.key, (off - lo * t.itemsize) % page, n * t.itemsize))
-        runs.sort(key=lambda r: r[:2])
-        weights: dict[tuple[str, str], dict[int, int]] = {}
-        for _, _, key, phase, n in runs:
-            w = weights.setdefault(key, {})
-            w[phase] = w.get(phase, 0) + n
-        return {key: max(w, key=w.__getitem__) for key, w in weights.items()}
+            if not t.direct:
+                continue
+            weight: dict[int, int] = {}
+            for _, lo, g, n in extents_of(t, rank):
+                phase = (header[t.file] + t.begin + (g - lo) * t.itemsize) % page
+                weight[phase] = weight.get(phase, 0) + n
+            if weight:
+                out[t.key] = max(weight, key=weight.__getitem__)
+        return out
 
     def schedule(self, rank: int) -> list[Step]:
         if rank not in self._schedules:

@@ -64,7 +64,6 @@ class SaveResult:
 
 
 ProgressFn = Callable[[int, int], None]
-ReadyFn = Callable[[tuple[str, str] | None], None]
 
 
 @dataclass(frozen=True)
@@ -197,7 +196,6 @@ def save_entries(
     opts: SaveOptions,
     progress: ProgressFn | None = None,
     planned: Callable[[SavePlan], None] | None = None,
-    ready: ReadyFn | None = None,
 ) -> SaveResult:
     """The synchronous save, from a state dict or from already flattened entries ``flat``;
     collective over ``comm`` (whose timeout bounds every wait). ``progress`` is called in
@@ -205,11 +203,7 @@ def save_entries(
     ``(total, total)``; a callback that raises is logged once and not called again.
     ``planned(plan)`` is called once the ranks have agreed on the plan (the asynchronous
     writer learns from it where the next save should stage each tensor); an exception it
-    raises is logged and does not change the save. ``ready(key)``, when given, blocks until
-    the bytes of entry ``key`` may be read (``None``: of every entry) and raises if they never
-    will be (the asynchronous writer starts while its trainer is still staging): the save
-    asks for each entry before its first read, and for all of them up front where planning
-    reads data (compression, replicated tensors); its error fails the save on every rank."""
+    raises is logged and does not change the save."""
     comp = opts.compression or Compression()
     ph = Phases()
     storage, final = storage_for(path, opts.storage_options)
@@ -219,8 +213,6 @@ def save_entries(
     with ph.phase("plan"):
         try:
             entries, json_state = flat if flat is not None else flatten(state_dict, comm.rank, comm.world)
-            if ready is not None and _plan_reads_data(entries, comp, comm.world):
-                ready(None)
         except Exception as e:
             err = e
         comm.agree(err, "save (reading the state dict)")
@@ -287,7 +279,7 @@ def save_entries(
         with ph.phase("write"):
             try:
                 result, fragments = _write_rank(plan, comm, by_key, storage, tmp, opts.direct_io, ph, progress,
-                                                txn.file_name, ready)
+                                                txn.file_name)
                 result["exceptions"] = _exception_report(plan, comm.rank, exceptions)
             except Exception as e:  # agreed below: no rank leaves the others waiting
                 err, fragments = e, []
@@ -499,12 +491,6 @@ def _rank_values(obj: Any, visit=None, replace=None) -> Any:
     return obj
 
 
-def _plan_reads_data(entries: list[Entry], comp: Compression, world: int) -> bool:
-    """Whether planning reads tensor bytes: compression (master residuals) or
-    :func:`_check_replicas` (a tensor this rank holds whole, as copy 0, in a group)."""
-    return comp.active or (world > 1 and any(e.layout.is_full and e.layout.replica == 0 for e in entries))
-
-
 def _fingerprint(t: torch.Tensor) -> int:
     """A 62-bit fingerprint of a tensor's bytes: xxh3 on the host; on an accelerator a
     position-weighted sum computed there (no copy of the tensor to the host)."""
@@ -695,26 +681,17 @@ def _finish_files(plan: SavePlan, rank: int, storage: Storage, tmp: str, blobs: 
 
 
 class _Source:
-    """Host bytes of a local tensor, on demand (device tensors are copied per range), read
-    only once ``ready`` (see :func:`save_entries`) allows it."""
+    """Host bytes of a local tensor, on demand (device tensors are copied per range)."""
 
-    def __init__(self, entry: Entry, ready: ReadyFn | None = None) -> None:
+    def __init__(self, entry: Entry) -> None:
         t = entry.local.detach()
         self.device = t.device
-        self.key = entry.key
-        self._ready = ready
-        if not t.is_contiguous():  # the copy reads the tensor now
-            self._wait()
-            t = t.contiguous()
-        self.flat = as_bytes(t)  # on a device, stays there
-
-    def _wait(self) -> None:
-        if self._ready is not None:
-            self._ready(self.key)
-            self._ready = None
+        if t.device.type == "cpu":
+            self.flat = as_bytes(t if t.is_contiguous() else t.contiguous())
+        else:
+            self.flat = as_bytes(t if t.is_contiguous() else t.contiguous())  # stays on device
 
     def host_range(self, start: int, stop: int) -> torch.Tensor:
-        self._wait()
         v = self.flat[start:stop]
         return v if self.device.type == "cpu" else v.to("cpu")
 
@@ -731,7 +708,7 @@ def _bucket(slot: int, need: int) -> torch.Tensor:
 
 
 def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, direct_io, ph: Phases, progress,
-                name_of=str, ready: ReadyFn | None = None):
+                name_of=str):
     """Write this rank's share: headers of its files, its runs of direct tensors (in place,
     into whichever file holds them), and the gathered tensors it owns (via buckets).
 
@@ -765,7 +742,7 @@ def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, 
         for k in {t.key for _, t, _, _, _ in extents} | {
             t.key for st in plan.schedule(rank) for t in [*(x[1] for x in st.sends), *(x[0] for x in st.copies)]
         }:
-            sources[k] = _Source(by_key[k], ready)
+            sources[k] = _Source(by_key[k])
     except Exception as e:  # e.g. no memory for a contiguous copy: drain the steps, then raise
         io_error.append(e)
 
@@ -839,11 +816,6 @@ def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, 
             note(sum(int(v.numel()) for _, _, v, _, _ in items))
         reap(0)
         reap(1)
-        if ready is not None and not io_error:
-            try:  # every entry staged, read here or not: a copy that failed fails the save
-                ready(None)
-            except Exception as e:
-                io_error.append(e)
         if io_error:
             raise io_error[0]
         # the direct runs and file headers (written by write_direct): progress ends at total
