@@ -82,9 +82,9 @@ class _Writer:
     def bytes_written(self) -> int:
         return self.inner.bytes_written
 
-    def write_at(self, offset: int, data: memoryview) -> None:
+    def write_at(self, offset: int, data: memoryview, stable: bool = False) -> None:
         self.faults.on_write(self.path)
-        self.inner.write_at(offset, data)
+        self.inner.write_at(offset, data, stable)
 
     def close(self) -> list[tuple[int, bytes]]:
         delay = self.faults.get("fsync_delay")

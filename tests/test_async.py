@@ -100,6 +100,45 @@ def test_writer_killed_mid_write_raises_everywhere_and_later_saves_work(tmp_path
     assert unickpt.load(t, os.path.join(root, "step-00000001")).step == 1
 
 
+def _copy_fails(rank, world, root):
+    import unickpt.async_save as a
+
+    sd = _state(rank, world, scale=64)
+    unickpt.save(sd, os.path.join(root, "step-00000001"), step=1, async_save=True).wait(timeout=120)
+    if rank == 1:
+        real = a.Checkpointer._copy
+
+        def copy(self, entries, staged):
+            real(self, entries[:2], staged)  # part of the state is staged, then the copy fails
+            raise RuntimeError("injected copy failure")
+
+        a.Checkpointer._copy = copy
+    errors = []
+    try:
+        h = unickpt.save(sd, os.path.join(root, "step-00000002"), step=2, async_save=True)
+    except AsyncSaveError as e:  # rank 1: the copy failed in the call
+        errors.append(str(e))
+        h = a.checkpointer()._last
+    with pytest.raises(AsyncSaveError) as e:
+        h.wait(timeout=120)
+    errors.append(str(e.value))
+    if rank == 1:
+        a.Checkpointer._copy = real
+    listing = sorted(os.listdir(root))
+    unickpt.save(sd, os.path.join(root, "step-00000003"), step=3, async_save=True).wait(timeout=120)
+    return errors, listing
+
+
+def test_a_copy_that_fails_in_the_call_raises_a_typed_error_and_fails_the_save_everywhere(tmp_path):
+    root = str(tmp_path)
+    out = dist.run(_copy_fails, 2, root)
+    assert "injected copy failure" in out[1][0][0] and len(out[1][0]) == 2 and len(out[0][0]) == 1
+    for errors, listing in out:
+        assert listing == ["step-00000001"]  # nothing committed, no temporary left
+    assert sorted(os.listdir(root)) == ["step-00000001", "step-00000003"]
+    assert _digests(os.path.join(root, "step-00000003")) == _digests(os.path.join(root, "step-00000001"))
+
+
 def _tiny_trainer(root, **kw):
     from unickpt.train import LlamaConfig, TextData, Trainer, UnifiedCheckpoint
 

@@ -428,11 +428,11 @@ def _die_mid_write(rank, world, root):
             w = real(self, path, direct=direct, size=size)
             orig = w.write_at
 
-            def write_at(offset, data, _n=[0]):
+            def write_at(offset, data, stable=False, _n=[0]):
                 _n[0] += 1
                 if _n[0] == 2:  # in the middle of the bucketed exchange
                     os.kill(os.getpid(), signal.SIGKILL)
-                return orig(offset, data)
+                return orig(offset, data, stable)
 
             w.write_at = write_at
             return w

@@ -60,6 +60,7 @@ from .format import dtype_name, torch_dtype
 from .layout import Layout
 from .saver import ProgressFn, SaveOptions, SaveResult, save_entries
 from .state import Entry, flatten
+from .storage import FROM_MEMORY_MIN
 from .transport import Comm, resolve_timeout
 
 __all__ = ["AsyncSave", "Checkpointer", "checkpointer", "shutdown"]
@@ -155,6 +156,7 @@ class _Segment:
 class _Staged:
     entries: list[list]
     size: int
+    signature: str  # what the entries are, without where they sit (see Checkpointer._layout)
 
 
 class AsyncSave:
@@ -179,6 +181,8 @@ class AsyncSave:
         self._finished = False
         self._surfaced = False  # the error was raised to the caller once
         self.total_seconds: float | None = None
+        self._signature = ""  # of the staged entries (Checkpointer._layout)
+        self._n_entries = 0
 
     # -- staging -------------------------------------------------------------------------
 
@@ -371,6 +375,9 @@ class Checkpointer:
         self._last: AsyncSave | None = None
         self._counter = 0
         self._lock = threading.Lock()
+        # (signature of the staged entries, page phase of each or None): from the writer's
+        # plan of the last save of the same entries (see _layout)
+        self._phases: tuple[str, list[int | None]] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -464,6 +471,7 @@ class Checkpointer:
             err = e
         comm.agree(err, "asynchronous save (preparing the staging buffer)")  # no writer is left waiting
         handle = AsyncSave(self, os.fspath(path), opts.step, progress)
+        handle._signature, handle._n_entries = staged.signature, len(staged.entries)
         self._last = handle
         cmd = {
             "op": "save",
@@ -501,18 +509,34 @@ class Checkpointer:
             stage()
             handle.call_seconds = time.perf_counter() - t0
             if handle._stage_error is not None:
-                raise handle._error
+                handle._surfaced = True  # the caller learns here that this save failed
+                handle.wait_staged()  # raises the staging error
         return handle
 
     def _layout(self, entries: list[Entry]) -> _Staged:
-        rows, pos = [], 0
+        """Where each entry goes in the segment. Entries are 64-byte aligned, except those the
+        writer's plan of the previous save of the same entries gave a page phase: they sit at
+        that offset within a page, the one their bytes have in their file, so the writer's
+        O_DIRECT writes take them straight from the segment (the plan is the same as long as
+        the entries are: the writers' plan cache). A phase that no longer fits costs only
+        the copy it would have saved: the writer checks every write's alignment itself."""
+        rows = []
         for e in entries:
             n = e.local.numel() * e.local.element_size()
             lay = e.layout
-            rows.append([e.role, e.name, dtype_name(e.local.dtype), list(lay.shape), lay.to_json(), pos, n,
+            rows.append([e.role, e.name, dtype_name(e.local.dtype), list(lay.shape), lay.to_json(), 0, n,
                          list(e.aliases), e.per_rank])
-            pos += -(-n // 64) * 64
-        return _Staged(rows, pos)
+        signature = json.dumps(rows)
+        phases = self._phases[1] if self._phases is not None and self._phases[0] == signature else None
+        pos = 0
+        for i, row in enumerate(rows):
+            phase = phases[i] if phases is not None else None
+            if not (type(phase) is int and 0 <= phase < ALIGN and phase % entries[i].local.element_size() == 0):
+                phase = None
+            pos += (phase - pos) % ALIGN if phase is not None else -pos % 64
+            row[5] = pos
+            pos += row[6]
+        return _Staged(rows, -(-pos // 64) * 64, signature)
 
     def _ensure_segment(self, size: int) -> None:
         if self._seg is not None and self._seg.size >= size:
@@ -596,6 +620,9 @@ class Checkpointer:
             elif msg.get("ok"):
                 handle._result = SaveResult(**msg["result"])
                 handle.results = [SaveResult(**r) for r in msg.get("results") or [msg["result"]]]
+                phases = msg.get("phases")
+                if isinstance(phases, list) and len(phases) == handle._n_entries:
+                    self._phases = (handle._signature, phases)
             else:
                 handle._error = AsyncSaveError(f"save of {handle.path} failed: {msg.get('error')}")
             return
@@ -735,18 +762,31 @@ def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: f
                 entries.append(Entry(role, name, local, layout, tuple(aliases), bool(per_rank)))
             opts = SaveOptions.from_json(cmd["opts"])
             sender = _ProgressSender(conn) if cmd.get("progress") else None
+            phases: list[int | None] = [None] * len(entries)
+
+            def planned(plan, entries=entries, phases=phases) -> None:
+                want = plan.page_phases(rank, ALIGN)
+                for i, e in enumerate(entries):
+                    p = want.get(e.key)
+                    if p is not None and e.local.numel() * e.local.element_size() >= FROM_MEMORY_MIN \
+                            and p % e.local.element_size() == 0:
+                        phases[i] = p
+
+            also = list(cmd.get("also") or ())  # e.g. the durable copy of a memory snapshot
             results = []
-            try:
-                results.append(save_entries(comm, (entries, cmd["state"]), None, cmd["path"], opts, sender))
-                for other in cmd.get("also") or ():  # e.g. the durable copy of a memory snapshot
+            try:  # staging follows the page phases of the last checkpoint (the durable one, if any)
+                results.append(save_entries(comm, (entries, cmd["state"]), None, cmd["path"], opts, sender,
+                                            None if also else planned))
+                for i, other in enumerate(also):
                     results.append(save_entries(comm, (entries, cmd["state"]), None, other,
-                                                dataclasses.replace(opts, replicas=0), None))
+                                                dataclasses.replace(opts, replicas=0), None,
+                                                planned if i == len(also) - 1 else None))
             finally:
                 if sender is not None:
                     sender.close()  # its last report goes before our answer
             out = [{"path": r.path, "step": r.step, "files": r.files, "bytes": r.bytes, "local_bytes": r.local_bytes,
                     "seconds": r.seconds, "phases": r.phases} for r in results]
-            _reply(conn, {"ok": True, "result": out[0], "results": out})
+            _reply(conn, {"ok": True, "result": out[0], "results": out, "phases": phases})
         except Exception as e:
             _reply(conn, {"ok": False, "error": f"{type(e).__name__}: {e}"})
             break  # the writers' group may be broken: the parent restarts us

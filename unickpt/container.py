@@ -49,7 +49,7 @@ class ZstdWriter:
     def bytes_written(self) -> int:
         return self.logical
 
-    def write_at(self, offset: int, data: memoryview) -> None:
+    def write_at(self, offset: int, data: memoryview, stable: bool = False) -> None:
         view = memoryview(data).cast("B")
         for a in range(0, len(view), FRAME):
             raw = view[a : a + FRAME]

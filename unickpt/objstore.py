@@ -645,7 +645,7 @@ class _ObjectWriter:
             return self.part
         return max(0, min(self.part, self.size - i * self.part))
 
-    def write_at(self, offset: int, data) -> None:
+    def write_at(self, offset: int, data, stable: bool = False) -> None:
         view = memoryview(data).cast("B")
         n = len(view)
         if self.size is not None and offset + n > self.size:

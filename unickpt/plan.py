@@ -228,6 +228,25 @@ class SavePlan:
                             out.append((t, lay))
         return out
 
+    def page_phases(self, rank: int, page: int = 4096) -> dict[tuple[str, str], int]:
+        """Where ``rank``'s local copy of each tensor it writes in place would sit in memory,
+        modulo ``page``, for its bytes to have the same offset within a page as in the file
+        (so an O_DIRECT write can take them without a copy): tensor key -> the file offset,
+        modulo ``page``, of its local element 0. A piece of several runs whose offsets differ
+        gets the phase that matches most of its bytes."""
+        header = {f.name: len(f.header) for f in self.files}
+        out = {}
+        for t in self.tensors.values():
+            if not t.direct:
+                continue
+            weight: dict[int, int] = {}
+            for _, lo, g, n in extents_of(t, rank):
+                phase = (header[t.file] + t.begin + (g - lo) * t.itemsize) % page
+                weight[phase] = weight.get(phase, 0) + n
+            if weight:
+                out[t.key] = max(weight, key=weight.__getitem__)
+        return out
+
     def schedule(self, rank: int) -> list[Step]:
         if rank not in self._schedules:
             self._schedules[rank] = _schedule(self, rank)

@@ -200,11 +200,15 @@ def save_entries(
     path,
     opts: SaveOptions,
     progress: ProgressFn | None = None,
+    planned: Callable[[SavePlan], None] | None = None,
 ) -> SaveResult:
     """The synchronous save, from a state dict or from already flattened entries ``flat``;
     collective over ``comm`` (whose timeout bounds every wait). ``progress`` is called in
     this thread as ``progress(bytes_done, bytes_total)`` for this rank's writes, ending at
-    ``(total, total)``; a callback that raises is logged once and not called again."""
+    ``(total, total)``; a callback that raises is logged once and not called again.
+    ``planned(plan)`` is called once the ranks have agreed on the plan (the asynchronous
+    writer learns from it where the next save should stage each tensor); an exception it
+    raises is logged and does not change the save."""
     comp = opts.compression or Compression()
     ph = Phases()
     storage, final = storage_for(path, opts.storage_options)
@@ -242,6 +246,11 @@ def save_entries(
             err = e
         comm.agree(err, "save (tied weights)")
         _check_replicas(comm, plan, entries)
+        if planned is not None:
+            try:
+                planned(plan)
+            except Exception as e:  # advice for later saves only: never worth failing this one
+                log.warning("save: the plan callback failed: %s", e)
 
     # -- prepare the temporary directory ------------------------------------------------
     token = comm.broadcast_bytes(_commit.new_token().encode() if comm.rank == 0 else None).decode()
@@ -782,8 +791,10 @@ def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, 
             view = src(t.key).host_range(lo * isz, (lo + n) * isz)
             mv = memoryview(view.numpy())
             start = g * isz
+            # sources do not change during a save (``view`` stays referenced by the write):
+            # the writer may take the bytes straight from memory, while this thread hashes them
+            writers[fi].write_at(len(files[fi].header) + t.begin + start, mv, stable=True)
             checks.setdefault(f"{t.role}/{t.name}", []).extend(block_sums(mv, start))
-            writers[fi].write_at(len(files[fi].header) + t.begin + start, mv)
 
     try:
         try:

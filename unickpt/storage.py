@@ -8,6 +8,7 @@ serves fsspec URLs (``s3://``, ``memory://``, ``gs://``...). Each declares its
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import mmap
@@ -27,6 +28,8 @@ from .errors import (CheckpointExistsError, CheckpointNotFoundError, Distributed
 __all__ = ["Capabilities", "Storage", "MarkerStorage", "LocalStorage", "join_path", "storage_for", "ExtentWriter", "RandomReader"]
 
 ALIGN = 4096  # O_DIRECT alignment of offsets, sizes and buffers
+FROM_MEMORY_MIN = 1 << 20  # stable data at least this long may be written without a copy
+FROM_MEMORY_CHUNK = 32 << 20  # one O_DIRECT write straight from a caller's memory
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
@@ -37,13 +40,19 @@ class ExtentWriter(Protocol):
     only whole aligned pages reach the disk: bytes of partial pages at run edges come back
     from ``close()`` as *fragments* ``(offset, bytes)``, to be merged by the file's owner
     with :meth:`Storage.finish_file` (several ranks may write disjoint ranges of one file).
+
+    ``stable=True`` promises that ``data`` stays unchanged until ``close()`` or ``abort()``
+    returns: a writer may then write straight from it, after ``write_at`` has returned,
+    instead of copying it first (the O_DIRECT writer does where the memory's page offset
+    matches the file's). Without it the writer is done with ``data`` when ``write_at``
+    returns.
     """
 
     path: str
     bytes_written: int
     direct: bool
 
-    def write_at(self, offset: int, data: memoryview) -> None: ...
+    def write_at(self, offset: int, data: memoryview, stable: bool = False) -> None: ...
     def close(self) -> list[tuple[int, bytes]]: ...
     def abort(self) -> None: ...
 
@@ -569,7 +578,7 @@ class _BufferedWriter:
         self.fd = os.open(path, os.O_WRONLY)
         self.bytes_written = 0
 
-    def write_at(self, offset: int, data: memoryview) -> None:
+    def write_at(self, offset: int, data: memoryview, stable: bool = False) -> None:
         view = memoryview(data).cast("B")
         while view:
             n = _progress(os.pwrite(self.fd, view, offset), self.path)
@@ -604,9 +613,17 @@ class _DirectEngine:
         self.stg = [_Staging.get(self.STAGING) for _ in range(self.BUFFERS)]
         self.cur = 0
         self.pending: list[Future | None] = [None] * self.BUFFERS
+        self.inflight: collections.deque[Future] = collections.deque()  # writes from callers' memory
         self.pool = ThreadPoolExecutor(self.BUFFERS - 1, thread_name_prefix="unickpt-odirect")
         self.owner: "_DirectWriter | None" = None
         self.users = 0
+
+    def submit_direct(self, fn, *args) -> None:
+        """Queue a write straight from a caller's memory; at most ``BUFFERS - 1`` such
+        writes are queued at once (the oldest is waited for first)."""
+        while len(self.inflight) >= self.BUFFERS - 1:
+            self.inflight.popleft().result()
+        self.inflight.append(self.pool.submit(fn, *args))
 
     def next(self) -> None:
         """Move to the next staging buffer, waiting until its previous write is done."""
@@ -627,6 +644,11 @@ class _DirectEngine:
                 self.wait(i)
             except BaseException as e:  # keep waiting: no write may outlive its buffer
                 first = first or e
+        while self.inflight:
+            try:
+                self.inflight.popleft().result()
+            except BaseException as e:  # nor its caller's memory
+                first = first or e
         if first is not None:
             raise first
 
@@ -643,7 +665,13 @@ class _DirectEngine:
 class _DirectWriter:
     """O_DIRECT positional writer. A run of contiguous ``write_at`` calls is copied into the
     engine's staging buffer at its in-page offset, so whole pages go to disk directly; the
-    partial pages at a run's ends become fragments for the file's owner."""
+    partial pages at a run's ends become fragments for the file's owner.
+
+    Stable data (see :class:`ExtentWriter`) of at least :data:`FROM_MEMORY_MIN` bytes whose
+    address has the same offset within a page as its file offset is not copied: its whole
+    pages are written straight from the caller's memory (in :data:`FROM_MEMORY_CHUNK`
+    writes, queued on the engine's threads); only its partial first and last pages go
+    through the staging buffer, as the edges of the run they belong to."""
 
     direct = True
 
@@ -692,7 +720,7 @@ class _DirectWriter:
         self._base += last_full
         self._skip = self._fill = 0
 
-    def write_at(self, offset: int, data: memoryview) -> None:
+    def write_at(self, offset: int, data: memoryview, stable: bool = False) -> None:
         src = np.frombuffer(data, dtype=np.uint8)
         n = len(src)
         if n == 0:
@@ -707,7 +735,27 @@ class _DirectWriter:
             self._flush(final=True)
             self._base = (offset // ALIGN) * ALIGN
             self._skip = self._fill = offset - self._base
-        i, cap = 0, eng.STAGING
+        if stable and n >= FROM_MEMORY_MIN and (src.ctypes.data - offset) % ALIGN == 0:
+            head = -offset % ALIGN  # up to the first page boundary: completes the staged run
+            body = (n - head) // ALIGN * ALIGN
+            self._stage(src[:head])
+            self._flush(final=True)  # the run ends on a page boundary: no trailing fragment
+            view = memoryview(src)
+            for a in range(head, head + body, FROM_MEMORY_CHUNK):
+                b = min(a + FROM_MEMORY_CHUNK, head + body)
+                eng.submit_direct(self._pwrite_all, view[a:b], offset + a)
+            self._base = offset + head + body  # the run goes on in staging from here
+            self._skip = self._fill = 0
+            self._stage(src[head + body :])
+        else:
+            self._stage(src)
+        self._run_end = offset + n
+        self.bytes_written += n
+
+    def _stage(self, src: np.ndarray) -> None:
+        """Copy ``src`` into staging after the run's bytes, writing each buffer that fills."""
+        eng = self.eng
+        i, n, cap = 0, len(src), eng.STAGING
         while i < n:
             k = min(n - i, cap - self._fill)
             eng.stg[eng.cur].arr[self._fill : self._fill + k] = src[i : i + k]
@@ -715,8 +763,6 @@ class _DirectWriter:
             i += k
             if self._fill == cap:
                 self._flush(final=False)
-        self._run_end = offset + n
-        self.bytes_written += n
 
     def _end_run(self) -> None:
         self._flush(final=True)

@@ -1,0 +1,205 @@
+"""O_DIRECT writes straight from the caller's memory (``write_at(..., stable=True)``) and the
+asynchronous staging laid out at the file's page phase: heads and tails of pieces take the
+copy path, the rest is written from memory, and the files are the same bytes either way."""
+
+import errno
+import mmap
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import unickpt
+from tests import dist, faulty
+from unickpt import cli
+from unickpt import storage as st
+from unickpt.errors import StorageError
+
+PAGE = st.ALIGN
+
+
+def _direct_supported(d) -> bool:
+    p = os.path.join(d, "probe")
+    with open(p, "wb"):
+        pass
+    try:
+        os.close(os.open(p, os.O_WRONLY | getattr(os, "O_DIRECT", 0)))
+        return hasattr(os, "O_DIRECT")
+    except OSError:
+        return False
+    finally:
+        os.unlink(p)
+
+
+@pytest.fixture
+def from_memory(monkeypatch):
+    """Bytes queued as writes straight from callers' memory, in this process."""
+    seen = []
+    real = st._DirectEngine.submit_direct
+
+    def submit_direct(self, fn, view, offset):
+        seen.append((offset, len(view)))
+        return real(self, fn, view, offset)
+
+    monkeypatch.setattr(st._DirectEngine, "submit_direct", submit_direct)
+    return seen
+
+
+def _body(offset: int, n: int) -> int:
+    """Bytes of a write of ``n`` bytes at ``offset`` that may skip the copy: its whole pages."""
+    head = -offset % PAGE
+    return max(0, (n - head) // PAGE * PAGE) if n >= st.FROM_MEMORY_MIN else 0
+
+
+def test_stable_pieces_at_the_file_phase_are_written_from_memory(tmp_path, from_memory):
+    if not _direct_supported(tmp_path):
+        pytest.skip("no O_DIRECT here")
+    rng = np.random.default_rng(3)
+    size = (9 << 20) + 4321
+    data = rng.integers(0, 256, size=size, dtype=np.uint8)
+    same = np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)  # byte i at page offset i % PAGE: the file's
+    same[:] = data
+    shifted = np.frombuffer(mmap.mmap(-1, size + PAGE), dtype=np.uint8)[7 : 7 + size]  # elsewhere in a page
+    shifted[:] = data
+    # pieces: odd sizes and offsets, some contiguous runs, some unstable or shifted
+    cuts = [0, 5, 4096 * 3 + 17, (2 << 20) + 1, (2 << 20) + 9000, (4 << 20) + 3, (6 << 20) + 4096, size]
+    pieces = list(zip(cuts, cuts[1:]))
+    kinds = ["stable", "stable", "stable", "unstable", "stable", "shifted", "stable"]
+    order = [6, 0, 1, 2, 4, 3, 5]
+    path = str(tmp_path / "f")
+    s = st.LocalStorage()
+    s.create_file(path, size)
+    w = s.open_writer(path, direct=True, size=size)
+    assert w.direct
+    expect = 0
+    for k in order:
+        a, b = pieces[k]
+        src = shifted if kinds[k] == "shifted" else same
+        w.write_at(a, memoryview(src[a:b]), stable=kinds[k] != "unstable")
+        if kinds[k] == "stable":
+            expect += _body(a, b - a)
+    frags = w.close()
+    s.close()
+    s.finish_file(path, frags, size)
+    with open(path, "rb") as f:
+        got = np.frombuffer(f.read(), dtype=np.uint8)
+    assert got.size == size and np.array_equal(got, data)
+    assert expect > (4 << 20) and sum(n for _, n in from_memory) == expect
+    assert all(off % PAGE == 0 and n % PAGE == 0 for off, n in from_memory)
+
+
+def _state():
+    g = torch.Generator().manual_seed(0)
+    return {"model": {
+        "a": torch.randn(262147, generator=g),  # 1 MiB + 12 bytes: the next tensor starts mid-page
+        "c": torch.randn(3, 350001, generator=g),
+        "b": torch.randn(600001, generator=g).to(torch.bfloat16),
+        "small": torch.randn(5, generator=g),
+    }}
+
+
+def _placed(state, phases, shift=0):
+    """Copies of the tensors in one page-aligned buffer, each at ``phases[name] + shift``
+    within a page."""
+    total = sum(t.numel() * t.element_size() + 2 * PAGE for t in state["model"].values())
+    mem = torch.frombuffer(mmap.mmap(-1, total), dtype=torch.uint8)
+    out, pos = {}, 0
+    for name, t in state["model"].items():
+        pos += (phases[name] + shift - pos) % PAGE
+        n = t.numel() * t.element_size()
+        out[name] = mem[pos : pos + n].view(t.dtype).view(t.shape)
+        out[name].copy_(t)
+        pos += n
+    return {"model": out}
+
+
+def _file_phases(path):
+    _, man = unickpt.read_manifest(path)
+    return {k[1]: (man.files[t.file].data_start + t.begin) % PAGE for k, t in man.tensors.items()}
+
+
+def _data_files(path):
+    out = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            with open(os.path.join(path, name), "rb") as f:
+                out[name] = f.read()
+    return out
+
+
+@pytest.mark.parametrize("shift", [0, 8])
+def test_a_save_from_memory_at_the_file_phase_is_the_same_checkpoint(tmp_path, from_memory, shift):
+    if not _direct_supported(tmp_path):
+        pytest.skip("no O_DIRECT here")
+    state = _state()
+    unickpt.save(state, tmp_path / "plain")
+    phases = _file_phases(tmp_path / "plain")
+    assert phases["c"] % PAGE and phases["b"] % PAGE  # heads and tails on both sides
+    from_memory.clear()
+    unickpt.save(_placed(state, phases, shift), tmp_path / "placed")
+    _, man = unickpt.read_manifest(tmp_path / "placed")
+    expect = sum(_body(man.files[t.file].data_start + t.begin, t.nbytes) for t in man.tensors.values())
+    assert sum(n for _, n in from_memory) == (expect if shift == 0 else 0) and expect > (6 << 20)
+    assert _data_files(tmp_path / "placed") == _data_files(tmp_path / "plain")
+    back = {"model": {k: torch.empty_like(v) for k, v in state["model"].items()}}
+    unickpt.load(back, tmp_path / "placed")
+    for k, v in state["model"].items():
+        assert torch.equal(back["model"][k].view(torch.uint8), v.view(torch.uint8)), k
+    assert cli.main(["verify", str(tmp_path / "placed")]) == 0
+
+
+def test_a_failed_write_from_memory_is_a_storage_error_and_commits_nothing(tmp_path, from_memory):
+    if not _direct_supported(tmp_path):
+        pytest.skip("no O_DIRECT here")
+    state = _state()
+    unickpt.save(state, tmp_path / "plain")
+    placed = _placed(state, _file_phases(tmp_path / "plain"))
+    from_memory.clear()
+    faulty.install({"pwrite_error": [errno.EIO, 2]})
+    try:
+        with pytest.raises(StorageError) as e:
+            unickpt.save(placed, tmp_path / "failed")
+    finally:
+        faulty.uninstall()
+    assert e.value.errno == errno.EIO and from_memory
+    assert sorted(os.listdir(tmp_path)) == ["plain"]
+
+
+def _async_odd_pieces(rank, world, root):
+    from unickpt.async_save import checkpointer
+    from unickpt.state import flatten
+
+    rows, cols = (1001, 999)[rank], 333  # 1.3 MB row blocks starting mid-page in the file
+    g = torch.Generator().manual_seed(rank)
+
+    def state(k):
+        return {"model": {
+            f"w{i}": unickpt.shard(torch.randn(rows, cols, generator=g) + k, (2000, cols), offsets=(rank * 1001, 0))
+            for i in range(3)
+        }, "optimizer": {"m": {"v": unickpt.shard(torch.randn(rows * cols + 1 - rank, generator=g),
+                                                  (2000 * cols + 1,), offsets=(0 if rank == 0 else 1001 * cols + 1,))}}}
+
+    cp = checkpointer()
+    staged = []
+    for k in range(3):
+        sd = state(k)
+        unickpt.save(sd, os.path.join(root, f"async-{k}"), step=k, async_save=True).wait(timeout=120)
+        entries, _ = flatten(sd, rank, world)
+        staged.append(cp._layout(entries))
+        unickpt.save(sd, os.path.join(root, f"sync-{k}"), step=k)
+    # after a save the writer's plan gives every large piece the page phase it has in its file
+    sig, phases = cp._phases
+    assert sig == staged[-1].signature and all(isinstance(p, int) for p in phases)
+    assert all(row[5] % PAGE == p for row, p in zip(staged[-1].entries, phases))
+    return phases
+
+
+def test_async_pieces_with_odd_offsets_are_staged_at_their_phase_and_load_back(tmp_path):
+    root = str(tmp_path)
+    phases = dist.run(_async_odd_pieces, 2, root)
+    assert any(p % PAGE for ph in phases for p in ph)  # not all page aligned: heads and tails exist
+    for k in range(3):
+        a, s = os.path.join(root, f"async-{k}"), os.path.join(root, f"sync-{k}")
+        assert _data_files(a) == _data_files(s)
+        assert cli.main(["verify", a]) == 0
