@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import unickpt
+from unickpt import async_save as _async_save
 from unickpt import commit as _commit
 from unickpt._metrics import log
 from unickpt.storage import expand_node, join_path
@@ -536,7 +537,7 @@ class Trainer:
         self.wait_save()
         c = self.ckpt
         if c is None or c.memory_dir is None:
-            unickpt.async_save.shutdown()  # writer processes stopped, staging memory freed
+            _async_save.shutdown()  # writer processes stopped, staging memory freed
             return
         if self._durable_step < self.step:
             self.save()
@@ -548,7 +549,7 @@ class Trainer:
         if self._mem_rank:
             for p in memtier.clean(expand_node(c.memory_dir), owner_pids=self._mem_pids):
                 log.info("memory tier: freed %s", p)
-        unickpt.async_save.shutdown()  # writer processes stopped, staging memory freed
+        _async_save.shutdown()  # writer processes stopped, staging memory freed
         if self.mesh.world > 1:
             dist.barrier()
 
