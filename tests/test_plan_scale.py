@@ -300,3 +300,44 @@ def test_writer_loads_stay_within_the_balance_bound(plan):
     loads = plan.writer_loads()
     assert sum(loads) == sum(t.nbytes for t in plan.tensors.values())
     assert max(loads) <= 1.1 * sum(loads) / WORLD + max(t.nbytes for t in plan.tensors.values())
+
+
+def test_rule_writer_choice_equals_the_general_rule_under_any_loads():
+    """``_pick_rules`` (from the ranks holding most) against ``_pick_any`` over every holder,
+    with random loads and caps: fitting holders, lower-held holders, non-holders, nobody."""
+    from unickpt.plan import _pick_any, _pick_rules, _rule_holders
+
+    rng = random.Random(7)
+    nprng = np.random.default_rng(7)
+    n_checked = 0
+    for case in range(120):
+        per_rank = _random_case(rng)
+        summaries, rules = rule_summaries(per_rank, lambda r: "n0")
+        try:
+            plan = make_plan(summaries, bucket_bytes=64, rules=rules)
+        except LayoutError:
+            continue
+        world = len(per_rank)
+        for t in plan.tensors.values():
+            if not t.rules:
+                continue
+            for _ in range(10):
+                loads = nprng.integers(0, 3, world) * nprng.choice([1, t.nbytes, 4 * t.nbytes + 1])
+                cap = float(nprng.choice([0, t.nbytes, 2 * t.nbytes, loads.max() + t.nbytes, 10 * t.nbytes]))
+                assert _pick_rules(t, loads, cap) == _pick_any(t.nbytes, *_rule_holders(t), loads, cap), (case, t.name)
+                n_checked += 1
+    assert n_checked > 500
+
+
+def test_rule_plan_of_scalar_grid_tensors_equals_explicit_plan():
+    """0-d DTensors (replicated on every mesh dim) next to a 1-d one: one rule each."""
+    W, mesh = 4, (2, 2)
+    per_rank = [[("optim", "step", grid_layout((), mesh, (-1, -1), divmod(r, 2))),
+                 ("optim", "v", grid_layout((6,), mesh, (0, -1), divmod(r, 2)))] for r in range(W)]
+    node = lambda r: "n0"  # noqa: E731
+    a = make_plan(explicit_summaries(per_rank, node), bucket_bytes=64)
+    summaries, rules = rule_summaries(per_rank, node)
+    assert not any(s["t"] for s in summaries)
+    b = make_plan(summaries, bucket_bytes=64, rules=rules)
+    assert all(t.rules for t in b.tensors.values())
+    assert plan_key(a, range(W)) == plan_key(b, range(W))

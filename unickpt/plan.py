@@ -12,6 +12,7 @@ concrete sends, receives and copies of one rank, step by step.
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import math
 from dataclasses import dataclass, field
@@ -342,7 +343,7 @@ def _assign_writers(tensors: list[TensorPlan], world: int) -> None:
             fit = cands[c_load + t.nbytes <= cap]
             choice = int(fit[np.argmin(loads[fit])]) if len(fit) else int(cands[np.argmin(c_load)])
         elif t.rules:
-            choice = _pick_any(t.nbytes, *_rule_holders(t), loads, cap)
+            choice = _pick_rules(t, loads, cap)
         else:
             held: dict[int, int] = {}
             for r, lay in t.explicit:
@@ -379,16 +380,39 @@ def _pick_any(nbytes: int, hr: np.ndarray, hn: np.ndarray, loads: np.ndarray, ca
     return int(low[h == h.max()].min())
 
 
+def _pick_rules(t: TensorPlan, loads: np.ndarray, cap: float) -> int:
+    """:func:`_pick_any` for a rule tensor, from the ranks holding most of it (a slice of
+    members per rule) when they decide: one of them fits the cap (then it is the first
+    fitting holder by most held, least loaded, lowest rank), or none fits and one is among
+    the least loaded of all ranks (nothing fits anywhere: least loaded, most held, lowest
+    rank). Else every holder is visited."""
+    best, parts = 0, []
+    for u, j in t.rules:
+        h, ranks = u.top(j)
+        if h > best:
+            best, parts = h, []
+        if h == best and len(ranks):
+            parts.append(ranks)
+    if best > 0 and parts:
+        cands = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        lr = loads[cands]
+        m = lr.min()
+        if m + t.nbytes <= cap or m == loads.min():
+            return int(cands[lr == m].min())
+    return _pick_any(t.nbytes, *_rule_holders(t), loads, cap)
+
+
 def _can_write_direct(t: TensorPlan, nodes: list[str], node_of: np.ndarray | None = None) -> bool:
     if t.nbytes == 0 or t.quantized:  # quantized: the writer encodes whole groups
         return False
     if t.rules and t.writer not in t.full_holders:
-        ranks, n_runs = _rule_sources(t)
+        n_runs = sum(u.source_counts(j)[1] for u, j in t.rules)
+        if t.nbytes / max(n_runs, 1) < min(DIRECT_MIN_RUN, t.nbytes):
+            return False  # (checked first: closed forms, no rank visited)
+        ranks, _ = _rule_sources(t)
         if node_of is None:
             node_of = np.array([hash(n) for n in nodes], np.int64)
-        if len(ranks) and np.any(node_of[ranks] != node_of[t.writer]):
-            return False
-        return t.nbytes / max(int(n_runs), 1) >= min(DIRECT_MIN_RUN, t.nbytes)
+        return not (len(ranks) and np.any(node_of[ranks] != node_of[t.writer]))
     srcs = t.sources()
     if any(nodes[r] != nodes[t.writer] for r, _ in srcs):
         return False  # other nodes may not see the writer's disk: gather
@@ -419,9 +443,11 @@ class _Set:
 class _Unit:
     """A rule: ``flat`` (named tensors' blocks flattened back to back, ``total`` elements cut
     into ``n`` equal ranges; member ``i`` holds range ``i``) or ``grid`` (one tensor sharded
-    over a mesh of ``n`` members, torch.chunk sizes; member ``i``: row-major coordinate)."""
+    over a mesh of ``n`` members, torch.chunk sizes; member ``i``: row-major coordinate).
+    What depends only on the geometry (not on names or claims) lives in a shared
+    :class:`_FlatGeo` / :class:`_GridGeo`."""
 
-    __slots__ = ("body", "kind", "n", "slots", "t0", "bn", "part", "sets", "members", "counts", "regular", "_geo")
+    __slots__ = ("body", "kind", "n", "slots", "geo", "sets", "members", "counts", "regular", "complete_slots")
 
     def __init__(self, body: dict) -> None:
         self.body, self.kind, self.n = body, body["k"], int(body["n"])
@@ -429,14 +455,13 @@ class _Unit:
         self.members: np.ndarray | None = None  # index -> rank (-1: unclaimed), shared by units of the same sets
         self.counts: np.ndarray | None = None  # claimed members before each index
         self.regular = True
-        self._geo = None
+        self.complete_slots: list[bool] = []  # per slot: every member touching it claimed once
+        self.geo: _FlatGeo | _GridGeo | None = None
         if self.kind == "flat":
-            self.slots = [(name, tuple(sh), tuple(o), tuple(z), int(r)) for name, sh, o, z, r in body["t"]]
-            self.bn = [math.prod(z) for _, _, _, z, _ in self.slots]
-            self.t0 = np.concatenate([[0], np.cumsum(self.bn, dtype=np.int64)]).tolist()
-            self.part = int(body["total"]) // self.n
-            if self.t0[-1] > int(body["total"]) or int(body["total"]) % self.n:
-                raise LayoutError(f"flat unit of {self.t0[-1]} elements does not fit {body['total']} over {self.n}")
+            t = body["t"]
+            self.geo = _flat_geo(int(body["total"]), self.n,
+                                 tuple((tuple(sh), tuple(o), tuple(z), int(r)) for _, sh, o, z, r in t))
+            self.slots = [(x[0], *g) for x, g in zip(t, self.geo.slots)]
         elif self.kind == "grid":
             name, sh = body["t"][0]
             self.slots = [(name, tuple(sh), None, None, 0)]
@@ -444,6 +469,11 @@ class _Unit:
                 raise LayoutError(f"grid rule of {name!r}: mesh {body['mesh']} does not have {self.n} members")
         else:
             raise LayoutError(f"unknown layout rule {self.kind!r}")
+
+    def _grid(self) -> "_GridGeo":
+        if self.geo is None:
+            self.geo = _grid_geo(self.slots[0][1], tuple(self.body["mesh"]), tuple(self.body["pl"]))
+        return self.geo
 
     @property
     def claims(self):
@@ -453,9 +483,6 @@ class _Unit:
     def first_rank(self) -> int:
         return min((r for _, r in self.claims), default=-1)
 
-    def any_claimed(self, a: int, b: int) -> bool:
-        return int(self.counts[b] - self.counts[a]) > 0
-
     def indices_of(self, rank: int) -> list[int]:
         return [s.index_of[rank] for s in self.sets if rank in s.index_of]
 
@@ -463,35 +490,28 @@ class _Unit:
         """Members ``[a, b)`` whose pieces of slot ``j`` are rows of the summary today."""
         if self.kind == "grid":
             return 0, self.n
-        if self.bn[j] == 0:
-            return 0, 0
-        return self.t0[j] // self.part, (self.t0[j] + self.bn[j] - 1) // self.part + 1
+        return self.geo.a[j], self.geo.b[j]
 
     def piece(self, j: int, i: int) -> Layout | None:
         name, shape, offs, sizes, rep = self.slots[j]
         if self.kind == "flat":
-            lo = max(i * self.part, self.t0[j])
-            hi = min((i + 1) * self.part, self.t0[j + 1])
+            t0, part = self.geo.t0, self.geo.part
+            lo = max(i * part, t0[j])
+            hi = min((i + 1) * part, t0[j + 1])
             if hi <= lo:
                 return None
-            return Layout(shape, offs, sizes, (lo - self.t0[j], hi - self.t0[j]), rep)
-        coord = np.unravel_index(i, self.body["mesh"])
-        offs, sizes, rep = [0] * len(shape), list(shape), 0
-        for m, d in enumerate(self.body["pl"]):
-            if d < 0:
-                rep = rep * self.body["mesh"][m] + int(coord[m])
-            else:
-                o, z = _chunk(shape[d], self.body["mesh"][m], int(coord[m]))
-                offs[d], sizes[d] = int(o), int(z)
-        return Layout(shape, tuple(offs), tuple(sizes), None, rep)
+            return Layout(shape, offs, sizes, (lo - t0[j], hi - t0[j]), rep)
+        offs, sizes, rep = self._grid().box(i)
+        return Layout(shape, offs, sizes, None, rep)
 
     def slots_of(self, i: int) -> range:
         """Slots member ``i`` holds a piece of."""
         if self.kind == "grid":
             return range(1)
-        lo, hi = i * self.part, (i + 1) * self.part
-        a = bisect.bisect_right(self.t0, lo) - 1
-        b = bisect.bisect_left(self.t0, hi)
+        t0, part = self.geo.t0, self.geo.part
+        lo, hi = i * part, (i + 1) * part
+        a = bisect.bisect_right(t0, lo) - 1
+        b = bisect.bisect_left(t0, hi)
         return range(max(a, 0), min(b, len(self.slots)))
 
     def claimed_pieces(self, j: int) -> list[tuple[int, Layout]]:
@@ -505,26 +525,36 @@ class _Unit:
         return out
 
     def complete(self, j: int) -> bool:
-        a, b = self.span(j)
-        return self.regular and int(self.counts[b] - self.counts[a]) == b - a
+        return self.complete_slots[j]
 
     def arrays(self, j: int):
         """Over members ``[a, b)`` of slot ``j``: ``(ranks, held, replica, runs, full)``
         (flat: replica and runs may be one number for all, full is None: see full_ranks)."""
-        name, shape, offs, sizes, rep = self.slots[j]
         a, b = self.span(j)
         ranks = self.members[a:b]
-        if self.kind == "flat":  # members a+1..b-2 hold `part` elements; the ends, what is left
-            lo = np.arange(a, b, dtype=np.int64) * self.part - self.t0[j]
-            hi = lo + self.part
-            lo[0], hi[-1] = 0, self.bn[j]
-            np.maximum(lo, 0, out=lo)
-            span = _run_span(shape, offs, sizes, None)
-            runs = 1 if span is None or span[0] < 0 else (hi - 1) // span[1] - lo // span[1] + 1
-            return ranks, hi - lo, rep, runs, None
-        geo = self._geo if self._geo is not None else _grid_geo(shape, tuple(self.body["mesh"]), tuple(self.body["pl"]))
-        self._geo = geo
-        return (ranks, *geo)
+        if self.kind == "flat":
+            held, runs = self.geo.held_runs(j)
+            return ranks, held, self.slots[j][4], runs, None
+        g = self._grid()
+        return ranks, g.held, g.rep, g.runs, g.full
+
+    def top(self, j: int) -> tuple[int, np.ndarray]:
+        """The most elements a member holds of slot ``j`` and the ranks holding that many."""
+        if self.kind == "flat":
+            h, lo, hi = self.geo.top[j]
+            return h, self.members[lo:hi]
+        g = self._grid()
+        return g.top, self.members[g.top_at]
+
+    def source_counts(self, j: int) -> tuple[int, int]:
+        """Replica-0 members holding elements of slot ``j``, and their runs in total."""
+        if self.kind == "flat":
+            if self.slots[j][4] != 0:
+                return 0, 0
+            a, b = self.span(j)
+            return b - a, self.geo.runs_total(j)
+        g = self._grid()
+        return g.n_src, g.src_runs
 
     def full_ranks(self, j: int) -> list[int]:
         """Ranks whose piece of slot ``j`` is the whole tensor."""
@@ -532,8 +562,7 @@ class _Unit:
             name, shape, offs, sizes, rep = self.slots[j]
             a, b = self.span(j)
             return [int(self.members[a])] if b == a + 1 and sizes == shape else []
-        ranks, _, _, _, full = self.arrays(j)
-        return ranks[full].tolist()
+        return self.members[self._grid().full_at].tolist()
 
     def tiles(self, j: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         """The box this unit's replica-0 pieces of slot ``j`` tile (None: no replica-0 piece)."""
@@ -543,42 +572,137 @@ class _Unit:
         return (offs, sizes) if rep == 0 else None
 
 
+class _FlatGeo:
+    """What flat units of one geometry share, their names apart (a model's layers do): per
+    slot, the members ``[a, b)`` touching it, the most one holds and which, held sizes and
+    run counts (arrays built on first use)."""
+
+    __slots__ = ("slots", "bn", "t0", "part", "a", "b", "top", "_held", "_runs")
+
+    def __init__(self, total: int, n: int, slots: tuple) -> None:
+        self.slots = slots  # (shape, offsets, sizes, replica) per slot
+        self.bn = [math.prod(z) for _, _, z, _ in slots]
+        self.t0 = [0, *itertools.accumulate(self.bn)]
+        if n < 1 or self.t0[-1] > total or total % n:
+            raise LayoutError(f"flat unit of {self.t0[-1]} elements does not fit {total} over {n}")
+        part = self.part = total // n
+        self.a, self.b, self.top = [], [], []
+        for t0, bn in zip(self.t0, self.bn):
+            if bn == 0:
+                self.a.append(0)
+                self.b.append(0)
+                self.top.append((0, 0, 0))
+                continue
+            a, b = t0 // part, (t0 + bn - 1) // part + 1
+            first = min((a + 1) * part, t0 + bn) - t0  # held by members a and b - 1
+            last = t0 + bn - max((b - 1) * part, t0)
+            h = part if b - a > 2 else max(first, last)  # members in between hold `part`
+            self.a.append(a)
+            self.b.append(b)
+            self.top.append((h, a + (first < h), b - (last < h)))
+        self._held: dict[int, tuple] = {}
+        self._runs: dict[int, int] = {}
+
+    def held_runs(self, j: int) -> tuple[np.ndarray, np.ndarray | int]:
+        """Per member of ``[a, b)``: elements held of slot ``j`` and their runs (a number when
+        every piece is one run)."""
+        if j not in self._held:
+            shape, offs, sizes, _ = self.slots[j]
+            a, b, t0 = self.a[j], self.b[j], self.t0[j]
+            lo = np.arange(a, b, dtype=np.int64) * self.part - t0
+            hi = lo + self.part
+            lo[0], hi[-1] = 0, self.bn[j]
+            np.maximum(lo, 0, out=lo)
+            span = _run_span(shape, offs, sizes, None)
+            runs = 1 if span is None or span[0] < 0 else (hi - 1) // span[1] - lo // span[1] + 1
+            self._held[j] = (hi - lo, runs)
+        return self._held[j]
+
+    def runs_total(self, j: int) -> int:
+        if j not in self._runs:
+            _, runs = self.held_runs(j)
+            self._runs[j] = int(runs.sum()) if isinstance(runs, np.ndarray) else runs * (self.b[j] - self.a[j])
+        return self._runs[j]
+
+
+_FLAT: dict = {}
+
+
+def _flat_geo(total: int, n: int, slots: tuple) -> _FlatGeo:
+    key = (total, n, slots)
+    geo = _FLAT.get(key)
+    if geo is None:
+        geo = _FlatGeo(total, n, slots)
+        if len(_FLAT) > 4096:
+            _FLAT.clear()
+        _FLAT[key] = geo
+    return geo
+
+
+class _GridGeo:
+    """Per member of a grid (row-major coordinates): held, replica, runs, full; the members
+    holding most, and the sources' count and runs. Shared by tensors of one shape on one mesh."""
+
+    __slots__ = ("shape", "offs", "sizes", "held", "rep", "runs", "full", "top", "top_at", "full_at", "n_src",
+                 "src_runs", "_boxes")
+
+    def __init__(self, shape: tuple, mesh: tuple, pl: tuple) -> None:
+        nd = len(shape)
+        offs = [np.zeros(mesh, np.int64) for _ in range(nd)]
+        sizes = [np.full(mesh, shape[d], np.int64) for d in range(nd)]
+        rep = np.zeros(mesh, np.int64)
+        for m, d in enumerate(pl):
+            c = np.arange(mesh[m], dtype=np.int64).reshape([-1 if k == m else 1 for k in range(len(mesh))])
+            if d < 0:
+                rep = rep * mesh[m] + c
+            else:
+                o, z = _chunk(shape[d], mesh[m], c)
+                offs[d] = np.broadcast_to(o, mesh).copy()
+                sizes[d] = np.broadcast_to(z, mesh).copy()
+        held = np.ones(mesh, np.int64)
+        for z in sizes:
+            held = held * z
+        runs = np.ones(mesh, np.int64)  # runs of a box: product of the sizes before its last partial dim
+        partial_seen = np.zeros(mesh, bool)
+        for d in reversed(range(nd)):
+            partial = (offs[d] != 0) | (sizes[d] != shape[d])
+            runs = np.where(partial_seen, runs * sizes[d], runs)
+            partial_seen |= partial
+        runs = np.where(held > 0, runs, 0)
+        self.shape = shape
+        self.offs = [o.ravel() for o in offs]
+        self.sizes = [z.ravel() for z in sizes]
+        self.held, self.rep, self.runs = held.ravel(), np.broadcast_to(rep, mesh).ravel(), runs.ravel()
+        self.full = self.held == math.prod(shape)
+        self.top = int(self.held.max()) if self.held.size else 0
+        self.top_at = np.flatnonzero(self.held == self.top)
+        self.full_at = np.flatnonzero(self.full)
+        src = (self.rep == 0) & (self.held > 0)
+        self.n_src, self.src_runs = int(src.sum()), int(self.runs[src].sum())
+        self._boxes: list | None = None
+
+    def box(self, i: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+        """``(offsets, sizes, replica)`` of member ``i``."""
+        if self._boxes is None:
+            n = len(self.rep)
+            offs = list(zip(*(o.tolist() for o in self.offs))) if self.shape else [()] * n
+            sizes = list(zip(*(z.tolist() for z in self.sizes))) if self.shape else [()] * n
+            self._boxes = list(zip(offs, sizes, self.rep.tolist()))
+        return self._boxes[i]
+
+
 _GEO: dict = {}
 
 
-def _grid_geo(shape, mesh, pl):
-    """Per member of a grid (row-major coordinates): held, replica, runs, full; cached by
-    geometry (tensors of one shape on one mesh share it)."""
+def _grid_geo(shape, mesh, pl) -> _GridGeo:
+    """Cached by geometry (tensors of one shape on one mesh share it)."""
     key = (shape, mesh, pl)
-    if key in _GEO:
-        return _GEO[key]
-    nd = len(shape)
-    offs = [np.zeros(mesh, np.int64) for _ in range(nd)]
-    sizes = [np.full(mesh, shape[d], np.int64) for d in range(nd)]
-    rep = np.zeros(mesh, np.int64)
-    for m, d in enumerate(pl):
-        c = np.arange(mesh[m], dtype=np.int64).reshape([-1 if k == m else 1 for k in range(len(mesh))])
-        if d < 0:
-            rep = rep * mesh[m] + c
-        else:
-            o, z = _chunk(shape[d], mesh[m], c)
-            offs[d] = np.broadcast_to(o, mesh).copy()
-            sizes[d] = np.broadcast_to(z, mesh).copy()
-    held = np.ones(mesh, np.int64)
-    for z in sizes:
-        held = held * z
-    runs = np.ones(mesh, np.int64)  # runs of a box: product of the sizes before its last partial dim
-    partial_seen = np.zeros(mesh, bool)
-    for d in reversed(range(nd)):
-        partial = (offs[d] != 0) | (sizes[d] != shape[d])
-        runs = np.where(partial_seen, runs * sizes[d], runs)
-        partial_seen |= partial
-    runs = np.where(held > 0, runs, 0)
-    full = held == math.prod(shape)
-    geo = (held.ravel(), np.broadcast_to(rep, mesh).ravel(), runs.ravel(), full.ravel())
-    if len(_GEO) > 4096:
-        _GEO.clear()
-    _GEO[key] = geo
+    geo = _GEO.get(key)
+    if geo is None:
+        geo = _GridGeo(shape, mesh, pl)
+        if len(_GEO) > 4096:
+            _GEO.clear()
+        _GEO[key] = geo
     return geo
 
 
@@ -607,6 +731,7 @@ def _read_claims(summaries: list[dict], rules: dict, tensors: dict) -> list[list
             st.claims.append((int(index), rank))
             claims[rank].append((st, int(index)))
     shared: dict[tuple, tuple[np.ndarray, np.ndarray, bool]] = {}
+    by_geo: dict[tuple, tuple[list[bool], list[bool]]] = {}  # per slot: complete, held by a claimed member
     for u in units.values():
         if not any(st.claims for st in u.sets):
             continue
@@ -632,12 +757,24 @@ def _read_claims(summaries: list[dict], rules: dict, tensors: dict) -> list[list
             counts = np.concatenate([[0], np.cumsum(claimed, dtype=np.int64)])
             shared[key] = (members, counts, ok)
         u.members, u.counts, u.regular = shared[key]
+        if u.kind == "grid":
+            u.complete_slots = [u.regular and int(u.counts[-1]) == u.n]
+            held = [int(u.counts[-1]) > 0]
+        else:  # the same for every unit of this geometry and these sets
+            gk = (id(u.geo), key)
+            if gk not in by_geo:
+                a, b = np.array(u.geo.a, np.int64), np.array(u.geo.b, np.int64)
+                n = u.counts[b] - u.counts[a]
+                by_geo[gk] = ((n == b - a) & u.regular).tolist(), (n > 0).tolist()
+            u.complete_slots, held = by_geo[gk]
         role, dtype, tag = u.body["role"], u.body["dtype"], u.body.get("tag")
-        for j, (name, shape, _, _, _) in enumerate(u.slots):
-            a, b = u.span(j)
-            if a == b or not u.any_claimed(a, b):
+        for j, slot in enumerate(u.slots):
+            if not held[j]:
                 continue  # no element, or no claimed member holds one: no piece (no row either)
-            t = _tensor(tensors, role, name, dtype, shape, tag, u)
+            name, shape = slot[0], slot[1]
+            t = tensors.get((role, name))
+            if t is None or t.dtype != dtype or t.shape != shape or t.codec != tag:
+                t = _tensor(tensors, role, name, dtype, shape, tag, u)
             t.rules.append((u, j))
     return claims
 
