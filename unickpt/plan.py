@@ -243,7 +243,7 @@ def make_plan(
     ``shared_writes``: the storage lets several ranks write one file (its
     :attr:`~unickpt.storage.Capabilities.shared_writes`); without it every piece is gathered
     to its file's one writer. ``rules``: ``{"sets": {sid: [unit digest]}, "units": {digest:
-    body}}``, the rule bodies named by the summaries' claims ``"c": [[sid, index]]`` (see
+    (template, names)}}`` (a body split by :func:`_template`), the rule bodies named by the summaries' claims ``"c": [[sid, index]]`` (see
     :func:`summarize` and :func:`assemble`); a claimed unit's pieces are never materialised
     unless its tensors fit no rule check (then they are planned as explicit pieces)."""
     world = len(summaries)
@@ -449,7 +449,9 @@ class _Unit:
 
     __slots__ = ("body", "kind", "n", "slots", "geo", "sets", "members", "counts", "regular", "complete_slots")
 
-    def __init__(self, body: dict) -> None:
+    def __init__(self, body: dict, names: list[str], geo: "_FlatGeo | None" = None) -> None:
+        """``body``: the rule without its tensor names (:func:`_template`), ``names``: them;
+        ``geo``: the geometry of ``body`` when already known (units of one template)."""
         self.body, self.kind, self.n = body, body["k"], int(body["n"])
         self.sets: list[_Set] = []
         self.members: np.ndarray | None = None  # index -> rank (-1: unclaimed), shared by units of the same sets
@@ -457,14 +459,15 @@ class _Unit:
         self.regular = True
         self.complete_slots: list[bool] = []  # per slot: every member touching it claimed once
         self.geo: _FlatGeo | _GridGeo | None = None
+        if len(names) != len(body["t"]) or (self.kind == "grid" and len(names) != 1):
+            raise LayoutError(f"layout rule of {len(body['t'])} tensors comes with {len(names)} names")
         if self.kind == "flat":
-            t = body["t"]
-            self.geo = _flat_geo(int(body["total"]), self.n,
-                                 tuple((tuple(sh), tuple(o), tuple(z), int(r)) for _, sh, o, z, r in t))
-            self.slots = [(x[0], *g) for x, g in zip(t, self.geo.slots)]
+            self.geo = geo or _flat_geo(int(body["total"]), self.n,
+                                        tuple((tuple(sh), tuple(o), tuple(z), int(r)) for sh, o, z, r in body["t"]))
+            self.slots = [(name, *g) for name, g in zip(names, self.geo.slots)]
         elif self.kind == "grid":
-            name, sh = body["t"][0]
-            self.slots = [(name, tuple(sh), None, None, 0)]
+            (sh,) = body["t"][0]
+            self.slots = [(names[0], tuple(sh), None, None, 0)]
             if math.prod(body["mesh"]) != self.n or len(body["pl"]) != len(body["mesh"]):
                 raise LayoutError(f"grid rule of {name!r}: mesh {body['mesh']} does not have {self.n} members")
         else:
@@ -711,7 +714,12 @@ def _read_claims(summaries: list[dict], rules: dict, tensors: dict) -> list[list
     claims: list[list[tuple[_Set, int]]] = [[] for _ in summaries]
     if not any(s.get("c") for s in summaries):
         return claims
-    units = {d: _Unit(b) for d, b in rules.get("units", {}).items()}
+    units: dict[str, _Unit] = {}
+    geos: dict[int, _FlatGeo] = {}  # units of one template (shared by identity) share its geometry
+    for d, (body, names) in rules.get("units", {}).items():
+        u = units[d] = _Unit(body, names, geos.get(id(body)))
+        if u.kind == "flat":
+            geos[id(body)] = u.geo
     sets: dict[str, _Set] = {}
     for sid, digests in rules.get("sets", {}).items():
         try:
@@ -895,24 +903,50 @@ class LocalSummary:
                 sets[sid] = self.sets[sid]
                 for d in self.sets[sid]:
                     units[d] = self.units[d]
-        raw = json.dumps({"node": self.node, "t": rows, "s": sets, "u": units}, separators=(",", ":")).encode()
+        raw = json.dumps({"node": self.node, "t": rows, "s": sets, "u": _pack_units(units)},
+                         separators=(",", ":")).encode()
         return zstandard.ZstdCompressor(level=3).compress(raw)
 
 
-def _claim_owners(heads: list[bytes]) -> tuple[dict[str, int], set]:
+def _template(body: dict) -> tuple[dict, list[str]]:
+    """A rule body without its tensor names, and the names. Units of one template (a
+    model's layers) share their geometry, and travel as the template and lists of names."""
+    tmpl = dict(body)
+    tmpl["t"] = [t[1:] for t in body["t"]]
+    return tmpl, [t[0] for t in body["t"]]
+
+
+def _pack_units(units: dict[str, dict]) -> list:
+    """``[[template, [[digest, names], ...]], ...]``: each template once."""
+    groups: dict[str, list] = {}
+    for d, body in units.items():
+        tmpl, names = _template(body)
+        groups.setdefault(json.dumps(tmpl, separators=(",", ":")), [tmpl, []])[1].append([d, names])
+    return list(groups.values())
+
+
+def _unpack_units(packed: list) -> dict[str, tuple[dict, list[str]]]:
+    """Digest -> ``(template, names)``; units of one template share the template object."""
+    return {d: (tmpl, names) for tmpl, members in packed for d, names in members}
+
+
+def _claim_owners(heads: list[bytes], claims: list[list] | None = None) -> tuple[dict[str, int], set]:
     """From every rank's head: the lowest claimant of each set (it sends the set's body) and
-    the claims ``(set, index)`` made by more than one rank (those ranks send rows instead)."""
+    the claims ``(set, index)`` made by more than one rank (those ranks send rows instead).
+    ``claims``: the heads' claims, when already parsed."""
+    if claims is None:
+        claims = [json.loads(h)[1] for h in heads]
     lowest: dict[str, int] = {}
     seen: dict[tuple[str, int], int] = {}
     ambiguous = set()
-    for rank, h in enumerate(heads):
-        for sid, i in json.loads(h)[1]:
+    for rank, cs in enumerate(claims):
+        for sid, i in cs:
             k = (sid, int(i))
             if k in seen:
                 ambiguous.add(k)
             seen[k] = rank
-    for rank, h in enumerate(heads):
-        for sid, i in json.loads(h)[1]:
+    for rank, cs in enumerate(claims):
+        for sid, i in cs:
             if (sid, int(i)) not in ambiguous and sid not in lowest:
                 lowest[sid] = rank
     return lowest, ambiguous
@@ -920,13 +954,15 @@ def _claim_owners(heads: list[bytes]) -> tuple[dict[str, int], set]:
 
 def assemble(heads: list[bytes], payloads: list[bytes]) -> tuple[list[dict], dict]:
     """``make_plan``'s ``summaries`` and ``rules`` from every rank's head and payload."""
-    _, ambiguous = _claim_owners(heads)
+    claims = [json.loads(h)[1] for h in heads]
+    _, ambiguous = _claim_owners(heads, claims)
     summaries, sets, units = [], {}, {}
-    for h, p in zip(heads, payloads):
-        d = json.loads(zstandard.ZstdDecompressor().decompress(p))
+    unzip = zstandard.ZstdDecompressor()
+    for cs, p in zip(claims, payloads):
+        d = json.loads(unzip.decompress(p))
         sets.update(d["s"])
-        units.update(d["u"])
-        c = [[sid, int(i)] for sid, i in json.loads(h)[1] if (sid, int(i)) not in ambiguous]
+        units.update(_unpack_units(d["u"]))
+        c = [[sid, int(i)] for sid, i in cs if (sid, int(i)) not in ambiguous]
         summaries.append({"node": d["node"], "t": d["t"], "c": c})
     return summaries, {"sets": sets, "units": units}
 
@@ -979,7 +1015,7 @@ def summarize(entries: list[Entry], dtypes: list[str], node: str, tags: dict | N
 
 def _claim_ok(body: dict, index: int, mine: list[Entry]) -> bool:
     try:
-        u = _Unit(body)
+        u = _Unit(*_template(body))
     except LayoutError:
         return False
     if not 0 <= index < u.n:
