@@ -341,3 +341,38 @@ def test_rule_plan_of_scalar_grid_tensors_equals_explicit_plan():
     b = make_plan(summaries, bucket_bytes=64, rules=rules)
     assert all(t.rules for t in b.tensors.values())
     assert plan_key(a, range(W)) == plan_key(b, range(W))
+
+
+def _source_runs_match(t) -> None:
+    """The vectorised runs of a rule tensor's sources equal its sources' Layout runs."""
+    from unickpt.plan import _rule_source_runs
+
+    piece, ranks, starts, lengths, local = _rule_source_runs(t)
+    want = [(r, lay.runs()) for r, lay in t.sources()]
+    assert ranks.tolist() == [r for r, x in want for _ in range(len(x))], t.name
+    assert starts.tolist() == [v for _, x in want for v in x.starts.tolist()], t.name
+    assert lengths.tolist() == [v for _, x in want for v in x.lengths.tolist()], t.name
+    assert local.tolist() == [v for _, x in want for v in x.local.tolist()], t.name
+    assert len(set(piece.tolist())) == len(want), t.name
+
+
+def test_vectorised_source_runs_equal_layout_runs(plan):
+    for t in plan.tensors.values():
+        _source_runs_match(t)
+
+
+def test_vectorised_source_runs_equal_layout_runs_on_random_cases():
+    rng = random.Random(5)
+    n_checked = 0
+    for case in range(150):
+        per_rank = _random_case(rng)
+        summaries, rules = rule_summaries(per_rank, lambda r: "n0")
+        try:
+            plan = make_plan(summaries, bucket_bytes=64, rules=rules)
+        except LayoutError:
+            continue
+        for t in plan.tensors.values():
+            if t.rules and t.writer not in t.full_holders:
+                _source_runs_match(t)
+                n_checked += 1
+    assert n_checked > 100

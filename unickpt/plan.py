@@ -24,7 +24,7 @@ import zstandard
 from .errors import LayoutError
 from .format import build_header, itemsize, order_key
 from .compress import QUANT_CODECS, stored_parts
-from .layout import FlatUnit, Layout, Runs, _run_span, intersect
+from .layout import FlatUnit, Layout, Runs, _box_runs, _run_span, intersect
 from .state import Entry
 
 __all__ = ["encode_summary", "decode_summary", "summary_digest", "summarize", "assemble", "LocalSummary", "make_plan",
@@ -559,6 +559,15 @@ class _Unit:
         g = self._grid()
         return g.n_src, g.src_runs
 
+    def source_runs(self, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Runs of the replica-0 pieces of slot ``j``, in member order then local order:
+        ``(member, rank, start, length, local offset)`` per run."""
+        if self.kind == "flat":
+            m, starts, lengths, local = self.geo.source_runs(j)
+            return m, self.members[self.geo.a[j] + m], starts, lengths, local
+        m, starts, lengths, local = self._grid().source_runs()
+        return m, self.members[m], starts, lengths, local
+
     def full_ranks(self, j: int) -> list[int]:
         """Ranks whose piece of slot ``j`` is the whole tensor."""
         if self.kind == "flat":
@@ -580,7 +589,7 @@ class _FlatGeo:
     slot, the members ``[a, b)`` touching it, the most one holds and which, held sizes and
     run counts (arrays built on first use)."""
 
-    __slots__ = ("slots", "bn", "t0", "part", "a", "b", "top", "_held", "_runs")
+    __slots__ = ("slots", "bn", "t0", "part", "a", "b", "top", "_held", "_runs", "_src")
 
     def __init__(self, total: int, n: int, slots: tuple) -> None:
         self.slots = slots  # (shape, offsets, sizes, replica) per slot
@@ -605,6 +614,7 @@ class _FlatGeo:
             self.top.append((h, a + (first < h), b - (last < h)))
         self._held: dict[int, tuple] = {}
         self._runs: dict[int, int] = {}
+        self._src: dict[int, tuple] = {}
 
     def held_runs(self, j: int) -> tuple[np.ndarray, np.ndarray | int]:
         """Per member of ``[a, b)``: elements held of slot ``j`` and their runs (a number when
@@ -620,6 +630,26 @@ class _FlatGeo:
             runs = 1 if span is None or span[0] < 0 else (hi - 1) // span[1] - lo // span[1] + 1
             self._held[j] = (hi - lo, runs)
         return self._held[j]
+
+    def source_runs(self, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`_Unit.source_runs` with members counted from ``a`` (none if replica > 0):
+        the members' flat ranges and the box's runs, both cutting ``[0, bn)``, merged."""
+        if j not in self._src:
+            shape, offs, sizes, rep = self.slots[j]
+            if rep != 0 or self.bn[j] == 0:
+                z = np.zeros(0, np.int64)
+                self._src[j] = (z, z, z, z)
+                return self._src[j]
+            a, b, t0, bn = self.a[j], self.b[j], self.t0[j], self.bn[j]
+            lo = np.maximum(np.arange(a, b, dtype=np.int64) * self.part - t0, 0)  # each member's first element
+            box = _box_runs(shape, offs, sizes, None)
+            box_lo = box.local
+            cuts = np.union1d(lo, box_lo)
+            m = np.searchsorted(lo, cuts, side="right") - 1
+            r = np.searchsorted(box_lo, cuts, side="right") - 1
+            ends = np.append(cuts[1:], bn)
+            self._src[j] = (m, box.starts[r] + (cuts - box_lo[r]), ends - cuts, cuts - lo[m])
+        return self._src[j]
 
     def runs_total(self, j: int) -> int:
         if j not in self._runs:
@@ -647,7 +677,7 @@ class _GridGeo:
     holding most, and the sources' count and runs. Shared by tensors of one shape on one mesh."""
 
     __slots__ = ("shape", "offs", "sizes", "held", "rep", "runs", "full", "top", "top_at", "full_at", "n_src",
-                 "src_runs", "_boxes")
+                 "src_runs", "_boxes", "_src")
 
     def __init__(self, shape: tuple, mesh: tuple, pl: tuple) -> None:
         nd = len(shape)
@@ -683,6 +713,32 @@ class _GridGeo:
         src = (self.rep == 0) & (self.held > 0)
         self.n_src, self.src_runs = int(src.sum()), int(self.runs[src].sum())
         self._boxes: list | None = None
+        self._src: tuple | None = None
+
+    def source_runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(member, start, length, local offset)`` of every run of the replica-0 members
+        holding elements, in member order then local order. Boxes of one size have the same
+        runs shifted by their first element, so the runs are built once per size."""
+        if self._src is None:
+            src = np.flatnonzero((self.rep == 0) & (self.held > 0))
+            strides = [math.prod(self.shape[d + 1:]) for d in range(len(self.shape))]
+            base = np.zeros(len(src), np.int64)
+            for d, stride in enumerate(strides):
+                base += self.offs[d][src] * stride
+            sizes = list(zip(*(z[src].tolist() for z in self.sizes))) if self.shape else [()] * len(src)
+            kinds: dict[tuple, int] = {}
+            which = np.array([kinds.setdefault(z, len(kinds)) for z in sizes], np.int64)
+            per_kind = [_box_runs(self.shape, (0,) * len(self.shape), k, None) for k in kinds]
+            n = np.array([len(r) for r in per_kind], np.int64)[which]  # runs per member
+            first = np.repeat(np.cumsum(n) - n, n)
+            k_of = np.repeat(which, n)
+            pos = np.arange(int(n.sum()), dtype=np.int64) - first  # run index inside its box
+            offs = np.cumsum([0] + [len(r) for r in per_kind])[:-1]
+            cat = [np.concatenate([getattr(r, f) for r in per_kind]) if per_kind else np.zeros(0, np.int64)
+                   for f in ("starts", "lengths", "local")]
+            at = offs[k_of] + pos if len(pos) else pos
+            self._src = (np.repeat(src, n), np.repeat(base, n) + cat[0][at], cat[1][at], cat[2][at])
+        return self._src
 
     def box(self, i: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
         """``(offsets, sizes, replica)`` of member ``i``."""
@@ -1129,27 +1185,76 @@ def _own_sources(held: list[tuple[TensorPlan, Layout]], rank: int) -> dict[tuple
     return out
 
 
+def _rule_source_runs(t: TensorPlan) -> tuple[np.ndarray, ...]:
+    """Every run of a rule tensor's sources, in :meth:`TensorPlan.sources` order (by rank;
+    one rank's pieces in rule order; runs in local order): ``(piece, rank, start, length,
+    local offset)`` arrays, built per rule without a :class:`Layout` per piece."""
+    parts = [u.source_runs(j) for u, j in t.rules]
+    piece = np.concatenate([m + (q << 40) for q, (m, *_) in enumerate(parts)])
+    ranks, starts, lengths, local = (np.concatenate([p[f] for p in parts]) for f in range(1, 5))
+    order = np.argsort(ranks, kind="stable")
+    return piece[order], ranks[order], starts[order], lengths[order], local[order]
+
+
+def _cut_runs(piece, ranks, starts, lengths, local, start: int, stop: int):
+    """:func:`_rule_source_runs` cut to elements ``[start, stop)``: ``(rank, n, off_src,
+    off_seg)`` per piece overlapping it."""
+    idx = np.flatnonzero((starts < stop) & (starts + lengths > start))
+    if not len(idx):
+        return
+    s0 = starts[idx]
+    g = np.maximum(s0, start)
+    n = np.minimum(s0 + lengths[idx], stop) - g
+    off_src, off_seg = local[idx] + (g - s0), g - start
+    p = piece[idx]
+    bounds = [0, *(np.flatnonzero(p[1:] != p[:-1]) + 1).tolist(), len(idx)]
+    rk = ranks[idx].tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        yield rk[a], n[a:b], off_src[a:b], off_seg[a:b]
+
+
 def _schedule(plan: SavePlan, rank: int) -> list[Step]:
     """The steps of one rank. Cost: every writer's segments are visited, but only the
     sources of this rank (its own pieces) and, for the segments it writes, every source of
     their tensors are intersected: never every rank's pieces of every tensor."""
     steps: list[Step] = []
-    runs_cache: dict[tuple[tuple[str, str], int], Runs] = {}
+    runs_cache: dict[tuple[tuple[str, str], int], Runs | tuple[int, int]] = {}
     all_sources: dict[tuple[str, str], list[tuple[int, Layout]]] = {}
+    rule_sources: dict[tuple[str, str], tuple] = {}
     own = _own_sources(plan.pieces_of(rank), rank)
 
-    def src_runs(t: TensorPlan, r: int, lay: Layout) -> Runs:
+    def cut(t: TensorPlan, r: int, lay: Layout, seg: Segment):
+        """``(n, off_src, off_seg)`` of the overlaps of one source with ``seg``."""
         k = (t.key, r)
         if k not in runs_cache:
-            runs_cache[k] = lay.runs()
-        return runs_cache[k]
+            runs_cache[k] = lay.single_run() or lay.runs()
+        runs = runs_cache[k]
+        if isinstance(runs, tuple):  # one run: no arrays to intersect
+            g, end = max(runs[0], seg.start), min(runs[0] + runs[1], seg.stop)
+            if end <= g:
+                return None
+            return np.array([end - g], np.int64), np.array([g - runs[0]], np.int64), np.array([g - seg.start], np.int64)
+        g, n, off_src, off_seg = intersect(runs, Runs.single(seg.start, seg.stop))
+        return (n, off_src, off_seg) if len(n) else None
 
-    def sources(t: TensorPlan, w: int) -> list[tuple[int, Layout]]:
+    def cuts(t: TensorPlan, w: int, seg: Segment):
+        """``(source rank, n, off_src, off_seg)`` per source overlapping ``seg``, in
+        :meth:`TensorPlan.sources` order; a written rule tensor's sources are cut at once."""
         if w != rank:
-            return own.get(t.key, [])
-        if t.key not in all_sources:
-            all_sources[t.key] = t.sources()
-        return all_sources[t.key]
+            srcs = own.get(t.key, [])
+        elif t.rules and t.writer not in t.full_holders:
+            if t.key not in rule_sources:
+                rule_sources[t.key] = _rule_source_runs(t)
+            yield from _cut_runs(*rule_sources[t.key], seg.start, seg.stop)
+            return
+        else:
+            if t.key not in all_sources:
+                all_sources[t.key] = t.sources()
+            srcs = all_sources[t.key]
+        for r, lay in srcs:
+            c = cut(t, r, lay, seg)
+            if c is not None:
+                yield (r, *c)
 
     for s in range(plan.n_steps):
         step = Step()
@@ -1158,11 +1263,7 @@ def _schedule(plan: SavePlan, rank: int) -> list[Step]:
                 continue
             for si, seg in enumerate(chunk_list[s]):
                 t = seg.tensor
-                seg_runs = Runs.single(seg.start, seg.stop)
-                for r, lay in sources(t, w):
-                    g, n, off_src, off_seg = intersect(src_runs(t, r, lay), seg_runs)
-                    if len(n) == 0:
-                        continue
+                for r, n, off_src, off_seg in cuts(t, w, seg):
                     if r == rank and w == rank:
                         step.copies.append((t, si, Runs(off_src, n), Runs(off_seg, n)))
                     elif r == rank:
