@@ -12,6 +12,8 @@ concrete sends, receives and copies of one rank, step by step.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import itertools
 import json
 import math
@@ -231,7 +233,8 @@ class SavePlan:
 
     def schedule(self, rank: int) -> list[Step]:
         if rank not in self._schedules:
-            self._schedules[rank] = _schedule(self, rank)
+            with _gc_paused():
+                self._schedules[rank] = _schedule(self, rank)
         return self._schedules[rank]
 
 
@@ -246,6 +249,25 @@ def make_plan(
     (template, names)}}`` (a body split by :func:`_template`), the rule bodies named by the summaries' claims ``"c": [[sid, index]]`` (see
     :func:`summarize` and :func:`assemble`); a claimed unit's pieces are never materialised
     unless its tensors fit no rule check (then they are planned as explicit pieces)."""
+    with _gc_paused():
+        return _make_plan(summaries, bucket_bytes, max_file_bytes, zstd, shared_writes, rules)
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Pause the cyclic garbage collector. Planning allocates 1e5-1e6 small objects without
+    cycles (reference counting frees them); each allocation burst would start collections
+    that walk the whole process's heap (0.3-0.5 s of a plan at 10,000 ranks)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _make_plan(summaries, bucket_bytes, max_file_bytes, zstd, shared_writes, rules) -> SavePlan:
     world = len(summaries)
     nodes = [str(s["node"]) for s in summaries]
     tensors: dict[tuple[str, str], TensorPlan] = {}
@@ -1010,6 +1032,11 @@ def _claim_owners(heads: list[bytes], claims: list[list] | None = None) -> tuple
 
 def assemble(heads: list[bytes], payloads: list[bytes]) -> tuple[list[dict], dict]:
     """``make_plan``'s ``summaries`` and ``rules`` from every rank's head and payload."""
+    with _gc_paused():
+        return _assemble(heads, payloads)
+
+
+def _assemble(heads: list[bytes], payloads: list[bytes]) -> tuple[list[dict], dict]:
     claims = [json.loads(h)[1] for h in heads]
     _, ambiguous = _claim_owners(heads, claims)
     summaries, sets, units = [], {}, {}
@@ -1028,7 +1055,11 @@ def summarize(entries: list[Entry], dtypes: list[str], node: str, tags: dict | N
     with names, a DTensor) proposes a rule; the rank claims it only when its own entries are
     exactly the rule's pieces at its index (every piece the rule gives it, each equal to its
     layout, same role, dtype and codec tag throughout); anything else is an explicit row."""
-    tags = tags or {}
+    with _gc_paused():
+        return _summarize(entries, dtypes, node, tags or {})
+
+
+def _summarize(entries: list[Entry], dtypes: list[str], node: str, tags: dict) -> LocalSummary:
     explicit: list[int] = []
     flat: dict[tuple, list[int]] = {}
     grid: dict[int, tuple[dict, int]] = {}
