@@ -403,13 +403,13 @@ def _pick_any(nbytes: int, hr: np.ndarray, hn: np.ndarray, loads: np.ndarray, ca
 
 
 def _pick_rules(t: TensorPlan, loads: np.ndarray, cap: float) -> int:
-    """:func:`_pick_any` for a rule tensor, from the ranks holding most of it (a slice of
-    members per rule) when they decide: one of them fits the cap (then it is the first
-    fitting holder by most held, least loaded, lowest rank), or none fits and one is among
-    the least loaded of all ranks (nothing fits anywhere: least loaded, most held, lowest
-    rank). Else every holder is visited."""
+    """:func:`_pick_any` for a rule tensor, level by level of held size (a slice of members
+    per rule and level) instead of over every rank: the first level with a rank within the
+    cap gives the least loaded, lowest of them; else, when a rank fits, the least loaded
+    rank holds nothing; else (nothing fits) the least loaded ranks, by most held."""
+    nb = t.nbytes
     best, parts = 0, []
-    for u, j in t.rules:
+    for u, j in t.rules:  # the top level first: it decides most tensors
         h, ranks = u.top(j)
         if h > best:
             best, parts = h, []
@@ -419,9 +419,35 @@ def _pick_rules(t: TensorPlan, loads: np.ndarray, cap: float) -> int:
         cands = parts[0] if len(parts) == 1 else np.concatenate(parts)
         lr = loads[cands]
         m = lr.min()
-        if m + t.nbytes <= cap or m == loads.min():
+        if m + nb <= cap:
             return int(cands[lr == m].min())
-    return _pick_any(t.nbytes, *_rule_holders(t), loads, cap)
+    levels = _levels(t)
+    for h, ranks in levels[1:]:  # a lower level within the cap (a rank of a higher level did not fit)
+        lr = loads[ranks]
+        m = lr.min()
+        if m + nb <= cap:
+            return int(ranks[lr == m].min())
+    low = loads.min()
+    if low + nb <= cap:  # no holder fits, a rank does: it holds nothing
+        return int(np.argmin(loads))
+    holders = np.zeros(len(loads), bool)  # nothing fits anywhere: least loaded, most held, lowest
+    for h, ranks in levels:
+        lr = loads[ranks]
+        if lr.min() == low:
+            return int(ranks[lr == low].min())
+        holders[ranks] = True
+    least = np.flatnonzero(loads == low)
+    return int(least[~holders[least]].min())
+
+
+def _levels(t: TensorPlan) -> list[tuple[int, np.ndarray]]:
+    """``(held, ranks)`` of a rule tensor's holders, most held first (a rank holding pieces
+    of several rules may appear at several levels: its first is its own)."""
+    by: dict[int, list[np.ndarray]] = {}
+    for u, j in t.rules:
+        for h, ranks in u.levels(j):
+            by.setdefault(h, []).append(ranks)
+    return [(h, np.concatenate(by[h])) for h in sorted(by, reverse=True)]
 
 
 def _can_write_direct(t: TensorPlan, nodes: list[str], node_of: np.ndarray | None = None) -> bool:
@@ -571,6 +597,12 @@ class _Unit:
         g = self._grid()
         return g.top, self.members[g.top_at]
 
+    def levels(self, j: int) -> list[tuple[int, np.ndarray]]:
+        """``(held, ranks)`` of the members holding elements of slot ``j``, per held size."""
+        if self.kind == "flat":
+            return [(h, self.members[lo:hi]) for h, lo, hi in self.geo.levels(j)]
+        return [(h, self.members[at]) for h, at in self._grid().levels()]
+
     def source_counts(self, j: int) -> tuple[int, int]:
         """Replica-0 members holding elements of slot ``j``, and their runs in total."""
         if self.kind == "flat":
@@ -673,6 +705,19 @@ class _FlatGeo:
             self._src[j] = (m, box.starts[r] + (cuts - box_lo[r]), ends - cuts, cuts - lo[m])
         return self._src[j]
 
+    def levels(self, j: int) -> list[tuple[int, int, int]]:
+        """``(held, lo, hi)``: members ``[lo, hi)`` hold ``held`` elements of slot ``j``."""
+        h, lo, hi = self.top[j]
+        if h == 0:
+            return []
+        out = [(h, lo, hi)]
+        a, b = self.a[j], self.b[j]
+        if lo > a:  # member a holds less
+            out.append((min((a + 1) * self.part, self.t0[j + 1]) - self.t0[j], a, a + 1))
+        if hi < b:  # member b - 1 holds less
+            out.append((self.t0[j + 1] - max((b - 1) * self.part, self.t0[j]), b - 1, b))
+        return out
+
     def runs_total(self, j: int) -> int:
         if j not in self._runs:
             _, runs = self.held_runs(j)
@@ -699,7 +744,7 @@ class _GridGeo:
     holding most, and the sources' count and runs. Shared by tensors of one shape on one mesh."""
 
     __slots__ = ("shape", "offs", "sizes", "held", "rep", "runs", "full", "top", "top_at", "full_at", "n_src",
-                 "src_runs", "_boxes", "_src")
+                 "src_runs", "_boxes", "_src", "_levels")
 
     def __init__(self, shape: tuple, mesh: tuple, pl: tuple) -> None:
         nd = len(shape)
@@ -736,6 +781,13 @@ class _GridGeo:
         self.n_src, self.src_runs = int(src.sum()), int(self.runs[src].sum())
         self._boxes: list | None = None
         self._src: tuple | None = None
+        self._levels: list | None = None
+
+    def levels(self) -> list[tuple[int, np.ndarray]]:
+        """``(held, members)`` per held size > 0, most first."""
+        if self._levels is None:
+            self._levels = [(int(h), np.flatnonzero(self.held == h)) for h in np.unique(self.held)[::-1] if h > 0]
+        return self._levels
 
     def source_runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``(member, start, length, local offset)`` of every run of the replica-0 members
@@ -908,20 +960,6 @@ def _boxes_tile_(shape, boxes) -> bool:
     starts, lengths = starts[order], lengths[order]
     return bool(int(lengths.sum()) == math.prod(shape) and starts[0] == 0
                 and np.array_equal(starts[1:], (starts + lengths)[:-1]))
-
-
-def _rule_holders(t: TensorPlan) -> tuple[np.ndarray, np.ndarray]:
-    """Ranks holding part of a rule tensor (each once) and the most each holds."""
-    parts = [u.arrays(j)[:2] for u, j in t.rules]
-    if len(parts) == 1:
-        return parts[0]
-    ranks = np.concatenate([p[0] for p in parts])
-    held = np.concatenate([p[1] for p in parts])
-    order = np.lexsort((-held, ranks))
-    ranks, held = ranks[order], held[order]
-    first = np.ones(len(ranks), bool)
-    first[1:] = ranks[1:] != ranks[:-1]
-    return ranks[first], held[first]
 
 
 def _rule_sources(t: TensorPlan) -> tuple[np.ndarray, int]:
