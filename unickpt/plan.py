@@ -217,8 +217,20 @@ class SavePlan:
 
     def pieces_of(self, rank: int) -> list[tuple[TensorPlan, Layout]]:
         """``(tensor, layout)`` of every piece ``rank`` holds: O(its own pieces)."""
-        out = list(self.held_by[rank]) if self.held_by is not None else [
+        out = self.explicit_of(rank)
+        for t, u, j, i in self.rule_pieces_of(rank):
+            lay = u.piece(j, i)
+            if lay is not None:
+                out.append((t, lay))
+        return out
+
+    def explicit_of(self, rank: int) -> list[tuple[TensorPlan, Layout]]:
+        """``(tensor, layout)`` of the explicit pieces ``rank`` holds."""
+        return list(self.held_by[rank]) if self.held_by is not None else [
             (t, lay) for t in self.tensors.values() for r, lay in t.explicit if r == rank]
+
+    def rule_pieces_of(self, rank: int):
+        """``(tensor, unit, slot, member index)`` of each rule piece ``rank`` holds."""
         for st, i in (self.claims[rank] if self.claims else ()):
             for u in st.units:
                 for j in u.slots_of(i):
@@ -226,10 +238,7 @@ class SavePlan:
                         continue
                     t = self.tensors[(u.body["role"], u.slots[j][0])]
                     if any(x is u and y == j for x, y in t.rules):
-                        lay = u.piece(j, i)
-                        if lay is not None:
-                            out.append((t, lay))
-        return out
+                        yield t, u, j, i
 
     def schedule(self, rank: int) -> list[Step]:
         if rank not in self._schedules:
@@ -415,21 +424,21 @@ def _pick_rules(t: TensorPlan, loads: np.ndarray, cap: float) -> int:
             best, parts = h, []
         if h == best and len(ranks):
             parts.append(ranks)
+    low = loads.min()
     if best > 0 and parts:
         cands = parts[0] if len(parts) == 1 else np.concatenate(parts)
         lr = loads[cands]
         m = lr.min()
-        if m + nb <= cap:
+        if m + nb <= cap or m == low:  # (m == low: nothing fits anywhere, see below)
             return int(cands[lr == m].min())
     levels = _levels(t)
-    for h, ranks in levels[1:]:  # a lower level within the cap (a rank of a higher level did not fit)
-        lr = loads[ranks]
-        m = lr.min()
-        if m + nb <= cap:
-            return int(ranks[lr == m].min())
-    low = loads.min()
-    if low + nb <= cap:  # no holder fits, a rank does: it holds nothing
-        return int(np.argmin(loads))
+    if low + nb <= cap:
+        for h, ranks in levels[1:]:  # a lower level within the cap (no rank of a higher one fits)
+            lr = loads[ranks]
+            m = lr.min()
+            if m + nb <= cap:
+                return int(ranks[lr == m].min())
+        return int(np.argmin(loads))  # no holder fits, a rank does: it holds nothing
     holders = np.zeros(len(loads), bool)  # nothing fits anywhere: least loaded, most held, lowest
     for h, ranks in levels:
         lr = loads[ranks]
@@ -613,13 +622,27 @@ class _Unit:
         g = self._grid()
         return g.n_src, g.src_runs
 
+    def member_runs(self, j: int, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """``(starts, lengths, local offsets)`` of member ``i``'s piece of slot ``j`` when it
+        is a source (replica 0, elements held), else None. Views of cached arrays."""
+        if self.kind == "flat":
+            m, starts, lengths, local, at = self.geo.source_runs(j)
+            k = i - self.geo.a[j]
+        else:
+            m, starts, lengths, local, at = self._grid().source_runs()
+            k = i
+        if not 0 <= k < len(at) - 1 or at[k] == at[k + 1]:
+            return None
+        lo, hi = int(at[k]), int(at[k + 1])
+        return starts[lo:hi], lengths[lo:hi], local[lo:hi]
+
     def source_runs(self, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Runs of the replica-0 pieces of slot ``j``, in member order then local order:
         ``(member, rank, start, length, local offset)`` per run."""
         if self.kind == "flat":
-            m, starts, lengths, local = self.geo.source_runs(j)
+            m, starts, lengths, local, _ = self.geo.source_runs(j)
             return m, self.members[self.geo.a[j] + m], starts, lengths, local
-        m, starts, lengths, local = self._grid().source_runs()
+        m, starts, lengths, local, _ = self._grid().source_runs()
         return m, self.members[m], starts, lengths, local
 
     def full_ranks(self, j: int) -> list[int]:
@@ -685,14 +708,15 @@ class _FlatGeo:
             self._held[j] = (hi - lo, runs)
         return self._held[j]
 
-    def source_runs(self, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """:meth:`_Unit.source_runs` with members counted from ``a`` (none if replica > 0):
-        the members' flat ranges and the box's runs, both cutting ``[0, bn)``, merged."""
+    def source_runs(self, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`_Unit.source_runs` with members counted from ``a`` (none if replica > 0),
+        and where each member's runs start (``b - a + 1`` offsets): the members' flat ranges
+        and the box's runs, both cutting ``[0, bn)``, merged."""
         if j not in self._src:
             shape, offs, sizes, rep = self.slots[j]
             if rep != 0 or self.bn[j] == 0:
                 z = np.zeros(0, np.int64)
-                self._src[j] = (z, z, z, z)
+                self._src[j] = (z, z, z, z, np.zeros(1, np.int64))
                 return self._src[j]
             a, b, t0, bn = self.a[j], self.b[j], self.t0[j], self.bn[j]
             lo = np.maximum(np.arange(a, b, dtype=np.int64) * self.part - t0, 0)  # each member's first element
@@ -702,7 +726,8 @@ class _FlatGeo:
             m = np.searchsorted(lo, cuts, side="right") - 1
             r = np.searchsorted(box_lo, cuts, side="right") - 1
             ends = np.append(cuts[1:], bn)
-            self._src[j] = (m, box.starts[r] + (cuts - box_lo[r]), ends - cuts, cuts - lo[m])
+            at = np.searchsorted(m, np.arange(b - a + 1))
+            self._src[j] = (m, box.starts[r] + (cuts - box_lo[r]), ends - cuts, cuts - lo[m], at)
         return self._src[j]
 
     def levels(self, j: int) -> list[tuple[int, int, int]]:
@@ -789,9 +814,10 @@ class _GridGeo:
             self._levels = [(int(h), np.flatnonzero(self.held == h)) for h in np.unique(self.held)[::-1] if h > 0]
         return self._levels
 
-    def source_runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def source_runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``(member, start, length, local offset)`` of every run of the replica-0 members
-        holding elements, in member order then local order. Boxes of one size have the same
+        holding elements, in member order then local order, and where each member's runs
+        start (``n + 1`` offsets). Boxes of one size have the same
         runs shifted by their first element, so the runs are built once per size."""
         if self._src is None:
             src = np.flatnonzero((self.rep == 0) & (self.held > 0))
@@ -811,7 +837,9 @@ class _GridGeo:
             cat = [np.concatenate([getattr(r, f) for r in per_kind]) if per_kind else np.zeros(0, np.int64)
                    for f in ("starts", "lengths", "local")]
             at = offs[k_of] + pos if len(pos) else pos
-            self._src = (np.repeat(src, n), np.repeat(base, n) + cat[0][at], cat[1][at], cat[2][at])
+            member = np.repeat(src, n)
+            self._src = (member, np.repeat(base, n) + cat[0][at], cat[1][at], cat[2][at],
+                         np.searchsorted(member, np.arange(len(self.held) + 1)))
         return self._src
 
     def box(self, i: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
@@ -1242,16 +1270,48 @@ def _make_chunks(files: list[FilePlan], world: int, bucket_bytes: int) -> dict[i
     return chunks
 
 
-def _own_sources(held: list[tuple[TensorPlan, Layout]], rank: int) -> dict[tuple[str, str], list[tuple[int, Layout]]]:
-    """``rank``'s entries in :meth:`TensorPlan.sources`, from the pieces it holds."""
-    out: dict[tuple[str, str], list[tuple[int, Layout]]] = {}
-    for t, lay in held:
-        if t.writer in t.full_holders:
-            if t.writer == rank:
-                out[t.key] = [(rank, Layout.full(t.shape))]
-        elif lay.replica == 0 and lay.numel > 0:
-            out.setdefault(t.key, []).append((rank, lay))
+def _own_sources(plan: SavePlan, rank: int) -> dict[tuple[str, str], list[tuple[int, tuple]]]:
+    """``rank``'s entries in :meth:`TensorPlan.sources`, from the pieces it holds, as runs:
+    ``(start, length)`` for one run, else ``(starts, lengths, local offsets)`` arrays (rule
+    pieces: views of their geometry's arrays, no :class:`Layout` built)."""
+    out: dict[tuple[str, str], list[tuple[int, tuple]]] = {}
+
+    def full(t: TensorPlan) -> bool:  # the writer holds it whole: the only source
+        if t.writer == rank:
+            out[t.key] = [(rank, (0, t.numel))]
+        return True
+
+    for t, lay in plan.explicit_of(rank):
+        if t.writer in t.full_holders and full(t):
+            continue
+        if lay.replica == 0 and lay.numel > 0:
+            one = lay.single_run()
+            runs = lay.runs() if one is None else None
+            out.setdefault(t.key, []).append((rank, one or (runs.starts, runs.lengths, runs.local)))
+    for t, u, j, i in plan.rule_pieces_of(rank):
+        if t.writer in t.full_holders and full(t):
+            continue
+        runs = u.member_runs(j, i)
+        if runs is not None:
+            out.setdefault(t.key, []).append((rank, (int(runs[0][0]), int(runs[1][0])) if len(runs[0]) == 1 else runs))
     return out
+
+
+def _cut_one(runs: tuple, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """``(n, off_src, off_seg)`` of one source's runs (see :func:`_own_sources`) cut to
+    elements ``[start, stop)``; None when they do not meet."""
+    if len(runs) == 2:  # one run: no arrays to intersect
+        g, end = max(runs[0], start), min(runs[0] + runs[1], stop)
+        if end <= g:
+            return None
+        return np.array([end - g], np.int64), np.array([g - runs[0]], np.int64), np.array([g - start], np.int64)
+    starts, lengths, local = runs
+    if not len(starts):
+        return None
+    if starts[0] >= start and starts[-1] + lengths[-1] <= stop:  # all inside
+        return lengths.copy(), local.copy(), starts - start
+    g, n, off_src, off_seg = intersect(Runs(starts, lengths), Runs.single(start, stop))
+    return (n, off_src, off_seg) if len(n) else None
 
 
 def _rule_source_runs(t: TensorPlan) -> tuple[np.ndarray, ...]:
@@ -1287,24 +1347,9 @@ def _schedule(plan: SavePlan, rank: int) -> list[Step]:
     sources of this rank (its own pieces) and, for the segments it writes, every source of
     their tensors are intersected: never every rank's pieces of every tensor."""
     steps: list[Step] = []
-    runs_cache: dict[tuple[tuple[str, str], int], Runs | tuple[int, int]] = {}
-    all_sources: dict[tuple[str, str], list[tuple[int, Layout]]] = {}
+    all_sources: dict[tuple[str, str], list[tuple[int, tuple]]] = {}
     rule_sources: dict[tuple[str, str], tuple] = {}
-    own = _own_sources(plan.pieces_of(rank), rank)
-
-    def cut(t: TensorPlan, r: int, lay: Layout, seg: Segment):
-        """``(n, off_src, off_seg)`` of the overlaps of one source with ``seg``."""
-        k = (t.key, r)
-        if k not in runs_cache:
-            runs_cache[k] = lay.single_run() or lay.runs()
-        runs = runs_cache[k]
-        if isinstance(runs, tuple):  # one run: no arrays to intersect
-            g, end = max(runs[0], seg.start), min(runs[0] + runs[1], seg.stop)
-            if end <= g:
-                return None
-            return np.array([end - g], np.int64), np.array([g - runs[0]], np.int64), np.array([g - seg.start], np.int64)
-        g, n, off_src, off_seg = intersect(runs, Runs.single(seg.start, seg.stop))
-        return (n, off_src, off_seg) if len(n) else None
+    own = _own_sources(plan, rank)
 
     def cuts(t: TensorPlan, w: int, seg: Segment):
         """``(source rank, n, off_src, off_seg)`` per source overlapping ``seg``, in
@@ -1318,10 +1363,11 @@ def _schedule(plan: SavePlan, rank: int) -> list[Step]:
             return
         else:
             if t.key not in all_sources:
-                all_sources[t.key] = t.sources()
+                all_sources[t.key] = [(r, (x.starts, x.lengths, x.local)) for r, x in
+                                      ((r, lay.runs()) for r, lay in t.sources())]
             srcs = all_sources[t.key]
-        for r, lay in srcs:
-            c = cut(t, r, lay, seg)
+        for r, runs in srcs:
+            c = _cut_one(runs, seg.start, seg.stop)
             if c is not None:
                 yield (r, *c)
 
