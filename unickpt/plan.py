@@ -292,17 +292,18 @@ def _make_plan(summaries, bucket_bytes, max_file_bytes, zstd, shared_writes, rul
             if lay.is_full:
                 t.full_holders.append(rank)
     claims = _read_claims(summaries, rules or {}, tensors)
+    memo = _RuleMemo()
     for t in tensors.values():
         if t.rules:
-            _settle(t, held_by)
+            _settle(t, held_by, memo)
         if not t.full_holders:
             _check_tiling(t)
-    _assign_writers(list(tensors.values()), world)
+    _assign_writers(list(tensors.values()), world, memo)
     node_id = {n: i for i, n in enumerate(dict.fromkeys(nodes))}
     node_of = np.array([node_id[n] for n in nodes], np.int64)
     for t in tensors.values():
         # framed files are written by their owner only, frame by frame
-        t.direct = shared_writes and _can_write_direct(t, nodes, node_of) and not (zstd and t.role != "model")
+        t.direct = shared_writes and _can_write_direct(t, nodes, node_of, memo) and not (zstd and t.role != "model")
     files = _make_files(tensors, world, nodes, max_file_bytes)
     if zstd:
         for f in files:
@@ -355,7 +356,7 @@ def _check_tiling(t: TensorPlan) -> None:
         )
 
 
-def _assign_writers(tensors: list[TensorPlan], world: int) -> None:
+def _assign_writers(tensors: list[TensorPlan], world: int, memo: "_RuleMemo | None" = None) -> None:
     """Largest tensors first; each goes to the rank holding most of it unless that would push
     the rank past BALANCE_SLACK x the mean load, else to the least-loaded candidate.
 
@@ -374,7 +375,7 @@ def _assign_writers(tensors: list[TensorPlan], world: int) -> None:
             fit = cands[c_load + t.nbytes <= cap]
             choice = int(fit[np.argmin(loads[fit])]) if len(fit) else int(cands[np.argmin(c_load)])
         elif t.rules:
-            choice = _pick_rules(t, loads, cap)
+            choice = _pick_rules(t, loads, cap, memo or _RuleMemo())
         else:
             held: dict[int, int] = {}
             for r, lay in t.explicit:
@@ -411,27 +412,21 @@ def _pick_any(nbytes: int, hr: np.ndarray, hn: np.ndarray, loads: np.ndarray, ca
     return int(low[h == h.max()].min())
 
 
-def _pick_rules(t: TensorPlan, loads: np.ndarray, cap: float) -> int:
+def _pick_rules(t: TensorPlan, loads: np.ndarray, cap: float, memo: "_RuleMemo | None" = None) -> int:
     """:func:`_pick_any` for a rule tensor, level by level of held size (a slice of members
     per rule and level) instead of over every rank: the first level with a rank within the
     cap gives the least loaded, lowest of them; else, when a rank fits, the least loaded
     rank holds nothing; else (nothing fits) the least loaded ranks, by most held."""
     nb = t.nbytes
-    best, parts = 0, []
-    for u, j in t.rules:  # the top level first: it decides most tensors
-        h, ranks = u.top(j)
-        if h > best:
-            best, parts = h, []
-        if h == best and len(ranks):
-            parts.append(ranks)
+    memo = memo or _RuleMemo()
+    best, cands = memo.get(t, "top", _top)
     low = loads.min()
-    if best > 0 and parts:
-        cands = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    if best > 0:
         lr = loads[cands]
         m = lr.min()
         if m + nb <= cap or m == low:  # (m == low: nothing fits anywhere, see below)
             return int(cands[lr == m].min())
-    levels = _levels(t)
+    levels = memo.get(t, "levels", _levels)
     if low + nb <= cap:
         for h, ranks in levels[1:]:  # a lower level within the cap (no rank of a higher one fits)
             lr = loads[ranks]
@@ -449,6 +444,20 @@ def _pick_rules(t: TensorPlan, loads: np.ndarray, cap: float) -> int:
     return int(least[~holders[least]].min())
 
 
+def _top(t: TensorPlan) -> tuple[int, np.ndarray]:
+    """The most a rank holds of ``t`` (0: nobody holds an element) and the ranks holding it."""
+    best, parts = 0, []
+    for u, j in t.rules:
+        h, ranks = u.top(j)
+        if h > best:
+            best, parts = h, []
+        if h == best and len(ranks):
+            parts.append(ranks)
+    if best == 0 or not parts:
+        return 0, np.zeros(0, np.int64)
+    return best, parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
 def _levels(t: TensorPlan) -> list[tuple[int, np.ndarray]]:
     """``(held, ranks)`` of a rule tensor's holders, most held first (a rank holding pieces
     of several rules may appear at several levels: its first is its own)."""
@@ -459,14 +468,16 @@ def _levels(t: TensorPlan) -> list[tuple[int, np.ndarray]]:
     return [(h, np.concatenate(by[h])) for h in sorted(by, reverse=True)]
 
 
-def _can_write_direct(t: TensorPlan, nodes: list[str], node_of: np.ndarray | None = None) -> bool:
+def _can_write_direct(t: TensorPlan, nodes: list[str], node_of: np.ndarray | None = None,
+                      memo: "_RuleMemo | None" = None) -> bool:
     if t.nbytes == 0 or t.quantized:  # quantized: the writer encodes whole groups
         return False
     if t.rules and t.writer not in t.full_holders:
-        n_runs = sum(u.source_counts(j)[1] for u, j in t.rules)
+        memo = memo or _RuleMemo()
+        n_runs = memo.get(t, "runs", lambda t: sum(u.source_counts(j)[1] for u, j in t.rules))
         if t.nbytes / max(n_runs, 1) < min(DIRECT_MIN_RUN, t.nbytes):
             return False  # (checked first: closed forms, no rank visited)
-        ranks, _ = _rule_sources(t)
+        ranks, _ = memo.get(t, "sources", _rule_sources)
         if node_of is None:
             node_of = np.array([hash(n) for n in nodes], np.int64)
         return not (len(ranks) and np.any(node_of[ranks] != node_of[t.writer]))
@@ -945,18 +956,15 @@ def _read_claims(summaries: list[dict], rules: dict, tensors: dict) -> list[list
     return claims
 
 
-def _settle(t: TensorPlan, held_by: list) -> None:
+def _settle(t: TensorPlan, held_by: list, memo: "_RuleMemo | None" = None) -> None:
     """Keep ``t``'s pieces as rules when the rules alone tile it (every member holding a
     piece claimed once; the replica-0 boxes tile the tensor) and they give its full
     holders; else materialise them as explicit pieces (planned exactly as before)."""
-    ok = not t.explicit and all(u.complete(j) for u, j in t.rules)
-    if ok and t.numel > 0:
-        boxes = [u.tiles(j) for u, j in t.rules]
-        boxes = [b for b in boxes if b is not None]
-        ok = _boxes_tile(t.shape, boxes)
-    if ok:
-        t.full_holders = sorted(r for u, j in t.rules for r in u.full_ranks(j))
-        return
+    if not t.explicit:
+        ok, full = (memo or _RuleMemo()).get(t, "settle", _rules_tile)
+        if ok:
+            t.full_holders = list(full)
+            return
     for u, j in t.rules:
         for r, lay in u.claimed_pieces(j):
             t.explicit.append((r, lay))
@@ -964,6 +972,34 @@ def _settle(t: TensorPlan, held_by: list) -> None:
     t.explicit.sort(key=lambda p: p[0])
     t.full_holders = [r for r, lay in t.explicit if lay.is_full]
     t.rules = []
+
+
+def _rules_tile(t: TensorPlan) -> tuple[bool, list[int]]:
+    """Whether ``t``'s rules alone tile it, and then its full holders."""
+    ok = all(u.complete(j) for u, j in t.rules)
+    if ok and t.numel > 0:
+        boxes = [u.tiles(j) for u, j in t.rules]
+        ok = _boxes_tile(t.shape, [b for b in boxes if b is not None])
+    return ok, sorted(r for u, j in t.rules for r in u.full_ranks(j)) if ok else []
+
+
+class _RuleMemo:
+    """What planning computes from a rule tensor's rules alone (never from loads), kept per
+    *rule key*: the rules' templates, member sets and slots. The same tensor of every layer
+    has the same key, so each is computed once per model, not once per tensor."""
+
+    def __init__(self) -> None:
+        self._done: dict[tuple, object] = {}
+        self._keys: dict[int, tuple] = {}  # id(tensor) -> its rule key (tensors outlive the memo)
+
+    def get(self, t: TensorPlan, what: str, compute):
+        rk = self._keys.get(id(t))
+        if rk is None:
+            rk = self._keys[id(t)] = tuple((id(u.body), id(u.members), j) for u, j in t.rules)
+        key = (what, rk)
+        if key not in self._done:
+            self._done[key] = compute(t)
+        return self._done[key]
 
 
 def _boxes_tile(shape, boxes) -> bool:
