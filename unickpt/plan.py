@@ -761,6 +761,9 @@ class _FlatGeo:
         return self._runs[j]
 
 
+_CACHED = 64
+"""Geometries kept between plans (a model has a few tensor shapes; each geometry holds
+arrays over its members, ~1 MB at 10,000 ranks once its runs are built)."""
 _FLAT: dict = {}
 
 
@@ -769,7 +772,7 @@ def _flat_geo(total: int, n: int, slots: tuple) -> _FlatGeo:
     geo = _FLAT.get(key)
     if geo is None:
         geo = _FlatGeo(total, n, slots)
-        if len(_FLAT) > 4096:
+        if len(_FLAT) >= _CACHED:
             _FLAT.clear()
         _FLAT[key] = geo
     return geo
@@ -780,7 +783,7 @@ class _GridGeo:
     holding most, and the sources' count and runs. Shared by tensors of one shape on one mesh."""
 
     __slots__ = ("shape", "offs", "sizes", "held", "rep", "runs", "full", "top", "top_at", "full_at", "n_src",
-                 "src_runs", "_boxes", "_src", "_levels")
+                 "src_runs", "_src", "_levels")
 
     def __init__(self, shape: tuple, mesh: tuple, pl: tuple) -> None:
         nd = len(shape)
@@ -815,7 +818,6 @@ class _GridGeo:
         self.full_at = np.flatnonzero(self.full)
         src = (self.rep == 0) & (self.held > 0)
         self.n_src, self.src_runs = int(src.sum()), int(self.runs[src].sum())
-        self._boxes: list | None = None
         self._src: tuple | None = None
         self._levels: list | None = None
 
@@ -855,12 +857,7 @@ class _GridGeo:
 
     def box(self, i: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
         """``(offsets, sizes, replica)`` of member ``i``."""
-        if self._boxes is None:
-            n = len(self.rep)
-            offs = list(zip(*(o.tolist() for o in self.offs))) if self.shape else [()] * n
-            sizes = list(zip(*(z.tolist() for z in self.sizes))) if self.shape else [()] * n
-            self._boxes = list(zip(offs, sizes, self.rep.tolist()))
-        return self._boxes[i]
+        return tuple(int(o[i]) for o in self.offs), tuple(int(z[i]) for z in self.sizes), int(self.rep[i])
 
 
 _GEO: dict = {}
@@ -872,7 +869,7 @@ def _grid_geo(shape, mesh, pl) -> _GridGeo:
     geo = _GEO.get(key)
     if geo is None:
         geo = _GridGeo(shape, mesh, pl)
-        if len(_GEO) > 4096:
+        if len(_GEO) >= _CACHED:
             _GEO.clear()
         _GEO[key] = geo
     return geo
