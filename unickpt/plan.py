@@ -365,17 +365,19 @@ def _assign_writers(tensors: list[TensorPlan], world: int, memo: "_RuleMemo | No
     (least loaded, most held, lowest rank). Vectorised over ranks: a tensor costs its pieces
     (or, for rules, a few array operations over the members holding it), not a sort of
     every rank."""
-    total = sum(t.nbytes for t in tensors)
+    memo = memo or _RuleMemo()
+    sized = sorted(((t.nbytes, t) for t in tensors), key=lambda x: (-x[0], x[1].role, x[1].name))
+    total = sum(nb for nb, _ in sized)
     cap = BALANCE_SLACK * total / world if world else 0
     loads = np.zeros(world, np.int64)
-    for t in sorted(tensors, key=lambda t: (-t.nbytes, t.role, t.name)):
+    for nbytes, t in sized:
         if t.full_holders:
             cands = np.unique(np.array(t.full_holders, np.int64))  # equal held (whole): by load, rank
             c_load = loads[cands]
-            fit = cands[c_load + t.nbytes <= cap]
+            fit = cands[c_load + nbytes <= cap]
             choice = int(fit[np.argmin(loads[fit])]) if len(fit) else int(cands[np.argmin(c_load)])
         elif t.rules:
-            choice = _pick_rules(t, loads, cap, memo or _RuleMemo())
+            choice = _pick_rules(t, loads, cap, memo)
         else:
             held: dict[int, int] = {}
             for r, lay in t.explicit:
@@ -383,9 +385,9 @@ def _assign_writers(tensors: list[TensorPlan], world: int, memo: "_RuleMemo | No
                     held[r] = lay.numel
             hr = np.fromiter(held.keys(), np.int64, len(held))
             hn = np.fromiter(held.values(), np.int64, len(held))
-            choice = _pick_any(t.nbytes, hr, hn, loads, cap)
+            choice = _pick_any(nbytes, hr, hn, loads, cap)
         t.writer = choice
-        loads[choice] += t.nbytes
+        loads[choice] += nbytes
 
 
 def _pick_any(nbytes: int, hr: np.ndarray, hn: np.ndarray, loads: np.ndarray, cap: float) -> int:
