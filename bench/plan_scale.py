@@ -50,7 +50,7 @@ import zstandard
 import torch
 
 from unickpt.layout import Layout, partition_flat
-from unickpt import plan as _plan
+from unickpt import rules as _rules
 from unickpt.manifest import Manifest
 from unickpt.plan import LocalSummary, SavePlan, _digest, assemble, decode_summary, extents_of, make_plan, summarize
 from unickpt.state import Entry
@@ -295,7 +295,7 @@ def run_rules(layout: str, world: int, layers: int, bucket: int, mem: bool) -> N
     peak = float("nan")
     if mem:
         del plan
-        _plan._FLAT.clear(), _plan._GEO.clear(), _plan._TILES.clear()  # count the geometry caches too
+        _rules._FLAT.clear(), _rules._GEO.clear(), _rules._TILES.clear()  # count the geometry caches too
         gc.collect()
         tracemalloc.start()
         plan = plan_one_rank((heads, payloads), sample[-1], bucket)
