@@ -50,6 +50,7 @@ import zstandard
 import torch
 
 from unickpt.layout import Layout, partition_flat
+from unickpt import rules as _rules
 from unickpt.manifest import Manifest
 from unickpt.plan import LocalSummary, SavePlan, _digest, assemble, decode_summary, extents_of, make_plan, summarize
 from unickpt.state import Entry
@@ -193,8 +194,8 @@ def rule_inputs(layout: str, tensors, world: int) -> tuple[list[bytes], list[byt
     local: list = [None] * world
     worst = 0.0
     for _, members in groups:
-        t0 = time.perf_counter()
         ents = _entries(layout, tensors, world, members[0])
+        t0 = time.perf_counter()
         ls = summarize(ents, ["BF16"] * len(ents), f"n{members[0] // PER_NODE}")
         worst = max(worst, time.perf_counter() - t0)
         assert not ls.rows and len(ls.claims) == 1, "index 0 holds a piece of every unit"
@@ -219,8 +220,8 @@ def rule_inputs(layout: str, tensors, world: int) -> tuple[list[bytes], list[byt
                 continue
             local[r] = LocalSummary(f"n{r // PER_NODE}", [], [(sid, i)], {sid: ds}, ls.units, {sid: []})
     for r in sorted({0, world // 2 + 3, world - 1}):  # sampled ranks: their real summaries agree
-        t0 = time.perf_counter()
         ents = _entries(layout, tensors, world, r)
+        t0 = time.perf_counter()
         real = summarize(ents, ["BF16"] * len(ents), f"n{r // PER_NODE}")
         worst = max(worst, time.perf_counter() - t0)
         assert real.claims == local[r].claims and not real.rows, r
@@ -294,6 +295,7 @@ def run_rules(layout: str, world: int, layers: int, bucket: int, mem: bool) -> N
     peak = float("nan")
     if mem:
         del plan
+        _rules._FLAT.clear(), _rules._GEO.clear(), _rules._TILES.clear()  # count the geometry caches too
         gc.collect()
         tracemalloc.start()
         plan = plan_one_rank((heads, payloads), sample[-1], bucket)

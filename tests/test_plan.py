@@ -119,3 +119,18 @@ def test_without_shared_writes_every_file_has_one_writer():
                 assert plan.files[seg.file_index].writer == rank
     gathered = sum(seg.stop - seg.start for c in plan.chunks.values() for chunk in c for seg in chunk)
     assert gathered == sum(int(np.prod(s)) for s in shapes)
+
+
+def test_a_rank_holding_two_pieces_of_a_tensor_sends_each():
+    """Rank 1 holds rows 2-3 and 6-7 of a tensor rank 0 writes: both pieces travel, each
+    from its own local elements (the schedule once reused the first piece's runs)."""
+    lay = lambda r0: Layout((8, 4), (r0, 0), (2, 4))  # noqa: E731
+    per_rank = [[_row("model", "w", "F32", lay(0)), _row("model", "w", "F32", lay(4))],
+                [_row("model", "w", "F32", lay(2)), _row("model", "w", "F32", lay(6))]]
+    plan = make_plan([{**s, "node": "n0"} for s in _summaries(per_rank)], bucket_bytes=4096, shared_writes=False)
+    sender = 1 - plan.tensors[("model", "w")].writer
+    sent = [(x.starts.tolist(), x.lengths.tolist()) for st in plan.schedule(sender) for _, _, x in st.sends]
+    assert sorted(sent) == [([0], [8]), ([0], [8])]  # each piece's own 8 local elements
+    recv = sorted((x.starts.tolist(), src) for st in plan.schedule(1 - sender) for src, _, _, x in st.recvs)
+    first = 8 if sender == 1 else 0
+    assert recv == [([first], sender), ([first + 16], sender)]  # into their own places

@@ -300,3 +300,87 @@ def test_writer_loads_stay_within_the_balance_bound(plan):
     loads = plan.writer_loads()
     assert sum(loads) == sum(t.nbytes for t in plan.tensors.values())
     assert max(loads) <= 1.1 * sum(loads) / WORLD + max(t.nbytes for t in plan.tensors.values())
+
+
+def test_rule_writer_choice_equals_the_general_rule_under_any_loads():
+    """``_pick_rules`` (level by level of held size) against ``_pick_any`` over every holder,
+    with random loads and caps: fitting holders, lower-held holders, non-holders, nobody."""
+    from unickpt.plan import _pick_any, _pick_rules
+
+    def holders(t):  # every holder once, with the most it holds (from the rules' arrays)
+        held: dict[int, int] = {}
+        for u, j in t.rules:
+            ranks, hn = u.arrays(j)[:2]
+            for r, n in zip(ranks.tolist(), hn.tolist()):
+                held[r] = max(held.get(r, 0), n)
+        return np.array(list(held), np.int64), np.array(list(held.values()), np.int64)
+
+    rng = random.Random(7)
+    nprng = np.random.default_rng(7)
+    n_checked = 0
+    for case in range(120):
+        per_rank = _random_case(rng)
+        summaries, rules = rule_summaries(per_rank, lambda r: "n0")
+        try:
+            plan = make_plan(summaries, bucket_bytes=64, rules=rules)
+        except LayoutError:
+            continue
+        world = len(per_rank)
+        for t in plan.tensors.values():
+            if not t.rules:
+                continue
+            for _ in range(10):
+                loads = nprng.integers(0, 3, world) * nprng.choice([1, t.nbytes, 4 * t.nbytes + 1])
+                cap = float(nprng.choice([0, t.nbytes, 2 * t.nbytes, loads.max() + t.nbytes, 10 * t.nbytes]))
+                assert _pick_rules(t, loads, cap) == _pick_any(t.nbytes, *holders(t), loads, cap), (case, t.name)
+                n_checked += 1
+    assert n_checked > 500
+
+
+def test_rule_plan_of_scalar_grid_tensors_equals_explicit_plan():
+    """0-d DTensors (replicated on every mesh dim) next to a 1-d one: one rule each."""
+    W, mesh = 4, (2, 2)
+    per_rank = [[("optim", "step", grid_layout((), mesh, (-1, -1), divmod(r, 2))),
+                 ("optim", "v", grid_layout((6,), mesh, (0, -1), divmod(r, 2)))] for r in range(W)]
+    node = lambda r: "n0"  # noqa: E731
+    a = make_plan(explicit_summaries(per_rank, node), bucket_bytes=64)
+    summaries, rules = rule_summaries(per_rank, node)
+    assert not any(s["t"] for s in summaries)
+    b = make_plan(summaries, bucket_bytes=64, rules=rules)
+    assert all(t.rules for t in b.tensors.values())
+    assert plan_key(a, range(W)) == plan_key(b, range(W))
+
+
+def _source_runs_match(t) -> None:
+    """The vectorised runs of a rule tensor's sources equal its sources' Layout runs."""
+    from unickpt.plan import _rule_source_runs
+
+    piece, ranks, starts, lengths, local = _rule_source_runs(t)
+    want = [(r, lay.runs()) for r, lay in t.sources()]
+    assert ranks.tolist() == [r for r, x in want for _ in range(len(x))], t.name
+    assert starts.tolist() == [v for _, x in want for v in x.starts.tolist()], t.name
+    assert lengths.tolist() == [v for _, x in want for v in x.lengths.tolist()], t.name
+    assert local.tolist() == [v for _, x in want for v in x.local.tolist()], t.name
+    assert len(set(piece.tolist())) == len(want), t.name
+
+
+def test_vectorised_source_runs_equal_layout_runs(plan):
+    for t in plan.tensors.values():
+        _source_runs_match(t)
+
+
+def test_vectorised_source_runs_equal_layout_runs_on_random_cases():
+    rng = random.Random(5)
+    n_checked = 0
+    for case in range(150):
+        per_rank = _random_case(rng)
+        summaries, rules = rule_summaries(per_rank, lambda r: "n0")
+        try:
+            plan = make_plan(summaries, bucket_bytes=64, rules=rules)
+        except LayoutError:
+            continue
+        for t in plan.tensors.values():
+            if t.rules and t.writer not in t.full_holders:
+                _source_runs_match(t)
+                n_checked += 1
+    assert n_checked > 100

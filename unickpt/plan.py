@@ -11,7 +11,8 @@ concrete sends, receives and copies of one rank, step by step.
 
 from __future__ import annotations
 
-import bisect
+import contextlib
+import gc
 import json
 import math
 from dataclasses import dataclass, field
@@ -23,7 +24,8 @@ import zstandard
 from .errors import LayoutError
 from .format import build_header, itemsize, order_key
 from .compress import QUANT_CODECS, stored_parts
-from .layout import FlatUnit, Layout, Runs, _run_span, intersect
+from .layout import FlatUnit, Layout, Runs, intersect
+from .rules import FlatGeo, Unit, UnitSet, boxes_tile
 from .state import Entry
 
 __all__ = ["encode_summary", "decode_summary", "summary_digest", "summarize", "assemble", "LocalSummary", "make_plan",
@@ -195,7 +197,7 @@ class SavePlan:
     bucket_bytes: int
     held_by: list[list[tuple[TensorPlan, Layout]]] | None = None
     """Per rank, the ``(tensor, layout)`` of every explicit piece it holds (None: found by scanning)."""
-    claims: list[list[tuple["_Set", int]]] | None = None
+    claims: list[list[tuple["UnitSet", int]]] | None = None
     """Per rank, its rule claims ``(set, index)``: its other pieces, computed on demand."""
     _schedules: dict[int, list[Step]] = field(default_factory=dict)
 
@@ -214,8 +216,20 @@ class SavePlan:
 
     def pieces_of(self, rank: int) -> list[tuple[TensorPlan, Layout]]:
         """``(tensor, layout)`` of every piece ``rank`` holds: O(its own pieces)."""
-        out = list(self.held_by[rank]) if self.held_by is not None else [
+        out = self.explicit_of(rank)
+        for t, u, j, i in self.rule_pieces_of(rank):
+            lay = u.piece(j, i)
+            if lay is not None:
+                out.append((t, lay))
+        return out
+
+    def explicit_of(self, rank: int) -> list[tuple[TensorPlan, Layout]]:
+        """``(tensor, layout)`` of the explicit pieces ``rank`` holds."""
+        return list(self.held_by[rank]) if self.held_by is not None else [
             (t, lay) for t in self.tensors.values() for r, lay in t.explicit if r == rank]
+
+    def rule_pieces_of(self, rank: int):
+        """``(tensor, unit, slot, member index)`` of each rule piece ``rank`` holds."""
         for st, i in (self.claims[rank] if self.claims else ()):
             for u in st.units:
                 for j in u.slots_of(i):
@@ -223,10 +237,7 @@ class SavePlan:
                         continue
                     t = self.tensors[(u.body["role"], u.slots[j][0])]
                     if any(x is u and y == j for x, y in t.rules):
-                        lay = u.piece(j, i)
-                        if lay is not None:
-                            out.append((t, lay))
-        return out
+                        yield t, u, j, i
 
     def page_phases(self, rank: int, page: int = 4096) -> dict[tuple[str, str], int]:
         """Where ``rank``'s local copy of each tensor it writes in place would sit in memory,
@@ -249,7 +260,8 @@ class SavePlan:
 
     def schedule(self, rank: int) -> list[Step]:
         if rank not in self._schedules:
-            self._schedules[rank] = _schedule(self, rank)
+            with _gc_paused():
+                self._schedules[rank] = _schedule(self, rank)
         return self._schedules[rank]
 
 
@@ -261,9 +273,28 @@ def make_plan(
     ``shared_writes``: the storage lets several ranks write one file (its
     :attr:`~unickpt.storage.Capabilities.shared_writes`); without it every piece is gathered
     to its file's one writer. ``rules``: ``{"sets": {sid: [unit digest]}, "units": {digest:
-    body}}``, the rule bodies named by the summaries' claims ``"c": [[sid, index]]`` (see
+    (template, names)}}`` (a body split by :func:`_template`), the rule bodies named by the summaries' claims ``"c": [[sid, index]]`` (see
     :func:`summarize` and :func:`assemble`); a claimed unit's pieces are never materialised
     unless its tensors fit no rule check (then they are planned as explicit pieces)."""
+    with _gc_paused():
+        return _make_plan(summaries, bucket_bytes, max_file_bytes, zstd, shared_writes, rules)
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Pause the cyclic garbage collector. Planning allocates 1e5-1e6 small objects without
+    cycles (reference counting frees them); each allocation burst would start collections
+    that walk the whole process's heap (0.3-0.5 s of a plan at 10,000 ranks)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _make_plan(summaries, bucket_bytes, max_file_bytes, zstd, shared_writes, rules) -> SavePlan:
     world = len(summaries)
     nodes = [str(s["node"]) for s in summaries]
     tensors: dict[tuple[str, str], TensorPlan] = {}
@@ -279,17 +310,18 @@ def make_plan(
             if lay.is_full:
                 t.full_holders.append(rank)
     claims = _read_claims(summaries, rules or {}, tensors)
+    memo = _RuleMemo()
     for t in tensors.values():
         if t.rules:
-            _settle(t, held_by)
+            _settle(t, held_by, memo)
         if not t.full_holders:
             _check_tiling(t)
-    _assign_writers(list(tensors.values()), world)
+    _assign_writers(list(tensors.values()), world, memo)
     node_id = {n: i for i, n in enumerate(dict.fromkeys(nodes))}
     node_of = np.array([node_id[n] for n in nodes], np.int64)
     for t in tensors.values():
         # framed files are written by their owner only, frame by frame
-        t.direct = shared_writes and _can_write_direct(t, nodes, node_of) and not (zstd and t.role != "model")
+        t.direct = shared_writes and _can_write_direct(t, nodes, node_of, memo) and not (zstd and t.role != "model")
     files = _make_files(tensors, world, nodes, max_file_bytes)
     if zstd:
         for f in files:
@@ -306,7 +338,7 @@ def _tensor(tensors, role, name, dtype, shape, tag, rank) -> TensorPlan:
         raise LayoutError(f"tensor {name!r} (role {role}): ranks disagree on its codec ({t.codec} vs {tag})")
     elif t.dtype != dtype or t.shape != shape:
         first = t.explicit[0][0] if t.explicit else (t.rules[0][0].first_rank() if t.rules else "?")
-        rank = rank.first_rank() if isinstance(rank, _Unit) else rank
+        rank = rank.first_rank() if isinstance(rank, Unit) else rank
         raise LayoutError(
             f"tensor {name!r} (role {role}): rank {first} has {t.dtype} {list(t.shape)} but rank {rank} "
             f"has {dtype} {list(shape)}"
@@ -342,7 +374,7 @@ def _check_tiling(t: TensorPlan) -> None:
         )
 
 
-def _assign_writers(tensors: list[TensorPlan], world: int) -> None:
+def _assign_writers(tensors: list[TensorPlan], world: int, memo: "_RuleMemo | None" = None) -> None:
     """Largest tensors first; each goes to the rank holding most of it unless that would push
     the rank past BALANCE_SLACK x the mean load, else to the least-loaded candidate.
 
@@ -351,17 +383,19 @@ def _assign_writers(tensors: list[TensorPlan], world: int) -> None:
     (least loaded, most held, lowest rank). Vectorised over ranks: a tensor costs its pieces
     (or, for rules, a few array operations over the members holding it), not a sort of
     every rank."""
-    total = sum(t.nbytes for t in tensors)
+    memo = memo or _RuleMemo()
+    sized = sorted(((t.nbytes, t) for t in tensors), key=lambda x: (-x[0], x[1].role, x[1].name))
+    total = sum(nb for nb, _ in sized)
     cap = BALANCE_SLACK * total / world if world else 0
     loads = np.zeros(world, np.int64)
-    for t in sorted(tensors, key=lambda t: (-t.nbytes, t.role, t.name)):
+    for nbytes, t in sized:
         if t.full_holders:
             cands = np.unique(np.array(t.full_holders, np.int64))  # equal held (whole): by load, rank
             c_load = loads[cands]
-            fit = cands[c_load + t.nbytes <= cap]
+            fit = cands[c_load + nbytes <= cap]
             choice = int(fit[np.argmin(loads[fit])]) if len(fit) else int(cands[np.argmin(c_load)])
         elif t.rules:
-            choice = _pick_any(t.nbytes, *_rule_holders(t), loads, cap)
+            choice = _pick_rules(t, loads, cap, memo)
         else:
             held: dict[int, int] = {}
             for r, lay in t.explicit:
@@ -369,9 +403,9 @@ def _assign_writers(tensors: list[TensorPlan], world: int) -> None:
                     held[r] = lay.numel
             hr = np.fromiter(held.keys(), np.int64, len(held))
             hn = np.fromiter(held.values(), np.int64, len(held))
-            choice = _pick_any(t.nbytes, hr, hn, loads, cap)
+            choice = _pick_any(nbytes, hr, hn, loads, cap)
         t.writer = choice
-        loads[choice] += t.nbytes
+        loads[choice] += nbytes
 
 
 def _pick_any(nbytes: int, hr: np.ndarray, hn: np.ndarray, loads: np.ndarray, cap: float) -> int:
@@ -398,16 +432,75 @@ def _pick_any(nbytes: int, hr: np.ndarray, hn: np.ndarray, loads: np.ndarray, ca
     return int(low[h == h.max()].min())
 
 
-def _can_write_direct(t: TensorPlan, nodes: list[str], node_of: np.ndarray | None = None) -> bool:
+def _pick_rules(t: TensorPlan, loads: np.ndarray, cap: float, memo: "_RuleMemo | None" = None) -> int:
+    """:func:`_pick_any` for a rule tensor, level by level of held size (a slice of members
+    per rule and level) instead of over every rank: the first level with a rank within the
+    cap gives the least loaded, lowest of them; else, when a rank fits, the least loaded
+    rank holds nothing; else (nothing fits) the least loaded ranks, by most held."""
+    nb = t.nbytes
+    memo = memo or _RuleMemo()
+    best, cands = memo.get(t, "top", _top)
+    low = loads.min()
+    if best > 0:
+        lr = loads[cands]
+        m = lr.min()
+        if m + nb <= cap or m == low:  # (m == low: nothing fits anywhere, see below)
+            return int(cands[lr == m].min())
+    levels = memo.get(t, "levels", _levels)
+    if low + nb <= cap:
+        for h, ranks in levels[1:]:  # a lower level within the cap (no rank of a higher one fits)
+            lr = loads[ranks]
+            m = lr.min()
+            if m + nb <= cap:
+                return int(ranks[lr == m].min())
+        return int(np.argmin(loads))  # no holder fits, a rank does: it holds nothing
+    holders = np.zeros(len(loads), bool)  # nothing fits anywhere: least loaded, most held, lowest
+    for h, ranks in levels:
+        lr = loads[ranks]
+        if lr.min() == low:
+            return int(ranks[lr == low].min())
+        holders[ranks] = True
+    least = np.flatnonzero(loads == low)
+    return int(least[~holders[least]].min())
+
+
+def _top(t: TensorPlan) -> tuple[int, np.ndarray]:
+    """The most a rank holds of ``t`` (0: nobody holds an element) and the ranks holding it."""
+    best, parts = 0, []
+    for u, j in t.rules:
+        h, ranks = u.top(j)
+        if h > best:
+            best, parts = h, []
+        if h == best and len(ranks):
+            parts.append(ranks)
+    if best == 0 or not parts:
+        return 0, np.zeros(0, np.int64)
+    return best, parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _levels(t: TensorPlan) -> list[tuple[int, np.ndarray]]:
+    """``(held, ranks)`` of a rule tensor's holders, most held first (a rank holding pieces
+    of several rules may appear at several levels: its first is its own)."""
+    by: dict[int, list[np.ndarray]] = {}
+    for u, j in t.rules:
+        for h, ranks in u.levels(j):
+            by.setdefault(h, []).append(ranks)
+    return [(h, np.concatenate(by[h])) for h in sorted(by, reverse=True)]
+
+
+def _can_write_direct(t: TensorPlan, nodes: list[str], node_of: np.ndarray | None = None,
+                      memo: "_RuleMemo | None" = None) -> bool:
     if t.nbytes == 0 or t.quantized:  # quantized: the writer encodes whole groups
         return False
     if t.rules and t.writer not in t.full_holders:
-        ranks, n_runs = _rule_sources(t)
+        memo = memo or _RuleMemo()
+        n_runs = memo.get(t, "runs", lambda t: sum(u.source_counts(j)[1] for u, j in t.rules))
+        if t.nbytes / max(n_runs, 1) < min(DIRECT_MIN_RUN, t.nbytes):
+            return False  # (checked first: closed forms, no rank visited)
+        ranks, _ = memo.get(t, "sources", _rule_sources)
         if node_of is None:
             node_of = np.array([hash(n) for n in nodes], np.int64)
-        if len(ranks) and np.any(node_of[ranks] != node_of[t.writer]):
-            return False
-        return t.nbytes / max(int(n_runs), 1) >= min(DIRECT_MIN_RUN, t.nbytes)
+        return not (len(ranks) and np.any(node_of[ranks] != node_of[t.writer]))
     srcs = t.sources()
     if any(nodes[r] != nodes[t.writer] for r, _ in srcs):
         return False  # other nodes may not see the writer's disk: gather
@@ -415,202 +508,21 @@ def _can_write_direct(t: TensorPlan, nodes: list[str], node_of: np.ndarray | Non
     return t.nbytes / max(n_runs, 1) >= min(DIRECT_MIN_RUN, t.nbytes)
 
 
-# -- rules: pieces described by a rule, never materialised --------------------------------
-
-
-def _chunk(n: int, parts: int, i):
-    """torch.chunk / DTensor Shard sizes: ``(offset, size)`` of part ``i`` (arrays work)."""
-    c = -(-n // parts) if parts else 0
-    lo = np.minimum(i * c, n)
-    return lo, np.minimum(lo + c, n) - lo
-
-
-class _Set:
-    """Claims of one set of units: member index -> rank (and back)."""
-
-    __slots__ = ("sid", "units", "index_of", "claims")
-
-    def __init__(self, sid: str, units: list) -> None:
-        self.sid, self.units, self.index_of = sid, units, {}
-        self.claims: list[tuple[int, int]] = []  # (index, rank)
-
-
-class _Unit:
-    """A rule: ``flat`` (named tensors' blocks flattened back to back, ``total`` elements cut
-    into ``n`` equal ranges; member ``i`` holds range ``i``) or ``grid`` (one tensor sharded
-    over a mesh of ``n`` members, torch.chunk sizes; member ``i``: row-major coordinate)."""
-
-    __slots__ = ("body", "kind", "n", "slots", "t0", "bn", "part", "sets", "members", "counts", "regular", "_geo")
-
-    def __init__(self, body: dict) -> None:
-        self.body, self.kind, self.n = body, body["k"], int(body["n"])
-        self.sets: list[_Set] = []
-        self.members: np.ndarray | None = None  # index -> rank (-1: unclaimed), shared by units of the same sets
-        self.counts: np.ndarray | None = None  # claimed members before each index
-        self.regular = True
-        self._geo = None
-        if self.kind == "flat":
-            self.slots = [(name, tuple(sh), tuple(o), tuple(z), int(r)) for name, sh, o, z, r in body["t"]]
-            self.bn = [math.prod(z) for _, _, _, z, _ in self.slots]
-            self.t0 = np.concatenate([[0], np.cumsum(self.bn, dtype=np.int64)]).tolist()
-            self.part = int(body["total"]) // self.n
-            if self.t0[-1] > int(body["total"]) or int(body["total"]) % self.n:
-                raise LayoutError(f"flat unit of {self.t0[-1]} elements does not fit {body['total']} over {self.n}")
-        elif self.kind == "grid":
-            name, sh = body["t"][0]
-            self.slots = [(name, tuple(sh), None, None, 0)]
-            if math.prod(body["mesh"]) != self.n or len(body["pl"]) != len(body["mesh"]):
-                raise LayoutError(f"grid rule of {name!r}: mesh {body['mesh']} does not have {self.n} members")
-        else:
-            raise LayoutError(f"unknown layout rule {self.kind!r}")
-
-    @property
-    def claims(self):
-        """``(index, rank)`` of every claim on this unit (duplicates included)."""
-        return [c for st in self.sets for c in st.claims]
-
-    def first_rank(self) -> int:
-        return min((r for _, r in self.claims), default=-1)
-
-    def any_claimed(self, a: int, b: int) -> bool:
-        return int(self.counts[b] - self.counts[a]) > 0
-
-    def indices_of(self, rank: int) -> list[int]:
-        return [s.index_of[rank] for s in self.sets if rank in s.index_of]
-
-    def span(self, j: int) -> tuple[int, int]:
-        """Members ``[a, b)`` whose pieces of slot ``j`` are rows of the summary today."""
-        if self.kind == "grid":
-            return 0, self.n
-        if self.bn[j] == 0:
-            return 0, 0
-        return self.t0[j] // self.part, (self.t0[j] + self.bn[j] - 1) // self.part + 1
-
-    def piece(self, j: int, i: int) -> Layout | None:
-        name, shape, offs, sizes, rep = self.slots[j]
-        if self.kind == "flat":
-            lo = max(i * self.part, self.t0[j])
-            hi = min((i + 1) * self.part, self.t0[j + 1])
-            if hi <= lo:
-                return None
-            return Layout(shape, offs, sizes, (lo - self.t0[j], hi - self.t0[j]), rep)
-        coord = np.unravel_index(i, self.body["mesh"])
-        offs, sizes, rep = [0] * len(shape), list(shape), 0
-        for m, d in enumerate(self.body["pl"]):
-            if d < 0:
-                rep = rep * self.body["mesh"][m] + int(coord[m])
-            else:
-                o, z = _chunk(shape[d], self.body["mesh"][m], int(coord[m]))
-                offs[d], sizes[d] = int(o), int(z)
-        return Layout(shape, tuple(offs), tuple(sizes), None, rep)
-
-    def slots_of(self, i: int) -> range:
-        """Slots member ``i`` holds a piece of."""
-        if self.kind == "grid":
-            return range(1)
-        lo, hi = i * self.part, (i + 1) * self.part
-        a = bisect.bisect_right(self.t0, lo) - 1
-        b = bisect.bisect_left(self.t0, hi)
-        return range(max(a, 0), min(b, len(self.slots)))
-
-    def claimed_pieces(self, j: int) -> list[tuple[int, Layout]]:
-        a, b = self.span(j)
-        out = []
-        for i, r in self.claims:
-            if a <= i < b:
-                lay = self.piece(j, i)
-                if lay is not None:
-                    out.append((r, lay))
-        return out
-
-    def complete(self, j: int) -> bool:
-        a, b = self.span(j)
-        return self.regular and int(self.counts[b] - self.counts[a]) == b - a
-
-    def arrays(self, j: int):
-        """Over members ``[a, b)`` of slot ``j``: ``(ranks, held, replica, runs, full)``
-        (flat: replica and runs may be one number for all, full is None: see full_ranks)."""
-        name, shape, offs, sizes, rep = self.slots[j]
-        a, b = self.span(j)
-        ranks = self.members[a:b]
-        if self.kind == "flat":  # members a+1..b-2 hold `part` elements; the ends, what is left
-            lo = np.arange(a, b, dtype=np.int64) * self.part - self.t0[j]
-            hi = lo + self.part
-            lo[0], hi[-1] = 0, self.bn[j]
-            np.maximum(lo, 0, out=lo)
-            span = _run_span(shape, offs, sizes, None)
-            runs = 1 if span is None or span[0] < 0 else (hi - 1) // span[1] - lo // span[1] + 1
-            return ranks, hi - lo, rep, runs, None
-        geo = self._geo if self._geo is not None else _grid_geo(shape, tuple(self.body["mesh"]), tuple(self.body["pl"]))
-        self._geo = geo
-        return (ranks, *geo)
-
-    def full_ranks(self, j: int) -> list[int]:
-        """Ranks whose piece of slot ``j`` is the whole tensor."""
-        if self.kind == "flat":
-            name, shape, offs, sizes, rep = self.slots[j]
-            a, b = self.span(j)
-            return [int(self.members[a])] if b == a + 1 and sizes == shape else []
-        ranks, _, _, _, full = self.arrays(j)
-        return ranks[full].tolist()
-
-    def tiles(self, j: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-        """The box this unit's replica-0 pieces of slot ``j`` tile (None: no replica-0 piece)."""
-        name, shape, offs, sizes, rep = self.slots[j]
-        if self.kind == "grid":
-            return (0,) * len(shape), shape
-        return (offs, sizes) if rep == 0 else None
-
-
-_GEO: dict = {}
-
-
-def _grid_geo(shape, mesh, pl):
-    """Per member of a grid (row-major coordinates): held, replica, runs, full; cached by
-    geometry (tensors of one shape on one mesh share it)."""
-    key = (shape, mesh, pl)
-    if key in _GEO:
-        return _GEO[key]
-    nd = len(shape)
-    offs = [np.zeros(mesh, np.int64) for _ in range(nd)]
-    sizes = [np.full(mesh, shape[d], np.int64) for d in range(nd)]
-    rep = np.zeros(mesh, np.int64)
-    for m, d in enumerate(pl):
-        c = np.arange(mesh[m], dtype=np.int64).reshape([-1 if k == m else 1 for k in range(len(mesh))])
-        if d < 0:
-            rep = rep * mesh[m] + c
-        else:
-            o, z = _chunk(shape[d], mesh[m], c)
-            offs[d] = np.broadcast_to(o, mesh).copy()
-            sizes[d] = np.broadcast_to(z, mesh).copy()
-    held = np.ones(mesh, np.int64)
-    for z in sizes:
-        held = held * z
-    runs = np.ones(mesh, np.int64)  # runs of a box: product of the sizes before its last partial dim
-    partial_seen = np.zeros(mesh, bool)
-    for d in reversed(range(nd)):
-        partial = (offs[d] != 0) | (sizes[d] != shape[d])
-        runs = np.where(partial_seen, runs * sizes[d], runs)
-        partial_seen |= partial
-    runs = np.where(held > 0, runs, 0)
-    full = held == math.prod(shape)
-    geo = (held.ravel(), np.broadcast_to(rep, mesh).ravel(), runs.ravel(), full.ravel())
-    if len(_GEO) > 4096:
-        _GEO.clear()
-    _GEO[key] = geo
-    return geo
-
-
-def _read_claims(summaries: list[dict], rules: dict, tensors: dict) -> list[list[tuple[_Set, int]]]:
+def _read_claims(summaries: list[dict], rules: dict, tensors: dict) -> list[list[tuple[UnitSet, int]]]:
     """Claims ``"c": [[sid, index]]`` of every rank: members of the units, rule tensors."""
-    claims: list[list[tuple[_Set, int]]] = [[] for _ in summaries]
+    claims: list[list[tuple[UnitSet, int]]] = [[] for _ in summaries]
     if not any(s.get("c") for s in summaries):
         return claims
-    units = {d: _Unit(b) for d, b in rules.get("units", {}).items()}
-    sets: dict[str, _Set] = {}
+    units: dict[str, Unit] = {}
+    geos: dict[int, FlatGeo] = {}  # units of one template (shared by identity) share its geometry
+    for d, (body, names) in rules.get("units", {}).items():
+        u = units[d] = Unit(body, names, geos.get(id(body)))
+        if u.kind == "flat":
+            geos[id(body)] = u.geo
+    sets: dict[str, UnitSet] = {}
     for sid, digests in rules.get("sets", {}).items():
         try:
-            sets[sid] = _Set(sid, [units[d] for d in digests])
+            sets[sid] = UnitSet(sid, [units[d] for d in digests])
         except KeyError as e:
             raise LayoutError(f"layout rule {e} is claimed but was not sent") from None
         for u in sets[sid].units:
@@ -626,6 +538,7 @@ def _read_claims(summaries: list[dict], rules: dict, tensors: dict) -> list[list
             st.claims.append((int(index), rank))
             claims[rank].append((st, int(index)))
     shared: dict[tuple, tuple[np.ndarray, np.ndarray, bool]] = {}
+    by_geo: dict[tuple, tuple[list[bool], list[bool]]] = {}  # per slot: complete, held by a claimed member
     for u in units.values():
         if not any(st.claims for st in u.sets):
             continue
@@ -651,28 +564,37 @@ def _read_claims(summaries: list[dict], rules: dict, tensors: dict) -> list[list
             counts = np.concatenate([[0], np.cumsum(claimed, dtype=np.int64)])
             shared[key] = (members, counts, ok)
         u.members, u.counts, u.regular = shared[key]
+        if u.kind == "grid":
+            u.complete_slots = [u.regular and int(u.counts[-1]) == u.n]
+            held = [int(u.counts[-1]) > 0]
+        else:  # the same for every unit of this geometry and these sets
+            gk = (id(u.geo), key)
+            if gk not in by_geo:
+                a, b = np.array(u.geo.a, np.int64), np.array(u.geo.b, np.int64)
+                n = u.counts[b] - u.counts[a]
+                by_geo[gk] = ((n == b - a) & u.regular).tolist(), (n > 0).tolist()
+            u.complete_slots, held = by_geo[gk]
         role, dtype, tag = u.body["role"], u.body["dtype"], u.body.get("tag")
-        for j, (name, shape, _, _, _) in enumerate(u.slots):
-            a, b = u.span(j)
-            if a == b or not u.any_claimed(a, b):
+        for j, slot in enumerate(u.slots):
+            if not held[j]:
                 continue  # no element, or no claimed member holds one: no piece (no row either)
-            t = _tensor(tensors, role, name, dtype, shape, tag, u)
+            name, shape = slot[0], slot[1]
+            t = tensors.get((role, name))
+            if t is None or t.dtype != dtype or t.shape != shape or t.codec != tag:
+                t = _tensor(tensors, role, name, dtype, shape, tag, u)
             t.rules.append((u, j))
     return claims
 
 
-def _settle(t: TensorPlan, held_by: list) -> None:
+def _settle(t: TensorPlan, held_by: list, memo: "_RuleMemo | None" = None) -> None:
     """Keep ``t``'s pieces as rules when the rules alone tile it (every member holding a
     piece claimed once; the replica-0 boxes tile the tensor) and they give its full
     holders; else materialise them as explicit pieces (planned exactly as before)."""
-    ok = not t.explicit and all(u.complete(j) for u, j in t.rules)
-    if ok and t.numel > 0:
-        boxes = [u.tiles(j) for u, j in t.rules]
-        boxes = [b for b in boxes if b is not None]
-        ok = _boxes_tile(t.shape, boxes)
-    if ok:
-        t.full_holders = sorted(r for u, j in t.rules for r in u.full_ranks(j))
-        return
+    if not t.explicit:
+        ok, full = (memo or _RuleMemo()).get(t, "settle", _rules_tile)
+        if ok:
+            t.full_holders = list(full)
+            return
     for u, j in t.rules:
         for r, lay in u.claimed_pieces(j):
             t.explicit.append((r, lay))
@@ -682,42 +604,32 @@ def _settle(t: TensorPlan, held_by: list) -> None:
     t.rules = []
 
 
-def _boxes_tile(shape, boxes) -> bool:
-    key = (tuple(shape), tuple(sorted(boxes)))
-    if key not in _TILES:
-        if len(_TILES) > 4096:
-            _TILES.clear()
-        _TILES[key] = _boxes_tile_(shape, boxes)
-    return _TILES[key]
+def _rules_tile(t: TensorPlan) -> tuple[bool, list[int]]:
+    """Whether ``t``'s rules alone tile it, and then its full holders."""
+    ok = all(u.complete(j) for u, j in t.rules)
+    if ok and t.numel > 0:
+        boxes = [u.tiles(j) for u, j in t.rules]
+        ok = boxes_tile(t.shape, [b for b in boxes if b is not None])
+    return ok, sorted(r for u, j in t.rules for r in u.full_ranks(j)) if ok else []
 
 
-_TILES: dict = {}
+class _RuleMemo:
+    """What planning computes from a rule tensor's rules alone (never from loads), kept per
+    *rule key*: the rules' templates, member sets and slots. The same tensor of every layer
+    has the same key, so each is computed once per model, not once per tensor."""
 
+    def __init__(self) -> None:
+        self._done: dict[tuple, object] = {}
+        self._keys: dict[int, tuple] = {}  # id(tensor) -> its rule key (tensors outlive the memo)
 
-def _boxes_tile_(shape, boxes) -> bool:
-    runs = [Layout(tuple(shape), tuple(o), tuple(z)).runs() for o, z in boxes]
-    if not runs:
-        return False
-    starts = np.concatenate([r.starts for r in runs])
-    lengths = np.concatenate([r.lengths for r in runs])
-    order = np.argsort(starts, kind="stable")
-    starts, lengths = starts[order], lengths[order]
-    return bool(int(lengths.sum()) == math.prod(shape) and starts[0] == 0
-                and np.array_equal(starts[1:], (starts + lengths)[:-1]))
-
-
-def _rule_holders(t: TensorPlan) -> tuple[np.ndarray, np.ndarray]:
-    """Ranks holding part of a rule tensor (each once) and the most each holds."""
-    parts = [u.arrays(j)[:2] for u, j in t.rules]
-    if len(parts) == 1:
-        return parts[0]
-    ranks = np.concatenate([p[0] for p in parts])
-    held = np.concatenate([p[1] for p in parts])
-    order = np.lexsort((-held, ranks))
-    ranks, held = ranks[order], held[order]
-    first = np.ones(len(ranks), bool)
-    first[1:] = ranks[1:] != ranks[:-1]
-    return ranks[first], held[first]
+    def get(self, t: TensorPlan, what: str, compute):
+        rk = self._keys.get(id(t))
+        if rk is None:
+            rk = self._keys[id(t)] = tuple((id(u.body), id(u.members), j) for u, j in t.rules)
+        key = (what, rk)
+        if key not in self._done:
+            self._done[key] = compute(t)
+        return self._done[key]
 
 
 def _rule_sources(t: TensorPlan) -> tuple[np.ndarray, int]:
@@ -777,24 +689,50 @@ class LocalSummary:
                 sets[sid] = self.sets[sid]
                 for d in self.sets[sid]:
                     units[d] = self.units[d]
-        raw = json.dumps({"node": self.node, "t": rows, "s": sets, "u": units}, separators=(",", ":")).encode()
+        raw = json.dumps({"node": self.node, "t": rows, "s": sets, "u": _pack_units(units)},
+                         separators=(",", ":")).encode()
         return zstandard.ZstdCompressor(level=3).compress(raw)
 
 
-def _claim_owners(heads: list[bytes]) -> tuple[dict[str, int], set]:
+def _template(body: dict) -> tuple[dict, list[str]]:
+    """A rule body without its tensor names, and the names. Units of one template (a
+    model's layers) share their geometry, and travel as the template and lists of names."""
+    tmpl = dict(body)
+    tmpl["t"] = [t[1:] for t in body["t"]]
+    return tmpl, [t[0] for t in body["t"]]
+
+
+def _pack_units(units: dict[str, dict]) -> list:
+    """``[[template, [[digest, names], ...]], ...]``: each template once."""
+    groups: dict[str, list] = {}
+    for d, body in units.items():
+        tmpl, names = _template(body)
+        groups.setdefault(json.dumps(tmpl, separators=(",", ":")), [tmpl, []])[1].append([d, names])
+    return list(groups.values())
+
+
+def _unpack_units(packed: list) -> dict[str, tuple[dict, list[str]]]:
+    """Digest -> ``(template, names)``; units of one template share the template object."""
+    return {d: (tmpl, names) for tmpl, members in packed for d, names in members}
+
+
+def _claim_owners(heads: list[bytes], claims: list[list] | None = None) -> tuple[dict[str, int], set]:
     """From every rank's head: the lowest claimant of each set (it sends the set's body) and
-    the claims ``(set, index)`` made by more than one rank (those ranks send rows instead)."""
+    the claims ``(set, index)`` made by more than one rank (those ranks send rows instead).
+    ``claims``: the heads' claims, when already parsed."""
+    if claims is None:
+        claims = [json.loads(h)[1] for h in heads]
     lowest: dict[str, int] = {}
     seen: dict[tuple[str, int], int] = {}
     ambiguous = set()
-    for rank, h in enumerate(heads):
-        for sid, i in json.loads(h)[1]:
+    for rank, cs in enumerate(claims):
+        for sid, i in cs:
             k = (sid, int(i))
             if k in seen:
                 ambiguous.add(k)
             seen[k] = rank
-    for rank, h in enumerate(heads):
-        for sid, i in json.loads(h)[1]:
+    for rank, cs in enumerate(claims):
+        for sid, i in cs:
             if (sid, int(i)) not in ambiguous and sid not in lowest:
                 lowest[sid] = rank
     return lowest, ambiguous
@@ -802,13 +740,20 @@ def _claim_owners(heads: list[bytes]) -> tuple[dict[str, int], set]:
 
 def assemble(heads: list[bytes], payloads: list[bytes]) -> tuple[list[dict], dict]:
     """``make_plan``'s ``summaries`` and ``rules`` from every rank's head and payload."""
-    _, ambiguous = _claim_owners(heads)
+    with _gc_paused():
+        return _assemble(heads, payloads)
+
+
+def _assemble(heads: list[bytes], payloads: list[bytes]) -> tuple[list[dict], dict]:
+    claims = [json.loads(h)[1] for h in heads]
+    _, ambiguous = _claim_owners(heads, claims)
     summaries, sets, units = [], {}, {}
-    for h, p in zip(heads, payloads):
-        d = json.loads(zstandard.ZstdDecompressor().decompress(p))
+    unzip = zstandard.ZstdDecompressor()
+    for cs, p in zip(claims, payloads):
+        d = json.loads(unzip.decompress(p))
         sets.update(d["s"])
-        units.update(d["u"])
-        c = [[sid, int(i)] for sid, i in json.loads(h)[1] if (sid, int(i)) not in ambiguous]
+        units.update(_unpack_units(d["u"]))
+        c = [[sid, int(i)] for sid, i in cs if (sid, int(i)) not in ambiguous]
         summaries.append({"node": d["node"], "t": d["t"], "c": c})
     return summaries, {"sets": sets, "units": units}
 
@@ -818,7 +763,11 @@ def summarize(entries: list[Entry], dtypes: list[str], node: str, tags: dict | N
     with names, a DTensor) proposes a rule; the rank claims it only when its own entries are
     exactly the rule's pieces at its index (every piece the rule gives it, each equal to its
     layout, same role, dtype and codec tag throughout); anything else is an explicit row."""
-    tags = tags or {}
+    with _gc_paused():
+        return _summarize(entries, dtypes, node, tags or {})
+
+
+def _summarize(entries: list[Entry], dtypes: list[str], node: str, tags: dict) -> LocalSummary:
     explicit: list[int] = []
     flat: dict[tuple, list[int]] = {}
     grid: dict[int, tuple[dict, int]] = {}
@@ -861,7 +810,7 @@ def summarize(entries: list[Entry], dtypes: list[str], node: str, tags: dict | N
 
 def _claim_ok(body: dict, index: int, mine: list[Entry]) -> bool:
     try:
-        u = _Unit(body)
+        u = Unit(*_template(body))
     except LayoutError:
         return False
     if not 0 <= index < u.n:
@@ -963,16 +912,76 @@ def _make_chunks(files: list[FilePlan], world: int, bucket_bytes: int) -> dict[i
     return chunks
 
 
-def _own_sources(held: list[tuple[TensorPlan, Layout]], rank: int) -> dict[tuple[str, str], list[tuple[int, Layout]]]:
-    """``rank``'s entries in :meth:`TensorPlan.sources`, from the pieces it holds."""
-    out: dict[tuple[str, str], list[tuple[int, Layout]]] = {}
-    for t, lay in held:
-        if t.writer in t.full_holders:
-            if t.writer == rank:
-                out[t.key] = [(rank, Layout.full(t.shape))]
-        elif lay.replica == 0 and lay.numel > 0:
-            out.setdefault(t.key, []).append((rank, lay))
+def _own_sources(plan: SavePlan, rank: int) -> dict[tuple[str, str], list[tuple[int, tuple]]]:
+    """``rank``'s entries in :meth:`TensorPlan.sources`, from the pieces it holds, as runs:
+    ``(start, length)`` for one run, else ``(starts, lengths, local offsets)`` arrays (rule
+    pieces: views of their geometry's arrays, no :class:`Layout` built)."""
+    out: dict[tuple[str, str], list[tuple[int, tuple]]] = {}
+
+    def full(t: TensorPlan) -> bool:  # the writer holds it whole: the only source
+        if t.writer == rank:
+            out[t.key] = [(rank, (0, t.numel))]
+        return True
+
+    for t, lay in plan.explicit_of(rank):
+        if t.writer in t.full_holders and full(t):
+            continue
+        if lay.replica == 0 and lay.numel > 0:
+            one = lay.single_run()
+            runs = lay.runs() if one is None else None
+            out.setdefault(t.key, []).append((rank, one or (runs.starts, runs.lengths, runs.local)))
+    for t, u, j, i in plan.rule_pieces_of(rank):
+        if t.writer in t.full_holders and full(t):
+            continue
+        runs = u.member_runs(j, i)
+        if runs is not None:
+            out.setdefault(t.key, []).append((rank, (int(runs[0][0]), int(runs[1][0])) if len(runs[0]) == 1 else runs))
     return out
+
+
+def _cut_one(runs: tuple, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """``(n, off_src, off_seg)`` of one source's runs (see :func:`_own_sources`) cut to
+    elements ``[start, stop)``; None when they do not meet."""
+    if len(runs) == 2:  # one run: no arrays to intersect
+        g, end = max(runs[0], start), min(runs[0] + runs[1], stop)
+        if end <= g:
+            return None
+        return np.array([end - g], np.int64), np.array([g - runs[0]], np.int64), np.array([g - start], np.int64)
+    starts, lengths, local = runs
+    if not len(starts):
+        return None
+    if starts[0] >= start and starts[-1] + lengths[-1] <= stop:  # all inside
+        return lengths.copy(), local.copy(), starts - start
+    g, n, off_src, off_seg = intersect(Runs(starts, lengths), Runs.single(start, stop))
+    return (n, off_src, off_seg) if len(n) else None
+
+
+def _rule_source_runs(t: TensorPlan) -> tuple[np.ndarray, ...]:
+    """Every run of a rule tensor's sources, in :meth:`TensorPlan.sources` order (by rank;
+    one rank's pieces in rule order; runs in local order): ``(piece, rank, start, length,
+    local offset)`` arrays, built per rule without a :class:`Layout` per piece."""
+    parts = [u.source_runs(j) for u, j in t.rules]
+    piece = np.concatenate([m + (q << 40) for q, (m, *_) in enumerate(parts)])
+    ranks, starts, lengths, local = (np.concatenate([p[f] for p in parts]) for f in range(1, 5))
+    order = np.argsort(ranks, kind="stable")
+    return piece[order], ranks[order], starts[order], lengths[order], local[order]
+
+
+def _cut_runs(piece, ranks, starts, lengths, local, start: int, stop: int):
+    """:func:`_rule_source_runs` cut to elements ``[start, stop)``: ``(rank, n, off_src,
+    off_seg)`` per piece overlapping it."""
+    idx = np.flatnonzero((starts < stop) & (starts + lengths > start))
+    if not len(idx):
+        return
+    s0 = starts[idx]
+    g = np.maximum(s0, start)
+    n = np.minimum(s0 + lengths[idx], stop) - g
+    off_src, off_seg = local[idx] + (g - s0), g - start
+    p = piece[idx]
+    bounds = [0, *(np.flatnonzero(p[1:] != p[:-1]) + 1).tolist(), len(idx)]
+    rk = ranks[idx].tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        yield rk[a], n[a:b], off_src[a:b], off_seg[a:b]
 
 
 def _schedule(plan: SavePlan, rank: int) -> list[Step]:
@@ -980,22 +989,29 @@ def _schedule(plan: SavePlan, rank: int) -> list[Step]:
     sources of this rank (its own pieces) and, for the segments it writes, every source of
     their tensors are intersected: never every rank's pieces of every tensor."""
     steps: list[Step] = []
-    runs_cache: dict[tuple[tuple[str, str], int], Runs] = {}
-    all_sources: dict[tuple[str, str], list[tuple[int, Layout]]] = {}
-    own = _own_sources(plan.pieces_of(rank), rank)
+    all_sources: dict[tuple[str, str], list[tuple[int, tuple]]] = {}
+    rule_sources: dict[tuple[str, str], tuple] = {}
+    own = _own_sources(plan, rank)
 
-    def src_runs(t: TensorPlan, r: int, lay: Layout) -> Runs:
-        k = (t.key, r)
-        if k not in runs_cache:
-            runs_cache[k] = lay.runs()
-        return runs_cache[k]
-
-    def sources(t: TensorPlan, w: int) -> list[tuple[int, Layout]]:
+    def cuts(t: TensorPlan, w: int, seg: Segment):
+        """``(source rank, n, off_src, off_seg)`` per source overlapping ``seg``, in
+        :meth:`TensorPlan.sources` order; a written rule tensor's sources are cut at once."""
         if w != rank:
-            return own.get(t.key, [])
-        if t.key not in all_sources:
-            all_sources[t.key] = t.sources()
-        return all_sources[t.key]
+            srcs = own.get(t.key, [])
+        elif t.rules and t.writer not in t.full_holders:
+            if t.key not in rule_sources:
+                rule_sources[t.key] = _rule_source_runs(t)
+            yield from _cut_runs(*rule_sources[t.key], seg.start, seg.stop)
+            return
+        else:
+            if t.key not in all_sources:
+                all_sources[t.key] = [(r, (x.starts, x.lengths, x.local)) for r, x in
+                                      ((r, lay.runs()) for r, lay in t.sources())]
+            srcs = all_sources[t.key]
+        for r, runs in srcs:
+            c = _cut_one(runs, seg.start, seg.stop)
+            if c is not None:
+                yield (r, *c)
 
     for s in range(plan.n_steps):
         step = Step()
@@ -1004,11 +1020,7 @@ def _schedule(plan: SavePlan, rank: int) -> list[Step]:
                 continue
             for si, seg in enumerate(chunk_list[s]):
                 t = seg.tensor
-                seg_runs = Runs.single(seg.start, seg.stop)
-                for r, lay in sources(t, w):
-                    g, n, off_src, off_seg = intersect(src_runs(t, r, lay), seg_runs)
-                    if len(n) == 0:
-                        continue
+                for r, n, off_src, off_seg in cuts(t, w, seg):
                     if r == rank and w == rank:
                         step.copies.append((t, si, Runs(off_src, n), Runs(off_seg, n)))
                     elif r == rank:
