@@ -52,7 +52,9 @@ __all__ = ["SharedJob", "read_shared", "ROUND", "MIN_OVERLAP", "enabled"]
 
 ROUND = 32 << 20
 """Bytes a node reads per round."""
-BUFFERS = 3  # rounds held by the segment: one being scattered, one read, one free for the next
+BUFFERS = 4
+"""Rounds held by the segment: one being scattered, one whose sync is pending, and
+``BUFFERS - 2`` read ahead (the reads in flight per rank)."""
 MIN_OVERLAP = 1.25
 """A node shares its reads when its ranks' needs add up to at least this many times their union."""
 PIECE = 8 << 20  # one read call at most
@@ -368,7 +370,8 @@ def _rounds(comm, plan: _NodePlan | None, seg: _Segment | None, jobs: list[Share
     try:
         if plan is not None and plan.rounds:
             try:
-                inflight[0] = submit(0)
+                for k in range(min(BUFFERS - 2, plan.rounds)):
+                    inflight[k] = submit(k)
             except BaseException as e:
                 failure = e
         for k in range(rounds):
@@ -376,8 +379,9 @@ def _rounds(comm, plan: _NodePlan | None, seg: _Segment | None, jobs: list[Share
                 try:
                     if k < plan.rounds:
                         collect(inflight.pop(k))
-                    if k + 1 < plan.rounds:
-                        inflight[k + 1] = submit(k + 1)
+                    ahead = k + BUFFERS - 2  # its buffer last held round k - 2, scattered before sync k - 1
+                    if ahead < plan.rounds:
+                        inflight[ahead] = submit(ahead)
                 except BaseException as e:  # stops every rank at this round's sync
                     failure = e
             if _sync(comm, failure is not None, "load (node-shared reads)"):
