@@ -162,7 +162,8 @@ def _on_nodes(rank, world, nodes, stage, tp, steps, d, mem, save_at, resume, kw=
 
         T.Trainer._emit = emit
     try:
-        return _train(rank, world, stage, tp, steps, d, save_at, resume, ckpt_kw=dict(memory_dir=mem, **(kw or {})))
+        return _train(rank, world, stage, tp, steps, d, save_at, resume,
+                      ckpt_kw={"memory_dir": mem, "memory_skip_busy": False, **(kw or {})})
     except Exception as e:
         return type(e).__name__, str(e)[:3000]
 
@@ -273,3 +274,20 @@ def test_clean_memory_command_refuses_a_live_job_and_cleans_a_dead_one(tmp_path,
     assert r.returncode == 0, r
     assert len(json.loads(r.stdout)["removed"]) == 2
     assert not os.path.exists(node)
+
+
+def test_a_busy_writer_skips_snapshots_and_never_a_durable_checkpoint(tmp_path, shm, monkeypatch):
+    """Writers slowed down (0.5 s per save): with the default memory_skip_busy the snapshots
+    due meanwhile are skipped (reported), the loop does not wait for them, and the durable
+    checkpoint due at step 4 is still written."""
+    monkeypatch.setenv("UNICKPT_FAULT", "after-data:0.5")  # the ranks' writer processes inherit it
+    d = str(tmp_path / "ck")
+    metrics = str(tmp_path / "m.jsonl")
+    out = dist.run(_on_nodes, 2, ["n0", "n1"], 1, 1, 5, d, shm, 4, False, {"memory_skip_busy": True}, metrics)
+    assert all(isinstance(o[0], list) for o in out), out
+    ev = _events(metrics)
+    skipped = [e["step"] for e in ev if e.get("event") == "snapshot_skipped"]
+    saved = [(e["tier"], e["step"]) for e in ev if e.get("event") == "save"]
+    assert skipped and ("durable", 4) in saved and ("memory", 4) in saved, (skipped, saved)
+    assert not set(skipped) & {s for t, s in saved if t == "memory"}
+    assert _committed(d) == [4]

@@ -72,7 +72,7 @@ def _trainer(rank, world, nodes, d, mem, steps, every, resume, close, kw=None):
         t = Trainer(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                 num_key_value_heads=2), TextData(seq_len=32, max_bytes=1 << 20, seed=1),
                     optim=OptimConfig(lr=1e-2, warmup=2, total_steps=6),
-                    checkpoint=UnifiedCheckpoint(dir=d, every=every, memory_dir=mem,
+                    checkpoint=UnifiedCheckpoint(dir=d, every=every, memory_dir=mem, memory_skip_busy=False,
                                                  **{k: v for k, v in (kw or {}).items() if not k.startswith("_")}),
                     global_batch=8, micro_batch=2, resume="auto" if resume else None)
         t.fit(steps)

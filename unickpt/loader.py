@@ -233,7 +233,7 @@ def load(
     with ph.phase("read"):
         try:
             bytes_read, verified, bad = _read_all(entries, man, storage, ckpt, verify, progress, comm.rank, comm.world,
-                                                  comm=comm if comm.world > 1 and not node_local else None)
+                                                  comm=comm if comm.world > 1 else None)
         except Exception as e:  # agreed below: every rank raises, none waits alone
             err = _changed(storage, ckpt, man) or e
         if node_local:  # collective, also for a rank whose own reads failed

@@ -106,6 +106,11 @@ class UnifiedCheckpoint:
     """Other nodes holding a copy of each node's snapshot files (``None``: 1 when the job spans
     several nodes, else 0)."""
     memory_keep: int = 2
+    memory_skip_busy: bool = True
+    """A snapshot due while the previous save is still being written is skipped (a
+    ``snapshot_skipped`` metrics event), so the training loop never waits for the memory
+    tier; ``False``: it waits (every ``memory_every``-th step is snapshotted). Durable
+    checkpoints are never skipped."""
     memory_budget: int | None = None
     """Bytes of host memory per node the tier may take (``None``: the memory directory's free
     space and the host's available memory); checked before training starts."""
@@ -355,6 +360,9 @@ class Trainer:
         from unickpt import memtier
 
         c = self.ckpt
+        if c.memory_skip_busy and not durable and self._pending is not None and not self._pending.done():
+            self._emit({"event": "snapshot_skipped", "step": self.step, "busy_with": self._pending.step})
+            return None
         self.wait_save()  # back-pressure: one save in flight
         t0 = time.perf_counter()
         also = [join_path(c.dir, f"step-{self.step:08d}")] if durable else []
