@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node N examples/train.py --zero-stage S --tp T \
         --steps K --save-every E --ckpt-dir D [--resume] [--dtype fp32|bf16] [--seed X] \
         [--global-batch B] [--eval-every E] [--metrics-jsonl FILE] \
-        [--memory-dir /dev/shm/run --memory-every N --memory-replicas R --memory-keep K]
+        [--memory-dir /dev/shm/run --memory-every N --memory-replicas R --memory-keep K --memory-wait]
 
 ``--steps`` is the total optimizer step count: a resumed run continues to the same end.
 ``--resume`` continues from the newest committed checkpoint under ``--ckpt-dir`` (saved
@@ -60,6 +60,8 @@ def main() -> None:
     ap.add_argument("--memory-every", type=int, default=1, help="memory snapshot every N steps")
     ap.add_argument("--memory-replicas", type=int, default=None, help="other nodes holding copies (default 1 if >1 node)")
     ap.add_argument("--memory-keep", type=int, default=2, help="memory snapshots kept per node")
+    ap.add_argument("--memory-wait", action="store_true",
+                    help="wait for the previous snapshot instead of skipping one due while it is written")
     ap.add_argument("--memory-budget", type=_gib, default=None, metavar="GIB", help="host memory per node for the tier")
     ap.add_argument("--eval-every", type=int, default=0)
     ap.add_argument("--metrics-jsonl")
@@ -88,7 +90,7 @@ def main() -> None:
             dir=args.ckpt_dir, every=args.save_every, keep=args.keep, async_save=args.async_save,
             quant=None if args.quant == "O0" else args.quant, master=args.master_weights, zstd=args.zstd,
             memory_dir=args.memory_dir, memory_every=args.memory_every, memory_replicas=args.memory_replicas,
-            memory_keep=args.memory_keep,
+            memory_keep=args.memory_keep, memory_skip_busy=not args.memory_wait,
             memory_budget=None if args.memory_budget is None else int(args.memory_budget * (1 << 30)),
         ),
         global_batch=args.global_batch,

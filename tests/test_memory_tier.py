@@ -29,7 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # -- real torchrun agents ------------------------------------------------------------------
 
 TRAIN = ["--steps", "12", "--save-every", "5", "--zero-stage", "2", "--hidden", "64", "--layers", "2", "--heads", "4",
-         "--seq-len", "64", "--global-batch", "8", "--micro-batch", "2", "--log-every", "100"]
+         "--seq-len", "64", "--global-batch", "8", "--micro-batch", "2", "--log-every", "100",
+         "--memory-wait"]  # a snapshot of every step (the default skips those due while one is written)
 
 
 def _agents(tmp, nnodes: int, nproc: int, args: list[str], mem: str | None, metrics: str):
