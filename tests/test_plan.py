@@ -134,3 +134,15 @@ def test_a_rank_holding_two_pieces_of_a_tensor_sends_each():
     recv = sorted((x.starts.tolist(), src) for st in plan.schedule(1 - sender) for src, _, _, x in st.recvs)
     first = 8 if sender == 1 else 0
     assert recv == [([first], sender), ([first + 16], sender)]  # into their own places
+
+
+def test_a_grid_rule_whose_mesh_does_not_match_its_members_is_a_layout_error():
+    """A peer's grid rule claiming a mesh of another size is refused with the tensor named
+    (the message once referred to an undefined name: a NameError instead)."""
+    import pytest
+
+    from unickpt.errors import LayoutError
+    from unickpt.rules import Unit
+
+    with pytest.raises(LayoutError, match="grid rule of 'w'"):
+        Unit({"k": "grid", "n": 4, "t": [[[8, 8]]], "mesh": [2, 3], "pl": [0, 1]}, ["w"])

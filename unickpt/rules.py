@@ -67,7 +67,7 @@ class Unit:
             (sh,) = body["t"][0]
             self.slots = [(names[0], tuple(sh), None, None, 0)]
             if math.prod(body["mesh"]) != self.n or len(body["pl"]) != len(body["mesh"]):
-                raise LayoutError(f"grid rule of {name!r}: mesh {body['mesh']} does not have {self.n} members")
+                raise LayoutError(f"grid rule of {names[0]!r}: mesh {body['mesh']} does not have {self.n} members")
         else:
             raise LayoutError(f"unknown layout rule {self.kind!r}")
 
@@ -297,15 +297,18 @@ arrays over its members, ~1 MB at 10,000 ranks once its runs are built)."""
 _FLAT: dict = {}
 
 
+def _cached(cache: dict, key, make):
+    """``cache[key]``, made by ``make()`` when absent; the cache is emptied when it is full."""
+    v = cache.get(key)
+    if v is None:
+        if len(cache) >= _CACHED:
+            cache.clear()
+        v = cache[key] = make()
+    return v
+
+
 def _flat_geo(total: int, n: int, slots: tuple) -> FlatGeo:
-    key = (total, n, slots)
-    geo = _FLAT.get(key)
-    if geo is None:
-        geo = FlatGeo(total, n, slots)
-        if len(_FLAT) >= _CACHED:
-            _FLAT.clear()
-        _FLAT[key] = geo
-    return geo
+    return _cached(_FLAT, (total, n, slots), lambda: FlatGeo(total, n, slots))
 
 
 class GridGeo:
@@ -395,14 +398,7 @@ _GEO: dict = {}
 
 def _grid_geo(shape, mesh, pl) -> GridGeo:
     """Cached by geometry (tensors of one shape on one mesh share it)."""
-    key = (shape, mesh, pl)
-    geo = _GEO.get(key)
-    if geo is None:
-        geo = GridGeo(shape, mesh, pl)
-        if len(_GEO) >= _CACHED:
-            _GEO.clear()
-        _GEO[key] = geo
-    return geo
+    return _cached(_GEO, (shape, mesh, pl), lambda: GridGeo(shape, mesh, pl))
 
 
 def boxes_tile(shape, boxes) -> bool:
