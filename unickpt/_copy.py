@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["copy_runs", "as_bytes"]
+__all__ = ["copy_runs", "copy_window", "as_bytes"]
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -66,3 +66,15 @@ def copy_runs(src: torch.Tensor, src_offs, dst: torch.Tensor, dst_offs, lens, is
         return
     for a, b, kk in zip(so[mid].tolist(), do[mid].tolist(), ln[mid].tolist()):
         dst[b : b + kk].copy_(src[a : a + kk])
+
+
+def copy_window(buf: torch.Tensor, lo: int, hi: int, starts: np.ndarray, ends: np.ndarray, local: np.ndarray,
+                dst: torch.Tensor, isz: int) -> None:
+    """Scatter a window of a stored tensor: ``buf`` holds its elements ``[lo, hi)``; copy into
+    ``dst`` the parts of the runs ``[starts[i], ends[i])`` (sorted, disjoint; element ``starts[i]``
+    goes to ``dst`` element ``local[i]``) that fall inside the window. Elements of ``isz`` bytes."""
+    a_i, b_i = int(np.searchsorted(ends, lo, side="right")), int(np.searchsorted(starts, hi, side="left"))
+    if b_i > a_i:
+        a = np.maximum(starts[a_i:b_i], lo)
+        z = np.minimum(ends[a_i:b_i], hi)
+        copy_runs(buf, a - lo, dst, local[a_i:b_i] + (a - starts[a_i:b_i]), z - a, isz)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from . import commit as _commit
-from ._copy import as_bytes, copy_runs
+from ._copy import as_bytes, copy_runs, copy_window
 from ._metrics import Phases, gbps, human_bytes, log
 from .errors import (
     CheckpointChangedError,
@@ -225,7 +225,8 @@ def load(
     if node_local:  # node-local files: this rank reads what its node holds, the rest is sent
         from .remote import files_needed
 
-        sees = {f for f in man.files if f not in set(avoid_local) and storage.exists(storage.join(ckpt, f))}
+        avoid = set(avoid_local)
+        sees = {f for f in man.files if f not in avoid and storage.exists(storage.join(ckpt, f))}
         local = []
         for e in entries:
             (remote if e.layout.numel and not files_needed(man, e.key) <= sees else local).append(e)
@@ -787,22 +788,22 @@ class _SpanStream:
     def __init__(self, pool, depth: int) -> None:
         self.pool, self.depth = pool, max(1, depth)
         self.bufs: list[torch.Tensor] = []  # allocated by the first run that reads
-        self.jobs: list = []  # (reader, base, st, runs, isz, dest, check, pieces, done)
+        self.jobs: list = []  # (reader, base, runs, run ends, isz, dest, check, pieces, done)
 
     def add(self, reader, base: int, st: TensorEntry, runs: Runs, isz: int, dest: torch.Tensor, verify: bool,
             done: Callable[[tuple[bool, int]], None]) -> None:
         check, pieces = _span_pieces(st, runs, isz, verify)
-        self.jobs.append((reader, base, runs, isz, dest, check, pieces, done))
+        self.jobs.append((reader, base, runs, runs.starts + runs.lengths, isz, dest, check, pieces, done))
 
     def run(self) -> None:
-        order = [(j, n) for j, job in enumerate(self.jobs) for n in range(len(job[6]))]
+        order = [(j, n) for j, job in enumerate(self.jobs) for n in range(len(job[7]))]
         if order and not self.bufs:
             self.bufs = [torch.empty(SPAN_PIECE, dtype=torch.uint8) for _ in range(self.depth + 1)]
         flight: deque = deque()
 
         def submit(k: int) -> None:
             j, n = order[k]
-            reader, base, _, _, _, _, pieces, _ = self.jobs[j]
+            reader, base, pieces = self.jobs[j][0], self.jobs[j][1], self.jobs[j][7]
             pos, size = pieces[n]
             buf = self.bufs[k % len(self.bufs)][:size]
             flight.append(self.pool.submit(reader.readinto, base + pos, memoryview(buf.numpy())))
@@ -813,23 +814,16 @@ class _SpanStream:
             flight.popleft().result()
             if k + self.depth < len(order):
                 submit(k + self.depth)
-            _, _, runs, isz, dest, check, pieces, done = self.jobs[j]
+            _, _, runs, ends, isz, dest, check, pieces, done = self.jobs[j]
             pos, size = pieces[n]
             buf = self.bufs[k % len(self.bufs)][:size]
             check.feed(pos, buf)
-            s_el, l_el, lo_el = runs.starts, runs.lengths, runs.local
-            e_el = s_el + l_el
-            p_el, q_el = pos // isz, (pos + size) // isz
-            a_i, b_i = int(np.searchsorted(e_el, p_el, side="right")), int(np.searchsorted(s_el, q_el, side="left"))
-            if b_i > a_i:
-                a = np.maximum(s_el[a_i:b_i], p_el)
-                z = np.minimum(e_el[a_i:b_i], q_el)
-                copy_runs(buf, a - p_el, dest, lo_el[a_i:b_i] + (a - s_el[a_i:b_i]), z - a, isz)
+            copy_window(buf, pos // isz, (pos + size) // isz, runs.starts, ends, runs.local, dest, isz)
             if n == len(pieces) - 1:
                 done((check.ok, check.checked))
-        for j, job in enumerate(self.jobs):  # targets without any piece (nothing to read)
-            if not job[6]:
-                job[7]((job[5].ok, job[5].checked))
+        for job in self.jobs:  # targets without any piece (nothing to read)
+            if not job[7]:
+                job[8]((job[6].ok, job[6].checked))
         self.jobs.clear()
 
 

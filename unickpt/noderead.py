@@ -18,7 +18,7 @@ ranks of a node agree on the union of the checksummed ranges they need and read 
    contiguous share of the round into buffer ``k % BUFFERS`` and hashes every range it
    read (in the reading thread); after one all-reduce (which carries a failure flag, so a
    failing rank stops every rank at the next round, within the timeout) every rank
-   scatters round ``k`` into its own targets while round ``k + 1`` is being read.
+   scatters round ``k`` into its own targets while the next rounds are being read.
 4. The ranges whose checksum did not match are all-gathered at the end; every rank that
    used bytes of such a tensor reports it (``ChecksumError`` naming file and tensor).
 
@@ -41,7 +41,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ._copy import copy_runs
+from ._copy import copy_window
 from ._metrics import log
 from .format import Hasher
 from .layout import Runs
@@ -78,6 +78,9 @@ class SharedJob:
     dest: torch.Tensor  # flat uint8: the target's bytes
     touched: np.ndarray  # bool per st.checksums range
     done: Callable[[tuple[bool, int]], None]
+
+    def __post_init__(self) -> None:
+        self.ends = self.runs.starts + self.runs.lengths  # once, not per round
 
 
 def eligible(st: TensorEntry, isz: int) -> bool:
@@ -295,9 +298,9 @@ def _rounds(comm, plan: _NodePlan | None, seg: _Segment | None, jobs: list[Share
             files, pool, verify: bool, rounds: int) -> tuple[int, list[SharedJob], bool]:
     """The rounds. Round ``k`` lives in buffer ``k % BUFFERS``. Iteration ``k``: wait for this
     rank's reads of round ``k`` (each read task hashes what it read), start its reads of round
-    ``k + 1`` (its buffer last held round ``k - 2``, which every rank finished scattering
-    before the sync of round ``k - 1``), sync, then scatter round ``k`` while round ``k + 1``
-    is read. The disk never waits for a sync or a scatter."""
+    ``k + BUFFERS - 2`` (its buffer last held round ``k - 2``, which every rank finished
+    scattering before the sync of round ``k - 1``), sync, then scatter round ``k`` while the
+    rounds ahead are read. The disk never waits for a sync or a scatter."""
     slot = seg.size // BUFFERS if seg is not None else 0
     me = plan.ranks.index(comm.rank) if plan is not None else -1
     by_tensor: dict[int, list[SharedJob]] = {}
@@ -365,7 +368,8 @@ def _rounds(comm, plan: _NodePlan | None, seg: _Segment | None, jobs: list[Share
                 ub, ue = int(plan.begin[part[0]]), int(plan.end[part[-1]])
                 at = (k % BUFFERS) * slot + int(plan.seg[part[0]])
                 for j in by_tensor[t]:
-                    _scatter(j, seg.bytes[at : at + ue - ub], ub, ue)
+                    copy_window(seg.bytes[at : at + ue - ub], ub // j.isz, ue // j.isz, j.runs.starts, j.ends,
+                                j.runs.local, j.dest, j.isz)
 
     try:
         if plan is not None and plan.rounds:
@@ -409,14 +413,3 @@ def _rounds(comm, plan: _NodePlan | None, seg: _Segment | None, jobs: list[Share
     return checked, left, False
 
 
-def _scatter(j: SharedJob, buf: torch.Tensor, ub: int, ue: int) -> None:
-    """Copy the parts of ``j``'s runs inside tensor bytes ``[ub, ue)`` (held in ``buf``)."""
-    isz = j.isz
-    s_el, l_el, lo_el = j.runs.starts, j.runs.lengths, j.runs.local
-    e_el = s_el + l_el
-    p_el, q_el = ub // isz, ue // isz
-    a_i, b_i = int(np.searchsorted(e_el, p_el, side="right")), int(np.searchsorted(s_el, q_el, side="left"))
-    if b_i > a_i:
-        a = np.maximum(s_el[a_i:b_i], p_el)
-        z = np.minimum(e_el[a_i:b_i], q_el)
-        copy_runs(buf, a - p_el, j.dest, lo_el[a_i:b_i] + (a - s_el[a_i:b_i]), z - a, isz)
