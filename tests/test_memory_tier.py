@@ -19,6 +19,7 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from tests import dist
 from tests.test_trainer import STEPS, _close, _train
@@ -292,3 +293,18 @@ def test_a_busy_writer_skips_snapshots_and_never_a_durable_checkpoint(tmp_path, 
     assert skipped and ("durable", 4) in saved and ("memory", 4) in saved, (skipped, saved)
     assert not set(skipped) & {s for t, s in saved if t == "memory"}
     assert _committed(d) == [4]
+
+
+def test_replicas_that_cannot_be_made_are_refused_before_anything_is_written(tmp_path):
+    import torch
+
+    import unickpt
+    from unickpt.errors import InvalidArgumentError
+
+    sd = {"model": {"w": torch.ones(4, 4)}}
+    with pytest.raises(InvalidArgumentError, match="node-local"):
+        unickpt.save(sd, str(tmp_path / "plain" / "step-00000001"), replicas=1)
+    with pytest.raises(InvalidArgumentError, match="spans 1 node"):  # one node: nobody to hold a copy
+        unickpt.save(sd, str(tmp_path / "{node}" / "step-00000001"), replicas=1)
+    assert not (tmp_path / "plain").exists()
+    assert all(not os.listdir(d) for d in tmp_path.iterdir() if d.is_dir())

@@ -16,6 +16,7 @@ from .compress import Compression
 from .errors import InvalidArgumentError
 from .saver import DEFAULT_BUCKET, ProgressFn, SaveOptions, save_entries
 from .stateful import for_save
+from .storage import per_node
 from .transport import Comm
 
 __all__ = ["save"]
@@ -140,6 +141,8 @@ def save(
             compression=compression, timeout_s=timeout_s, storage_options=storage_options, replicas=replicas,
         )
         also = tuple(also)
+        if replicas and not per_node(path):  # (the count of nodes is checked with the plan)
+            raise InvalidArgumentError(f"{os.fspath(path)}: replicas need node-local storage ({{node}} in the path)")
         if also and not async_save:
             raise InvalidArgumentError("also= needs async_save=True (the writer processes write every path)")
         _check_shared(path, storage_options, async_save, group)

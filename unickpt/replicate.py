@@ -29,7 +29,7 @@ from .plan import SavePlan
 from .storage import Storage, per_node
 from .transport import Comm
 
-__all__ = ["replicate", "replica_nodes", "CHUNK"]
+__all__ = ["problem", "replicate", "replica_nodes", "CHUNK"]
 
 CHUNK = 32 << 20
 
@@ -40,21 +40,28 @@ def replica_nodes(nodes: list[str], node: str, replicas: int) -> list[str]:
     return [nodes[(i + k) % len(nodes)] for k in range(1, replicas + 1)]
 
 
+def problem(plan: SavePlan, storage: Storage, path, replicas: int) -> InvalidArgumentError | None:
+    """Why ``replicas`` cannot be made for this save (checked once the plan is known, before
+    anything is written), or None."""
+    nodes = list(dict.fromkeys(plan.nodes))
+    if not per_node(path):
+        return InvalidArgumentError(f"{os.fspath(path)}: replicas need node-local storage ({{node}} in the path)")
+    if replicas > len(nodes) - 1:
+        return InvalidArgumentError(f"replicas={replicas} but the job spans {len(nodes)} node(s): "
+                                    f"at most {len(nodes) - 1} other node(s) can hold copies")
+    if not storage.caps.atomic_rename:
+        return InvalidArgumentError(f"{os.fspath(path)}: replicas need a local file system (not an object store)")
+    return None
+
+
 def replicate(comm: Comm, plan: SavePlan, storage: Storage, tmp: str, name_of: Callable[[str], str], replicas: int,
-              path, dir_rank: bool) -> dict[str, list[str]]:
+              dir_rank: bool) -> dict[str, list[str]]:
     """Collective: copy every data file this rank wrote into the temporary directories of
-    its replica nodes; returns ``{planned file name: [nodes holding a copy]}`` (the same on
-    every rank). Raises (on every rank) when the copies could not all be made."""
+    its replica nodes (:func:`problem` found nothing wrong); returns ``{planned file name:
+    [nodes holding a copy]}`` (the same on every rank). Raises (on every rank) when the
+    copies could not all be made."""
     nodes = list(dict.fromkeys(plan.nodes))
     err: BaseException | None = None
-    if not per_node(path):
-        err = InvalidArgumentError(f"{os.fspath(path)}: replicas need node-local storage ({{node}} in the path)")
-    elif replicas > len(nodes) - 1:
-        err = InvalidArgumentError(f"replicas={replicas} but the job spans {len(nodes)} node(s): "
-                                   f"at most {len(nodes) - 1} other node(s) can hold copies")
-    elif not storage.caps.atomic_rename:
-        err = InvalidArgumentError(f"{os.fspath(path)}: replicas need a local file system (not an object store)")
-    comm.agree(err, "save (replicas)")
     mine = {}
     try:
         sizes = storage.file_sizes(tmp)

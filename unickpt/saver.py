@@ -246,6 +246,10 @@ def save_entries(
             err = e
         comm.agree(err, "save (tied weights)")
         _check_replicas(comm, plan, entries)
+        if opts.replicas:  # copies on peer nodes: possible here? (before anything is written)
+            from .replicate import problem
+
+            comm.agree(problem(plan, storage, path, opts.replicas), "save (replicas)")
         if planned is not None:
             try:
                 planned(plan)
@@ -304,7 +308,7 @@ def save_entries(
             with ph.phase("replicate"):  # before the commit: a committed copy is a complete one
                 from .replicate import replicate
 
-                copies = replicate(comm, plan, storage, tmp, txn.file_name, opts.replicas, path, dir_rank)
+                copies = replicate(comm, plan, storage, tmp, txn.file_name, opts.replicas, dir_rank)
         _commit._fault_point("after-data")
         with ph.phase("commit"):
             reports = [json.loads(r) for r in comm.all_gather_bytes(json.dumps(result).encode())]
