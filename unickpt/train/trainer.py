@@ -362,6 +362,9 @@ class Trainer:
         c = self.ckpt
         if c.memory_skip_busy and not durable and self._pending is not None and not self._pending.done():
             self._emit({"event": "snapshot_skipped", "step": self.step, "busy_with": self._pending.step})
+            if self.mesh.rank == 0:  # reported, never silent (the metrics file may be off)
+                log.info("memory tier: no snapshot of step %d: the save of step %s is still being written",
+                         self.step, self._pending.step)
             return None
         self.wait_save()  # back-pressure: one save in flight
         t0 = time.perf_counter()
