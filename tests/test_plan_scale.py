@@ -206,6 +206,18 @@ def _random_case(rng: random.Random):
     return per_rank
 
 
+def _random_rule_plans(seed: int, cases: int):
+    """``(case, world, plan)`` of the random cases that plan (from rule summaries, one node)."""
+    rng = random.Random(seed)
+    for case in range(cases):
+        per_rank = _random_case(rng)
+        summaries, rules = rule_summaries(per_rank, lambda r: "n0")
+        try:
+            yield case, len(per_rank), make_plan(summaries, bucket_bytes=64, rules=rules)
+        except LayoutError:
+            continue
+
+
 def test_rule_plans_equal_explicit_plans_on_random_cases():
     rng = random.Random(13)
     n_err = 0
@@ -315,17 +327,9 @@ def test_rule_writer_choice_equals_the_general_rule_under_any_loads():
                 held[r] = max(held.get(r, 0), n)
         return np.array(list(held), np.int64), np.array(list(held.values()), np.int64)
 
-    rng = random.Random(7)
     nprng = np.random.default_rng(7)
     n_checked = 0
-    for case in range(120):
-        per_rank = _random_case(rng)
-        summaries, rules = rule_summaries(per_rank, lambda r: "n0")
-        try:
-            plan = make_plan(summaries, bucket_bytes=64, rules=rules)
-        except LayoutError:
-            continue
-        world = len(per_rank)
+    for case, world, plan in _random_rule_plans(7, 120):
         for t in plan.tensors.values():
             if not t.rules:
                 continue
@@ -370,15 +374,8 @@ def test_vectorised_source_runs_equal_layout_runs(plan):
 
 
 def test_vectorised_source_runs_equal_layout_runs_on_random_cases():
-    rng = random.Random(5)
     n_checked = 0
-    for case in range(150):
-        per_rank = _random_case(rng)
-        summaries, rules = rule_summaries(per_rank, lambda r: "n0")
-        try:
-            plan = make_plan(summaries, bucket_bytes=64, rules=rules)
-        except LayoutError:
-            continue
+    for _, _, plan in _random_rule_plans(5, 150):
         for t in plan.tensors.values():
             if t.rules and t.writer not in t.full_holders:
                 _source_runs_match(t)
