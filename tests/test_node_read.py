@@ -177,3 +177,37 @@ def test_a_segment_left_by_a_killed_load_is_removed_by_the_next(saved):
     out = dist.run(_load_columns, 2, saved)
     assert all(o[2] for o in out), out
     assert not os.path.exists(stale)
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 8])
+def test_each_rank_streams_one_contiguous_share_of_the_union(saved, ranks, monkeypatch):
+    """The node's plan: every rank reads one contiguous stretch of the union in file order
+    (a sequential stream the kernel's read-ahead follows), the shares are balanced, a round's
+    parts never overlap in the segment and each holds at most ROUND / ranks bytes (or one range)."""
+    import numpy as np
+
+    from unickpt import noderead
+    from unickpt.manifest import Manifest
+
+    monkeypatch.setattr(noderead, "ROUND", 2 << 20)  # several rounds of the 9 MiB union
+    _, man = unickpt.read_manifest(saved)
+    assert isinstance(man, Manifest)
+    keys = list(man.tensors)
+    needs = {t: np.ones(len(man.tensors[k].checksums), dtype=bool) for t, k in enumerate(keys)
+             if man.tensors[k].checksums}
+    plan = noderead._plan_node(list(range(ranks)), "t", needs, keys, man)
+    size = plan.end - plan.begin
+    assert int(size.sum()) == sum(e - b for k in keys for b, e, _ in man.tensors[k].checksums)
+    assert (np.diff(plan.reader) >= 0).all()  # rank r's ranges all come before rank r + 1's
+    shares = np.bincount(plan.reader, weights=size, minlength=ranks)
+    assert shares.max() - shares.min() <= 2 * size.max()
+    for r in range(ranks):  # within a share: rounds in order, parts packed from the rank's offset
+        sel = plan.reader == r
+        assert (np.diff(plan.round[sel]) >= 0).all()
+        assert ((plan.seg[sel] >= r * plan.sub) & (plan.seg[sel] + size[sel] <= (r + 1) * plan.sub)).all()
+    assert plan.sub <= max(noderead.ROUND // ranks, int(size.max())) + 4096
+    assert plan.rounds > 1
+    for k in range(plan.rounds):
+        sel = np.flatnonzero(plan.round == k)
+        order = sel[np.argsort(plan.seg[sel])]
+        assert (plan.seg[order][1:] >= plan.seg[order][:-1] + size[order][:-1]).all()

@@ -13,10 +13,13 @@ ranks of a node agree on the union of the checksummed ranges they need and read 
    more than :data:`MIN_OVERLAP` times their union. Otherwise its ranks read alone.
 3. The node's lowest rank creates a shared-memory segment (``/dev/shm``, mode 0600,
    unlinked as soon as every rank of the node has mapped it) of :data:`BUFFERS` buffers
-   of :data:`ROUND` bytes. The union is cut into rounds of at most ``ROUND`` bytes at
-   checksummed-range boundaries; in round ``k`` every rank of the node reads a disjoint,
-   contiguous share of the round into buffer ``k % BUFFERS`` and hashes every range it
-   read (in the reading thread); after one all-reduce (which carries a failure flag, so a
+   of about :data:`ROUND` bytes. The union (in file order) is cut into one contiguous share
+   per rank of about equal bytes, at checksummed-range boundaries, so each rank streams
+   through its own part of the files as a sequential reader (the kernel's read-ahead
+   follows it; shares striped through every round defeat it and read at about half the
+   speed here). Each share is cut into pieces of ``ROUND / ranks`` bytes; round ``k`` is
+   every rank's ``k``-th piece, read into its part of buffer ``k % BUFFERS`` and hashed
+   (in the reading thread). After one all-reduce (which carries a failure flag, so a
    failing rank stops every rank at the next round, within the timeout) every rank
    scatters round ``k`` into its own targets while the next rounds are being read.
 4. The ranges whose checksum did not match are all-gathered at the end; every rank that
@@ -112,6 +115,7 @@ class _NodePlan:
     seg: np.ndarray  # offset in the round's buffer
     reader: np.ndarray  # position in ranks of the rank that reads it
     rounds: int
+    sub: int  # bytes of one rank's part of a round's buffer (a round: len(ranks) parts)
 
 
 def _plan_node(ranks: list[int], token: str, needs: dict[int, np.ndarray], keys: list, man: Manifest) -> _NodePlan:
@@ -127,24 +131,32 @@ def _plan_node(ranks: list[int], token: str, needs: dict[int, np.ndarray], keys:
     tensor, rng, begin, end = (np.concatenate(cols[k]) if cols[k] else np.zeros(0, np.int64)
                                for k in ("tensor", "rng", "begin", "end"))
     size = end - begin
-    rnd = np.zeros(len(size), dtype=np.int64)
-    seg = np.zeros(len(size), dtype=np.int64)
-    k, used = 0, 0
-    for i, n in enumerate(size.tolist()):  # first fit in order; a range never spans two rounds
-        if used + n > ROUND and used:
-            k, used = k + 1, 0
-        rnd[i], seg[i] = k, used
-        used += n
-    rounds = k + 1 if len(size) else 0
-    # each round's bytes cut into len(ranks) contiguous shares of about equal size
-    reader = np.zeros(len(size), dtype=np.int64)
     m = len(ranks)
-    for r in range(rounds):
-        sel = np.flatnonzero(rnd == r)
-        total = int(seg[sel[-1]] + size[sel[-1]])
-        mid = seg[sel] + size[sel] // 2
-        reader[sel] = np.minimum(mid * m // max(total, 1), m - 1)
-    return _NodePlan(ranks, token, tensor, rng, begin, end, rnd, seg, reader, rounds)
+    # the union cut into m contiguous shares of about equal bytes, one per rank: each rank
+    # streams through its own part of the files, as one sequential reader would (the kernel's
+    # read-ahead follows it); stripes of every round interleaved between ranks defeat it
+    cum = np.cumsum(size) - size // 2
+    total = int(size.sum())
+    reader = np.minimum(cum * m // max(total, 1), m - 1).astype(np.int64)
+    # each rank fills an equal part of a round's buffer (at least the largest range: a range is never split)
+    sub = max(ROUND // m, int(size.max()) if len(size) else 0)
+    rnd = np.zeros(len(size), dtype=np.int64)
+    within = np.zeros(len(size), dtype=np.int64)
+    rounds, fill = 0, 0
+    for r in range(m):  # round k of rank r: the k-th sub-slot's worth of its share, first fit in order
+        sel = np.flatnonzero(reader == r)
+        k, used = 0, 0
+        for i, n in zip(sel.tolist(), size[sel].tolist()):
+            if used + n > sub and used:
+                k, used = k + 1, 0
+            rnd[i], within[i] = k, used
+            used += n
+            fill = max(fill, used)
+        if len(sel):
+            rounds = max(rounds, k + 1)
+    sub = -(-max(fill, 1) // 4096) * 4096  # a small union needs less than a full sub-slot
+    seg = reader * sub + within
+    return _NodePlan(ranks, token, tensor, rng, begin, end, rnd, seg, reader, rounds, sub)
 
 
 class _Segment:
@@ -262,7 +274,7 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
     # the segment: created by the node's first rank, opened by the others, then unlinked
     seg: _Segment | None = None
     err = False
-    size = 0 if plan is None else BUFFERS * min(ROUND, int((plan.end - plan.begin).sum()))
+    size = 0 if plan is None else BUFFERS * len(plan.ranks) * plan.sub
     path = os.path.join(SHM_DIR, f"unickpt-read-{plan.token}") if plan is not None else ""
     try:
         if plan is not None and comm.rank == plan.ranks[0]:
@@ -301,7 +313,7 @@ def _rounds(comm, plan: _NodePlan | None, seg: _Segment | None, jobs: list[Share
     ``k + BUFFERS - 2`` (its buffer last held round ``k - 2``, which every rank finished
     scattering before the sync of round ``k - 1``), sync, then scatter round ``k`` while the
     rounds ahead are read. The disk never waits for a sync or a scatter."""
-    slot = seg.size // BUFFERS if seg is not None else 0
+    slot = seg.size // BUFFERS if seg is not None else 0  # one round: len(plan.ranks) sub-slots
     me = plan.ranks.index(comm.rank) if plan is not None else -1
     by_tensor: dict[int, list[SharedJob]] = {}
     for j in jobs:
