@@ -211,3 +211,41 @@ def test_each_rank_streams_one_contiguous_share_of_the_union(saved, ranks, monke
         sel = np.flatnonzero(plan.round == k)
         order = sel[np.argsort(plan.seg[sel])]
         assert (plan.seg[order][1:] >= plan.seg[order][:-1] + size[order][:-1]).all()
+
+
+def _load_recording_exchanges(rank, world, root, node_of):
+    """_load_columns, recording what node-shared reads send over the group: the records
+    all-gathered across the job and the peers of every point-to-point exchange."""
+    import json
+
+    from unickpt import transport
+
+    seen = {"gathered": [], "peers": set()}
+    gather, exchange = transport.Comm.all_gather_bytes, transport.Comm.exchange
+
+    def all_gather_bytes(self, data, what=None):
+        out = gather(self, data, what)
+        if what == "load (node-shared reads)":
+            seen["gathered"] += [json.loads(b) for b in out]
+        return out
+
+    def exch(self, sends, recvs):
+        seen["peers"] |= {p for p, _ in sends} | {p for p, _ in recvs}
+        return exchange(self, sends, recvs)
+
+    transport.Comm.all_gather_bytes, transport.Comm.exchange = all_gather_bytes, exch
+    return _load_columns(rank, world, root, node_of), seen
+
+
+def test_needs_and_rounds_stay_inside_the_node(saved):
+    """What a rank sends to every rank of the job is a small fixed record (no needs, which
+    grow with the model); the needs, the rounds' flags and the checksum results only go to
+    the ranks of its own node. So a rank's work does not grow with the number of nodes."""
+    nodes = ["n0", "n0", "n1", "n1"]
+    out = dist.run(_load_recording_exchanges, 4, saved, nodes)
+    for rank, ((_, _, ok), seen) in enumerate(out):
+        assert ok, out
+        assert len(seen["gathered"]) == 4 and all(set(r) == {"node", "can", "token", "failed", "n"}
+                                                  for r in seen["gathered"]), seen
+        mates = {r for r, n in enumerate(nodes) if n == nodes[rank] and r != rank}
+        assert seen["peers"] == mates, (rank, seen)

@@ -5,10 +5,12 @@ blocks of row-major tensors: every rank needs a slice of every row), independent
 the same bytes through read calls once per rank and hash them once per rank. Instead, the
 ranks of a node agree on the union of the checksummed ranges they need and read it once:
 
-1. One all-gather: each rank's node, the checksummed ranges (indices into
-   ``TensorEntry.checksums``) its short-run targets touch, and whether it can map shared
-   memory. Every rank computes every node's plan from it, so the plans need no further
-   agreement.
+1. One all-gather of a small record per rank: its node, whether it can map shared memory,
+   and the length of its needs: the checksummed ranges (indices into
+   ``TensorEntry.checksums``) its short-run targets touch. The needs themselves go only to
+   the other ranks of the node (point to point), and every exchange after this one stays
+   inside the node, so a rank's work does not grow with the number of nodes. The ranks of
+   a node compute the same plan from the same inputs, so the plan needs no agreement.
 2. A node shares only when it pays: at least two ranks, and the ranks' needs add up to
    more than :data:`MIN_OVERLAP` times their union. Otherwise its ranks read alone.
 3. The node's lowest rank creates a shared-memory segment (``/dev/shm``, mode 0600,
@@ -19,11 +21,12 @@ ranks of a node agree on the union of the checksummed ranges they need and read 
    follows it; shares striped through every round defeat it and read at about half the
    speed here). Each share is cut into pieces of ``ROUND / ranks`` bytes; round ``k`` is
    every rank's ``k``-th piece, read into its part of buffer ``k % BUFFERS`` and hashed
-   (in the reading thread). After one all-reduce (which carries a failure flag, so a
-   failing rank stops every rank at the next round, within the timeout) every rank
+   (in the reading thread). After one exchange of failure flags between the node's ranks
+   (a failing rank stops every rank of its node at the next round; the other nodes learn
+   of it at the load's agreement that follows the reads, within the timeout) every rank
    scatters round ``k`` into its own targets while the next rounds are being read.
-4. The ranges whose checksum did not match are all-gathered at the end; every rank that
-   used bytes of such a tensor reports it (``ChecksumError`` naming file and tensor).
+4. The ranges whose checksum did not match are exchanged within the node at the end; every
+   rank that used bytes of such a tensor reports it (``ChecksumError`` naming file and tensor).
 
 Bytes through read calls per node = bytes of the checksummed ranges its ranks need (each
 counted once); each range is hashed once, by the rank that read it. A rank returns bytes
@@ -220,10 +223,35 @@ def _sweep_dead() -> None:
             pass
 
 
-def _sync(comm: Comm, failed: bool, what: str) -> bool:
-    """One all-reduce: True when any rank failed (every rank gets the same answer)."""
-    _, top = comm.min_max(torch.tensor([1 if failed else 0], dtype=torch.int64), what)
-    return bool(top[0].item())
+class _Node:
+    """The ranks of this node, and the exchanges among them: point to point on the load's
+    group, so nothing here grows with the number of nodes (a round costs ``ranks - 1`` small
+    messages per rank, never a collective over the whole job)."""
+
+    def __init__(self, comm: Comm, ranks: list[int]) -> None:
+        self.comm, self.ranks = comm, ranks
+        self.peers = [r for r in ranks if r != comm.rank]
+
+    def _swap(self, mine: torch.Tensor, sizes: dict[int, int]) -> dict[int, torch.Tensor]:
+        recvs = [(p, torch.empty(sizes[p], dtype=mine.dtype)) for p in self.peers]
+        self.comm.exchange([(p, mine) for p in self.peers], recvs)
+        return dict(recvs)
+
+    def any_failed(self, failed: bool) -> bool:
+        """True on every rank of the node when any of them failed."""
+        got = self._swap(torch.tensor([1 if failed else 0], dtype=torch.int64), dict.fromkeys(self.peers, 1))
+        return failed or any(int(t.item()) for t in got.values())
+
+    def gather(self, data: bytes, sizes: dict[int, int] | None = None) -> dict[int, bytes]:
+        """Every node rank's bytes (``sizes``: their lengths, when already known)."""
+        if sizes is None:
+            n = self._swap(torch.tensor([len(data)], dtype=torch.int64), dict.fromkeys(self.peers, 1))
+            sizes = {p: int(t.item()) for p, t in n.items()}
+        mine = torch.frombuffer(bytearray(data or b"\0"), dtype=torch.uint8)
+        got = self._swap(mine, {p: max(sizes[p], 1) for p in self.peers})
+        out = {p: bytes(t[: sizes[p]].numpy().tobytes()) for p, t in got.items()}
+        out[self.comm.rank] = bytes(data)
+        return out
 
 
 def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, verify: bool, failed: bool
@@ -241,56 +269,60 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
         t = index[j.st.key]
         need[t] = need.get(t, np.zeros(len(j.st.checksums), dtype=bool)) | j.touched
     can = enabled() and os.path.isdir(SHM_DIR)
+    blob = json.dumps([[t, a, b] for t, m in sorted(need.items()) for a, b in _intervals(m)]).encode()
     me = {"node": node_id(), "can": can, "token": f"{os.getpid()}-{secrets.token_hex(8)}", "failed": failed,
-          "need": [[t, a, b] for t, m in sorted(need.items()) for a, b in _intervals(m)]}
+          "n": len(blob)}
+    # a small record from every rank; the needs themselves travel only between the node's ranks
     all_ = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(me).encode(), "load (node-shared reads)")]
     if any(d["failed"] for d in all_):
         return 0, [], True
-    nodes: dict[str, list[int]] = {}
-    for r, d in enumerate(all_):
-        nodes.setdefault(d["node"], []).append(r)
-    plans: dict[str, _NodePlan] = {}
-    for node, ranks in nodes.items():
-        if len(ranks) < 2 or not all(all_[r]["can"] for r in ranks):
-            continue
-        union: dict[int, np.ndarray] = {}
-        asked = 0
-        for r in ranks:
-            for t, a, b in all_[r]["need"]:
-                if not (0 <= t < len(keys)) or not (0 <= a < b <= len(man.tensors[keys[t]].checksums)):
-                    continue  # a peer's bad descriptor: it reads alone (its own reads check it)
-                m = union.setdefault(t, np.zeros(len(man.tensors[keys[t]].checksums), dtype=bool))
-                m[a:b] = True
-                asked += sum(c[1] - c[0] for c in man.tensors[keys[t]].checksums[a:b])
-        total = sum(sum(c[1] - c[0] for c, u in zip(man.tensors[keys[t]].checksums, m.tolist()) if u)
-                    for t, m in union.items())
-        if total and asked >= MIN_OVERLAP * total:
-            plans[node] = _plan_node(ranks, all_[ranks[0]]["token"], union, keys, man)
-    plan = plans.get(me["node"])
-    rounds = max((p.rounds for p in plans.values()), default=0)
-    if not rounds:
+    ranks = [r for r, d in enumerate(all_) if d["node"] == me["node"]]
+    if len(ranks) < 2 or not all(all_[r]["can"] for r in ranks):
+        return 0, jobs, False  # every rank of the node decides the same from the same records
+    node = _Node(comm, ranks)
+    needs = node.gather(blob, {r: all_[r]["n"] for r in ranks})
+    union: dict[int, np.ndarray] = {}
+    asked = 0
+    for r in ranks:
+        try:
+            descr = json.loads(needs[r])
+        except ValueError:
+            descr = None
+        for item in descr if isinstance(descr, list) else []:
+            if not (isinstance(item, list) and len(item) == 3 and all(type(x) is int for x in item)):
+                continue  # a peer's bad descriptor: it reads alone (its own reads check it)
+            t, a, b = item
+            if not (0 <= t < len(keys)) or not (0 <= a < b <= len(man.tensors[keys[t]].checksums)):
+                continue
+            m = union.setdefault(t, np.zeros(len(man.tensors[keys[t]].checksums), dtype=bool))
+            m[a:b] = True
+            asked += sum(c[1] - c[0] for c in man.tensors[keys[t]].checksums[a:b])
+    total = sum(sum(c[1] - c[0] for c, u in zip(man.tensors[keys[t]].checksums, m.tolist()) if u)
+                for t, m in union.items())
+    if not total or asked < MIN_OVERLAP * total:
         return 0, jobs, False
+    plan = _plan_node(ranks, all_[ranks[0]]["token"], union, keys, man)
 
     # the segment: created by the node's first rank, opened by the others, then unlinked
     seg: _Segment | None = None
     err = False
-    size = 0 if plan is None else BUFFERS * len(plan.ranks) * plan.sub
-    path = os.path.join(SHM_DIR, f"unickpt-read-{plan.token}") if plan is not None else ""
+    size = BUFFERS * len(plan.ranks) * plan.sub
+    path = os.path.join(SHM_DIR, f"unickpt-read-{plan.token}")
     try:
-        if plan is not None and comm.rank == plan.ranks[0]:
+        if comm.rank == plan.ranks[0]:
             _sweep_dead()
             seg = _Segment(path, size, create=True)
     except OSError as e:
         log.info("node-shared reads off: cannot create %s (%s)", path, e)
         err = True
-    if not _sync(comm, err, "load (node-shared reads: segment)"):
+    if not node.any_failed(err):
         try:
-            if plan is not None and seg is None:
+            if seg is None:
                 seg = _Segment(path, size, create=False)
         except OSError as e:
             log.info("node-shared reads off: cannot map %s (%s)", path, e)
             err = True
-        err = _sync(comm, err, "load (node-shared reads: mapping)")
+        err = node.any_failed(err)
     else:
         err = True
     if seg is not None:
@@ -300,21 +332,20 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
             seg.close()
         return 0, jobs, False
     try:
-        return _rounds(comm, plan, seg, jobs, keys, index, man, files, pool, verify, rounds)
+        return _rounds(comm, node, plan, seg, jobs, keys, index, man, files, pool, verify)
     finally:
-        if seg is not None:
-            seg.close()
+        seg.close()
 
 
-def _rounds(comm, plan: _NodePlan | None, seg: _Segment | None, jobs: list[SharedJob], keys, index, man,
-            files, pool, verify: bool, rounds: int) -> tuple[int, list[SharedJob], bool]:
+def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[SharedJob], keys, index, man,
+            files, pool, verify: bool) -> tuple[int, list[SharedJob], bool]:
     """The rounds. Round ``k`` lives in buffer ``k % BUFFERS``. Iteration ``k``: wait for this
     rank's reads of round ``k`` (each read task hashes what it read), start its reads of round
     ``k + BUFFERS - 2`` (its buffer last held round ``k - 2``, which every rank finished
     scattering before the sync of round ``k - 1``), sync, then scatter round ``k`` while the
     rounds ahead are read. The disk never waits for a sync or a scatter."""
-    slot = seg.size // BUFFERS if seg is not None else 0  # one round: len(plan.ranks) sub-slots
-    me = plan.ranks.index(comm.rank) if plan is not None else -1
+    slot = seg.size // BUFFERS  # one round: len(plan.ranks) sub-slots
+    me = plan.ranks.index(comm.rank)
     by_tensor: dict[int, list[SharedJob]] = {}
     for j in jobs:
         by_tensor.setdefault(index[j.st.key], []).append(j)
@@ -384,28 +415,25 @@ def _rounds(comm, plan: _NodePlan | None, seg: _Segment | None, jobs: list[Share
                                 j.runs.local, j.dest, j.isz)
 
     try:
-        if plan is not None and plan.rounds:
-            try:
-                for k in range(min(BUFFERS - 2, plan.rounds)):
-                    inflight[k] = submit(k)
-            except BaseException as e:
-                failure = e
-        for k in range(rounds):
-            if plan is not None and failure is None:
+        try:
+            for k in range(min(BUFFERS - 2, plan.rounds)):
+                inflight[k] = submit(k)
+        except BaseException as e:
+            failure = e
+        for k in range(plan.rounds):
+            if failure is None:
                 try:
-                    if k < plan.rounds:
-                        collect(inflight.pop(k))
+                    collect(inflight.pop(k))
                     ahead = k + BUFFERS - 2  # its buffer last held round k - 2, scattered before sync k - 1
                     if ahead < plan.rounds:
                         inflight[ahead] = submit(ahead)
-                except BaseException as e:  # stops every rank at this round's sync
+                except BaseException as e:  # stops every rank of the node at this round's sync
                     failure = e
-            if _sync(comm, failure is not None, "load (node-shared reads)"):
+            if node.any_failed(failure is not None):
                 if failure is not None:
                     raise failure
                 return checked, [], True  # a peer failed: it reports why; every rank stops here
-            if plan is not None and k < plan.rounds:
-                scatter(k)
+            scatter(k)
     finally:  # reads still in flight write into the segment: wait for them before it goes
         for futs in inflight.values():
             for f in futs:
@@ -414,14 +442,10 @@ def _rounds(comm, plan: _NodePlan | None, seg: _Segment | None, jobs: list[Share
                     f.result()
                 except BaseException:
                     pass
-    gathered = comm.all_gather_bytes(json.dumps(sorted(bad)).encode(), "load (node-shared reads: checksums)")
-    bad_all = {t for b in gathered for t in json.loads(b)}
-    left = []
+    gathered = node.gather(json.dumps(sorted(bad)).encode())
+    bad_all = {t for b in gathered.values() for t in json.loads(b)}
     for j in jobs:
-        if plan is None:
-            left.append(j)
-        else:
-            j.done((index[j.st.key] not in bad_all, 0))
-    return checked, left, False
+        j.done((index[j.st.key] not in bad_all, 0))
+    return checked, [], False
 
 
