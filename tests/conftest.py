@@ -36,6 +36,17 @@ def s3():
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def uninterrupted_losses():
+    """Losses of tests.test_trainer's run (2 ranks, ZeRO-2, fp32, STEPS steps) without any
+    checkpoint: the reference every resumed run of that configuration must equal. Computed
+    once per session (four tests compared against their own copy of it)."""
+    from tests import dist
+    from tests.test_trainer import STEPS, _train
+
+    return dist.run(_train, 2, 2, 1, STEPS)[0][0]
+
+
 @pytest.fixture
 def shm():
     """A fresh directory in host memory (/dev/shm) for memory-tier snapshots, removed after."""

@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from tests import dist
-from tests.test_trainer import STEPS, _close, _train
+from tests.test_trainer import STEPS, _close
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -187,7 +187,7 @@ def _flip_newest(mem: str) -> int:
     return newest
 
 
-def test_damaged_newest_snapshot_falls_back_to_the_previous_step(tmp_path, shm):
+def test_damaged_newest_snapshot_falls_back_to_the_previous_step(tmp_path, shm, uninterrupted_losses):
     d = str(tmp_path / "ck")
     nodes = ["n0", "n0", "n1", "n1"]
     dist.run(_on_nodes, 4, nodes, 2, 1, 5, d, shm, 4, False)
@@ -197,11 +197,10 @@ def test_damaged_newest_snapshot_falls_back_to_the_previous_step(tmp_path, shm):
     out = dist.run(_on_nodes, 4, nodes, 2, 1, STEPS, d, shm, 4, True, None, metrics)
     load = [e for e in _events(metrics) if e.get("event") == "load"]
     assert load == [dict(load[0], tier="memory", step=4)], load  # step 5 is damaged: step 4, from memory
-    full = dist.run(_train, 2, 2, 1, STEPS)[0][0]
-    _close(out[0][0], full[4:])
+    _close(out[0][0], uninterrupted_losses[4:])
 
 
-def test_both_nodes_lost_resumes_from_the_durable_tier(tmp_path, shm):
+def test_both_nodes_lost_resumes_from_the_durable_tier(tmp_path, shm, uninterrupted_losses):
     d = str(tmp_path / "ck")
     dist.run(_on_nodes, 4, ["n0", "n0", "n1", "n1"], 2, 1, 5, d, shm, 2, False)
     shutil.rmtree(shm)
@@ -210,8 +209,7 @@ def test_both_nodes_lost_resumes_from_the_durable_tier(tmp_path, shm):
     out = dist.run(_on_nodes, 2, ["n0", "n1"], 3, 1, STEPS, d, shm, 2, True, None, metrics)
     load = [e for e in _events(metrics) if e.get("event") == "load"]
     assert [(e["tier"], e["step"]) for e in load] == [("durable", 4)]
-    full = dist.run(_train, 2, 2, 1, STEPS)[0][0]
-    _close(out[0][0], full[4:])
+    _close(out[0][0], uninterrupted_losses[4:])
 
 
 def test_memory_budget_too_small_is_a_typed_error_before_training(tmp_path, shm):
