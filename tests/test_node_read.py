@@ -249,3 +249,13 @@ def test_needs_and_rounds_stay_inside_the_node(saved):
                                                   for r in seen["gathered"]), seen
         mates = {r for r, n in enumerate(nodes) if n == nodes[rank] and r != rank}
         assert seen["peers"] == mates, (rank, seen)
+
+
+def test_a_node_of_one_rank_reads_alone_while_the_other_node_shares(saved):
+    """Nodes decide for themselves: n1's single rank reads alone at once (no rounds to wait
+    for), n0's two ranks share; every result is bit-exact and n0 reads its needs once."""
+    out = dist.run(_both, 3, saved, ["n0", "n0", "n1"])
+    assert all(o[0][2] and o[1][2] for o in out), out
+    assert out[2][0][0] == out[2][1][0]  # the lone rank reads the same with or without sharing
+    shared, alone = out[0][0][0] + out[1][0][0], out[0][1][0] + out[1][1][0]
+    assert shared < alone, (shared, alone)
