@@ -6,6 +6,7 @@ memory directory behave as they do for ranks reading alone."""
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import shutil
 import time
@@ -33,7 +34,7 @@ def _save(rank, world, root):
     unickpt.save({"model": {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in _full().items()}}, root)
 
 
-def _load_columns(rank, world, root, node_of=None, patch=None):
+def _load_columns(rank, world, root, node_of=None, patch=None, timeout_s=20):
     """Load every matrix as column blocks (Shard(1)); returns (bytes_read, verified, ok) or the error."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -47,7 +48,7 @@ def _load_columns(rank, world, root, node_of=None, patch=None):
     tgt = {"model": {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(1)]) for k, v in full.items()}}
     t0 = time.monotonic()
     try:
-        res = unickpt.load(tgt, root, timeout_s=20)
+        res = unickpt.load(tgt, root, timeout_s=timeout_s)
     except Exception as e:
         return type(e).__name__, str(e), time.monotonic() - t0
     ok = all(torch.equal(tgt["model"][k].to_local(), v.tensor_split(world, dim=1)[rank]) for k, v in full.items())
@@ -204,8 +205,8 @@ def test_each_rank_streams_one_contiguous_share_of_the_union(saved, ranks, monke
     for r in range(ranks):  # within a share: rounds in order, parts packed from the rank's offset
         sel = plan.reader == r
         assert (np.diff(plan.round[sel]) >= 0).all()
-        assert ((plan.seg[sel] >= r * plan.sub) & (plan.seg[sel] + size[sel] <= (r + 1) * plan.sub)).all()
-    assert plan.sub <= max(noderead.ROUND // ranks, int(size.max())) + 4096
+        assert ((plan.seg[sel] >= plan.part[r]) & (plan.seg[sel] + size[sel] <= plan.part[r + 1])).all()
+        assert plan.part[r + 1] - plan.part[r] <= max(noderead.ROUND // ranks, int(size.max())) + 4096
     assert plan.rounds > 1
     for k in range(plan.rounds):
         sel = np.flatnonzero(plan.round == k)
@@ -245,7 +246,7 @@ def test_needs_and_rounds_stay_inside_the_node(saved):
     out = dist.run(_load_recording_exchanges, 4, saved, nodes)
     for rank, ((_, _, ok), seen) in enumerate(out):
         assert ok, out
-        assert len(seen["gathered"]) == 4 and all(set(r) == {"node", "can", "token", "failed", "n"}
+        assert len(seen["gathered"]) == 4 and all(set(r) == {"node", "can", "token", "failed", "n", "verify"}
                                                   for r in seen["gathered"]), seen
         mates = {r for r, n in enumerate(nodes) if n == nodes[rank] and r != rank}
         assert seen["peers"] == mates, (rank, seen)
@@ -259,3 +260,158 @@ def test_a_node_of_one_rank_reads_alone_while_the_other_node_shares(saved):
     assert out[2][0][0] == out[2][1][0]  # the lone rank reads the same with or without sharing
     shared, alone = out[0][0][0] + out[1][0][0], out[0][1][0] + out[1][1][0]
     assert shared < alone, (shared, alone)
+
+
+# --- review: segment setup and teardown ---------------------------------------------------
+
+
+@pytest.fixture
+def small_shm(tmp_path):
+    """A 1 MiB tmpfs (a container's small /dev/shm): far less than a segment needs."""
+    import subprocess
+
+    d = tmp_path / "small-shm"
+    d.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield str(d)
+    finally:
+        subprocess.run(["umount", str(d)], check=True)
+
+
+def _set_shm_dir(path, rank):
+    import unickpt.noderead as nr
+
+    nr.SHM_DIR = path
+
+
+def test_a_shared_memory_too_small_for_the_segment_reads_alone(saved, small_shm):
+    """ftruncate on tmpfs reserves nothing: reads into the segment past the free space fail
+    (EFAULT from preadv; SIGBUS for a reader that copies in user space). Out of space must
+    mean "read alone", as the docs promise."""
+    out = dist.run(_load_columns, 2, saved, None, functools.partial(_set_shm_dir, small_shm), timeout=60)
+    assert all(o[2] is True for o in out), out
+    assert sum(o[0] for o in out) >= 2 * _tensor_bytes(), out  # each read everything itself
+    assert os.listdir(small_shm) == [], os.listdir(small_shm)
+
+
+def _mmap_fails_on_rank_0(rank):
+    if rank == 0:
+        import types
+
+        import unickpt.noderead as nr
+
+        def fail(*a, **k):
+            raise OSError(errno.ENOMEM, "injected")
+        nr.mmap = types.SimpleNamespace(mmap=fail)
+
+
+def _load_with_pid(rank, world, root, node_of=None, patch=None, timeout_s=20):
+    return _load_columns(rank, world, root, node_of, patch, timeout_s), os.getpid()
+
+
+def _leftovers(pid):
+    return [f for f in os.listdir("/dev/shm") if f.startswith(f"unickpt-read-{pid}-")]
+
+
+def test_a_segment_that_cannot_be_mapped_is_not_left_behind(saved):
+    out = dist.run(_load_with_pid, 2, saved, None, _mmap_fails_on_rank_0)
+    assert all(o[0][2] is True for o in out), out  # read alone
+    assert not _leftovers(out[0][1]), _leftovers(out[0][1])
+
+
+def _rank_1_fails_before_the_segment(rank):
+    """Rank 1 never reaches the segment's first exchange (an error of its own in between)."""
+    if rank == 1:
+        import unickpt.noderead as nr
+
+        def boom(*a, **k):
+            raise RuntimeError("injected before the segment")
+        nr._plan_node = boom
+
+
+def test_a_segment_is_removed_when_a_peer_never_maps_it(saved):
+    out = dist.run(_load_with_pid, 2, saved, None, _rank_1_fails_before_the_segment, 3, timeout=90)
+    assert out[0][0][0] == "DistributedError" and "injected" in out[1][0][1], out
+    assert not _leftovers(out[0][1]), _leftovers(out[0][1])
+
+
+def _load_verify_per_rank(rank, world, root, verify_of):
+    """Column blocks with a per-rank ``verify`` (rank 0 opts out, rank 1 checks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = _full()
+    tgt = {"model": {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(1)]) for k, v in full.items()}}
+    try:
+        unickpt.load(tgt, root, timeout_s=20, verify=verify_of[rank])
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return "ok", str(all(torch.equal(tgt["model"][k].to_local(), v.tensor_split(world, dim=1)[rank])
+                         for k, v in full.items()))
+
+
+@pytest.mark.parametrize("verify_of", [("none", "auto"), ("auto", "none")])
+def test_a_rank_that_verifies_never_returns_bytes_a_non_verifying_peer_read(saved, tmp_path, verify_of):
+    """verify is a per-rank argument: the rank that asked for checks must get them, whoever
+    read the bytes (alone it would raise ChecksumError for the damaged block)."""
+    root = str(tmp_path / "ck")
+    shutil.copytree(saved, root)
+    _damage(root)
+    out = dist.run(_load_verify_per_rank, 2, root, verify_of)
+    checker = verify_of.index("auto")
+    assert out[checker][0] in ("ChecksumError", "DistributedError") and "'b'" in out[checker][1], out
+
+
+def _fake_manifest(ranges_per_tensor):
+    """A manifest-like object for the planner: one tensor per list of checksummed range sizes."""
+    import types
+
+    tensors, off = {}, 0
+    for i, sizes in enumerate(ranges_per_tensor):
+        cs, b = [], 0
+        for n in sizes:
+            cs.append((b, b + n, "0"))
+            b += n
+        tensors[("model", str(i))] = types.SimpleNamespace(file="f", begin=off, checksums=cs)
+        off += b
+    return types.SimpleNamespace(tensors=tensors)
+
+
+@pytest.mark.parametrize("ranks", [3, 5, 8, 16])
+@pytest.mark.parametrize("ranges", [[[8 << 20]], [[4096] * 3] * 50, [[1 << 20] * 4] * 64])
+def test_the_segment_is_never_more_than_the_docs_say(ranks, ranges):
+    """Segment bytes <= BUFFERS x ROUND (docs: 4 x 32 MiB) plus a page per part, and never
+    more than BUFFERS times the union (plus pages): one 8 MiB range on 8 ranks took 256 MiB."""
+    import numpy as np
+
+    from unickpt import noderead
+
+    man = _fake_manifest(ranges)
+    keys = list(man.tensors)
+    needs = {t: np.ones(len(man.tensors[k].checksums), dtype=bool) for t, k in enumerate(keys)}
+    plan = noderead._plan_node(list(range(ranks)), "t", needs, keys, man)
+    union = int((plan.end - plan.begin).sum())
+    size = plan.size if hasattr(plan, "size") else noderead.BUFFERS * ranks * plan.sub
+    assert size <= noderead.BUFFERS * (noderead.ROUND + ranks * 4096), (size >> 20, union >> 20)
+    assert size <= noderead.BUFFERS * (union + ranks * 4096), (size >> 20, union >> 20)
+
+
+def _scatter_fails_on_rank_1(rank):
+    if rank == 1:
+        import unickpt.noderead as nr
+
+        def fail(*a, **k):
+            raise MemoryError("injected in the scatter")
+
+        nr.copy_window = fail
+
+
+def test_a_failed_scatter_stops_the_node_at_the_next_round_not_at_the_timeout(saved):
+    """An error while copying a round into this rank's targets is told to the node's ranks at
+    the next round's flags (or raised after the last round): no peer waits out timeout_s."""
+    out = dist.run(_load_columns, 2, saved, None, _scatter_fails_on_rank_1, 20, timeout=90)
+    assert out[1][0] == "MemoryError" and "injected" in out[1][1], out
+    assert out[0][0] == "DistributedError" and "rank 1" in out[0][1] and out[0][2] < 10, out

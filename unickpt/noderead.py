@@ -118,7 +118,13 @@ class _NodePlan:
     seg: np.ndarray  # offset in the round's buffer
     reader: np.ndarray  # position in ranks of the rank that reads it
     rounds: int
-    sub: int  # bytes of one rank's part of a round's buffer (a round: len(ranks) parts)
+    part: np.ndarray  # rank i's part of a round's buffer: [part[i], part[i + 1]); part[-1]: the buffer
+    buffers: int  # round buffers in the segment: BUFFERS, or fewer when there are fewer rounds
+
+    @property
+    def size(self) -> int:
+        """Bytes of the node's segment."""
+        return self.buffers * int(self.part[-1])
 
 
 def _plan_node(ranks: list[int], token: str, needs: dict[int, np.ndarray], keys: list, man: Manifest) -> _NodePlan:
@@ -145,7 +151,8 @@ def _plan_node(ranks: list[int], token: str, needs: dict[int, np.ndarray], keys:
     sub = max(ROUND // m, int(size.max()) if len(size) else 0)
     rnd = np.zeros(len(size), dtype=np.int64)
     within = np.zeros(len(size), dtype=np.int64)
-    rounds, fill = 0, 0
+    rounds = 0
+    fill = np.zeros(m, dtype=np.int64)
     for r in range(m):  # round k of rank r: the k-th sub-slot's worth of its share, first fit in order
         sel = np.flatnonzero(reader == r)
         k, used = 0, 0
@@ -154,12 +161,15 @@ def _plan_node(ranks: list[int], token: str, needs: dict[int, np.ndarray], keys:
                 k, used = k + 1, 0
             rnd[i], within[i] = k, used
             used += n
-            fill = max(fill, used)
+            fill[r] = max(fill[r], used)
         if len(sel):
             rounds = max(rounds, k + 1)
-    sub = -(-max(fill, 1) // 4096) * 4096  # a small union needs less than a full sub-slot
-    seg = reader * sub + within
-    return _NodePlan(ranks, token, tensor, rng, begin, end, rnd, seg, reader, rounds, sub)
+    # each rank's part as large as it fills (page-aligned): a rank with a small share, or none,
+    # takes no more (every part sized for the largest range made the segment ranks x that)
+    part = np.concatenate(([0], np.cumsum(-(-fill // 4096) * 4096))).astype(np.int64)
+    seg = part[reader] + within
+    return _NodePlan(ranks, token, tensor, rng, begin, end, rnd, seg, reader, rounds, part,
+                     max(1, min(BUFFERS, rounds)))
 
 
 class _Segment:
@@ -172,14 +182,19 @@ class _Segment:
         fd = os.open(path, flags | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
             if create:
-                os.ftruncate(fd, size)
+                # reserve the pages now: ftruncate reserves nothing on tmpfs, and a read into a
+                # page /dev/shm has no room for fails (EFAULT) or kills the process (SIGBUS)
+                os.posix_fallocate(fd, 0, size)
             st = os.fstat(fd)
             if st.st_size != size or st.st_uid != os.getuid():
                 raise OSError(f"{path}: not the segment this load created")
             self.map = mmap.mmap(fd, size)
+            self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
+        except BaseException:
+            self.close()  # nothing left behind in /dev/shm by a segment that failed
+            raise
         finally:
             os.close(fd)
-        self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
 
     def unlink(self) -> None:
         if self.created:
@@ -202,7 +217,7 @@ class _Segment:
 
 def _sweep_dead() -> None:
     """Remove segments left by loads whose creating process is gone (killed between creating
-    its segment and unlinking it, two all-reduces later). A live creator in another PID
+    its segment and unlinking it, two exchanges later). A live creator in another PID
     namespace looks dead: its peers then fail to map the segment and read alone."""
     try:
         names = [n for n in os.listdir(SHM_DIR) if n.startswith("unickpt-read-")]
@@ -271,14 +286,16 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
     can = enabled() and os.path.isdir(SHM_DIR)
     blob = json.dumps([[t, a, b] for t, m in sorted(need.items()) for a, b in _intervals(m)]).encode()
     me = {"node": node_id(), "can": can, "token": f"{os.getpid()}-{secrets.token_hex(8)}", "failed": failed,
-          "n": len(blob)}
+          "n": len(blob), "verify": verify}
     # a small record from every rank; the needs themselves travel only between the node's ranks
     all_ = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(me).encode(), "load (node-shared reads)")]
     if any(d["failed"] for d in all_):
         return 0, [], True
     ranks = [r for r, d in enumerate(all_) if d["node"] == me["node"]]
-    if len(ranks) < 2 or not all(all_[r]["can"] for r in ranks):
-        return 0, jobs, False  # every rank of the node decides the same from the same records
+    # every rank of the node decides the same from the same records; ranks that disagree on
+    # verify read alone (a rank that checks never returns bytes a non-checking peer read)
+    if len(ranks) < 2 or not all(all_[r]["can"] and all_[r]["verify"] == all_[ranks[0]]["verify"] for r in ranks):
+        return 0, jobs, False
     node = _Node(comm, ranks)
     needs = node.gather(blob, {r: all_[r]["n"] for r in ranks})
     union: dict[int, np.ndarray] = {}
@@ -306,25 +323,30 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
     # the segment: created by the node's first rank, opened by the others, then unlinked
     seg: _Segment | None = None
     err = False
-    size = BUFFERS * len(plan.ranks) * plan.sub
+    size = plan.size
     path = os.path.join(SHM_DIR, f"unickpt-read-{plan.token}")
     try:
-        if comm.rank == plan.ranks[0]:
-            _sweep_dead()
-            seg = _Segment(path, size, create=True)
-    except OSError as e:
-        log.info("node-shared reads off: cannot create %s (%s)", path, e)
-        err = True
-    if not node.any_failed(err):
         try:
-            if seg is None:
-                seg = _Segment(path, size, create=False)
+            if comm.rank == plan.ranks[0]:
+                _sweep_dead()
+                seg = _Segment(path, size, create=True)
         except OSError as e:
-            log.info("node-shared reads off: cannot map %s (%s)", path, e)
+            log.info("node-shared reads off: cannot create %s (%s)", path, e)
             err = True
-        err = node.any_failed(err)
-    else:
-        err = True
+        if not node.any_failed(err):
+            try:
+                if seg is None:
+                    seg = _Segment(path, size, create=False)
+            except OSError as e:
+                log.info("node-shared reads off: cannot map %s (%s)", path, e)
+                err = True
+            err = node.any_failed(err)
+        else:
+            err = True
+    except BaseException:  # a peer that never answered (DistributedError): the segment goes too
+        if seg is not None:
+            seg.close()
+        raise
     if seg is not None:
         seg.unlink()  # every rank of the node mapped it (or gave up): nothing left in /dev/shm
     if err:  # sharing is only speed: everyone reads alone
@@ -344,7 +366,7 @@ def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[Shar
     ``k + BUFFERS - 2`` (its buffer last held round ``k - 2``, which every rank finished
     scattering before the sync of round ``k - 1``), sync, then scatter round ``k`` while the
     rounds ahead are read. The disk never waits for a sync or a scatter."""
-    slot = seg.size // BUFFERS  # one round: len(plan.ranks) sub-slots
+    slot = int(plan.part[-1])  # one round's buffer: one part per rank (round k: buffer k % BUFFERS < plan.buffers)
     me = plan.ranks.index(comm.rank)
     by_tensor: dict[int, list[SharedJob]] = {}
     for j in jobs:
@@ -433,7 +455,10 @@ def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[Shar
                 if failure is not None:
                     raise failure
                 return checked, [], True  # a peer failed: it reports why; every rank stops here
-            scatter(k)
+            try:
+                scatter(k)
+            except BaseException as e:  # told to the node at the next round's flags (or raised after the last)
+                failure = e
     finally:  # reads still in flight write into the segment: wait for them before it goes
         for futs in inflight.values():
             for f in futs:
@@ -443,6 +468,8 @@ def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[Shar
                 except BaseException:
                     pass
     gathered = node.gather(json.dumps(sorted(bad)).encode())
+    if failure is not None:  # the last round's scatter failed: the peers finished theirs
+        raise failure
     bad_all = {t for b in gathered.values() for t in json.loads(b)}
     for j in jobs:
         j.done((index[j.st.key] not in bad_all, 0))
