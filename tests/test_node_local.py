@@ -175,13 +175,14 @@ def test_remote_chunks_are_cut_only_where_checksummed_ranges_start():
     assert _chunks(col, bounds, 4, 400) == [(0, 150), (150, 300), (300, 500)]
 
 
-def _load_corrupt(rank, world, root):
+def _load_corrupt(rank, world, root, verify_of=None):
     from tests.layouts import full
 
     _as_node(root, f"n{rank}")
     target = full(zeros_like_full(reference_q()), rank, world)  # every rank reads every tensor whole
     try:
-        unickpt.load(target, os.path.join(root, "{node}", "ck-o0"), bucket_bytes=4096)
+        unickpt.load(target, os.path.join(root, "{node}", "ck-o0"), bucket_bytes=4096,
+                     verify=(verify_of or {}).get(rank, "auto"))
     except unickpt.errors.UnickptError as e:
         return f"{type(e).__name__}: {e}"
     return None
@@ -204,6 +205,9 @@ def test_a_corrupted_byte_on_another_node_is_detected(saved, tmp_path):
     msgs = dist.run(_load_corrupt, 3, root)
     assert all(m and "checksum" in m.lower() for m in msgs), msgs
     assert any(t.name in m for m in msgs), (t.name, msgs)
+    # verify is per rank: the rank on n1 opting out still checks what it reads for the others
+    msgs = dist.run(_load_corrupt, 3, root, {1: "none"})
+    assert msgs[0] and msgs[2] and "checksum" in msgs[0].lower() and t.name in msgs[0] + msgs[2], msgs
 
 
 @pytest.mark.parametrize("damage", ["bit flip", "fifo", "another save's"])

@@ -134,13 +134,18 @@ def _plan(needs: list[list], sees: list[set[str]], man: Manifest, bucket: int) -
     return out
 
 
-def load_remote(comm: Comm, remote: list[Entry], man: Manifest, sees_mine: set[str], read_fn, bucket: int):
-    """Collective. ``remote``: this rank's targets it cannot read; ``read_fn(entries)`` reads
-    entries this rank can see and returns ``(bytes, verified, bad)``. Returns the same
-    figures for the reads this rank did for others, the bytes it received, and the first read
-    error (raised by the caller after every step has run)."""
+def load_remote(comm: Comm, remote: list[Entry], man: Manifest, sees_mine: set[str], read_fn, bucket: int,
+                checks: bool = True):
+    """Collective. ``remote``: this rank's targets it cannot read; ``read_fn(entries, check)``
+    reads entries this rank can see (verified when ``check``) and returns ``(bytes, verified,
+    bad)``. ``checks``: whether this rank verifies what it loads; a rank reading for peers
+    verifies when any of them does (``verify`` is per rank: a rank that checks never gets
+    bytes a non-checking peer read unhashed). Returns the same figures for the reads this
+    rank did for others, the bytes it received, and the first read error (raised by the
+    caller after every step has run)."""
     mine = [[e.role, e.name, dtype_name(e.local.dtype), e.layout.to_json()] for e in remote]
-    gathered = [json.loads(b) for b in comm.all_gather_bytes(json.dumps({"needs": mine, "sees": sorted(sees_mine)}).encode())]
+    record = {"needs": mine, "sees": sorted(sees_mine), "checks": bool(checks)}
+    gathered = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(record).encode())]
     needs = [g["needs"] for g in gathered]
     sees = [set(g["sees"]) for g in gathered]
     if not any(needs):
@@ -162,7 +167,8 @@ def load_remote(comm: Comm, remote: list[Entry], man: Manifest, sees_mine: set[s
         bufs = [torch.empty(t.b - t.a, dtype=torch_dtype(t.dtype)) for t in reads]
         if reads and error is None:
             try:
-                b_, v_, bad_ = read_fn([Entry(t.role, t.name, buf, t.layout) for t, buf in zip(reads, bufs)])
+                check = any(gathered[t.requester]["checks"] for t in reads)
+                b_, v_, bad_ = read_fn([Entry(t.role, t.name, buf, t.layout) for t, buf in zip(reads, bufs)], check)
                 bytes_read += b_
                 verified += v_
                 bad += bad_
