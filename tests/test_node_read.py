@@ -321,14 +321,19 @@ def test_a_segment_that_cannot_be_mapped_is_not_left_behind(saved):
     assert not _leftovers(out[0][1]), _leftovers(out[0][1])
 
 
-def _rank_1_fails_before_the_segment(rank):
-    """Rank 1 never reaches the segment's first exchange (an error of its own in between)."""
-    if rank == 1:
+def _fails_on(which: int, name: str, exc: BaseException, rank: int) -> None:
+    """A patch for _load_columns: on rank ``which``, ``unickpt.noderead.<name>`` raises ``exc``."""
+    if rank == which:
         import unickpt.noderead as nr
 
-        def boom(*a, **k):
-            raise RuntimeError("injected before the segment")
-        nr._plan_node = boom
+        def fail(*a, **k):
+            raise exc
+
+        setattr(nr, name, fail)
+
+
+# rank 1 never reaches the segment's first exchange (an error of its own in between)
+_rank_1_fails_before_the_segment = functools.partial(_fails_on, 1, "_plan_node", RuntimeError("injected before the segment"))
 
 
 def test_a_segment_is_removed_when_a_peer_never_maps_it(saved):
@@ -394,19 +399,12 @@ def test_the_segment_is_never_more_than_the_docs_say(ranks, ranges):
     needs = {t: np.ones(len(man.tensors[k].checksums), dtype=bool) for t, k in enumerate(keys)}
     plan = noderead._plan_node(list(range(ranks)), "t", needs, keys, man)
     union = int((plan.end - plan.begin).sum())
-    size = plan.size if hasattr(plan, "size") else noderead.BUFFERS * ranks * plan.sub
+    size = plan.size
     assert size <= noderead.BUFFERS * (noderead.ROUND + ranks * 4096), (size >> 20, union >> 20)
     assert size <= noderead.BUFFERS * (union + ranks * 4096), (size >> 20, union >> 20)
 
 
-def _scatter_fails_on_rank_1(rank):
-    if rank == 1:
-        import unickpt.noderead as nr
-
-        def fail(*a, **k):
-            raise MemoryError("injected in the scatter")
-
-        nr.copy_window = fail
+_scatter_fails_on_rank_1 = functools.partial(_fails_on, 1, "copy_window", MemoryError("injected in the scatter"))
 
 
 def test_a_failed_scatter_stops_the_node_at_the_next_round_not_at_the_timeout(saved):
