@@ -307,7 +307,7 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
             descr = None
         for item in descr if isinstance(descr, list) else []:
             if not (isinstance(item, list) and len(item) == 3 and all(type(x) is int for x in item)):
-                continue  # a peer's bad descriptor: it reads alone (its own reads check it)
+                continue  # not what a rank of this version sends: it adds nothing to the union
             t, a, b = item
             if not (0 <= t < len(keys)) or not (0 <= a < b <= len(man.tensors[keys[t]].checksums)):
                 continue
