@@ -319,6 +319,14 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
     if not total or asked < MIN_OVERLAP * total:
         return 0, jobs, False
     plan = _plan_node(ranks, all_[ranks[0]]["token"], union, keys, man)
+    # a target the union does not cover whole (never, with the needs this rank sent) is read
+    # alone: marking it done after the rounds would return bytes nobody read
+    def covered(j: SharedJob) -> bool:
+        m = union.get(index[j.st.key])
+        return m is not None and len(m) == len(j.touched) and not (j.touched & ~m).any()
+
+    alone = [j for j in jobs if not covered(j)]
+    jobs = [j for j in jobs if covered(j)]
 
     # the segment: created by the node's first rank, opened by the others, then unlinked
     seg: _Segment | None = None
@@ -354,7 +362,8 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
             seg.close()
         return 0, jobs, False
     try:
-        return _rounds(comm, node, plan, seg, jobs, keys, index, man, files, pool, verify)
+        checked, _, aborted = _rounds(comm, node, plan, seg, jobs, keys, index, man, files, pool, verify)
+        return checked, alone, aborted
     finally:
         seg.close()
 
