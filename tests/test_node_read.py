@@ -413,3 +413,18 @@ def test_a_failed_scatter_stops_the_node_at_the_next_round_not_at_the_timeout(sa
     out = dist.run(_load_columns, 2, saved, None, _scatter_fails_on_rank_1, 20, timeout=90)
     assert out[1][0] == "MemoryError" and "injected" in out[1][1], out
     assert out[0][0] == "DistributedError" and "rank 1" in out[0][1] and out[0][2] < 10, out
+
+
+def _needs_understated(rank):
+    """Every rank sends the node only the first half of each stretch of ranges it needs."""
+    import unickpt.noderead as nr
+
+    real = nr._intervals
+    nr._intervals = lambda mask: [[a, a + max(1, (b - a) // 2)] for a, b in real(mask)]
+
+
+def test_a_target_the_union_does_not_cover_is_read_alone_not_reported_done(saved):
+    """The union the node reads is built from what its ranks said they need; a target needing
+    ranges outside it is read alone (bit-exact), never marked done with bytes nobody read."""
+    out = dist.run(_load_columns, 3, saved, None, _needs_understated)
+    assert all(o[2] is True for o in out), out

@@ -319,14 +319,6 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
     if not total or asked < MIN_OVERLAP * total:
         return 0, jobs, False
     plan = _plan_node(ranks, all_[ranks[0]]["token"], union, keys, man)
-    # a target the union does not cover whole (never, with the needs this rank sent) is read
-    # alone: marking it done after the rounds would return bytes nobody read
-    def covered(j: SharedJob) -> bool:
-        m = union.get(index[j.st.key])
-        return m is not None and len(m) == len(j.touched) and not (j.touched & ~m).any()
-
-    alone = [j for j in jobs if not covered(j)]
-    jobs = [j for j in jobs if covered(j)]
 
     # the segment: created by the node's first rank, opened by the others, then unlinked
     seg: _Segment | None = None
@@ -361,15 +353,22 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
         if seg is not None:
             seg.close()
         return 0, jobs, False
+    # a target the union does not cover whole (never, with the needs this rank sent) is read
+    # alone: marking it done after the rounds would return bytes nobody read
+    def covered(j: SharedJob) -> bool:
+        m = union.get(index[j.st.key])
+        return m is not None and len(m) == len(j.touched) and not (j.touched & ~m).any()
+
     try:
-        checked, _, aborted = _rounds(comm, node, plan, seg, jobs, keys, index, man, files, pool, verify)
-        return checked, alone, aborted
+        checked, aborted = _rounds(comm, node, plan, seg, [j for j in jobs if covered(j)], keys, index, man,
+                                   files, pool, verify)
+        return checked, [j for j in jobs if not covered(j)], aborted
     finally:
         seg.close()
 
 
 def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[SharedJob], keys, index, man,
-            files, pool, verify: bool) -> tuple[int, list[SharedJob], bool]:
+            files, pool, verify: bool) -> tuple[int, bool]:
     """The rounds. Round ``k`` lives in buffer ``k % BUFFERS``. Iteration ``k``: wait for this
     rank's reads of round ``k`` (each read task hashes what it read), start its reads of round
     ``k + BUFFERS - 2`` (its buffer last held round ``k - 2``, which every rank finished
@@ -463,7 +462,7 @@ def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[Shar
             if node.any_failed(failure is not None):
                 if failure is not None:
                     raise failure
-                return checked, [], True  # a peer failed: it reports why; every rank stops here
+                return checked, True  # a peer failed: it reports why; every rank stops here
             try:
                 scatter(k)
             except BaseException as e:  # told to the node at the next round's flags (or raised after the last)
@@ -482,6 +481,6 @@ def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[Shar
     bad_all = {t for b in gathered.values() for t in json.loads(b)}
     for j in jobs:
         j.done((index[j.st.key] not in bad_all, 0))
-    return checked, [], False
+    return checked, False
 
 
