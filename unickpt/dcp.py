@@ -310,11 +310,10 @@ class StorageReader(_dcp_storage.StorageReader):
         if comm is not None:  # collective (every rank of dcp.load is in read_data), also after a failure
             from .remote import load_remote
 
-            def read_for_peers(proxies, check):
-                return _loader._read_all(proxies, man, storage, ckpt, verify if verify != "none" or not check else "auto",
-                                         None, comm.rank, comm.world)
+            def read_for_peers(proxies, mode):
+                return _loader._read_all(proxies, man, storage, ckpt, mode, None, comm.rank, comm.world)
 
-            _, _, bad2, _, e2 = load_remote(comm, remote, man, sees, read_for_peers, DEFAULT_BUCKET, verify != "none")
+            _, _, bad2, _, e2 = load_remote(comm, remote, man, sees, read_for_peers, DEFAULT_BUCKET, verify)
             bad += bad2
             err = err or e2
         if err is None and verify == "full":

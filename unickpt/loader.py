@@ -241,12 +241,10 @@ def load(
             with ph.phase("exchange"):
                 from .remote import load_remote
 
-                def read_for_peers(proxies, check):
-                    return _read_all(proxies, man, storage, ckpt, verify if verify != "none" or not check else "auto",
-                                     None, comm.rank, comm.world)
+                def read_for_peers(proxies, mode):
+                    return _read_all(proxies, man, storage, ckpt, mode, None, comm.rank, comm.world)
 
-                b2, v2, bad2, received, e2 = load_remote(comm, remote, man, sees, read_for_peers, bucket_bytes,
-                                                         verify != "none")
+                b2, v2, bad2, received, e2 = load_remote(comm, remote, man, sees, read_for_peers, bucket_bytes, verify)
                 bytes_read, verified, bad = bytes_read + b2, verified + v2, bad + bad2
                 err = err or e2
     comm.agree(err, "load (reading)")

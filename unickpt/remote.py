@@ -135,16 +135,16 @@ def _plan(needs: list[list], sees: list[set[str]], man: Manifest, bucket: int) -
 
 
 def load_remote(comm: Comm, remote: list[Entry], man: Manifest, sees_mine: set[str], read_fn, bucket: int,
-                checks: bool = True):
-    """Collective. ``remote``: this rank's targets it cannot read; ``read_fn(entries, check)``
-    reads entries this rank can see (verified when ``check``) and returns ``(bytes, verified,
-    bad)``. ``checks``: whether this rank verifies what it loads; a rank reading for peers
-    verifies when any of them does (``verify`` is per rank: a rank that checks never gets
-    bytes a non-checking peer read unhashed). Returns the same figures for the reads this
-    rank did for others, the bytes it received, and the first read error (raised by the
-    caller after every step has run)."""
+                verify: str = "auto"):
+    """Collective. ``remote``: this rank's targets it cannot read; ``read_fn(entries, verify)``
+    reads entries this rank can see and returns ``(bytes, verified, bad)``. ``verify``: this
+    rank's own setting; a rank reading for peers verifies when any of them does, even with
+    ``"none"`` for its own targets (a rank that checks never gets bytes a non-checking peer
+    read unhashed). Returns the same figures for the reads this rank did for others, the
+    bytes it received, and the first read error (raised by the caller after every step has
+    run)."""
     mine = [[e.role, e.name, dtype_name(e.local.dtype), e.layout.to_json()] for e in remote]
-    record = {"needs": mine, "sees": sorted(sees_mine), "checks": bool(checks)}
+    record = {"needs": mine, "sees": sorted(sees_mine), "checks": verify != "none"}
     gathered = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(record).encode())]
     needs = [g["needs"] for g in gathered]
     sees = [set(g["sees"]) for g in gathered]
@@ -167,8 +167,8 @@ def load_remote(comm: Comm, remote: list[Entry], man: Manifest, sees_mine: set[s
         bufs = [torch.empty(t.b - t.a, dtype=torch_dtype(t.dtype)) for t in reads]
         if reads and error is None:
             try:
-                check = any(gathered[t.requester]["checks"] for t in reads)
-                b_, v_, bad_ = read_fn([Entry(t.role, t.name, buf, t.layout) for t, buf in zip(reads, bufs)], check)
+                mode = "auto" if verify == "none" and any(gathered[t.requester]["checks"] for t in reads) else verify
+                b_, v_, bad_ = read_fn([Entry(t.role, t.name, buf, t.layout) for t, buf in zip(reads, bufs)], mode)
                 bytes_read += b_
                 verified += v_
                 bad += bad_
