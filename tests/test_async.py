@@ -119,12 +119,14 @@ def _copy_fails(rank, world, root):
     import unickpt.async_save as a
 
     sd = _state(rank, world, scale=64)
+    sd["model"]["norm"] = torch.ones(40)  # plain: the writers compare its copies before writing (not staged on rank 1)
     unickpt.save(sd, os.path.join(root, "step-00000001"), step=1, async_save=True).wait(timeout=120)
     if rank == 1:
         real = a.Checkpointer._copy
+        a.STAGE_CHUNK = 256 << 10  # the writer is told every 256 KiB copied: it starts on the first two entries
 
-        def copy(self, entries, staged):
-            real(self, entries[:2], staged)  # part of the state is staged, then the copy fails
+        def copy(self, entries, staged, tell=None):
+            real(self, entries[:2], staged, tell)  # part of the state is staged, then the copy fails
             raise RuntimeError("injected copy failure")
 
         a.Checkpointer._copy = copy
@@ -148,10 +150,58 @@ def test_a_copy_that_fails_in_the_call_raises_a_typed_error_and_fails_the_save_e
     root = str(tmp_path)
     out = dist.run(_copy_fails, 2, root)
     assert "injected copy failure" in out[1][0][0] and len(out[1][0]) == 2 and len(out[0][0]) == 1
-    for errors, listing in out:
-        assert listing == ["step-00000001"]  # nothing committed, no temporary left
-    assert sorted(os.listdir(root)) == ["step-00000001", "step-00000003"]
+    for errors, listing in out:  # nothing committed (rank 0 may still be removing its temporary)
+        assert [n for n in listing if not n.startswith(".")] == ["step-00000001"]
+    assert sorted(os.listdir(root)) == ["step-00000001", "step-00000003"]  # no temporary left
     assert _digests(os.path.join(root, "step-00000003")) == _digests(os.path.join(root, "step-00000001"))
+
+
+def _streamed(rank, world, root):
+    """The writer starts while the trainer is still copying, and reads only what has arrived:
+    the segment still holds the previous save's values, so a read ahead of the copy would
+    store them (with matching checksums)."""
+    import unickpt.async_save as a
+
+    a.STAGE_CHUNK = 256 << 10  # the writer is told every 256 KiB copied (each tensor in 4 blocks of rows)
+    old = _state(rank, world, scale=64)
+    unickpt.save(old, os.path.join(root, "step-00000001"), step=1, async_save=True).wait(timeout=120)
+    new = _state(rank, world, scale=64)
+    for v in [*new["model"].values(), new["optimizer"]["m"]["w0"]]:
+        v.local.mul_(-2).sub_(3)
+    real, started = a.Checkpointer._copy, []
+
+    def copy(self, entries, staged, tell=None):
+        def slow(end, done=False):
+            tell(end, done)
+            if not started:  # after the first block: wait (bounded) for the writers' temporary
+                deadline = time.monotonic() + 60
+                while not glob.glob(os.path.join(root, ".step-00000002.tmp-*")) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                started.append(bool(glob.glob(os.path.join(root, ".step-00000002.tmp-*"))))
+            time.sleep(0.05)  # the writers run ahead of the copy if they can
+
+        real(self, entries, staged, slow)
+
+    a.Checkpointer._copy = copy
+    try:
+        h = unickpt.save(new, os.path.join(root, "step-00000002"), step=2, async_save=True)
+        assert h.wait(timeout=120).step == 2
+    finally:
+        a.Checkpointer._copy = real
+    back = _state(rank, world, scale=64)
+    for v in [*back["model"].values(), back["optimizer"]["m"]["w0"]]:
+        v.local.zero_()
+    unickpt.load(back, os.path.join(root, "step-00000002"))
+    same = all(torch.equal(x.local, y.local) for x, y in zip([*back["model"].values(), back["optimizer"]["m"]["w0"]],
+                                                             [*new["model"].values(), new["optimizer"]["m"]["w0"]]))
+    return started, same
+
+
+def test_the_writer_starts_during_the_copy_and_reads_only_copied_bytes(tmp_path):
+    out = dist.run(_streamed, 2, str(tmp_path))
+    for started, same in out:
+        assert started == [True]  # the save's temporary existed while the trainer was still copying
+        assert same  # every byte stored is the new state's, none the segment's previous content
 
 
 def _tiny_trainer(root, **kw):

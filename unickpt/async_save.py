@@ -19,6 +19,14 @@ writer fails the others within it, see :mod:`unickpt.transport`), nothing is
 committed, and every rank raises :class:`~unickpt.errors.AsyncSaveError` at its next
 ``save()`` or ``wait()``; the writers are then restarted on the next save.
 
+Staging streams: the trainer sends the save's command first, then copies its state into the
+segment in segment order and tells the writer how far it has got every ~32 MiB
+(``{"op": "staged"}`` messages, the last with ``done``; ``{"op": "abort"}`` if the copy
+fails). The writer plans, creates its files and writes what has arrived while the rest is
+copied: every read of an entry's bytes waits for them (:class:`_StagingGate`, bounded by
+the save's timeout), and the save commits only after the whole copy has arrived on every
+rank. The durable time is then about the write time, not the copy plus the write.
+
 Back-pressure: a save first waits for the previous one (one staging buffer: extra host
 memory = the local state's size + the writer's bounded buckets).
 
@@ -68,6 +76,7 @@ __all__ = ["AsyncSave", "Checkpointer", "checkpointer", "shutdown"]
 SHM_DIR = "/dev/shm"
 ALIGN = 4096
 PROGRESS_INTERVAL = 0.1  # seconds between a writer's progress reports (plus the final one)
+STAGE_CHUNK = 32 << 20  # the trainer tells its writer how far the copy has got every ~this many bytes
 
 
 def _shm_prefix(pid: int | None = None) -> str:
@@ -488,9 +497,10 @@ class Checkpointer:
 
         def stage() -> None:
             t = time.perf_counter()
-            try:
-                self._copy(entries, staged)
+            try:  # the writer starts (plan, files, first writes) while the rest is copied in
                 self._conn.send_bytes(json.dumps(cmd).encode())
+                self._copy(entries, staged, self._tell_staged)
+                self._tell_staged(staged.size, done=True)
             except BaseException as e:  # surfaced by wait_staged()/wait()
                 handle._stage_error = e
                 try:  # the writers still meet: ours fails the save on every rank
@@ -551,22 +561,43 @@ class Checkpointer:
             self._seg.close(unlink=True)
         self._seg = seg
 
-    def _copy(self, entries: list[Entry], staged: _Staged) -> None:
+    def _copy(self, entries: list[Entry], staged: _Staged, tell=None) -> None:
+        """Copy the entries into the segment in segment order; every ~:data:`STAGE_CHUNK`
+        bytes (large tensors in blocks of rows), ``tell(end)``: the segment is filled up to
+        byte ``end`` (device copies synchronized first)."""
         buf = self._seg.tensor
-        devices = set()
+        devices: set = set()
+        told = 0
+
+        def sync() -> None:
+            for dev in devices:  # the current device is per thread: wait on each one used
+                torch.cuda.synchronize(dev)
+
         for e, row in zip(entries, staged.entries):
             off, n = row[5], row[6]
             if n == 0:
                 continue
             dst = buf[off : off + n].view(e.local.dtype).view(e.local.shape)
             src = e.local.detach()
-            if src.device.type == "cuda":
+            cuda = src.device.type == "cuda"
+            if cuda:
                 devices.add(src.device)
-                dst.copy_(src, non_blocking=self._seg.pinned)
-            else:
-                dst.copy_(src)
-        for dev in devices:  # the current device is per thread: wait on each one used
-            torch.cuda.synchronize(dev)
+            rows = src.shape[0] if src.dim() else 1
+            step = rows if tell is None or src.dim() == 0 else max(1, STAGE_CHUNK * rows // n)
+            for a in range(0, rows, step):
+                d, x = (dst, src) if step >= rows else (dst[a : a + step], src[a : a + step])
+                d.copy_(x, non_blocking=cuda and self._seg.pinned)
+                end = off + (n if step >= rows else min(rows, a + step) * (n // rows))
+                if tell is not None and end - told >= STAGE_CHUNK:
+                    sync()
+                    tell(end)
+                    told = end
+        sync()
+
+    def _tell_staged(self, end: int, done: bool = False) -> None:
+        """Tell the writer that the segment holds the state up to byte ``end`` (a message
+        on the pipe: the write is ordered after the copy, the writer's read before its use)."""
+        self._conn.send_bytes(json.dumps({"op": "staged", "end": int(end), "done": done}).encode())
 
     # -- results ----------------------------------------------------------------------------------
 
@@ -761,6 +792,8 @@ def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: f
                 local = seg.tensor[off : off + n].view(torch_dtype(dt)) if n else torch.empty(0, dtype=torch_dtype(dt))
                 entries.append(Entry(role, name, local, layout, tuple(aliases), bool(per_rank)))
             opts = SaveOptions.from_json(cmd["opts"])
+            gate = _StagingGate(conn, {e.key: row[5] for e, row in zip(entries, cmd["entries"])}, int(cmd["shm_size"]),
+                                comm.timeout_s, rank)
             sender = _ProgressSender(conn) if cmd.get("progress") else None
             phases: list[int | None] = [None] * len(entries)
 
@@ -776,7 +809,7 @@ def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: f
             results = []
             try:  # staging follows the page phases of the last checkpoint (the durable one, if any)
                 results.append(save_entries(comm, (entries, cmd["state"]), None, cmd["path"], opts, sender,
-                                            None if also else planned))
+                                            None if also else planned, gate))
                 for i, other in enumerate(also):
                     results.append(save_entries(comm, (entries, cmd["state"]), None, other,
                                                 dataclasses.replace(opts, replicas=0), None,
@@ -784,6 +817,9 @@ def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: f
             finally:
                 if sender is not None:
                     sender.close()  # its last report goes before our answer
+                copied = gate.close()  # the pipe carries the trainer's next command only after its copy's end
+            if not copied:
+                raise AsyncSaveError(f"rank {rank}: the trainer did not finish staging within {comm.timeout_s} s")
             out = [{"path": r.path, "step": r.step, "files": r.files, "bytes": r.bytes, "local_bytes": r.local_bytes,
                     "seconds": r.seconds, "phases": r.phases} for r in results]
             _reply(conn, {"ok": True, "result": out[0], "results": out, "phases": phases})
@@ -797,6 +833,74 @@ def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: f
         pass
     for seg in segments.values():
         seg.close(unlink=False)
+
+
+class _StagingGate:
+    """How far the trainer's copy into the segment has got, for the save it started before
+    copying (:meth:`Checkpointer.save`): a thread reads the trainer's ``{"op": "staged",
+    "end": byte, "done": bool}`` messages (or ``{"op": "abort"}``) until the copy's end, and
+    :meth:`wait` holds a read of an entry's bytes until they are in place (the
+    :class:`~unickpt.saver.StagedBytes` of the save). Bounded: a copy that stops arriving
+    fails the read after ``timeout_s``."""
+
+    def __init__(self, conn, offsets: dict, size: int, timeout_s: float, rank: int) -> None:
+        self._conn, self._offsets, self._size = conn, offsets, size
+        self._timeout, self._rank = timeout_s, rank
+        self._cv = threading.Condition()
+        self._end = 0
+        self._done = False
+        self._error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="unickpt-staging-gate", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        error = None
+        while error is None:
+            try:
+                msg = json.loads(self._conn.recv_bytes())
+            except (EOFError, OSError, ValueError) as e:
+                error = f"the trainer's pipe closed during staging ({type(e).__name__})"
+                break
+            op = msg.get("op") if isinstance(msg, dict) else None
+            if op == "staged":
+                with self._cv:
+                    self._end = max(self._end, int(msg.get("end", 0)))
+                    self._done = bool(msg.get("done"))
+                    self._cv.notify_all()
+                if self._done:
+                    return
+            elif op == "abort":
+                error = str(msg.get("error"))
+            else:
+                error = f"unexpected message {op!r} during staging"
+        with self._cv:
+            self._error = error
+            self._cv.notify_all()
+
+    def _wait_for(self, ready) -> None:
+        deadline = time.monotonic() + self._timeout
+        with self._cv:
+            while not ready():
+                if self._error is not None:
+                    raise AsyncSaveError(f"staging failed on rank {self._rank}: {self._error}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AsyncSaveError(f"rank {self._rank}: the trainer's copy into staging reached byte "
+                                         f"{self._end} of {self._size} and no further within {self._timeout} s")
+                self._cv.wait(left)
+
+    def wait(self, key, nbytes: int) -> None:
+        off = self._offsets.get(key)
+        end = self._size if off is None else off + int(nbytes)
+        self._wait_for(lambda: self._done or self._end >= end)
+
+    def wait_all(self) -> None:
+        self._wait_for(lambda: self._done)
+
+    def close(self) -> bool:
+        """Wait (bounded) for the copy's end; False if the trainer never finished it."""
+        self._thread.join(self._timeout)
+        return not self._thread.is_alive()
 
 
 def _reply(conn, obj: dict) -> None:

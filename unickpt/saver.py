@@ -20,7 +20,7 @@ import re
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 import xxhash
@@ -201,6 +201,7 @@ def save_entries(
     opts: SaveOptions,
     progress: ProgressFn | None = None,
     planned: Callable[[SavePlan], None] | None = None,
+    staged: "StagedBytes | None" = None,
 ) -> SaveResult:
     """The synchronous save, from a state dict or from already flattened entries ``flat``;
     collective over ``comm`` (whose timeout bounds every wait). ``progress`` is called in
@@ -208,7 +209,12 @@ def save_entries(
     ``(total, total)``; a callback that raises is logged once and not called again.
     ``planned(plan)`` is called once the ranks have agreed on the plan (the asynchronous
     writer learns from it where the next save should stage each tensor); an exception it
-    raises is logged and does not change the save."""
+    raises is logged and does not change the save.
+
+    ``staged`` (the asynchronous writer's): the entries' bytes are still arriving (the
+    trainer copies them into staging while the save runs). Every read of an entry's bytes
+    first waits for them (:class:`StagedBytes`), and the write phase ends by waiting for
+    the whole copy, so a copy that fails anywhere fails the save on every rank."""
     comp = opts.compression or Compression()
     ph = Phases()
     storage, final = storage_for(path, opts.storage_options)
@@ -226,6 +232,8 @@ def save_entries(
         aliases, per_rank_keys, json_state = _gather_rank_state(comm, entries, json_state)
         tags, exceptions, dropped = {}, {}, {}
         try:  # collectives inside come before anything that can fail (see compress.prepare)
+            if staged is not None and comp.master != "full":  # the master policy reads the bytes
+                staged.wait_all()
             entries, tags, exceptions, dropped = prepare(entries, comp, lambda o: _gather_json(comm, o))
             dtypes = [dtype_name(e.local.dtype) for e in entries]
             summary = summarize(entries, dtypes, node_id(), tags)  # rules where layouts have them
@@ -245,7 +253,7 @@ def save_entries(
         except Exception as e:
             err = e
         comm.agree(err, "save (tied weights)")
-        _check_replicas(comm, plan, entries)
+        _check_replicas(comm, plan, entries, staged)
         if opts.replicas:  # copies on peer nodes: possible here? (before anything is written)
             from .replicate import problem
 
@@ -288,7 +296,9 @@ def save_entries(
         with ph.phase("write"):
             try:
                 result, fragments = _write_rank(plan, comm, by_key, storage, tmp, opts.direct_io, ph, progress,
-                                                txn.file_name)
+                                                txn.file_name, staged)
+                if staged is not None:  # bytes this rank did not need (another rank writes them) too:
+                    staged.wait_all()  # a copy that failed anywhere fails the save
                 result["exceptions"] = _exception_report(plan, comm.rank, exceptions)
             except Exception as e:  # agreed below: no rank leaves the others waiting
                 err, fragments = e, []
@@ -530,7 +540,7 @@ def _fingerprint(t: torch.Tensor) -> int:
     return int(h.item()) & ((1 << 62) - 1)
 
 
-def _check_replicas(comm: Comm, plan: SavePlan, entries: list[Entry]) -> None:
+def _check_replicas(comm: Comm, plan: SavePlan, entries: list[Entry], staged: "StagedBytes | None" = None) -> None:
     """Plain tensors are one value for all ranks: refuse a save where ranks hold different
     values under one name (one rank's copy would be stored, which one changing from run to
     run). Compares a fingerprint of every tensor that several ranks hold whole as copy 0,
@@ -543,12 +553,22 @@ def _check_replicas(comm: Comm, plan: SavePlan, entries: list[Entry]) -> None:
     hi = 1 << 62
     vals = torch.full((len(keys),), hi, dtype=torch.int64)
     neg = torch.full((len(keys),), hi, dtype=torch.int64)  # -max over holders, computed as min(-v)
-    for i, k in enumerate(keys):
-        e = by_key.get(k)
-        if e is not None and e.layout.replica == 0 and e.layout.is_full:
-            vals[i] = _fingerprint(e.local)
-            neg[i] = -vals[i]
+    err: BaseException | None = None
+    try:
+        for i, k in enumerate(keys):
+            e = by_key.get(k)
+            if e is not None and e.layout.replica == 0 and e.layout.is_full:
+                if staged is not None:
+                    staged.wait(e.key, e.local.numel() * e.local.element_size())
+                vals[i] = _fingerprint(e.local)
+                neg[i] = -vals[i]
+    except Exception as ex:  # (staging failed) after the collective, on every rank
+        err = ex
     lo, _ = comm.min_max(torch.cat([vals, neg]), "save (comparing replicated tensors)")
+    if staged is not None:
+        comm.agree(err, "save (staging)")
+    elif err is not None:
+        raise err
     n = len(keys)
     differ = [keys[i] for i in range(n) if int(lo[i]) != -int(lo[n + i])]
     if differ:
@@ -697,18 +717,32 @@ def _finish_files(plan: SavePlan, rank: int, storage: Storage, tmp: str, blobs: 
         storage.finish_file(storage.join(tmp, name_of(f.name)), frags[fi], f.size)
 
 
-class _Source:
-    """Host bytes of a local tensor, on demand (device tensors are copied per range)."""
+class StagedBytes(Protocol):
+    """Entries whose bytes are still being copied in (the asynchronous writer's staging)."""
 
-    def __init__(self, entry: Entry) -> None:
+    def wait(self, key: tuple[str, str], nbytes: int) -> None:
+        """Block until the first ``nbytes`` bytes of entry ``key`` are in place; raise if the
+        copy failed before them (or did not get there within the save's timeout)."""
+
+    def wait_all(self) -> None:
+        """Block until the whole copy is done; raise if it failed."""
+
+
+class _Source:
+    """Host bytes of a local tensor, on demand (device tensors are copied per range). With
+    ``staged``, each range waits for its bytes first."""
+
+    def __init__(self, entry: Entry, staged: StagedBytes | None = None) -> None:
         t = entry.local.detach()
         self.device = t.device
-        if t.device.type == "cpu":
-            self.flat = as_bytes(t if t.is_contiguous() else t.contiguous())
-        else:
-            self.flat = as_bytes(t if t.is_contiguous() else t.contiguous())  # stays on device
+        self.key, self.staged = entry.key, staged
+        if staged is not None and not t.is_contiguous():  # the copy below reads every byte
+            staged.wait(entry.key, t.numel() * t.element_size())
+        self.flat = as_bytes(t if t.is_contiguous() else t.contiguous())  # (a device tensor stays on device)
 
     def host_range(self, start: int, stop: int) -> torch.Tensor:
+        if self.staged is not None:
+            self.staged.wait(self.key, stop)
         v = self.flat[start:stop]
         return v if self.device.type == "cpu" else v.to("cpu")
 
@@ -725,7 +759,7 @@ def _bucket(slot: int, need: int) -> torch.Tensor:
 
 
 def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, direct_io, ph: Phases, progress,
-                name_of=str):
+                name_of=str, staged: StagedBytes | None = None):
     """Write this rank's share: headers of its files, its runs of direct tensors (in place,
     into whichever file holds them), and the gathered tensors it owns (via buckets).
 
@@ -759,7 +793,7 @@ def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, 
         for k in {t.key for _, t, _, _, _ in extents} | {
             t.key for st in plan.schedule(rank) for t in [*(x[1] for x in st.sends), *(x[0] for x in st.copies)]
         }:
-            sources[k] = _Source(by_key[k])
+            sources[k] = _Source(by_key[k], staged)
     except Exception as e:  # e.g. no memory for a contiguous copy: drain the steps, then raise
         io_error.append(e)
 
