@@ -115,7 +115,7 @@ def test_writer_killed_mid_write_raises_everywhere_and_later_saves_work(tmp_path
     assert unickpt.load(t, os.path.join(root, "step-00000001")).step == 1
 
 
-def _copy_fails(rank, world, root):
+def _copy_fails(rank, world, root, bg):
     import unickpt.async_save as a
 
     sd = _state(rank, world, scale=64)
@@ -131,8 +131,8 @@ def _copy_fails(rank, world, root):
 
         a.Checkpointer._copy = copy
     errors = []
-    try:
-        h = unickpt.save(sd, os.path.join(root, "step-00000002"), step=2, async_save=True)
+    try:  # in the background, the writers have the command (and two entries) before the copy fails
+        h = unickpt.save(sd, os.path.join(root, "step-00000002"), step=2, async_save=True, background_staging=bg)
     except AsyncSaveError as e:  # rank 1: the copy failed in the call
         errors.append(str(e))
         h = a.checkpointer()._last
@@ -146,10 +146,11 @@ def _copy_fails(rank, world, root):
     return errors, listing
 
 
-def test_a_copy_that_fails_in_the_call_raises_a_typed_error_and_fails_the_save_everywhere(tmp_path):
+@pytest.mark.parametrize("bg", [False, True], ids=["in-the-call", "background"])
+def test_a_copy_that_fails_raises_a_typed_error_and_fails_the_save_everywhere(tmp_path, bg):
     root = str(tmp_path)
-    out = dist.run(_copy_fails, 2, root)
-    assert "injected copy failure" in out[1][0][0] and len(out[1][0]) == 2 and len(out[0][0]) == 1
+    out = dist.run(_copy_fails, 2, root, bg)
+    assert "injected copy failure" in out[1][0][0] and len(out[1][0]) == (1 if bg else 2) and len(out[0][0]) == 1
     for errors, listing in out:  # nothing committed (rank 0 may still be removing its temporary)
         assert [n for n in listing if not n.startswith(".")] == ["step-00000001"]
     assert sorted(os.listdir(root)) == ["step-00000001", "step-00000003"]  # no temporary left
@@ -157,9 +158,9 @@ def test_a_copy_that_fails_in_the_call_raises_a_typed_error_and_fails_the_save_e
 
 
 def _streamed(rank, world, root):
-    """The writer starts while the trainer is still copying, and reads only what has arrived:
-    the segment still holds the previous save's values, so a read ahead of the copy would
-    store them (with matching checksums)."""
+    """With background staging, the writer starts while the trainer is still copying, and
+    reads only what has arrived: the segment still holds the previous save's values, so a
+    read ahead of the copy would store them (with matching checksums)."""
     import unickpt.async_save as a
 
     a.STAGE_CHUNK = 256 << 10  # the writer is told every 256 KiB copied (each tensor in 4 blocks of rows)
@@ -184,7 +185,7 @@ def _streamed(rank, world, root):
 
     a.Checkpointer._copy = copy
     try:
-        h = unickpt.save(new, os.path.join(root, "step-00000002"), step=2, async_save=True)
+        h = unickpt.save(new, os.path.join(root, "step-00000002"), step=2, async_save=True, background_staging=True)
         assert h.wait(timeout=120).step == 2
     finally:
         a.Checkpointer._copy = real
@@ -197,7 +198,7 @@ def _streamed(rank, world, root):
     return started, same
 
 
-def test_the_writer_starts_during_the_copy_and_reads_only_copied_bytes(tmp_path):
+def test_a_background_copy_streams_to_the_writer_which_reads_only_copied_bytes(tmp_path):
     out = dist.run(_streamed, 2, str(tmp_path))
     for started, same in out:
         assert started == [True]  # the save's temporary existed while the trainer was still copying

@@ -19,13 +19,15 @@ writer fails the others within it, see :mod:`unickpt.transport`), nothing is
 committed, and every rank raises :class:`~unickpt.errors.AsyncSaveError` at its next
 ``save()`` or ``wait()``; the writers are then restarted on the next save.
 
-Staging streams: the trainer sends the save's command first, then copies its state into the
-segment in segment order and tells the writer how far it has got every ~32 MiB
-(``{"op": "staged"}`` messages, the last with ``done``; ``{"op": "abort"}`` if the copy
-fails). The writer plans, creates its files and writes what has arrived while the rest is
-copied: every read of an entry's bytes waits for them (:class:`_StagingGate`, bounded by
-the save's timeout), and the save commits only after the whole copy has arrived on every
-rank. The durable time is then about the write time, not the copy plus the write.
+With ``background_staging`` the staging streams: the trainer sends the save's command first,
+then copies its state into the segment in segment order and tells the writer how far it has
+got every ~32 MiB (``{"op": "staged"}`` messages, the last with ``done``; ``{"op": "abort"}``
+if the copy fails). The writer plans, creates its files and writes what has arrived while the
+rest is copied: every read of an entry's bytes waits for them (:class:`_StagingGate`, bounded
+by the save's timeout), and the save commits only after the whole copy has arrived on every
+rank. Staging in the call copies first and then sends the command (followed by ``done``):
+there the caller waits for the copy, and a writer working beside it slows the copy about as
+much as it shortens the durable time (docs/async.md).
 
 Back-pressure: a save first waits for the previous one (one staging buffer: extra host
 memory = the local state's size + the writer's bounded buckets).
@@ -202,6 +204,7 @@ class AsyncSave:
             self._staged.wait()
             self.staging_wait_seconds += time.perf_counter() - t
         if self._stage_error is not None:
+            self._surfaced = True  # the caller learns here that this save failed (the next save need not say it again)
             raise AsyncSaveError(f"staging for {self.path} failed: {self._stage_error}") from self._stage_error
 
     def staged(self) -> bool:
@@ -497,9 +500,13 @@ class Checkpointer:
 
         def stage() -> None:
             t = time.perf_counter()
-            try:  # the writer starts (plan, files, first writes) while the rest is copied in
-                self._conn.send_bytes(json.dumps(cmd).encode())
-                self._copy(entries, staged, self._tell_staged)
+            try:
+                if background_staging:  # the writer starts (plan, files, first writes) during the copy
+                    self._conn.send_bytes(json.dumps(cmd).encode())
+                    self._copy(entries, staged, self._tell_staged)
+                else:  # the caller waits for the copy: the writer would only slow it down
+                    self._copy(entries, staged)
+                    self._conn.send_bytes(json.dumps(cmd).encode())
                 self._tell_staged(staged.size, done=True)
             except BaseException as e:  # surfaced by wait_staged()/wait()
                 handle._stage_error = e
