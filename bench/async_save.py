@@ -98,7 +98,7 @@ OPS = {
     "loop_alone": ("work",),
     "loop_dcp": ("call", "work", "staged_wait", "blocking", "durable"),
 }
-TARGETS = {"blocking": 1.0, "blocking_bg": 0.5, "durable": 1.15, "slowdown": 0.7}
+TARGETS = {"blocking": 1.0, "blocking_bg": 0.5, "durable": 1.15, "durable_bg": 1.15, "slowdown": 0.7}
 
 
 # -- helpers ---------------------------------------------------------------------------
@@ -350,6 +350,7 @@ def summarize(results: list[dict], repeats: int) -> dict:
         "blocking": med("unickpt_async", "blocking") / dcp_best,
         "blocking_bg": med("unickpt_bg", "blocking") / dcp_best,
         "durable": med("unickpt_async", "durable") / disk_floor,
+        "durable_bg": med("unickpt_bg", "durable") / disk_floor,  # streamed staging (docs/async.md)
         "slowdown": d["slowdown_ratio"],
     }
     return out
@@ -387,7 +388,7 @@ def print_report(s: dict, cfg: dict) -> None:
     print(f"\n{'(b) durable + committed, s':<46}{'median':>8}{'x floor':>10}{'x DCP':>8}  target (vs floor)")
     print(f"  {'write O_DIRECT + fsync floor':<44}{d['disk_floor']:>8.3f}{1:>10.2f}")
     for label, op, key in (("unickpt async", "unickpt_async", "durable"),
-                           ("unickpt background staging", "unickpt_bg", None),
+                           ("unickpt background staging", "unickpt_bg", "durable_bg"),
                            ("dcp async", "dcp_async", None), ("dcp background", "dcp_bg", None)):
         v, ref = med(op, "durable"), med("dcp_bg" if op.endswith("bg") else "dcp_async", "durable")
         tgt = verdict(key, d["checks"][key]) if key else ""
