@@ -231,9 +231,13 @@ def save_entries(
         # state dict failed above: the others already raised, this one too)
         aliases, per_rank_keys, json_state = _gather_rank_state(comm, entries, json_state)
         tags, exceptions, dropped = {}, {}, {}
-        try:  # collectives inside come before anything that can fail (see compress.prepare)
-            if staged is not None and comp.master != "full":  # the master policy reads the bytes
+        if staged is not None and comp.master != "full":  # the master policy reads the bytes
+            try:  # agreed on its own: a rank whose copy failed must not skip prepare's all-gather
                 staged.wait_all()
+            except Exception as e:
+                err = e
+            comm.agree(err, "save (staging)")
+        try:  # collectives inside come before anything that can fail (see compress.prepare)
             entries, tags, exceptions, dropped = prepare(entries, comp, lambda o: _gather_json(comm, o))
             dtypes = [dtype_name(e.local.dtype) for e in entries]
             summary = summarize(entries, dtypes, node_id(), tags)  # rules where layouts have them
