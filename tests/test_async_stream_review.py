@@ -57,3 +57,56 @@ def test_background_copy_failure_with_a_master_policy_keeps_collectives_paired(t
     out = dist.run(_master_copy_fails, 2, str(tmp_path), master)
     for rank, (err, _) in enumerate(out):
         assert "injected copy failure" in err, (rank, err)
+
+
+def _die_mid_copy(rank, world, root):
+    import signal
+
+    import unickpt.async_save as a
+
+    a.STAGE_CHUNK = 64 << 10
+    sd = {"model": {f"w{i}": torch.full((512, 64), float(i)) for i in range(8)}}
+    unickpt.save(sd, os.path.join(root, "step-00000001"), step=1, async_save=True).wait(timeout=120)
+    c = a.checkpointer()
+    with open(os.path.join(root, "pids"), "w") as f:
+        f.write(f"{os.getpid()} {c._proc.pid}")
+    real = a.Checkpointer._copy
+
+    def copy(self, entries, staged, tell=None):
+        def kill(end, done=False):
+            tell(end, done)
+            time.sleep(0.3)  # the writer is inside the save, waiting for the next bytes
+            os.kill(os.getpid(), signal.SIGKILL)  # the trainer dies mid-copy
+
+        real(self, entries, staged, kill)
+
+    a.Checkpointer._copy = copy
+    unickpt.save(sd, os.path.join(root, "step-00000002"), step=2, async_save=True, background_staging=True)
+    time.sleep(60)
+
+
+def test_trainer_killed_mid_background_copy_frees_its_staging_memory(tmp_path):
+    """The trainer dies while it streams its copy: the gate thread, not the writer's loop,
+    sees the pipe close; the writer must still free the dead trainer's segments (as it does
+    when its loop reads the closed pipe) rather than exit and leave them in /dev/shm."""
+    import psutil
+
+    root = str(tmp_path)
+    with pytest.raises(RuntimeError, match="died"):
+        dist.run(_die_mid_copy, 1, root, timeout=120)
+    trainer, writer = (int(x) for x in open(os.path.join(root, "pids")).read().split())
+    deadline = time.monotonic() + 30
+    while psutil.pid_exists(writer) and time.monotonic() < deadline:
+        try:
+            if psutil.Process(writer).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.05)
+    time.sleep(0.5)
+    import glob
+
+    left = glob.glob(f"/dev/shm/unickpt-{trainer}-*")
+    for p in left:  # (do not leave them to other tests)
+        os.unlink(p)
+    assert left == []

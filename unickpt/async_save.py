@@ -825,6 +825,8 @@ def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: f
                 if sender is not None:
                     sender.close()  # its last report goes before our answer
                 copied = gate.close()  # the pipe carries the trainer's next command only after its copy's end
+                if gate.pipe_closed:  # the trainer died mid-copy: the gate read the pipe's end, not our loop
+                    _orphaned(parent_pid, segments)
             if not copied:
                 raise AsyncSaveError(f"rank {rank}: the trainer did not finish staging within {comm.timeout_s} s")
             out = [{"path": r.path, "step": r.step, "files": r.files, "bytes": r.bytes, "local_bytes": r.local_bytes,
@@ -857,6 +859,7 @@ class _StagingGate:
         self._end = 0
         self._done = False
         self._error: str | None = None
+        self.pipe_closed = False  # the trainer's end closed (it died): the writer frees its segments
         self._thread = threading.Thread(target=self._run, name="unickpt-staging-gate", daemon=True)
         self._thread.start()
 
@@ -867,6 +870,7 @@ class _StagingGate:
                 msg = json.loads(self._conn.recv_bytes())
             except (EOFError, OSError, ValueError) as e:
                 error = f"the trainer's pipe closed during staging ({type(e).__name__})"
+                self.pipe_closed = not isinstance(e, ValueError)
                 break
             op = msg.get("op") if isinstance(msg, dict) else None
             if op == "staged":
