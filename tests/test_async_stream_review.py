@@ -110,3 +110,81 @@ def test_trainer_killed_mid_background_copy_frees_its_staging_memory(tmp_path):
     for p in left:  # (do not leave them to other tests)
         os.unlink(p)
     assert left == []
+
+
+def _writer_killed_mid_copy(rank, world, root):
+    import signal
+
+    import unickpt.async_save as a
+
+    a.STAGE_CHUNK = 64 << 10
+    sd = {"model": {f"w{i}": unickpt.shard(torch.full((512, 64), float(i + rank)), (1024, 64), offsets=(512 * rank, 0))
+                    for i in range(8)}}
+    unickpt.save(sd, os.path.join(root, "step-00000001"), step=1, async_save=True).wait(timeout=120)
+    real = a.Checkpointer._copy
+    if rank == 1:
+        def copy(self, entries, staged, tell=None):
+            def kill(end, done=False):
+                tell(end, done)
+                if not getattr(kill, "done", False):
+                    kill.done = True
+                    time.sleep(0.3)
+                    os.kill(self._proc.pid, signal.SIGKILL)  # this rank's writer dies mid-copy
+                    time.sleep(0.3)
+
+            real(self, entries, staged, kill)
+
+        a.Checkpointer._copy = copy
+    t0 = time.monotonic()
+    h = unickpt.save(sd, os.path.join(root, "step-00000002"), step=2, async_save=True, background_staging=True,
+                     timeout_s=60)
+    with pytest.raises(AsyncSaveError) as e:
+        h.wait(timeout=120)
+    waited = time.monotonic() - t0
+    a.Checkpointer._copy = real
+    unickpt.save(sd, os.path.join(root, "step-00000003"), step=3, async_save=True).wait(timeout=120)
+    return str(e.value), waited
+
+
+def test_writer_killed_mid_background_copy_says_so(tmp_path):
+    out = dist.run(_writer_killed_mid_copy, 2, str(tmp_path))
+    for err, waited in out:
+        assert waited < 30
+    assert "died" in out[1][0], out[1][0]
+    assert sorted(n for n in os.listdir(tmp_path) if not n.startswith(".")) == ["step-00000001", "step-00000003"]
+
+
+def _writer_refuses(rank, world, root):
+    import unickpt.async_save as a
+
+    a.STAGE_CHUNK = 64 << 10
+    sd = {"model": {f"w{i}": torch.full((512, 64), float(i)) for i in range(8)}}
+    real_seg, real_copy = a.Checkpointer._ensure_segment, a.Checkpointer._copy
+
+    def ensure(self, size):
+        real_seg(self, size)
+        os.unlink(os.path.join(a.SHM_DIR, self._seg.name))  # the writer cannot map it: it answers an error, exits
+
+    def copy(self, entries, staged, tell=None):
+        def slow(end, done=False):
+            tell(end, done)
+            time.sleep(0.1)
+
+        real_copy(self, entries, staged, slow)
+
+    a.Checkpointer._ensure_segment, a.Checkpointer._copy = ensure, copy
+    try:
+        h = unickpt.save(sd, os.path.join(root, "step-00000001"), step=1, async_save=True, background_staging=True)
+        with pytest.raises(AsyncSaveError) as e:
+            h.wait(timeout=120)
+    finally:
+        a.Checkpointer._ensure_segment, a.Checkpointer._copy = real_seg, real_copy
+    return str(e.value)
+
+
+def test_a_writer_error_during_a_background_copy_is_the_error_raised(tmp_path):
+    """The writer answers an error and exits while the trainer still streams its copy: the
+    trainer's next send breaks, and the error raised must be the writer's (here: it could
+    not map the segment), not the broken pipe."""
+    (err,) = dist.run(_writer_refuses, 1, str(tmp_path))
+    assert "FileNotFoundError" in err or "No such file" in err, err

@@ -498,6 +498,8 @@ class Checkpointer:
             "progress": progress is not None,
         }
 
+        proc, conn = self._proc, self._conn
+
         def stage() -> None:
             t = time.perf_counter()
             try:
@@ -509,12 +511,23 @@ class Checkpointer:
                     self._conn.send_bytes(json.dumps(cmd).encode())
                 self._tell_staged(staged.size, done=True)
             except BaseException as e:  # surfaced by wait_staged()/wait()
-                handle._stage_error = e
+                cause: BaseException = e
+                if isinstance(e, (OSError, EOFError)) and proc is not None:  # the pipe broke: the writer ended
+                    proc.join(timeout=1.0)
+                    if proc.exitcode is not None:  # its answer (if it sent one) or its death is the cause
+                        with self._lock:
+                            if not handle._finished:
+                                self._read(handle, conn, proc, exited=True)
+                        if handle._error is not None:
+                            cause = handle._error
+                            cause.__cause__ = cause.__cause__ or e
+                handle._stage_error = cause
                 try:  # the writers still meet: ours fails the save on every rank
                     self._conn.send_bytes(json.dumps({"op": "abort", "error": f"{type(e).__name__}: {e}"}).encode())
                 except Exception:
-                    handle._error = AsyncSaveError(f"staging for {path} failed: {e}")
-                    handle._finished = True
+                    if not handle._finished:
+                        handle._error = AsyncSaveError(f"staging for {path} failed: {cause}")
+                        handle._finished = True
             finally:
                 handle.staging_seconds = time.perf_counter() - t
                 handle._staged.set()
