@@ -45,7 +45,10 @@ def _master_copy_fails(rank, world, root, master):
     if rank == 1:
         a.Checkpointer._copy = real
     err = str(h._error) if h._error is not None else str(e.value)
-    return err, time.monotonic() - t
+    waited = time.monotonic() - t
+    unickpt.save(sd, os.path.join(root, "step-00000003"), step=3, async_save=True, background_staging=True,
+                 master=master, timeout_s=60).wait(timeout=120)  # later saves work
+    return err, waited
 
 
 @pytest.mark.parametrize("master", ["residual", "drop"])
@@ -55,8 +58,10 @@ def test_background_copy_failure_with_a_master_policy_keeps_collectives_paired(t
     (compress.prepare's all-gather), else its agree() pairs with its peers' gather_json and
     the peers fail with a JSON decoding error that names no cause."""
     out = dist.run(_master_copy_fails, 2, str(tmp_path), master)
-    for rank, (err, _) in enumerate(out):
+    for rank, (err, waited) in enumerate(out):
         assert "injected copy failure" in err, (rank, err)
+        assert waited < 30  # no rank waits out the timeout
+    assert sorted(n for n in os.listdir(tmp_path) if not n.startswith(".")) == ["step-00000001", "step-00000003"]
 
 
 def _die_mid_copy(rank, world, root):
