@@ -1,5 +1,5 @@
-"""Review of streamed (background) staging: failures that must stay typed, bounded and
-paired across ranks."""
+"""Streamed (background) staging: failures during the copy stay typed, bounded, paired across
+ranks, and say their real cause; a trainer that dies mid-copy leaves no staging memory."""
 
 import os
 import time
