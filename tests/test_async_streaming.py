@@ -193,3 +193,28 @@ def test_a_writer_error_during_a_background_copy_is_the_error_raised(tmp_path):
     not map the segment), not the broken pipe."""
     (err,) = dist.run(_writer_refuses, 1, str(tmp_path))
     assert "FileNotFoundError" in err or "No such file" in err, err
+
+
+def _slow_background_copy(rank, world, root):
+    import unickpt.async_save as a
+
+    sd = {"model": {"w": torch.ones(256, 40)}, "step": 1}
+    real = a.Checkpointer._copy
+
+    def copy(self, entries, staged, tell=None):
+        time.sleep(3)
+        real(self, entries, staged, tell)
+
+    a.Checkpointer._copy = copy
+    h = unickpt.save(sd, os.path.join(root, "step-00000001"), step=1, async_save=True, background_staging=True)
+    t = time.monotonic()
+    with pytest.raises(AsyncSaveError, match="still running after 0.5 s"):
+        h.wait(timeout=0.5)
+    waited = time.monotonic() - t
+    a.Checkpointer._copy = real
+    return waited, h.wait(timeout=120).step
+
+
+def test_wait_with_a_timeout_also_bounds_a_background_copy(tmp_path):
+    waited, step = dist.run(_slow_background_copy, 1, str(tmp_path))[0]
+    assert waited < 2.0 and step == 1  # the timeout held while the copy ran; the save then completed

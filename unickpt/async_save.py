@@ -197,12 +197,15 @@ class AsyncSave:
 
     # -- staging -------------------------------------------------------------------------
 
-    def wait_staged(self) -> None:
-        """Block until the state has been copied into staging (the tensors may change after)."""
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Block until the state has been copied into staging (the tensors may change after);
+        at most ``timeout`` seconds (``None``: no limit), then :class:`AsyncSaveError`."""
         if not self._staged.is_set():
             t = time.perf_counter()
-            self._staged.wait()
+            copied = self._staged.wait(timeout)
             self.staging_wait_seconds += time.perf_counter() - t
+            if not copied:
+                raise AsyncSaveError(f"staging for {self.path} still running after {timeout} s")
         if self._stage_error is not None:
             self._surfaced = True  # the caller learns here that this save failed (the next save need not say it again)
             raise AsyncSaveError(f"staging for {self.path} failed: {self._stage_error}") from self._stage_error
@@ -263,11 +266,13 @@ class AsyncSave:
     def wait(self, timeout: float | None = None):
         """Block until the checkpoint is durable and committed; return its SaveResult.
 
-        Raises :class:`AsyncSaveError` if it failed on any rank or a writer died.
+        Raises :class:`AsyncSaveError` if it failed on any rank or a writer died, or if it is
+        not over after ``timeout`` seconds (a background copy included).
         """
-        self.wait_staged()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.wait_staged(timeout)
         if not self._finished:
-            self._owner._poll(self, timeout=timeout)
+            self._owner._poll(self, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
         if not self._finished:
             raise AsyncSaveError(f"save of {self.path} still running after {timeout} s")
         if self._error is not None:
