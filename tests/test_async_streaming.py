@@ -218,3 +218,34 @@ def _slow_background_copy(rank, world, root):
 def test_wait_with_a_timeout_also_bounds_a_background_copy(tmp_path):
     waited, step = dist.run(_slow_background_copy, 1, str(tmp_path))[0]
     assert waited < 2.0 and step == 1  # the timeout held while the copy ran; the save then completed
+
+
+def _fsdp_save_streamed(rank, world, root):
+    """FSDP2 Llama (transformers config): an async save with background staging while the
+    next steps' forward and backward run; the optimizer step waits for the copy."""
+    import unickpt.async_save as a
+    from tests.hf_models import fsdp, llama
+    from tests.test_semantics import _llama_state, _llama_steps
+
+    a.STAGE_CHUNK = 4096  # the writer is told of every ~4 KiB copied: reads wait inside tensors
+    model = fsdp(llama(), world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    _llama_steps(model, opt, 2)
+    state, groups = _llama_state(model, opt)  # the state at the call
+    h = unickpt.save({"model": model, "optim": opt}, os.path.join(root, "llama"), step=2, async_save=True,
+                     background_staging=True)
+    h.wait_staged()  # (a trainer overlaps its forward/backward here; the update must wait)
+    losses = _llama_steps(model, opt, 2, seed=11)  # changes every parameter and moment
+    assert h.wait(timeout=120).step == 2
+    return ({k: v.tolist() for k, v in state.items()}, groups, losses) if rank == 0 else None
+
+
+def test_fsdp2_llama_saved_with_background_staging_resumes_bit_exact(tmp_path):
+    from tests.test_semantics import _fsdp_resume
+
+    root = str(tmp_path)
+    want, groups, losses = dist.run(_fsdp_save_streamed, 2, root, timeout=300)[0]
+    got, g2, l2, unexpected, missing = _fsdp_resume(0, 1, root)
+    assert unexpected == [] and missing == [] and g2 == groups
+    assert [k for k in want if got[k] != want[k]] == [] and set(got) == set(want)
+    assert l2 == losses  # the resumed run continues exactly as the saving run did
