@@ -1,6 +1,8 @@
-"""Streamed (background) staging: failures during the copy stay typed, bounded, paired across
-ranks, and say their real cause; a trainer that dies mid-copy leaves no staging memory."""
+"""Streamed (background) staging: the writer reads only bytes the copy has passed (an FSDP2
+model too); failures during the copy stay typed, bounded, paired across ranks, and say their
+real cause; a trainer that dies mid-copy leaves no staging memory."""
 
+import glob
 import os
 import time
 
@@ -9,7 +11,9 @@ import torch
 
 import unickpt
 from tests import dist
+from tests.test_async import _state
 from unickpt.errors import AsyncSaveError
+
 
 
 def _mixed(rank, world, rows=512):
@@ -109,8 +113,6 @@ def test_trainer_killed_mid_background_copy_frees_its_staging_memory(tmp_path):
             break
         time.sleep(0.05)
     time.sleep(0.5)
-    import glob
-
     left = glob.glob(f"/dev/shm/unickpt-{trainer}-*")
     for p in left:  # (do not leave them to other tests)
         os.unlink(p)
@@ -249,3 +251,51 @@ def test_fsdp2_llama_saved_with_background_staging_resumes_bit_exact(tmp_path):
     assert unexpected == [] and missing == [] and g2 == groups
     assert [k for k in want if got[k] != want[k]] == [] and set(got) == set(want)
     assert l2 == losses  # the resumed run continues exactly as the saving run did
+
+
+def _streamed(rank, world, root):
+    """With background staging, the writer starts while the trainer is still copying, and
+    reads only what has arrived: the segment still holds the previous save's values, so a
+    read ahead of the copy would store them (with matching checksums)."""
+    import unickpt.async_save as a
+
+    a.STAGE_CHUNK = 256 << 10  # the writer is told every 256 KiB copied (each tensor in 4 blocks of rows)
+    old = _state(rank, world, scale=64)
+    unickpt.save(old, os.path.join(root, "step-00000001"), step=1, async_save=True).wait(timeout=120)
+    new = _state(rank, world, scale=64)
+    for v in [*new["model"].values(), new["optimizer"]["m"]["w0"]]:
+        v.local.mul_(-2).sub_(3)
+    real, started = a.Checkpointer._copy, []
+
+    def copy(self, entries, staged, tell=None):
+        def slow(end, done=False):
+            tell(end, done)
+            if not started:  # after the first block: wait (bounded) for the writers' temporary
+                deadline = time.monotonic() + 60
+                while not glob.glob(os.path.join(root, ".step-00000002.tmp-*")) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                started.append(bool(glob.glob(os.path.join(root, ".step-00000002.tmp-*"))))
+            time.sleep(0.05)  # the writers run ahead of the copy if they can
+
+        real(self, entries, staged, slow)
+
+    a.Checkpointer._copy = copy
+    try:
+        h = unickpt.save(new, os.path.join(root, "step-00000002"), step=2, async_save=True, background_staging=True)
+        assert h.wait(timeout=120).step == 2
+    finally:
+        a.Checkpointer._copy = real
+    back = _state(rank, world, scale=64)
+    for v in [*back["model"].values(), back["optimizer"]["m"]["w0"]]:
+        v.local.zero_()
+    unickpt.load(back, os.path.join(root, "step-00000002"))
+    same = all(torch.equal(x.local, y.local) for x, y in zip([*back["model"].values(), back["optimizer"]["m"]["w0"]],
+                                                             [*new["model"].values(), new["optimizer"]["m"]["w0"]]))
+    return started, same
+
+
+def test_a_background_copy_streams_to_the_writer_which_reads_only_copied_bytes(tmp_path):
+    out = dist.run(_streamed, 2, str(tmp_path))
+    for started, same in out:
+        assert started == [True]  # the save's temporary existed while the trainer was still copying
+        assert same  # every byte stored is the new state's, none the segment's previous content
