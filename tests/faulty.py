@@ -39,13 +39,15 @@ class Faults:
     ``short_writes``: ``"half"`` (each OS write writes about half of what it is asked, page
     aligned) or ``"zero"`` (it writes nothing and returns 0); ``pwrite_error``: ``[errno, k]``:
     the k-th ``os.pwrite`` of this process and every later one fail (below the storage: in
-    the O_DIRECT engine's helper threads).
+    the O_DIRECT engine's helper threads); ``reserve_error``: errno of every fallocate(2)
+    that ``create_file`` makes to reserve a data file's blocks (below the storage, as the OS
+    would answer).
     """
 
     def __init__(self, config: dict) -> None:
         unknown = set(config) - {"write_error", "read_error", "read_bytes_error", "fsync_error", "fsync_delay",
                                  "fsync_dir_error", "manifest_error", "rename_error", "short_writes",
-                                 "pwrite_error"}
+                                 "pwrite_error", "reserve_error"}
         if unknown:
             raise ValueError(f"unknown faults {sorted(unknown)}")
         self.config = dict(config)
@@ -241,8 +243,29 @@ def install(config: dict) -> Faults:
     if config.get("short_writes") or config.get("pwrite_error"):
         _REAL["pwrite"], _REAL["write"] = os.pwrite, os.write
         os.pwrite, os.write = _short_pwrite(os.pwrite), _short_write(os.write)
+    if config.get("reserve_error"):
+        _REAL["fallocate"] = list(_st._FALLOCATE)
+        _st._FALLOCATE[:] = [(_Errno(config["reserve_error"]), _failing_fallocate(faults))]
     _ACTIVE.append(faults)
     return faults
+
+
+class _Errno:
+    """The part of ``ctypes`` that ``storage._reserve`` uses: the errno of the last call."""
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+    def get_errno(self) -> int:
+        return self.code
+
+
+def _failing_fallocate(faults: Faults):
+    def fallocate(fd, mode, offset, size):
+        faults.injected.append(f"reserve_error:fd {fd}")
+        return -1
+
+    return fallocate
 
 
 def uninstall() -> None:
@@ -255,6 +278,8 @@ def uninstall() -> None:
             setattr(mod, "storage_for", real)
     if "pwrite" in _REAL:
         os.pwrite, os.write = _REAL.pop("pwrite"), _REAL.pop("write")
+    if "fallocate" in _REAL:
+        _st._FALLOCATE[:] = _REAL.pop("fallocate")
     _ACTIVE.clear()
 
 

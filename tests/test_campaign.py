@@ -607,6 +607,10 @@ STORAGE_FAULTS = {
     "short-writes": ([0, 1], {"short_writes": "half"}, "save", None),
     "slow-fsync": ([1], {"fsync_delay": 0.4}, "save", None),
     "eio-read": ([1], {"read_error": errno.EIO}, "load", errno.EIO),
+    # a data file's blocks are reserved when it is created: a full disk fails there, before any write
+    "enospc-reserving-a-file": ([1], {"reserve_error": errno.ENOSPC}, "save", errno.ENOSPC),
+    # a file system that cannot reserve: the file stays sparse and the save completes
+    "reserve-unsupported": ([0, 1], {"reserve_error": errno.EOPNOTSUPP}, "save", None),
 }
 
 
@@ -659,7 +663,7 @@ def test_storage_fault(storage_campaign, name):
     ranks, _, op, code = STORAGE_FAULTS[name]
     recs = [o[name] for o in out]
     for r, rec in enumerate(recs):
-        if r in ranks and (code is not None or "short_writes" in STORAGE_FAULTS[name][1]):
+        if r in ranks and (code is not None or {"short_writes", "reserve_error"} & set(STORAGE_FAULTS[name][1])):
             assert rec["injected"], f"rank {r}: the fault was never met"
         assert rec["step1_intact"] and rec["step3_exact"], rec
     if code is None:  # completed, never silently short

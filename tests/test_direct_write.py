@@ -203,3 +203,50 @@ def test_async_pieces_with_odd_offsets_are_staged_at_their_phase_and_load_back(t
         a, s = os.path.join(root, f"async-{k}"), os.path.join(root, f"sync-{k}")
         assert _data_files(a) == _data_files(s)
         assert cli.main(["verify", a]) == 0
+
+
+def _can_fallocate(d) -> bool:
+    import ctypes
+
+    p = os.path.join(d, "probe")
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).fallocate
+        fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        return fn(fd, 0, 0, PAGE) == 0
+    finally:
+        os.close(fd)
+        os.unlink(p)
+
+
+def test_a_created_file_has_its_blocks_reserved_and_reads_as_zeros(tmp_path, monkeypatch):
+    """create_file reserves the whole file (few large extents, a full disk fails before any
+    write); UNICKPT_NO_FALLOCATE=1 leaves it sparse, as on a file system that cannot."""
+    if not _can_fallocate(tmp_path):
+        pytest.skip("this file system cannot fallocate")
+    s = st.LocalStorage()
+    size = (8 << 20) + 123
+    path = str(tmp_path / "reserved")
+    s.create_file(path, size)
+    info = os.stat(path)
+    assert info.st_size == size and info.st_blocks * 512 >= size
+    with open(path, "rb") as f:
+        assert f.read() == bytes(size)
+    monkeypatch.setenv("UNICKPT_NO_FALLOCATE", "1")
+    sparse = str(tmp_path / "sparse")
+    s.create_file(sparse, size)
+    assert os.stat(sparse).st_size == size and os.stat(sparse).st_blocks * 512 < size
+
+
+def test_a_disk_without_room_for_a_file_fails_its_creation_naming_it(tmp_path):
+    s = st.LocalStorage()
+    f = faulty.install({"reserve_error": errno.ENOSPC})
+    try:
+        with pytest.raises(StorageError) as ei:
+            s.create_file(str(tmp_path / "big"), 1 << 30)
+    finally:
+        faulty.uninstall()
+    assert ei.value.errno == errno.ENOSPC and ei.value.filename == str(tmp_path / "big")
+    assert str(1 << 30) in str(ei.value) and f.injected
+    s.create_file(str(tmp_path / "after"), 4096)  # uninstalled: the real call again
+    assert os.path.getsize(tmp_path / "after") == 4096
