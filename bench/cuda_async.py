@@ -15,6 +15,19 @@ Figures are medians over ``--repeats`` rounds (after one warm-up save of each ki
   dcp          ``dcp.async_save`` (thread checkpointer, ``DefaultStager`` with pinned and
                shared memory): call + ``staging_completion`` when the API returns one.
   durable      call to committed, unickpt (``h.wait()``) and DCP (``result()``).
+
+Behind compute (``--loop N``, default 300): a loop of N bf16 8192^3 matmuls on the GPU runs
+right after the call, as a trainer's next forward and backward would; the copy must be
+done before the optimizer update (``wait_staged()``, DCP's ``staging_completion``):
+
+  alone        the loop without a save.
+  unickpt bg   ``background_staging=True``: copies on unickpt's own stream after an event on
+               the caller's stream (the library's behaviour).
+  unickpt bg, default stream   the same with the copies on the legacy default stream (how
+               unickpt staged before it had its own stream; for the A/B).
+  dcp bg       ``dcp.async_save`` with ``DefaultStager`` async staging.
+  Columns: loop s (the loop's wall time, call included), slowdown (loop s - alone), blocking
+  (the call + the wait for the copy after the loop).
 """
 
 from __future__ import annotations
@@ -46,6 +59,7 @@ def main() -> None:
     ap.add_argument("--gb", type=float, default=2.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--loop", type=int, default=300)
     args = ap.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
@@ -126,9 +140,90 @@ def main() -> None:
         print(f"{k:<12}{b:>12.3f}{nbytes / b / 1e9:>8.2f}{b / f:>9.2f}{xd:>8}{(f'{d:.2f}' if d else '-'):>11}")
     if dcp_note:
         print(dcp_note)
+    behind_compute(state, root, args, dcp_note)
     if not args.dir:
         shutil.rmtree(root, ignore_errors=True)
     dist.destroy_process_group()
+
+
+def behind_compute(state, root: str, args, dcp_note: str) -> None:
+    import unickpt.async_save as a
+
+    dev = torch.device("cuda:0")
+    x = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+
+    def loop():
+        y = x
+        for _ in range(args.loop):
+            y = x @ x
+        return y
+
+    def alone(i):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loop()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0, 0.0
+
+    def ours(i, default_stream=False):
+        ck = a.checkpointer(None)
+        if default_stream:
+            ck._streams[dev] = torch.cuda.default_stream(dev)
+        try:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            h = unickpt.save(state, os.path.join(root, f"bg{'d' if default_stream else 's'}{i}"), async_save=True,
+                             background_staging=True)
+            call = time.perf_counter() - t0
+            loop()
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            h.wait_staged()
+            blocking = call + time.perf_counter() - t1
+            looped = t1 - t0
+            h.wait()
+            return looped, blocking
+        finally:
+            ck._streams.pop(dev, None)
+
+    def dcp_bg(i):
+        import torch.distributed.checkpoint as dcp_
+        from torch.distributed.checkpoint import FileSystemWriter
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        resp = dcp_.async_save(state, storage_writer=FileSystemWriter(os.path.join(root, f"dbg{i}"), sync_files=True),
+                               async_stager=DefaultStager(StagingOptions(True, True, True, True)))
+        call = time.perf_counter() - t0
+        loop()
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        if getattr(resp, "staging_completion", None) is not None:
+            resp.staging_completion.result()
+        blocking = call + time.perf_counter() - t1
+        looped = t1 - t0
+        (resp.upload_completion if hasattr(resp, "upload_completion") else resp).result()
+        return looped, blocking
+
+    variants = {"alone": alone, "unickpt bg": ours, "unickpt bg, default stream": lambda i: ours(i, True)}
+    if not dcp_note:
+        variants["dcp bg"] = dcp_bg
+    rows: dict[str, list] = {k: [] for k in variants}
+    for f in variants.values():  # warm-up
+        f(-1)
+    for i in range(args.repeats):
+        order = list(variants) if i % 2 == 0 else list(reversed(variants))  # ABBA
+        for k in order:
+            rows[k].append(variants[k](i))
+        for d in os.listdir(root):
+            shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+    base = statistics.median(r[0] for r in rows["alone"])
+    print(f"behind compute: {args.loop} bf16 8192^3 matmuls after the call, medians of {args.repeats}")
+    print(f"{'':<28}{'loop s':>9}{'slowdown s':>12}{'blocking s':>12}")
+    for k, v in rows.items():
+        lp, bl = statistics.median(r[0] for r in v), statistics.median(r[1] for r in v)
+        print(f"{k:<28}{lp:>9.3f}{lp - base:>12.3f}{bl:>12.3f}")
 
 
 if __name__ == "__main__":

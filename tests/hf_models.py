@@ -14,12 +14,13 @@ def llama(seed: int = 0, **overrides):
     return AutoModelForCausalLM.from_config(LlamaConfig(**{**LLAMA, **overrides}))
 
 
-def fsdp(model, world: int):
-    """``fully_shard`` every decoder layer, then the model, over a 1-D CPU mesh of ``world``."""
+def fsdp(model, world: int, device: str = "cpu"):
+    """``fully_shard`` every decoder layer, then the model, over a 1-D mesh of ``world`` on
+    ``device`` (``"cpu"``, or ``"cuda"`` for a model already on the GPU)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device, (world,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)

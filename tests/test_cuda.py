@@ -127,3 +127,71 @@ def test_trainer_on_cuda_with_async_quantized_checkpoints(tmp_path):
     assert first == full[:3]
     for a, b in zip(rest, full[3:]):
         assert abs(a - b) <= 0.05 * abs(b), (rest, full)
+
+
+@pytest.mark.parametrize("on", ["default", "side"])
+def test_a_background_copy_waits_for_the_work_before_the_save_and_not_for_the_kernels_after_it(tmp_path, on):
+    """Staging copies run on the checkpointer's own stream after an event on the caller's
+    stream: the state produced by kernels still queued at the call is what is saved, and
+    ``wait_staged()`` returns while the kernels the caller queued after the call still run
+    (on the legacy default stream they would delay each other). The segment is pinned."""
+    stream = torch.cuda.current_stream() if on == "default" else torch.cuda.Stream()
+    ts = {f"t{i}": torch.zeros(10_000_000, device="cuda") for i in range(3)}  # 120 MB: several stage chunks
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(100_000_000)  # the step that produces the state is still running at the call
+        for i, t in enumerate(ts.values()):
+            t.fill_(i + 1.0)
+        h = unickpt.save({"model": ts}, tmp_path / "c", async_save=True, background_staging=True)
+        torch.cuda._sleep(4_000_000_000)  # the next step's kernels, queued after the call (~2 s)
+        after = torch.cuda.Event()
+        after.record(stream)
+    h.wait_staged(timeout=60)
+    assert not after.query(), "the copy waited for the kernels queued after the save"
+    seg = h._owner._seg
+    assert seg.pinned and seg.tensor.is_pinned()
+    with torch.cuda.stream(stream):
+        for t in ts.values():
+            t.fill_(-1.0)  # the update after wait_staged: not in the checkpoint
+    h.wait(timeout=120)
+    got = {k: torch.empty(10_000_000) for k in ts}
+    unickpt.load({"model": got}, tmp_path / "c", verify="full")
+    for i, k in enumerate(ts):
+        assert torch.equal(got[k], torch.full((10_000_000,), i + 1.0)), k
+
+
+def _fsdp_cuda(rank, world, root, mode):
+    from tests.hf_models import fsdp, llama
+    from tests.test_semantics import _llama_state, _llama_steps
+
+    model = fsdp(llama(seed=0 if mode == "save" else 5).cuda(), world, device="cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3 if mode == "save" else 0.5, weight_decay=0.1)
+    if mode == "save":
+        _llama_steps(model, opt, 2, device="cuda")
+        state, groups = _llama_state(model, opt)
+        h = unickpt.save({"model": model, "optim": opt}, os.path.join(root, "llama"), step=2, async_save=True,
+                         background_staging=True)
+        h.wait_staged(timeout=60)
+        losses = _llama_steps(model, opt, 2, seed=11, device="cuda")  # changes every parameter and moment
+        assert h.wait(timeout=120).step == 2
+    else:
+        res = unickpt.load({"model": model, "optim": opt}, os.path.join(root, "llama"))
+        assert res.missing == [] and res.unexpected == []
+        state, groups = _llama_state(model, opt)
+        losses = _llama_steps(model, opt, 2, seed=11, device="cuda")
+    return {k: v.cpu().tolist() for k, v in state.items()}, groups, losses
+
+
+def test_fsdp2_llama_on_the_gpu_saved_in_the_background_resumes_on_gpu_and_cpu(tmp_path):
+    """An FSDP2 Llama (transformers config) on the GPU, NCCL group, saved with background
+    staging while the next steps run; resumed bit-exact on the GPU and on a CPU process."""
+    from tests.test_semantics import _fsdp_resume
+
+    root = str(tmp_path)
+    want, groups, losses = dist.run(_fsdp_cuda, 1, root, "save", backend="nccl", timeout=300)[0]
+    got, g2, l2 = dist.run(_fsdp_cuda, 1, root, "load", backend="nccl", timeout=300)[0]
+    assert [k for k in want if got[k] != want[k]] == [] and set(got) == set(want) and g2 == groups
+    assert l2 == losses
+    cpu, g3, _, unexpected, missing = _fsdp_resume(0, 1, root)
+    assert unexpected == [] and missing == [] and g3 == groups
+    assert [k for k in want if cpu[k] != want[k]] == [] and set(cpu) == set(want)

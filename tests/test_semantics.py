@@ -319,11 +319,11 @@ def test_per_rank_values_and_divergent_plain_tensors_on_two_ranks(tmp_path):
 
 # -- FSDP2 / TP models from transformers configs, through stateful objects ---------------
 
-def _llama_steps(model, opt, steps, seed=3):
+def _llama_steps(model, opt, steps, seed=3, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     losses = []
     for _ in range(steps):
-        ids = torch.randint(0, 128, (2, 16), generator=g)
+        ids = torch.randint(0, 128, (2, 16), generator=g).to(device)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()

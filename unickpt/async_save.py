@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import dataclasses
 import glob
 import json
@@ -168,6 +169,22 @@ class _Staged:
     entries: list[list]
     size: int
     signature: str  # what the entries are, without where they sit (see Checkpointer._layout)
+    # per CUDA device of the state: an event on the caller's current stream at the save (see _ready)
+    ready: dict = dataclasses.field(default_factory=dict)
+
+
+def _ready(entries: list[Entry]) -> dict:
+    """An event recorded, in the caller's thread, on the current stream of each device that
+    holds a staged tensor: the copies wait for the work queued before the save (the step
+    that produced the state) and for nothing the caller queues after it."""
+    out: dict = {}
+    for e in entries:
+        dev = e.local.device
+        if dev.type == "cuda" and dev not in out:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(dev))
+            out[dev] = ev
+    return out
 
 
 class AsyncSave:
@@ -391,6 +408,7 @@ class Checkpointer:
         self._start_error: BaseException | None = None  # the last writer start failed
         self._last: AsyncSave | None = None
         self._counter = 0
+        self._streams: dict = {}  # CUDA device -> the stream that stages its tensors (see _copy)
         self._lock = threading.Lock()
         # (signature of the staged entries, page phase of each or None): from the writer's
         # plan of the last save of the same entries (see _layout)
@@ -483,6 +501,7 @@ class Checkpointer:
                 raise AsyncSaveError(f"the writer process could not be started: {self._start_error}")
             entries, json_state = flatten(state_dict, comm.rank, comm.world)
             staged = self._layout(entries)
+            staged.ready = _ready(entries)
             self._ensure_segment(staged.size)
         except Exception as e:
             err = e
@@ -589,14 +608,35 @@ class Checkpointer:
     def _copy(self, entries: list[Entry], staged: _Staged, tell=None) -> None:
         """Copy the entries into the segment in segment order; every ~:data:`STAGE_CHUNK`
         bytes (large tensors in blocks of rows), ``tell(end)``: the segment is filled up to
-        byte ``end`` (device copies synchronized first)."""
+        byte ``end`` (device copies synchronized first).
+
+        Device tensors are copied on this checkpointer's own stream per device, after the
+        event of :func:`_ready`: a background copy overlaps the caller's next kernels (on
+        the legacy default stream it would queue behind them and delay them), and waiting
+        for the copy waits for the copy alone, never for the caller's compute. The source
+        tensors are recorded on that stream, so memory the caller frees meanwhile is not
+        reused before the copy has read it."""
         buf = self._seg.tensor
-        devices: set = set()
+        streams: dict = {}
         told = 0
 
+        def stream(dev):
+            s = streams.get(dev)
+            if s is None:
+                s = self._streams.get(dev)
+                if s is None:
+                    s = self._streams[dev] = torch.cuda.Stream(dev)
+                ev = staged.ready.get(dev)
+                if ev is not None:
+                    s.wait_event(ev)
+                else:  # a device _ready did not see: wait for all of its work so far
+                    s.wait_stream(torch.cuda.default_stream(dev))
+                streams[dev] = s
+            return s
+
         def sync() -> None:
-            for dev in devices:  # the current device is per thread: wait on each one used
-                torch.cuda.synchronize(dev)
+            for s in streams.values():
+                s.synchronize()
 
         for e, row in zip(entries, staged.entries):
             off, n = row[5], row[6]
@@ -604,19 +644,20 @@ class Checkpointer:
                 continue
             dst = buf[off : off + n].view(e.local.dtype).view(e.local.shape)
             src = e.local.detach()
-            cuda = src.device.type == "cuda"
-            if cuda:
-                devices.add(src.device)
+            s = stream(src.device) if src.device.type == "cuda" else None
             rows = src.shape[0] if src.dim() else 1
             step = rows if tell is None or src.dim() == 0 else max(1, STAGE_CHUNK * rows // n)
-            for a in range(0, rows, step):
-                d, x = (dst, src) if step >= rows else (dst[a : a + step], src[a : a + step])
-                d.copy_(x, non_blocking=cuda and self._seg.pinned)
-                end = off + (n if step >= rows else min(rows, a + step) * (n // rows))
-                if tell is not None and end - told >= STAGE_CHUNK:
-                    sync()
-                    tell(end)
-                    told = end
+            with torch.cuda.stream(s) if s is not None else contextlib.nullcontext():
+                for a in range(0, rows, step):
+                    d, x = (dst, src) if step >= rows else (dst[a : a + step], src[a : a + step])
+                    d.copy_(x, non_blocking=s is not None and self._seg.pinned)
+                    end = off + (n if step >= rows else min(rows, a + step) * (n // rows))
+                    if tell is not None and end - told >= STAGE_CHUNK:
+                        sync()
+                        tell(end)
+                        told = end
+            if s is not None:
+                src.record_stream(s)
         sync()
 
     def _tell_staged(self, end: int, done: bool = False) -> None:
