@@ -707,9 +707,9 @@ import os, sys, threading, time
 sys.path.insert(0, {root!r})
 from tests import faulty
 import unickpt.storage as st
-threading.Thread(target=lambda: (time.sleep(2.5), os._exit(3)), daemon=True).start()  # a hang
-faulty.install({{"short_writes": "zero"}})
+faulty.install({{"short_writes": "zero"}})  # (imports torch: seconds on a loaded machine)
 s = st.LocalStorage()
+threading.Thread(target=lambda: (time.sleep(10), os._exit(3)), daemon=True).start()  # a hang
 p = os.path.join({d!r}, "f")
 for attempt in ("write_bytes", "write_at"):
     try:
