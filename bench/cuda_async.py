@@ -28,6 +28,15 @@ done before the optimizer update (``wait_staged()``, DCP's ``staging_completion`
   dcp bg       ``dcp.async_save`` with ``DefaultStager`` async staging.
   Columns: loop s (the loop's wall time, call included), slowdown (loop s - alone), blocking
   (the call + the wait for the copy after the loop).
+
+Loads (``--parts load``): the same state saved once by each library (sync, fsync), then
+loaded back, warm (page cache) and cold (fsync + ``POSIX_FADV_DONTNEED``), ABBA order:
+
+  floor        copy of every tensor from a pinned host buffer to the device.
+  unickpt cpu  ``unickpt.load`` into host tensors (the same load without the device).
+  unickpt gpu  ``unickpt.load`` into the device tensors.
+  dcp gpu      ``dcp.load`` into the device tensors.
+  Every load is checked bit-exact against the state in its first round.
 """
 
 from __future__ import annotations
@@ -60,7 +69,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--loop", type=int, default=300)
+    ap.add_argument("--parts", default="save,compute,load", help="comma-separated: save, compute, load")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -115,32 +126,36 @@ def main() -> None:
         (resp.upload_completion if hasattr(resp, "upload_completion") else resp).result()
         return blocking, time.perf_counter() - t0
 
-    floor()
-    ours(-1)
-    ours(-2, quant="O1")
-    try:
-        dcp(-1)
-    except Exception as e:  # report, do not hide
-        dcp_note = f"DCP async_save failed: {type(e).__name__}: {e}"
-    rows: dict[str, list] = {"floor": [], "unickpt": [], "unickpt O1": [], "dcp": []}
-    for i in range(args.repeats):
-        rows["floor"].append((floor(), 0.0))
-        rows["unickpt"].append(ours(i))
-        rows["unickpt O1"].append(ours(i, quant="O1"))
-        if not dcp_note:
-            rows["dcp"].append(dcp(i))
-        for d in os.listdir(root):
-            shutil.rmtree(os.path.join(root, d), ignore_errors=True)
-    med = {k: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)) for k, v in rows.items() if v}
-    print(f"GPU state {nbytes / 1e9:.2f} GB ({torch.cuda.get_device_name(0)}), medians of {args.repeats}")
-    print(f"{'':<12}{'blocking s':>12}{'GB/s':>8}{'x floor':>9}{'x DCP':>8}{'durable s':>11}")
-    f = med["floor"][0]
-    for k, (b, d) in med.items():
-        xd = f"{b / med['dcp'][0]:.2f}" if "dcp" in med else "-"
-        print(f"{k:<12}{b:>12.3f}{nbytes / b / 1e9:>8.2f}{b / f:>9.2f}{xd:>8}{(f'{d:.2f}' if d else '-'):>11}")
-    if dcp_note:
-        print(dcp_note)
-    behind_compute(state, root, args, dcp_note)
+    if "save" in parts:
+        floor()
+        ours(-1)
+        ours(-2, quant="O1")
+        try:
+            dcp(-1)
+        except Exception as e:  # report, do not hide
+            dcp_note = f"DCP async_save failed: {type(e).__name__}: {e}"
+        rows: dict[str, list] = {"floor": [], "unickpt": [], "unickpt O1": [], "dcp": []}
+        for i in range(args.repeats):
+            rows["floor"].append((floor(), 0.0))
+            rows["unickpt"].append(ours(i))
+            rows["unickpt O1"].append(ours(i, quant="O1"))
+            if not dcp_note:
+                rows["dcp"].append(dcp(i))
+            for d in os.listdir(root):
+                shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+        med = {k: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v)) for k, v in rows.items() if v}
+        print(f"GPU state {nbytes / 1e9:.2f} GB ({torch.cuda.get_device_name(0)}), medians of {args.repeats}")
+        print(f"{'':<12}{'blocking s':>12}{'GB/s':>8}{'x floor':>9}{'x DCP':>8}{'durable s':>11}")
+        f = med["floor"][0]
+        for k, (b, d) in med.items():
+            xd = f"{b / med['dcp'][0]:.2f}" if "dcp" in med else "-"
+            print(f"{k:<12}{b:>12.3f}{nbytes / b / 1e9:>8.2f}{b / f:>9.2f}{xd:>8}{(f'{d:.2f}' if d else '-'):>11}")
+        if dcp_note:
+            print(dcp_note)
+    if "compute" in parts:
+        behind_compute(state, root, args, dcp_note)
+    if "load" in parts:
+        loads(state, root, args)
     if not args.dir:
         shutil.rmtree(root, ignore_errors=True)
     dist.destroy_process_group()
@@ -224,6 +239,77 @@ def behind_compute(state, root: str, args, dcp_note: str) -> None:
     for k, v in rows.items():
         lp, bl = statistics.median(r[0] for r in v), statistics.median(r[1] for r in v)
         print(f"{k:<28}{lp:>9.3f}{lp - base:>12.3f}{bl:>12.3f}")
+
+
+def loads(state, root: str, args) -> None:
+    import sys
+
+    import torch.distributed.checkpoint as dcp_
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from bench._common import make_cold
+
+    u, d = os.path.join(root, "load-u"), os.path.join(root, "load-d")
+    unickpt.save(state, u)
+    dcp_.save(state, storage_writer=FileSystemWriter(d, sync_files=True))
+
+    def like(device):
+        return {"model": {k: torch.empty_like(v, device=device) for k, v in state["model"].items()},
+                "optimizer": {m: {k: torch.empty_like(v, device=device) for k, v in state["optimizer"][m].items()}
+                              for m in ("exp_avg", "exp_avg_sq")}}
+
+    def flat(sd):
+        return [sd["model"][k] for k in sd["model"]] + [sd["optimizer"][m][k] for m in ("exp_avg", "exp_avg_sq")
+                                                       for k in sd["optimizer"][m]]
+
+    src = flat(state)
+    nbytes = sum(t.numel() * t.element_size() for t in src)
+    pinned = [t.cpu().pin_memory() for t in src]
+    gpu, cpu = like(src[0].device), like("cpu")
+
+    def timed(fn, path, cold, check):
+        if cold:
+            make_cold([path])
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        if check is not None:
+            bad = sum(not torch.equal(a.cpu(), b) for a, b in zip(flat(check), pinned))
+            assert bad == 0, f"{bad} tensors differ after the load"
+        return dt
+
+    def floor(cold, check):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for g, p in zip(flat(gpu), pinned):
+            g.copy_(p, non_blocking=True)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    variants = {
+        "unickpt cpu": lambda cold, check: timed(lambda: unickpt.load(cpu, u), u, cold, check and cpu),
+        "unickpt gpu": lambda cold, check: timed(lambda: unickpt.load(gpu, u), u, cold, check and gpu),
+        "dcp gpu": lambda cold, check: timed(lambda: dcp_.load(gpu, storage_reader=FileSystemReader(d)), d, cold,
+                                             check and gpu),
+    }
+    rows: dict = {("floor", False): [], **{(k, c): [] for k in variants for c in (False, True)}}
+    for i in range(args.repeats):
+        rows[("floor", False)].append(floor(False, None))
+        order = list(variants) if i % 2 == 0 else list(reversed(variants))  # ABBA
+        for cold in (True, False):
+            for k in order:
+                rows[(k, cold)].append(variants[k](cold, i == 0 or None))
+    print(f"loads: {nbytes / 1e9:.2f} GB, medians of {args.repeats}")
+    print(f"{'':<32}{'s':>8}{'GB/s':>8}{'x DCP gpu':>11}")
+    for (k, cold), v in rows.items():
+        m = statistics.median(v)
+        ref = rows.get(("dcp gpu", cold))
+        xd = f"{m / statistics.median(ref):.2f}" if ref and k != "floor" else "-"
+        name = k if k == "floor" else f"{k}, {'cold' if cold else 'warm'}"
+        print(f"{name:<32}{m:>8.3f}{nbytes / m / 1e9:>8.2f}{xd:>11}")
 
 
 if __name__ == "__main__":
