@@ -136,7 +136,7 @@ def test_a_background_copy_waits_for_the_work_before_the_save_and_not_for_the_ke
     ``wait_staged()`` returns while the kernels the caller queued after the call still run
     (on the legacy default stream they would delay each other). The segment is pinned.
     The first background save of a process is not judged: on an H200 it waited for the
-    kernels queued after the call (CUDA's one-time set-up in the staging thread), every
+    kernels queued after the call (some one-time CUDA set-up, cause not established), every
     later one did not."""
     stream = torch.cuda.current_stream() if on == "default" else torch.cuda.Stream()
     ts = {f"t{i}": torch.zeros(10_000_000, device="cuda") for i in range(3)}  # 120 MB: several stage chunks

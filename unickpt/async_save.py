@@ -610,12 +610,14 @@ class Checkpointer:
         bytes (large tensors in blocks of rows), ``tell(end)``: the segment is filled up to
         byte ``end`` (device copies synchronized first).
 
-        Device tensors are copied on this checkpointer's own stream per device, after the
-        event of :func:`_ready`: a background copy overlaps the caller's next kernels (on
-        the legacy default stream it would queue behind them and delay them), and waiting
-        for the copy waits for the copy alone, never for the caller's compute. The source
-        tensors are recorded on that stream, so memory the caller frees meanwhile is not
-        reused before the copy has read it."""
+        Device tensors are copied on a high-priority stream held by this checkpointer per
+        device, after the event of :func:`_ready`: a background copy overlaps the caller's
+        next kernels (on the legacy default stream it would queue behind them and delay
+        them). Waiting for the copy waits on an event recorded after its copies, not on the
+        whole stream (PyTorch hands out pool streams in turn, so other code may queue on
+        the same one). ``entries`` holds every source until the copies are complete, so
+        nothing the caller frees meanwhile is reused early; a copy that fails part way is
+        still waited for before the error leaves (the segment may be unmapped next)."""
         buf = self._seg.tensor
         streams: dict = {}
         told = 0
@@ -624,41 +626,44 @@ class Checkpointer:
             s = streams.get(dev)
             if s is None:
                 s = self._streams.get(dev)
-                if s is None:
-                    s = self._streams[dev] = torch.cuda.Stream(dev)
-                ev = staged.ready.get(dev)
-                if ev is not None:
-                    s.wait_event(ev)
-                else:  # a device _ready did not see: wait for all of its work so far
-                    s.wait_stream(torch.cuda.default_stream(dev))
+                if s is None:  # high priority: the pool NCCL and most user code draw from is the other one
+                    s = self._streams[dev] = torch.cuda.Stream(dev, priority=-1)
+                s.wait_event(staged.ready[dev])  # _ready saw every entry's device
                 streams[dev] = s
             return s
 
         def sync() -> None:
             for s in streams.values():
-                s.synchronize()
+                ev = torch.cuda.Event()
+                ev.record(s)
+                ev.synchronize()
 
-        for e, row in zip(entries, staged.entries):
-            off, n = row[5], row[6]
-            if n == 0:
-                continue
-            dst = buf[off : off + n].view(e.local.dtype).view(e.local.shape)
-            src = e.local.detach()
-            s = stream(src.device) if src.device.type == "cuda" else None
-            rows = src.shape[0] if src.dim() else 1
-            step = rows if tell is None or src.dim() == 0 else max(1, STAGE_CHUNK * rows // n)
-            with torch.cuda.stream(s) if s is not None else contextlib.nullcontext():
-                for a in range(0, rows, step):
-                    d, x = (dst, src) if step >= rows else (dst[a : a + step], src[a : a + step])
-                    d.copy_(x, non_blocking=s is not None and self._seg.pinned)
-                    end = off + (n if step >= rows else min(rows, a + step) * (n // rows))
-                    if tell is not None and end - told >= STAGE_CHUNK:
-                        sync()
-                        tell(end)
-                        told = end
-            if s is not None:
-                src.record_stream(s)
-        sync()
+        try:
+            for e, row in zip(entries, staged.entries):
+                off, n = row[5], row[6]
+                if n == 0:
+                    continue
+                dst = buf[off : off + n].view(e.local.dtype).view(e.local.shape)
+                src = e.local.detach()
+                s = stream(src.device) if src.device.type == "cuda" else None
+                rows = src.shape[0] if src.dim() else 1
+                step = rows if tell is None or src.dim() == 0 else max(1, STAGE_CHUNK * rows // n)
+                with torch.cuda.stream(s) if s is not None else contextlib.nullcontext():
+                    for a in range(0, rows, step):
+                        d, x = (dst, src) if step >= rows else (dst[a : a + step], src[a : a + step])
+                        d.copy_(x, non_blocking=s is not None and self._seg.pinned)
+                        end = off + (n if step >= rows else min(rows, a + step) * (n // rows))
+                        if tell is not None and end - told >= STAGE_CHUNK:
+                            sync()
+                            tell(end)
+                            told = end
+            sync()
+        except BaseException:
+            try:  # no copy may still land in the segment once the error has left
+                sync()
+            except Exception as err:  # the first error is the one raised
+                log.warning("waiting for the device copies of a failed staging: %s", err)
+            raise
 
     def _tell_staged(self, end: int, done: bool = False) -> None:
         """Tell the writer that the segment holds the state up to byte ``end`` (a message
