@@ -23,8 +23,9 @@ done before the optimizer update (``wait_staged()``, DCP's ``staging_completion`
   alone        the loop without a save.
   unickpt bg   ``background_staging=True``: copies on unickpt's own stream after an event on
                the caller's stream (the library's behaviour).
-  unickpt bg, default stream   the same with the copies on the legacy default stream (how
-               unickpt staged before it had its own stream; for the A/B).
+  unickpt bg, default stream   the same with the copies on the legacy default stream (close
+               to unickpt before it had a stream of its own, which also waited with
+               ``torch.cuda.synchronize``; for the A/B).
   dcp bg       ``dcp.async_save`` with ``DefaultStager`` async staging.
   Columns: loop s (the loop's wall time, call included), slowdown (loop s - alone), blocking
   (the call + the wait for the copy after the loop).

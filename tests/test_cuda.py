@@ -202,10 +202,11 @@ def test_fsdp2_llama_on_the_gpu_saved_in_the_background_resumes_on_gpu_and_cpu(t
 
 
 def test_a_load_into_device_targets_comes_after_the_callers_queued_work_and_is_complete_on_return(tmp_path):
-    """Device targets are filled from pinned temporaries on the loader's own stream, after an
-    event on the caller's stream: a fill of the target still queued at the call (here behind
-    a ~0.1 s sleep on a side stream) cannot overwrite the loaded bytes, and every byte is in
-    place when ``load`` returns. Whole tensors (long runs) and a column block (short runs)."""
+    """Device targets are filled by copies from host temporaries on the caller's thread and
+    current stream, each waited for: a fill of the target still queued at the call (here
+    behind a ~0.1 s sleep on a side stream) cannot overwrite the loaded bytes, and every
+    byte is in place when ``load`` returns. Whole tensors (long runs) and a column block
+    (short runs)."""
     g = torch.Generator().manual_seed(7)
     full = {"w": torch.randn(1024, 512, generator=g), "b": torch.randn(3000, generator=g)}
     unickpt.save({"model": full}, tmp_path / "c")
