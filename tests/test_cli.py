@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import unickpt
-
+from tests.clirun import cli, cli_process  # cli: in this process, as a fresh interpreter shows it
 
 
 def _sigint_default() -> None:
@@ -21,10 +21,6 @@ def _sigint_default() -> None:
     by a non-interactive shell (CI runners, ``make test &``) inherits SIGINT ignored, and a
     Python started so never raises KeyboardInterrupt: the Ctrl-C tests would hang."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "unickpt.cli", *args], capture_output=True, text=True)
 
 
 def _ckpt(tmp_path):
@@ -38,7 +34,7 @@ def _ckpt(tmp_path):
 
 def test_inspect_json(tmp_path):
     p = _ckpt(tmp_path)
-    r = _cli("inspect", str(tmp_path), "--json")
+    r = cli_process("inspect", str(tmp_path), "--json")  # `python -m unickpt.cli` itself
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     for k in ("format_version", "step", "tensors", "bytes_by_role", "files", "saved_by"):
@@ -47,26 +43,26 @@ def test_inspect_json(tmp_path):
     assert set(info["bytes_by_role"]) == {"model", "optimizer"}
     assert sum(info["bytes_by_role"].values()) == sum(os.path.getsize(p / f) for f in info["files"])
     assert info["saved_by"]["strategy"] == {"zero_stage": 1}
-    r = _cli("inspect", str(p), "--tensors")
+    r = cli("inspect", str(p), "--tensors")
     assert r.returncode == 0 and "model/w" in r.stdout and "optimizer/exp_avg.w" in r.stdout
 
 
 def test_verify_ok_then_corrupted(tmp_path):
     p = _ckpt(tmp_path)
-    r = _cli("verify", str(p))
+    r = cli("verify", str(p))
     assert r.returncode == 0 and "ok: 3 tensors" in r.stdout
     _, man = unickpt.read_manifest(p)
     t = man.tensors[("optimizer", "exp_avg.w")]
     with open(p / t.file, "r+b") as f:
         f.seek(man.files[t.file].data_start + t.begin + 17)
         f.write(b"\xff")
-    r = _cli("verify", str(p))
+    r = cli("verify", str(p))
     assert r.returncode == 1
     assert f"{t.file}: tensor 'exp_avg.w'" in r.stderr and "1 of 3 tensors failed" in r.stderr
 
 
 def test_not_a_checkpoint(tmp_path):
-    r = _cli("inspect", str(tmp_path / "nope"))
+    r = cli("inspect", str(tmp_path / "nope"))
     assert r.returncode == 2 and "CheckpointNotFoundError" in r.stderr
 
 
@@ -75,14 +71,14 @@ def test_inspect_and_verify_a_compressed_checkpoint(tmp_path):
     sd = {"model": {"w": w.bfloat16()}, "master": {"w": w},
           "optimizer": {"exp_avg": {"w": torch.randn(64, 48)}, "exp_avg_sq": {"w": torch.rand(64, 48)}}}
     unickpt.save(sd, tmp_path / "ck", quant="O2", master="residual", zstd=5)
-    info = json.loads(_cli("inspect", str(tmp_path / "ck"), "--json").stdout)
+    info = json.loads(cli("inspect", str(tmp_path / "ck"), "--json").stdout)
     assert info["compression"]["quant"] == "O2" and info["compression"]["zstd"] == 5
     assert info["codecs"] == {"q4_rinv": 1, "q4_sym": 1, "raw": 1, "residual16": 1}
     assert {f["container"] for f in info["files"].values() if f["role"] != "model"} == {"zstd"}
     assert sum(info["bytes_by_role"].values()) == sum(os.path.getsize(tmp_path / "ck" / f) for f in info["files"])
-    text = _cli("inspect", str(tmp_path / "ck"), "--tensors").stdout
+    text = cli("inspect", str(tmp_path / "ck"), "--tensors").stdout
     assert "compression  quant O2, master residual, zstd 5" in text and "[q4_sym]" in text
-    r = _cli("verify", str(tmp_path / "ck"))
+    r = cli("verify", str(tmp_path / "ck"))
     assert r.returncode == 0, r.stderr
 
 
@@ -117,14 +113,14 @@ def test_every_command_prints_one_json_object_with_its_figures(tmp_path):
         "convert": ("convert", "--from-dcp", str(tmp_path / "dcp"), str(tmp_path / "conv")),
     }
     for cmd, argv in runs.items():
-        r = _cli(*argv, "--json")
+        r = cli(*argv, "--json")
         assert r.returncode == 0, r.stderr
         obj = _json(r)
         assert obj["command"] == cmd and obj["ok"] is True and obj["exit_code"] == 0 and "error" not in obj
         assert "Traceback" not in r.stderr
         if cmd != "inspect":
             assert {"bytes", "seconds", "gbps"} <= set(obj), obj
-    assert _json(_cli("verify", str(p), "--json"))["bad"] == []
+    assert _json(cli("verify", str(p), "--json"))["bad"] == []
     assert unickpt.read_manifest(tmp_path / "conv")[1].tensors
 
 
@@ -163,7 +159,7 @@ ERROR_CASES = {
 def test_user_errors_are_one_line_exit_2_and_a_json_error(tmp_path, case):
     argv, kind = ERROR_CASES[case]
     f, ck = _file_and_dir(tmp_path)
-    r = _cli(*argv(f, ck, tmp_path), "--json")
+    r = cli(*argv(f, ck, tmp_path), "--json")
     line = _one_line(r)
     obj = _json(r)
     assert obj["ok"] is False and obj["exit_code"] == 2 and kind in obj["error"]["type"], obj
@@ -188,7 +184,7 @@ def test_an_existing_destination_names_the_overwrite_option(tmp_path):
     (tmp_path / "hf").mkdir()
     for argv in (["reshard", str(p), str(p)], ["convert", "--from-dcp", str(tmp_path / "dcp"), str(p)],
                  ["export", str(p), str(tmp_path / "hf")]):
-        r = _cli(*argv, "--json", "-q")
+        r = cli(*argv, "--json", "-q")
         line = _one_line(r)
         assert "CheckpointExistsError" in line and "--overwrite" in line and "overwrite=True" not in line, line
         assert "overwrite=True" not in _json(r)["error"]["message"]
@@ -203,21 +199,21 @@ def test_export_to_an_existing_destination_is_refused_before_anything_else(tmp_p
            "n_head": 2, "n_positions": 16, "bos_token_id": 50256, "eos_token_id": 50256}
     unickpt.save({"model": {"w": torch.randn(4, 4)}}, tmp_path / "ck", extra_files={"config.json": json.dumps(cfg)})
     (tmp_path / "hf").mkdir()
-    line = _one_line(_cli("export", str(tmp_path / "ck"), str(tmp_path / "hf")))
+    line = _one_line(cli("export", str(tmp_path / "ck"), str(tmp_path / "hf")))
     assert "CheckpointExistsError" in line and "already exists" in line
     assert os.listdir(tmp_path / "hf") == []
 
 
 def test_export_without_a_config_warns_that_the_folder_will_not_load(tmp_path):
     p = _ckpt(tmp_path)  # saved without a config.json
-    r = _cli("export", str(p), str(tmp_path / "hf"), "--json", "-q")
+    r = cli("export", str(p), str(tmp_path / "hf"), "--json", "-q")
     assert r.returncode == 0, r.stderr
     (warning,) = _json(r)["warnings"]
     assert "no config.json" in warning and "from_pretrained" in warning and "--config" in warning
     assert r.stderr.strip().splitlines() == [f"unickpt export: warning: {warning}"]
     assert not (tmp_path / "hf" / "config.json").exists()
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    r = _cli("export", str(p), str(tmp_path / "hf2"), "--config", str(tmp_path / "config.json"), "--json", "-q")
+    r = cli("export", str(p), str(tmp_path / "hf2"), "--config", str(tmp_path / "config.json"), "--json", "-q")
     assert r.returncode == 0 and r.stderr == "" and "warnings" not in _json(r)
 
 
@@ -226,7 +222,7 @@ def test_convert_prints_no_dcp_warning(tmp_path):
 
     with pytest.warns(UserWarning, match="torch.distributed is disabled"):
         dcp.save({"model": {"w": torch.randn(4, 4)}}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
-    r = _cli("convert", "--from-dcp", str(tmp_path / "dcp"), str(tmp_path / "conv"), "-q")
+    r = cli_process("convert", "--from-dcp", str(tmp_path / "dcp"), str(tmp_path / "conv"), "-q")
     assert r.returncode == 0 and r.stderr == "", r.stderr
 
 
@@ -234,7 +230,7 @@ def test_without_json_an_error_writes_nothing_on_stdout(tmp_path):
     f, ck = _file_and_dir(tmp_path)
     for argv in (["verify", str(f)], ["reshard", str(ck), str(tmp_path / "o"), "--max-file-size", "12QB"],
                  ["reshard", str(ck), str(tmp_path / "o"), "--quant", "O9"]):
-        r = _cli(*argv)
+        r = cli(*argv)
         line = _one_line(r)
         assert r.stdout == "" and line.startswith(f"unickpt {argv[0]}: ")
     assert "--quant" in line and "unickpt reshard --help" in line
@@ -247,7 +243,7 @@ def test_a_failed_verification_exits_1_with_the_damage_in_json(tmp_path):
     with open(p / t.file, "r+b") as fh:
         fh.seek(man.files[t.file].data_start + t.begin)
         fh.write(b"\x00\x01\x02\x03")
-    r = _cli("verify", str(p), "--json", "-q")
+    r = cli("verify", str(p), "--json", "-q")
     assert r.returncode == 1 and "Traceback" not in r.stderr
     obj = _json(r)
     assert obj["ok"] is False and obj["exit_code"] == 1 and obj["error"]["type"] == "ChecksumError"
@@ -375,9 +371,9 @@ def test_a_killed_reshard_is_swept_by_the_next_and_ctrl_c_leaves_nothing(tmp_pat
     proc.communicate(timeout=60)
     (tmp,) = _temporaries(root)
     assert tmp.startswith(".re.tmp-") and any(n.endswith(".safetensors") for n in os.listdir(root / tmp))
-    r = _cli("reshard", str(p), str(dst), "-q")
+    r = cli("reshard", str(p), str(dst), "-q")
     assert r.returncode == 0, r.stderr
-    assert os.listdir(root) == ["re"] and _cli("verify", str(dst), "-q").returncode == 0
+    assert os.listdir(root) == ["re"] and cli("verify", str(dst), "-q").returncode == 0
 
     dst2 = root / "re2"
     proc = subprocess.Popen([sys.executable, "-c", SLOW_RESHARD, "reshard", str(p), str(dst2), "-q"],
@@ -461,15 +457,15 @@ def test_an_internal_bug_is_one_line_and_a_hint_its_traceback_only_with_debug(tm
 
 def test_progress_is_periodic_lines_on_stderr_off_a_terminal_and_quiet_silences_it(tmp_path):
     p = _ckpt(tmp_path)
-    r = _cli("verify", str(p))
+    r = cli("verify", str(p))
     assert r.returncode == 0 and r.stdout.startswith("ok: 3 tensors") and len(r.stdout.splitlines()) == 1
     lines = r.stderr.strip().splitlines()
     assert lines and all(line.startswith("unickpt verify: ") and "GB/s" in line for line in lines), lines
     assert lines[-1].startswith("unickpt verify: 100% ")
-    r = _cli("reshard", str(p), str(tmp_path / "re"), "--json")
+    r = cli("reshard", str(p), str(tmp_path / "re"), "--json")
     assert r.returncode == 0 and "unickpt reshard: 100% " in r.stderr and _json(r)["ok"]
     for argv in (["verify", str(p), "-q"], ["reshard", str(p), str(tmp_path / "re2"), "--quiet"]):
-        r = _cli(*argv)
+        r = cli(*argv)
         assert r.returncode == 0 and r.stderr == "", r.stderr
 
 
@@ -499,28 +495,28 @@ def _roles_ckpt(tmp_path):
 
 def test_reshard_drops_several_roles(tmp_path):
     src = _roles_ckpt(tmp_path)
-    r = _cli("reshard", str(src), str(tmp_path / "dst"), "--drop-role", "optimizer", "--drop-role", "ema",
+    r = cli("reshard", str(src), str(tmp_path / "dst"), "--drop-role", "optimizer", "--drop-role", "ema",
              "--drop-role", "trainer", "--json", "-q")
     assert r.returncode == 0 and r.stderr == "", r.stderr
     assert _json(r)["dropped_roles"] == ["ema", "optimizer", "trainer"]
     _, man = unickpt.read_manifest(tmp_path / "dst")
     assert {role for role, _ in man.tensors} == {"model", "master"} and man.state == {}
-    assert _cli("verify", str(tmp_path / "dst"), "-q").returncode == 0
+    assert cli("verify", str(tmp_path / "dst"), "-q").returncode == 0
 
 
 def test_reshard_refuses_an_unknown_role_naming_the_roles_it_has(tmp_path):
     src = _roles_ckpt(tmp_path)
-    line = _one_line(_cli("reshard", str(src), str(tmp_path / "dst"), "--drop-role", "optimiser"))
+    line = _one_line(cli("reshard", str(src), str(tmp_path / "dst"), "--drop-role", "optimiser"))
     assert "'optimiser'" in line and "ema, master, model, optimizer, trainer" in line
     assert not (tmp_path / "dst").exists()
-    line = _one_line(_cli("reshard", str(src), str(tmp_path / "dst"), *sum((["--drop-role", x] for x in
+    line = _one_line(cli("reshard", str(src), str(tmp_path / "dst"), *sum((["--drop-role", x] for x in
                                                                            ("model", "master", "optimizer", "ema")), [])))
     assert "would leave no tensors" in line
 
 
 def test_drop_optimizer_is_a_deprecated_alias(tmp_path):
     src = _roles_ckpt(tmp_path)
-    r = _cli("reshard", str(src), str(tmp_path / "dst"), "--drop-optimizer", "-q", "--json")
+    r = cli("reshard", str(src), str(tmp_path / "dst"), "--drop-optimizer", "-q", "--json")
     assert r.returncode == 0
     assert r.stderr.strip() == "unickpt reshard: warning: --drop-optimizer is deprecated; use --drop-role optimizer"
     assert _json(r)["warnings"] == ["--drop-optimizer is deprecated; use --drop-role optimizer"]
@@ -531,7 +527,7 @@ def test_drop_optimizer_is_a_deprecated_alias(tmp_path):
 def test_export_writes_the_config_given(tmp_path):
     p = _ckpt(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
-    r = _cli("export", str(p), str(tmp_path / "hf"), "--config", str(tmp_path / "config.json"), "-q", "--json")
+    r = cli("export", str(p), str(tmp_path / "hf"), "--config", str(tmp_path / "config.json"), "-q", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "llama"
 

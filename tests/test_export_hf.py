@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import unickpt
+from tests.clirun import cli
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +45,7 @@ def test_checkpoint_directory_loads_with_from_pretrained(trained):
 def test_export_bf16_in_shards_loads_and_matches(trained, tmp_path):
     path, tokens, logits = trained
     dst = tmp_path / "hf"
-    r = subprocess.run([sys.executable, "-m", "unickpt.cli", "export", path, str(dst), "--dtype", "bf16",
-                        "--max-shard-size", "40KiB", "-q"], capture_output=True, text=True)
+    r = cli("export", path, dst, "--dtype", "bf16", "--max-shard-size", "40KiB", "-q")
     assert r.returncode == 0, r.stderr
     files = sorted(os.listdir(dst))
     shards = [f for f in files if f.endswith(".safetensors")]
@@ -63,8 +63,8 @@ def test_export_bf16_in_shards_loads_and_matches(trained, tmp_path):
 def test_export_refuses_existing_dst_and_bad_sources(trained, tmp_path):
     path, _, _ = trained
     dst = tmp_path / "out"
-    assert subprocess.run([sys.executable, "-m", "unickpt.cli", "export", path, str(dst), "-q"]).returncode == 0
-    r = subprocess.run([sys.executable, "-m", "unickpt.cli", "export", path, str(dst), "-q"], capture_output=True, text=True)
+    assert cli("export", path, dst, "-q").returncode == 0
+    r = cli("export", path, dst, "-q")
     assert r.returncode == 2 and "CheckpointExistsError" in r.stderr
     before = sorted(os.listdir(dst))
     # a corrupted source: clear error, the existing destination untouched, nothing else written

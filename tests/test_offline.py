@@ -1,17 +1,12 @@
 """Offline tools: `unickpt reshard` and `unickpt convert --from-dcp`, streaming and atomic."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import unickpt
-
-
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "unickpt.cli", *args], capture_output=True, text=True)
+from tests.clirun import cli
 
 
 @pytest.fixture
@@ -29,7 +24,7 @@ def src(tmp_path):
 
 def test_reshard_drops_roles_splits_files_and_keeps_every_byte(src):
     tmp, sd = src
-    r = _cli("reshard", str(tmp / "src"), str(tmp / "dst"), "--drop-optimizer", "--max-file-size", "8KiB", "-q")
+    r = cli("reshard", str(tmp / "src"), str(tmp / "dst"), "--drop-optimizer", "--max-file-size", "8KiB", "-q")
     assert r.returncode == 0, r.stderr
     ckpt, man = unickpt.read_manifest(tmp / "dst")
     assert {role for role, _ in man.tensors} == {"model", "master"}
@@ -42,7 +37,7 @@ def test_reshard_drops_roles_splits_files_and_keeps_every_byte(src):
     for role in ("model", "master"):
         for k, v in sd[role].items():
             assert torch.equal(t[role][k], v)
-    assert _cli("verify", str(tmp / "dst")).returncode == 0
+    assert cli("verify", str(tmp / "dst")).returncode == 0
 
 
 def test_reshard_compresses_and_decompresses_offline(src):
@@ -51,7 +46,7 @@ def test_reshard_compresses_and_decompresses_offline(src):
     values as the offline decode."""
     tmp, sd = src
     sd["optimizer"]["exp_avg_sq"] = {}
-    r = _cli("reshard", str(tmp / "src"), str(tmp / "z"), "--quant", "O1", "--master", "residual", "--zstd", "3", "-q")
+    r = cli("reshard", str(tmp / "src"), str(tmp / "z"), "--quant", "O1", "--master", "residual", "--zstd", "3", "-q")
     assert r.returncode == 0, r.stderr
     assert "on disk" in r.stdout
     ckpt, man = unickpt.read_manifest(tmp / "z")
@@ -62,8 +57,8 @@ def test_reshard_compresses_and_decompresses_offline(src):
     assert man.tensors[("optimizer", "exp_avg.w1")].codec == "q8_sym"
     _, before = unickpt.read_manifest(tmp / "src")
     assert man.bytes_by_role()["master"] < 0.6 * before.bytes_by_role()["master"]
-    assert _cli("verify", str(tmp / "z")).returncode == 0
-    r = _cli("reshard", str(tmp / "z"), str(tmp / "plain"), "-q")
+    assert cli("verify", str(tmp / "z")).returncode == 0
+    r = cli("reshard", str(tmp / "z"), str(tmp / "plain"), "-q")
     assert r.returncode == 0, r.stderr
     t = {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()},
          "master": {k: torch.zeros_like(v) for k, v in sd["master"].items()},
@@ -83,16 +78,16 @@ def test_reshard_compresses_and_decompresses_offline(src):
 
 def test_reshard_bad_input_writes_nothing(src):
     tmp, _ = src
-    r = _cli("reshard", str(tmp / "src"), str(tmp / "src" / "step-00000009"))
+    r = cli("reshard", str(tmp / "src"), str(tmp / "src" / "step-00000009"))
     assert r.returncode == 2 and "CheckpointExistsError" in r.stderr
-    r = _cli("reshard", str(tmp / "src"), str(tmp / "q"), "--quant", "O1", "--zstd", "99")
+    r = cli("reshard", str(tmp / "src"), str(tmp / "q"), "--quant", "O1", "--zstd", "99")
     assert r.returncode == 2 and "zstd must be" in r.stderr and not (tmp / "q").exists()
     ckpt, man = unickpt.read_manifest(tmp / "src")
     t = man.tensors[("optimizer", "exp_avg.w2")]
     with open(os.path.join(ckpt, t.file), "r+b") as f:
         f.seek(man.files[t.file].data_start + t.begin + 9)
         f.write(b"\x01\x02")
-    r = _cli("reshard", str(tmp / "src"), str(tmp / "dst"))
+    r = cli("reshard", str(tmp / "src"), str(tmp / "dst"))
     assert r.returncode == 2 and "ChecksumError" in r.stderr and "exp_avg.w2" in r.stderr
     assert sorted(os.listdir(tmp)) == ["src"]  # no destination, no temporary left
 
@@ -105,7 +100,7 @@ def test_convert_from_dcp(tmp_path):
     state = {"model": {"a.weight": torch.randn(10, 7, generator=g), "b": torch.arange(5)},
              "optim": {"exp_avg": {"a.weight": torch.randn(10, 7, generator=g)}}, "step": 3}
     dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
-    r = _cli("convert", "--from-dcp", str(tmp_path / "dcp"), str(tmp_path / "uni"))
+    r = cli("convert", "--from-dcp", str(tmp_path / "dcp"), str(tmp_path / "uni"))
     assert r.returncode == 0, r.stderr
     _, man = unickpt.read_manifest(tmp_path / "uni")
     assert set(man.tensors) == {("model", "a.weight"), ("model", "b"), ("optim", "exp_avg.a.weight")}
@@ -116,5 +111,5 @@ def test_convert_from_dcp(tmp_path):
     assert torch.equal(t["model"]["a.weight"], state["model"]["a.weight"])
     assert torch.equal(t["optim"]["exp_avg"]["a.weight"], state["optim"]["exp_avg"]["a.weight"])
     assert torch.equal(t["model"]["b"], state["model"]["b"])
-    r = _cli("convert", "--from-dcp", str(tmp_path / "nothing"), str(tmp_path / "x"))
+    r = cli("convert", "--from-dcp", str(tmp_path / "nothing"), str(tmp_path / "x"))
     assert r.returncode == 2 and not (tmp_path / "x").exists()

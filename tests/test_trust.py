@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import unickpt
+from tests.clirun import cli
 from tests.crafted import seal
 from unickpt.errors import (
     CheckpointChangedError,
@@ -61,31 +62,6 @@ def _flip_tensor(p, name, byte, role="model"):
     _, man = unickpt.read_manifest(p)
     t = man.tensors[(role, name)]
     _flip(p / t.file, man.files[t.file].data_start + t.begin + byte)
-
-
-def _cli(*args, timeout=60):
-    """``unickpt ARGS`` in this process; a hang (e.g. blocked on a FIFO) fails after ``timeout``
-    seconds: SIGALRM interrupts the blocking call. An untyped exception propagates (a bug)."""
-    import contextlib
-    import io
-    import signal
-    import types
-
-    from unickpt.cli import main
-
-    def hung(signum, frame):
-        raise TimeoutError(f"unickpt {args[0]} did not return within {timeout} s")
-
-    out, err = io.StringIO(), io.StringIO()
-    old = signal.signal(signal.SIGALRM, hung)
-    signal.alarm(timeout)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            rc = main([str(a) for a in args])
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-    return types.SimpleNamespace(returncode=rc, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 # -- finding 3: every byte a load returns is verified, in every layout ------------------------
@@ -148,14 +124,14 @@ def test_every_single_bit_flip_in_the_manifest_is_refused(ck):
 
 
 def test_verify_covers_headers_index_and_config(ck, tmp_path):
-    assert _cli("verify", ck, "-q").returncode == 0
+    assert cli("verify", ck, "-q").returncode == 0
     _, man = unickpt.read_manifest(ck)
     f = next(n for n in man.files if n.startswith("model"))
     for target, off in ((ck / f, man.files[f].data_start - 3), (ck / "model.safetensors.index.json", 10),
                         (ck / "config.json", 3)):
         orig = target.read_bytes()
         _flip(target, off)
-        r = _cli("verify", ck, "-q")
+        r = cli("verify", ck, "-q")
         assert r.returncode == 1 and target.name in r.stderr, (target, r.stderr)
         target.write_bytes(orig)
     from unickpt.export import export_hf
@@ -185,7 +161,7 @@ def test_symlinks_out_of_the_checkpoint_are_refused_without_echoing_bytes(ck, tm
     secret.write_text("SECRET-TOKEN " * 100)
     (ck / "config.json").unlink()
     os.symlink(secret, ck / "config.json")
-    r = _cli("export", ck, tmp_path / "hf", "-q")
+    r = cli("export", ck, tmp_path / "hf", "-q")
     assert r.returncode == 2 and "symbolic link" in r.stderr and "SECRET" not in r.stderr + r.stdout
     assert not (tmp_path / "hf").exists()
     _, man = unickpt.read_manifest(ck)
@@ -194,7 +170,7 @@ def test_symlinks_out_of_the_checkpoint_are_refused_without_echoing_bytes(ck, tm
     os.symlink(tmp_path / "moved", ck / f)
     with pytest.raises(FormatError, match="symbolic link"):
         unickpt.load({"model": {"norm": torch.zeros(32)}}, ck, group="local", strict=False)
-    r = _cli("verify", ck, "-q")
+    r = cli("verify", ck, "-q")
     assert r.returncode == 1 and "SECRET" not in r.stderr
 
 
@@ -205,7 +181,7 @@ def test_a_fifo_anywhere_never_blocks(ck, tmp_path, which):
     (ck / name).unlink()
     os.mkfifo(ck / name)
     for cmd in (["inspect", ck], ["verify", ck, "-q"], ["export", ck, tmp_path / "hf", "-q"]):
-        r = _cli(*cmd, timeout=60)  # a hang fails with TimeoutExpired
+        r = cli(*cmd, timeout=60)  # a hang fails with TimeoutExpired
         if which == "manifest" or cmd[0] != "inspect":
             assert r.returncode in (1, 2) and "FIFO" in r.stderr + r.stdout, (cmd, r.stderr)
 
@@ -280,7 +256,7 @@ def test_odd_files_and_values_get_typed_errors(ck, tmp_path):
         mutate(m)
         (ck / "unickpt.json").write_bytes(seal(m))
         args = [cmd, ck] + ([tmp_path / "re"] if cmd == "reshard" else [])
-        r = _cli(*args)
+        r = cli(*args)
         assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     text = seal(good).replace(b'"lr":0.001', b'"lr":1e999')
     from tests.crafted import seal_text
@@ -305,7 +281,7 @@ def test_inspect_escapes_control_characters(ck):
     m["created"] = "\x1b]0;pwned\x07\x1b[2J"
     m["saved_by"]["unickpt_version"] = "\x1b[31m"
     (ck / "unickpt.json").write_bytes(seal(m))
-    r = _cli("inspect", ck)
+    r = cli("inspect", ck)
     assert r.returncode == 0 and "\x1b" not in r.stdout and "\\x1b" in r.stdout
 
 
@@ -403,7 +379,7 @@ def test_export_never_replaces_a_checkpoint_or_its_root(ck, tmp_path):
     root = tmp_path / "root"
     unickpt.save(_state(), root / "step-00000005", step=5)
     for dst in (root, root / "step-00000005", ck):
-        r = _cli("export", root / "step-00000005", dst, "--overwrite", "-q")
+        r = cli("export", root / "step-00000005", dst, "--overwrite", "-q")
         assert r.returncode == 2 and "CheckpointExistsError" in r.stderr, (dst, r.stderr)
     assert unickpt.latest(root).endswith("step-00000005") and unickpt.read_manifest(ck)[1].step == 3
 
@@ -420,7 +396,7 @@ def test_convert_checks_dcp_claims_before_allocating_or_creating(tmp_path):
     md.state_dict_metadata["model.w"].size = torch.Size([1 << 30, 16])
     md.state_dict_metadata["model.w"].chunks[0].sizes = torch.Size([1 << 30, 16])
     (d / ".metadata").write_bytes(pickle.dumps(md))
-    r = _cli("convert", "--from-dcp", d, tmp_path / "uni", "-q")
+    r = cli("convert", "--from-dcp", d, tmp_path / "uni", "-q")
     assert r.returncode == 2 and "claims" in r.stderr, r.stderr
     assert sorted(os.listdir(tmp_path)) == ["dcp"]
 
@@ -437,7 +413,7 @@ def test_manifest_cap_counts_only_the_data_files_on_disk(ck):
 
 def test_cli_sizes_are_checked(ck, tmp_path):
     for size in ("1e400G", "-5", "x"):
-        r = _cli("export", ck, tmp_path / "hf", "--max-shard-size", size, "-q")
+        r = cli("export", ck, tmp_path / "hf", "--max-shard-size", size, "-q")
         assert r.returncode == 2 and "InvalidArgumentError" in r.stderr, r.stderr
 
 
@@ -501,5 +477,5 @@ def test_verify_flags_a_config_json_the_manifest_does_not_list(tmp_path):
     p = tmp_path / "ck"
     unickpt.save({"model": {"w": torch.ones(2)}}, p)
     (p / "config.json").write_text('{"api_key": "x"}')
-    r = _cli("verify", p, "-q")
+    r = cli("verify", p, "-q")
     assert r.returncode == 1 and "config.json" in r.stderr and "not part of the checkpoint" in r.stderr
