@@ -222,7 +222,7 @@ def test_a_save_killed_before_its_commit_is_invisible_and_swept(s3):
 
 
 def test_cli_inspect_verify_export_on_s3_urls(s3, tmp_path):
-    from tests.test_trust import _cli
+    from tests.clirun import cli as _cli
 
     root = s3.bucket("ck-cli")
     url = root + "/ck"
@@ -283,7 +283,7 @@ def test_a_prefix_without_manifest_is_not_a_checkpoint():
     assert unickpt.latest("memory://unickpt-test/junk") is None
     with pytest.raises(CheckpointNotFoundError, match="no committed checkpoint"):
         unickpt.read_manifest(p)
-    from tests.test_trust import _cli
+    from tests.clirun import cli as _cli
 
     r = _cli("inspect", p)
     assert r.returncode == 2 and "CheckpointNotFoundError" in r.stderr
@@ -535,7 +535,7 @@ def test_convert_from_dcp_into_s3(s3, tmp_path):
 
     import torch.distributed.checkpoint as dcp
 
-    from tests.test_trust import _cli
+    from tests.clirun import cli as _cli
 
     sd = {"model": {"w": torch.arange(20.0).view(4, 5)}}
     with warnings.catch_warnings():
