@@ -15,12 +15,19 @@ from typing import Any, Callable
 
 _CTX = None
 
+#: imported once by the forkserver, so that no rank of any job imports them again: a rank that
+#: calls ``torch.use_deterministic_algorithms`` imports torch._inductor (and dynamo, sympy:
+#: ~1.5-2.3 s on a CI core, per rank and job), the FSDP2 tests transformers' Llama (~1.4 s)
+PRELOAD = ["torch", "torch.distributed", "torch._inductor", "torch.distributed.tensor", "torch.distributed.checkpoint",
+           "torch.distributed.fsdp", "transformers.models.llama.modeling_llama", "psutil", "unickpt", "unickpt.train",
+           "unickpt.saver", "unickpt.loader", "unickpt.async_save"]
+
 
 def _ctx():
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "unickpt"])
+        _CTX.set_forkserver_preload(PRELOAD)
     return _CTX
 
 
