@@ -1,14 +1,17 @@
 """Run the ``unickpt`` command line from a test.
 
-:func:`cli` runs :func:`unickpt.cli.main` in the test's process, as a fresh interpreter would
-show it: stdout and stderr captured, Python's default warning filters with each warning
-printed on stderr, the library's log records at WARNING and above on stderr (Python's
-last-resort handler, since the CLI configures no logging), the environment restored after,
-and a hang failing after ``timeout`` seconds. No interpreter start: ~2 s of ``import torch``
-saved per call.
+:func:`cli` runs :func:`unickpt.cli.main` in the test's process, close to what a fresh
+interpreter shows: stdout and stderr captured, Python's default warning filters with each
+warning printed on stderr (after the command's own output), the library's log records at
+WARNING and above on stderr (Python's last-resort handler, since the CLI configures no
+logging), the environment restored after, and a hang failing the test after ``timeout``
+seconds. No interpreter start: ~2 s of ``import torch`` saved per call.
 
-:func:`cli_process` runs ``python -m unickpt.cli`` in a new process, for what only a process
-shows (the entry point itself, signals, a closed pipe, kill -9).
+What it cannot show, so a test that needs it uses :func:`cli_process` (``python -m
+unickpt.cli`` in a new process): warnings already shown once in this process
+(``TORCH_WARN_ONCE``, warn-once loggers, import-time warnings), other libraries' loggers
+and handlers bound to an earlier stderr (transformers'), bytes written straight to fd 2,
+and the process itself (the entry point, signals, a closed pipe, kill -9).
 """
 
 from __future__ import annotations
@@ -22,18 +25,24 @@ import subprocess
 import sys
 import warnings
 
-__all__ = ["cli", "cli_process"]
+__all__ = ["cli", "cli_process", "CliHung"]
+
+
+class CliHung(BaseException):
+    """A command did not return in time. Not an ``Exception`` (``TimeoutError`` is an
+    ``OSError``, which the CLI reports as a user error with exit 2): nothing in the CLI or the
+    library catches it, so the test fails."""
 
 
 def cli(*args, timeout: int = 60) -> subprocess.CompletedProcess:
-    """``unickpt ARGS`` in this process; an untyped exception propagates (a bug in the CLI,
-    which must catch them all)."""
+    """``unickpt ARGS`` in this process; an exception that leaves ``main`` propagates (a bug:
+    the CLI must turn every error into an exit code), as does :class:`CliHung`."""
     from unickpt.cli import main
 
     argv = [str(a) for a in args]
 
     def hung(signum, frame):
-        raise TimeoutError(f"unickpt {' '.join(argv[:1])} did not return within {timeout} s")
+        raise CliHung(f"unickpt {' '.join(argv[:1])} did not return within {timeout} s")
 
     out, err = io.StringIO(), io.StringIO()
     handler = logging.StreamHandler(err)
@@ -51,8 +60,12 @@ def cli(*args, timeout: int = 60) -> subprocess.CompletedProcess:
                 warnings.filterwarnings("ignore", category=category)
             logger.addHandler(handler)
             logger.propagate = False
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                rc = main(argv)
+            try:
+                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                    rc = main(argv)
+            except BaseException as e:  # a bug or a hang: the test shows what the command printed
+                e.add_note(f"unickpt {' '.join(argv)}\n--- stdout ---\n{out.getvalue()}--- stderr ---\n{err.getvalue()}")
+                raise
         for w in caught:
             err.write(warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line))
     finally:

@@ -112,8 +112,8 @@ def test_every_command_prints_one_json_object_with_its_figures(tmp_path):
         "reshard": ("reshard", str(p), str(tmp_path / "re"), "--max-file-size", "1KiB"),
         "convert": ("convert", "--from-dcp", str(tmp_path / "dcp"), str(tmp_path / "conv")),
     }
-    for cmd, argv in runs.items():
-        r = cli(*argv, "--json")
+    for cmd, argv in runs.items():  # each in a process: what a user's shell sees, warn-once warnings included
+        r = cli_process(*argv, "--json")
         assert r.returncode == 0, r.stderr
         obj = _json(r)
         assert obj["command"] == cmd and obj["ok"] is True and obj["exit_code"] == 0 and "error" not in obj
@@ -199,7 +199,9 @@ def test_export_to_an_existing_destination_is_refused_before_anything_else(tmp_p
            "n_head": 2, "n_positions": 16, "bos_token_id": 50256, "eos_token_id": 50256}
     unickpt.save({"model": {"w": torch.randn(4, 4)}}, tmp_path / "ck", extra_files={"config.json": json.dumps(cfg)})
     (tmp_path / "hf").mkdir()
-    line = _one_line(cli("export", str(tmp_path / "ck"), str(tmp_path / "hf")))
+    # a process: transformers' warnings go to the stderr its handler was made with, which in
+    # this process may be an earlier test's
+    line = _one_line(cli_process("export", str(tmp_path / "ck"), str(tmp_path / "hf")))
     assert "CheckpointExistsError" in line and "already exists" in line
     assert os.listdir(tmp_path / "hf") == []
 

@@ -15,6 +15,7 @@ import torch
 
 import unickpt
 from tests import dist
+from tests.clirun import cli
 from tests.layouts import assert_same, build, reference, zeros_like_full
 from tests.test_quant_matrix import expected, reference_q
 from unickpt.errors import (CheckpointExistsError, CheckpointNotFoundError, InvalidArgumentError, StorageError,
@@ -222,17 +223,16 @@ def test_a_save_killed_before_its_commit_is_invisible_and_swept(s3):
 
 
 def test_cli_inspect_verify_export_on_s3_urls(s3, tmp_path):
-    from tests.clirun import cli as _cli
 
     root = s3.bucket("ck-cli")
     url = root + "/ck"
     cfg = '{"model_type": "llama"}'
     unickpt.save({"model": {"model.w": torch.arange(12.0).view(3, 4)}}, url, step=4, extra_files={"config.json": cfg})
-    r = _cli("inspect", url)
+    r = cli("inspect", url)
     assert r.returncode == 0 and "step 4" in r.stdout, r.stderr
-    r = _cli("verify", url)
+    r = cli("verify", url)
     assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr
-    r = _cli("export", url, str(tmp_path / "hf"), "-q")  # object store -> local folder
+    r = cli("export", url, str(tmp_path / "hf"), "-q")  # object store -> local folder
     assert r.returncode == 0, r.stderr
     from safetensors.torch import load_file
 
@@ -240,12 +240,12 @@ def test_cli_inspect_verify_export_on_s3_urls(s3, tmp_path):
     assert "config.json" in files
     got = {k: v for f in files if f.endswith(".safetensors") for k, v in load_file(str(tmp_path / "hf" / f)).items()}
     assert torch.equal(got["model.w"], torch.arange(12.0).view(3, 4))
-    r = _cli("export", url, root + "/hf", "-q")  # and into the object store
+    r = cli("export", url, root + "/hf", "-q")  # and into the object store
     assert r.returncode == 0, r.stderr
     assert "config.json" in _objects(root + "/hf")
-    r = _cli("reshard", url, root + "/ck2", "-q")
+    r = cli("reshard", url, root + "/ck2", "-q")
     assert r.returncode == 0, r.stderr
-    assert _cli("verify", root + "/ck2").returncode == 0
+    assert cli("verify", root + "/ck2").returncode == 0
     # a damaged object: verify names it and fails
     import boto3
 
@@ -254,7 +254,7 @@ def test_cli_inspect_verify_export_on_s3_urls(s3, tmp_path):
     body = bytearray(c.get_object(Bucket="ck-cli", Key="ck/" + key)["Body"].read())
     body[-1] ^= 1
     c.put_object(Bucket="ck-cli", Key="ck/" + key, Body=bytes(body))
-    r = _cli("verify", url)
+    r = cli("verify", url)
     assert r.returncode == 1 and key in r.stderr
 
 
@@ -283,9 +283,8 @@ def test_a_prefix_without_manifest_is_not_a_checkpoint():
     assert unickpt.latest("memory://unickpt-test/junk") is None
     with pytest.raises(CheckpointNotFoundError, match="no committed checkpoint"):
         unickpt.read_manifest(p)
-    from tests.clirun import cli as _cli
 
-    r = _cli("inspect", p)
+    r = cli("inspect", p)
     assert r.returncode == 2 and "CheckpointNotFoundError" in r.stderr
 
 
@@ -535,16 +534,15 @@ def test_convert_from_dcp_into_s3(s3, tmp_path):
 
     import torch.distributed.checkpoint as dcp
 
-    from tests.clirun import cli as _cli
 
     sd = {"model": {"w": torch.arange(20.0).view(4, 5)}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP's single-process warning
         dcp.save(sd, checkpoint_id=str(tmp_path / "dcp"))
     url = s3.bucket("ck-convert") + "/ck"
-    r = _cli("convert", "--from-dcp", tmp_path / "dcp", url, "-q")
+    r = cli("convert", "--from-dcp", tmp_path / "dcp", url, "-q")
     assert r.returncode == 0, r.stderr
-    assert _cli("verify", url).returncode == 0
+    assert cli("verify", url).returncode == 0
     t = {"model": {"w": torch.zeros(4, 5)}}
     unickpt.load(t, url)
     assert torch.equal(t["model"]["w"], sd["model"]["w"])

@@ -181,7 +181,7 @@ def test_a_fifo_anywhere_never_blocks(ck, tmp_path, which):
     (ck / name).unlink()
     os.mkfifo(ck / name)
     for cmd in (["inspect", ck], ["verify", ck, "-q"], ["export", ck, tmp_path / "hf", "-q"]):
-        r = cli(*cmd, timeout=60)  # a hang fails with TimeoutExpired
+        r = cli(*cmd, timeout=60)  # a hang fails the test (clirun.CliHung)
         if which == "manifest" or cmd[0] != "inspect":
             assert r.returncode in (1, 2) and "FIFO" in r.stderr + r.stdout, (cmd, r.stderr)
 
