@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import unickpt
-from tests.clirun import cli, cli_process  # cli: in this process, as a fresh interpreter shows it
+from tests.clirun import cli, cli_process  # cli: in this process (close to a fresh one; see clirun)
 
 
 def _sigint_default() -> None:
@@ -498,7 +498,7 @@ def _roles_ckpt(tmp_path):
 def test_reshard_drops_several_roles(tmp_path):
     src = _roles_ckpt(tmp_path)
     r = cli("reshard", str(src), str(tmp_path / "dst"), "--drop-role", "optimizer", "--drop-role", "ema",
-             "--drop-role", "trainer", "--json", "-q")
+            "--drop-role", "trainer", "--json", "-q")
     assert r.returncode == 0 and r.stderr == "", r.stderr
     assert _json(r)["dropped_roles"] == ["ema", "optimizer", "trainer"]
     _, man = unickpt.read_manifest(tmp_path / "dst")
@@ -512,7 +512,7 @@ def test_reshard_refuses_an_unknown_role_naming_the_roles_it_has(tmp_path):
     assert "'optimiser'" in line and "ema, master, model, optimizer, trainer" in line
     assert not (tmp_path / "dst").exists()
     line = _one_line(cli("reshard", str(src), str(tmp_path / "dst"), *sum((["--drop-role", x] for x in
-                                                                           ("model", "master", "optimizer", "ema")), [])))
+                                                                          ("model", "master", "optimizer", "ema")), [])))
     assert "would leave no tensors" in line
 
 

@@ -223,7 +223,6 @@ def test_a_save_killed_before_its_commit_is_invisible_and_swept(s3):
 
 
 def test_cli_inspect_verify_export_on_s3_urls(s3, tmp_path):
-
     root = s3.bucket("ck-cli")
     url = root + "/ck"
     cfg = '{"model_type": "llama"}'
@@ -533,7 +532,6 @@ def test_convert_from_dcp_into_s3(s3, tmp_path):
     import warnings
 
     import torch.distributed.checkpoint as dcp
-
 
     sd = {"model": {"w": torch.arange(20.0).view(4, 5)}}
     with warnings.catch_warnings():
