@@ -11,7 +11,7 @@ import multiprocessing as mp
 import os
 import socket
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 _CTX = None
 
@@ -63,9 +63,10 @@ def _worker(fn, rank, world, port, args, q, env, backend="gloo"):
 
 
 def run(fn: Callable, world: int, *args: Any, timeout: float = 180, env: dict | None = None,
-        backend: str = "gloo") -> list[Any]:
+        backend: str = "gloo", may_die: Collection[int] = ()) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` processes; return the results by rank.
-    ``backend="nccl"``: every rank on GPU 0 (one GPU: world 1 only)."""
+    ``backend="nccl"``: every rank on GPU 0 (one GPU: world 1 only). Ranks in ``may_die``
+    may exit without a result (a test that kills them): theirs is None."""
     ctx = _ctx()
     q = ctx.Queue()
     port = free_port()
@@ -82,7 +83,10 @@ def run(fn: Callable, world: int, *args: Any, timeout: float = 180, env: dict | 
 
     deadline = time.monotonic() + timeout
     try:
-        while len(results) + len(errors) < world:
+        def gone() -> set[int]:
+            return {r for r in may_die if procs[r].exitcode not in (None, 0) and r not in results}
+
+        while len(results) + len(errors) + len(gone()) < world:
             left = deadline - time.monotonic()
             if left <= 0:
                 if errors:
@@ -91,7 +95,7 @@ def run(fn: Callable, world: int, *args: Any, timeout: float = 180, env: dict | 
             try:
                 rank, ok, out = q.get(timeout=min(left, 1.0))
             except _q.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                dead = [p for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in may_die]
                 if dead and q.empty():
                     raise RuntimeError(f"rank process died: exit codes {[p.exitcode for p in procs]}")
                 continue
@@ -108,4 +112,4 @@ def run(fn: Callable, world: int, *args: Any, timeout: float = 180, env: dict | 
                 p.join()
     if errors:
         raise AssertionError("\n".join(errors))
-    return [results[r] for r in range(world)]
+    return [results.get(r) for r in range(world)]

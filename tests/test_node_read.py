@@ -428,3 +428,70 @@ def test_a_target_the_union_does_not_cover_is_read_alone_not_reported_done(saved
     ranges outside it is read alone (bit-exact), never marked done with bytes nobody read."""
     out = dist.run(_load_columns, 3, saved, None, _needs_understated)
     assert all(o[2] is True for o in out), out
+
+
+def _in_scatter_on_rank_1(action: str, rank: int) -> None:
+    """A patch for _load_columns: rank 1, at its third scatter of a shared round, kills itself
+    (``"kill"``: SIGKILL, no chance to tell anyone) or stalls for 8 s (``"stall"``)."""
+    if rank != 1:
+        return
+    import signal
+
+    import unickpt.noderead as nr
+
+    real, calls = nr.copy_window, [0]
+
+    def hook(*a, **k):
+        calls[0] += 1
+        if calls[0] == 3:
+            if action == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(8)
+        return real(*a, **k)
+
+    nr.copy_window = hook
+
+
+def test_a_peer_killed_during_the_rounds_fails_its_node_mates_at_once(saved):
+    """The ranks of a node meet through status words in shared memory, not messages: a peer
+    killed between two of them can tell nobody. Its mates notice that its process is gone
+    within a poll and raise DistributedError naming it, long before timeout_s (60 s)."""
+    out = dist.run(_load_columns, 2, saved, None, functools.partial(_in_scatter_on_rank_1, "kill"), 60,
+                   timeout=90, may_die={1})
+    assert out[1] is None, out  # killed
+    assert out[0][0] == "DistributedError" and "[1]" in out[0][1] and "exited" in out[0][1], out
+    assert out[0][2] < 10, out
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("unickpt-read-")]
+
+
+def test_a_peer_stalled_in_the_rounds_fails_its_node_mates_at_timeout_s(saved):
+    """A live peer that makes no progress (stopped, swapped out, stuck in a scatter) holds
+    its mates up for timeout_s at most: then they raise DistributedError naming it."""
+    out = dist.run(_load_columns, 2, saved, None, functools.partial(_in_scatter_on_rank_1, "stall"), 2, timeout=90)
+    assert out[0][0] == "DistributedError" and "[1]" in out[0][1] and "within 2 s" in out[0][1], out
+    assert 2 <= out[0][2] < 7, out
+    assert out[1][0] == "DistributedError", out  # rank 0's failure reaches it once it resumes
+
+
+def _prefetch_fails(rank: int) -> None:
+    """Every prefetch hint fails (EIO) and is recorded."""
+    import unickpt.storage as st
+
+    def prefetch(self, offset, n):
+        os.environ["UNICKPT_TEST_PREFETCHED"] = "1"
+        raise OSError(errno.EIO, "injected", self.path)
+
+    st._Reader.prefetch = prefetch
+
+
+def _load_columns_prefetch_failing(rank, world, root):
+    got = _load_columns(rank, world, root, None, _prefetch_fails)
+    return got, os.environ.get("UNICKPT_TEST_PREFETCHED")
+
+
+def test_a_failing_prefetch_hint_changes_nothing(saved):
+    """The first rounds' bytes are hinted to the kernel while the segment is set up; a hint
+    that fails is only a hint: the load is bit-exact and reads what it reads without it."""
+    out = dist.run(_load_columns_prefetch_failing, 2, saved)
+    assert all(o[0][2] is True and o[1] == "1" for o in out), out
+    assert sum(o[0][0] for o in out) == sum(o[0] for o in dist.run(_load_columns, 2, saved)), out

@@ -14,25 +14,33 @@ ranks of a node agree on the union of the checksummed ranges they need and read 
 2. A node shares only when it pays: at least two ranks, and the ranks' needs add up to
    more than :data:`MIN_OVERLAP` times their union. Otherwise its ranks read alone.
 3. The node's lowest rank creates a shared-memory segment (``/dev/shm``, mode 0600,
-   unlinked as soon as every rank of the node has mapped it) of :data:`BUFFERS` buffers
-   of about :data:`ROUND` bytes. The union (in file order) is cut into one contiguous share
-   per rank of about equal bytes, at checksummed-range boundaries, so each rank streams
-   through its own part of the files as a sequential reader (the kernel's read-ahead
-   follows it; shares striped through every round defeat it and read at about half the
-   speed here). Each share is cut into pieces of ``ROUND / ranks`` bytes; round ``k`` is
-   every rank's ``k``-th piece, read into its part of buffer ``k % BUFFERS`` and hashed
-   (in the reading thread). After one exchange of failure flags between the node's ranks
-   (a failing rank stops every rank of its node at the next round; the other nodes learn
-   of it at the load's agreement that follows the reads, within the timeout) every rank
-   scatters round ``k`` into its own targets while the next rounds are being read.
-4. The ranges whose checksum did not match are exchanged within the node at the end; every
-   rank that used bytes of such a tensor reports it (``ChecksumError`` naming file and tensor).
+   unlinked as soon as every rank of the node has mapped it): a page of status words, then
+   :data:`BUFFERS` buffers of about :data:`ROUND` bytes. The union (in file order) is cut
+   into one contiguous share per rank of about equal bytes, at checksummed-range
+   boundaries, so each rank streams through its own part of the files as a sequential
+   reader (the kernel's read-ahead follows it; shares striped through every round defeat it
+   and read at about half the speed here). Each share is cut into pieces of
+   ``ROUND / ranks`` bytes; round ``k`` is every rank's ``k``-th piece, read into its part
+   of buffer ``k % BUFFERS`` and hashed (in the reading thread).
+   The ranks meet only through the status words (:class:`_Status`), never through a message
+   per round: each rank publishes the rounds it has read and hashed and the rounds it has
+   scattered. A rank scatters round ``k`` into its own targets once every rank of the node
+   published it, and reads into a buffer again once every rank scattered the round it held,
+   so each reads up to ``BUFFERS`` rounds ahead. (A message exchange per round made every
+   rank wait for the slowest one's turn on a core, ~36 times per GB: with 4 ranks on 2
+   cores that cost more than reading every byte twice.) A failing rank sets its failure
+   flag: its node mates stop at their next poll and learn why at the load's agreement
+   that follows; a node mate that dies is noticed within a poll (its pid and start time are
+   in the status words), one that stops making progress within ``timeout_s``.
+4. A status word says whether a rank found ranges whose checksum did not match; only then
+   are they exchanged within the node at the end, and every rank that used bytes of such a
+   tensor reports it (``ChecksumError`` naming file and tensor).
 
 Bytes through read calls per node = bytes of the checksummed ranges its ranks need (each
 counted once); each range is hashed once, by the rank that read it. A rank returns bytes
 that a rank of its own node read and verified (same job, same node, a 0600 segment).
-Where shared memory cannot be set up (no ``/dev/shm``, out of space), every rank falls back
-to reading alone: sharing changes speed, never results.
+Where shared memory cannot be set up (no ``/dev/shm``, out of space), and on machines other
+than x86-64 (see :class:`_Status`), every rank reads alone: sharing changes speed, never results.
 """
 
 from __future__ import annotations
@@ -40,7 +48,10 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import platform
 import secrets
+import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -49,6 +60,7 @@ import torch
 
 from ._copy import copy_window
 from ._metrics import log
+from .errors import DistributedError
 from .format import Hasher
 from .layout import Runs
 from .manifest import Manifest, TensorEntry
@@ -59,8 +71,8 @@ __all__ = ["SharedJob", "read_shared", "ROUND", "MIN_OVERLAP", "enabled"]
 ROUND = 32 << 20
 """Bytes a node reads per round."""
 BUFFERS = 4
-"""Rounds held by the segment: one being scattered, one whose sync is pending, and
-``BUFFERS - 2`` read ahead (the reads in flight per rank)."""
+"""Rounds held by the segment: a rank reads up to this many rounds ahead of the node's
+slowest scatter."""
 MIN_OVERLAP = 1.25
 """A node shares its reads when its ranks' needs add up to at least this many times their union."""
 PIECE = 8 << 20  # one read call at most
@@ -68,8 +80,10 @@ SHM_DIR = "/dev/shm"
 
 
 def enabled() -> bool:
-    """Node-shared reads are on unless ``UNICKPT_NODE_SHARED_READS=0``."""
-    return os.environ.get("UNICKPT_NODE_SHARED_READS", "1") != "0"
+    """Node-shared reads are on unless ``UNICKPT_NODE_SHARED_READS=0``, on x86-64 (the ranks
+    of a node meet through status words in shared memory, whose ordering :class:`_Status`
+    takes from x86-64's; elsewhere every rank reads alone)."""
+    return os.environ.get("UNICKPT_NODE_SHARED_READS", "1") != "0" and platform.machine().lower() in ("x86_64", "amd64")
 
 
 @dataclass
@@ -122,9 +136,14 @@ class _NodePlan:
     buffers: int  # round buffers in the segment: BUFFERS, or fewer when there are fewer rounds
 
     @property
+    def header(self) -> int:
+        """Bytes of the status words at the head of the segment (whole pages)."""
+        return -(-len(self.ranks) * _WORDS * 8 // 4096) * 4096
+
+    @property
     def size(self) -> int:
-        """Bytes of the node's segment."""
-        return self.buffers * int(self.part[-1])
+        """Bytes of the node's segment: the status words, then the round buffers."""
+        return self.header + self.buffers * int(self.part[-1])
 
 
 def _plan_node(ranks: list[int], token: str, needs: dict[int, np.ndarray], keys: list, man: Manifest) -> _NodePlan:
@@ -172,6 +191,37 @@ def _plan_node(ranks: list[int], token: str, needs: dict[int, np.ndarray], keys:
                      max(1, min(BUFFERS, rounds)))
 
 
+def _prefetch(plan: _NodePlan, me: int, keys: list, man: Manifest, files, pool) -> None:
+    """Start the disk on this rank's first rounds while the segment is set up (its creation,
+    two exchanges): the readers' ``prefetch`` hint, where they have one (local files), given
+    on a read thread. Only a hint: a file that cannot be opened now fails in its reads."""
+    sel = np.flatnonzero((plan.reader == me) & (plan.round < min(plan.buffers, plan.rounds)))
+    ext: list[list] = []  # [file, start, end] of runs of adjacent ranges, in read order
+    for r in sel.tolist():
+        ent = man.tensors[keys[int(plan.tensor[r])]]
+        a = man.files[ent.file].data_start + ent.begin + int(plan.begin[r])
+        b = a + int(plan.end[r] - plan.begin[r])
+        if ext and ext[-1][0] == ent.file and ext[-1][2] == a:
+            ext[-1][2] = b
+        else:
+            ext.append([ent.file, a, b])
+    try:  # readers are opened here, on this thread (files is not shared between threads)
+        hints = [(getattr(files.get(name), "prefetch", None), a, b - a) for name, a, b in ext]
+    except Exception:
+        return
+
+    def give() -> None:
+        for hint, a, n in hints:
+            if hint is not None:
+                try:
+                    hint(a, n)
+                except OSError:
+                    return
+
+    if any(h is not None for h, _, _ in hints):
+        pool.submit(give)
+
+
 class _Segment:
     """The node's shared buffers: created by the node's first rank, mapped by the others."""
 
@@ -204,15 +254,25 @@ class _Segment:
             except FileNotFoundError:
                 pass
 
-    def close(self) -> None:
+    def close(self, background: bool = False) -> None:
+        """Unmap (``background``: on a thread, since returning ~100 MiB of pages takes tens of
+        milliseconds that the load need not wait for; the segment is unlinked already)."""
         self.unlink()
         self.bytes = None
-        if self.map is not None:
+        m, self.map = self.map, None
+        if m is None:
+            return
+
+        def unmap() -> None:
             try:
-                self.map.close()
+                m.close()
             except BufferError:  # a view still exists: the mapping goes with the last one
                 pass
-            self.map = None
+
+        if background:
+            threading.Thread(target=unmap, name="unickpt-unmap", daemon=True).start()
+        else:
+            unmap()
 
 
 def _sweep_dead() -> None:
@@ -319,6 +379,7 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
     if not total or asked < MIN_OVERLAP * total:
         return 0, jobs, False
     plan = _plan_node(ranks, all_[ranks[0]]["token"], union, keys, man)
+    _prefetch(plan, plan.ranks.index(comm.rank), keys, man, files, pool)
 
     # the segment: created by the node's first rank, opened by the others, then unlinked
     seg: _Segment | None = None
@@ -337,6 +398,7 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
             try:
                 if seg is None:
                     seg = _Segment(path, size, create=False)
+                _Status(seg, plan.ranks, plan.ranks.index(comm.rank)).register()  # before the exchange below
             except OSError as e:
                 log.info("node-shared reads off: cannot map %s (%s)", path, e)
                 err = True
@@ -364,25 +426,85 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
                                    files, pool, verify)
         return checked, [j for j in jobs if not covered(j)], aborted
     finally:
-        seg.close()
+        seg.close(background=True)
+
+
+def _proc_start(pid: int) -> int | None:
+    """Start time (clock ticks after boot) of process ``pid`` as this process sees it, or None
+    when there is no such process here."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class _Status:
+    """The status words at the head of the node's segment, :data:`_WORDS` int64 per rank of
+    the node (one 64-byte line each): rounds read and hashed, rounds scattered, a failure
+    flag, and the rank's pid and start time (so a peer that dies is noticed at once).
+
+    A rank publishes a round only after its reads of the round completed (the read threads'
+    futures resolved: their stores happen before), and scatters a round only after every rank
+    published it; a buffer is read into again only after every rank published that it
+    finished scattering the round it held. Aligned 8-byte stores and loads are atomic and, on
+    x86-64, seen by other cores in program order (TSO), which is all this protocol needs:
+    :func:`enabled` keeps node-shared reads to x86-64."""
+
+    def __init__(self, seg: "_Segment", ranks: list[int], me: int) -> None:
+        self.m, self.me = len(ranks), me
+        self.ranks = ranks
+        self.w = np.frombuffer(seg.map, dtype=np.int64, count=self.m * _WORDS).reshape(self.m, _WORDS)
+
+    def register(self) -> None:
+        self.w[self.me, _PID] = os.getpid()
+        self.w[self.me, _START] = _proc_start(os.getpid()) or -1
+
+    def peers_seen(self) -> list[int]:
+        """Node positions of the peers whose process this process can watch (same pid
+        namespace: the pid it wrote is a live process here with the start time it wrote)."""
+        return [i for i in range(self.m) if i != self.me and self.w[i, _START] != -1
+                and _proc_start(int(self.w[i, _PID])) == int(self.w[i, _START])]
+
+    def dead(self, seen: list[int]) -> list[int]:
+        return [i for i in seen if _proc_start(int(self.w[i, _PID])) != int(self.w[i, _START])]
+
+    def set(self, word: int, value: int) -> None:
+        self.w[self.me, word] = value
+
+    def low(self, word: int) -> int:
+        return int(self.w[:, word].min())
+
+    def failed(self) -> list[int]:
+        return np.flatnonzero(self.w[:, _FAIL]).tolist()
+
+
+_WORDS, _READ, _USED, _FAIL, _PID, _START, _BAD, _DONE = 8, 0, 1, 2, 3, 4, 5, 6
 
 
 def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[SharedJob], keys, index, man,
             files, pool, verify: bool) -> tuple[int, bool]:
-    """The rounds. Round ``k`` lives in buffer ``k % BUFFERS``. Iteration ``k``: wait for this
-    rank's reads of round ``k`` (each read task hashes what it read), start its reads of round
-    ``k + BUFFERS - 2`` (its buffer last held round ``k - 2``, which every rank finished
-    scattering before the sync of round ``k - 1``), sync, then scatter round ``k`` while the
-    rounds ahead are read. The disk never waits for a sync or a scatter."""
-    slot = int(plan.part[-1])  # one round's buffer: one part per rank (round k: buffer k % BUFFERS < plan.buffers)
+    """The rounds. Round ``k`` lives in buffer ``k % buffers``. Each rank reads its part of
+    every round as soon as that buffer is free (every rank scattered the round it held) and
+    publishes the round once its reads of it are done and hashed; it scatters round ``k`` once
+    every rank published it. The ranks meet only through the status words (:class:`_Status`):
+    no message per round, so no rank waits for another's turn on a core except for bytes it
+    needs. A failure sets this rank's flag and stops every rank of the node at its next wait;
+    a peer that dies is noticed within a poll, one that hangs within ``comm.timeout_s``."""
+    slot = int(plan.part[-1])  # one round's buffer: one part per rank
+    nbuf = plan.buffers
     me = plan.ranks.index(comm.rank)
+    st = _Status(seg, plan.ranks, me)
+    seen = st.peers_seen()
     by_tensor: dict[int, list[SharedJob]] = {}
     for j in jobs:
         by_tensor.setdefault(index[j.st.key], []).append(j)
     bad: set[int] = set()
     checked = 0
-    failure: BaseException | None = None
     inflight: dict[int, list] = {}
+    mine = plan.reader == me
+    state: dict = {"submitted": 0, "published": 0, "error": None, "closing": False}
+    lock = threading.RLock()
 
     def read_hash(reader, offset: int, at: int, n: int, rows: np.ndarray) -> tuple[int, list[int]]:
         """One read into the segment, then the checksum of every range it holds."""
@@ -404,7 +526,7 @@ def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[Shar
     def submit(k: int) -> list:
         """Start this rank's reads of round ``k``: consecutive ranges of one tensor in one read
         of at most PIECE bytes."""
-        sel = np.flatnonzero((plan.round == k) & (plan.reader == me))
+        sel = np.flatnonzero((plan.round == k) & mine)
         out = []
         i = 0
         while i < len(sel):
@@ -413,20 +535,76 @@ def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[Shar
                    and plan.end[sel[j]] - plan.begin[sel[i]] <= PIECE):
                 j += 1
             rows = sel[i:j]
-            st = man.tensors[keys[int(plan.tensor[rows[0]])]]
+            ent = man.tensors[keys[int(plan.tensor[rows[0]])]]
             b, n = int(plan.begin[rows[0]]), int(plan.end[rows[-1]] - plan.begin[rows[0]])
-            base = man.files[st.file].data_start + st.begin
-            out.append(pool.submit(read_hash, files.get(st.file), base + b, (k % BUFFERS) * slot + int(plan.seg[rows[0]]),
-                                   n, rows))
+            base = man.files[ent.file].data_start + ent.begin
+            out.append(pool.submit(read_hash, files.get(ent.file), base + b,
+                                   plan.header + (k % nbuf) * slot + int(plan.seg[rows[0]]), n, rows))
             i = j
         return out
 
-    def collect(futs: list) -> None:
+    def advance() -> None:
+        """Publish this rank's finished rounds (in order) and start the reads whose buffer is
+        free. Runs on the read threads as each read finishes (so a round is published, and the
+        next read started, while this thread scatters) and on this thread while it waits."""
         nonlocal checked
-        for f in futs:
-            n, wrong = f.result()
-            checked += n
-            bad.update(wrong)
+        with lock:  # re-entered when a read has finished before its callback is added: state is re-read
+            try:
+                while state["error"] is None and not state["closing"]:
+                    k = state["published"]
+                    if k < state["submitted"] and all(f.done() for f in inflight[k]):
+                        got = [f.result() for f in inflight[k]]  # a read's error is raised here
+                        del inflight[k]
+                        for n, wrong in got:
+                            checked += n
+                            bad.update(wrong)
+                        state["published"] = k + 1
+                        st.set(_READ, k + 1)
+                        continue
+                    # round a reuses the buffer of round a - nbuf: free once every rank scattered that
+                    a = state["submitted"]
+                    if a >= min(st.low(_USED) + nbuf, plan.rounds):
+                        return
+                    inflight[a] = submit(a)
+                    state["submitted"] = a + 1
+                    for f in inflight[a]:
+                        f.add_done_callback(lambda _: advance())
+            except BaseException as e:  # told to the node's ranks now; raised on this rank's thread
+                state["error"] = e
+                st.set(_FAIL, 1)
+
+    def pump() -> None:
+        advance()
+        if state["error"] is not None:
+            raise state["error"]
+
+    def wait(ready: Callable[[], bool], what: str, behind: Callable[[int], bool]) -> bool:
+        """Until ``ready()`` (True) or a rank of the node failed (False); meanwhile this rank's
+        reads go on (:func:`pump`). ``behind(i)``: node position ``i`` holds the wait up."""
+        last, t_last, pause, poll = None, time.monotonic(), 0.0, 0.0
+        while True:
+            pump()
+            if st.failed():
+                return False
+            if ready():
+                return True
+            now = time.monotonic()
+            progress = st.w[:, (_READ, _USED)].tobytes()  # any progress by any rank of the node
+            if progress != last:
+                last, t_last = progress, now
+            elif now - t_last > comm.timeout_s:
+                slow = [plan.ranks[i] for i in range(st.m) if behind(i)]
+                raise DistributedError(f"load (node-shared reads): rank(s) {slow} did not {what} within "
+                                       f"{comm.timeout_s:g} s (a peer is hung, stopped or far slower; set "
+                                       "timeout_s or UNICKPT_TIMEOUT_S if it was only slow)")
+            if now - poll > 0.1:
+                poll = now
+                gone = st.dead(seen)
+                if gone:
+                    raise DistributedError(f"load (node-shared reads): rank(s) {[plan.ranks[i] for i in gone]} of "
+                                           "this node exited during the reads")
+            time.sleep(pause)
+            pause = min(0.0005, pause * 2 or 0.00005)
 
     def scatter(k: int) -> None:
         sel = np.flatnonzero(plan.round == k)
@@ -439,48 +617,42 @@ def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[Shar
                                  | (plan.seg[rows[1:]] != plan.seg[rows[:-1]] + plan.end[rows[:-1]] - plan.begin[rows[:-1]])) + 1
             for part in np.split(rows, cut):
                 ub, ue = int(plan.begin[part[0]]), int(plan.end[part[-1]])
-                at = (k % BUFFERS) * slot + int(plan.seg[part[0]])
+                at = plan.header + (k % nbuf) * slot + int(plan.seg[part[0]])
                 for j in by_tensor[t]:
                     copy_window(seg.bytes[at : at + ue - ub], ub // j.isz, ue // j.isz, j.runs.starts, j.ends,
                                 j.runs.local, j.dest, j.isz)
 
     try:
         try:
-            for k in range(min(BUFFERS - 2, plan.rounds)):
-                inflight[k] = submit(k)
-        except BaseException as e:
-            failure = e
-        for k in range(plan.rounds):
-            if failure is None:
-                try:
-                    collect(inflight.pop(k))
-                    ahead = k + BUFFERS - 2  # its buffer last held round k - 2, scattered before sync k - 1
-                    if ahead < plan.rounds:
-                        inflight[ahead] = submit(ahead)
-                except BaseException as e:  # stops every rank of the node at this round's sync
-                    failure = e
-            if node.any_failed(failure is not None):
-                if failure is not None:
-                    raise failure
-                return checked, True  # a peer failed: it reports why; every rank stops here
-            try:
+            for k in range(plan.rounds):
+                if not wait(lambda: st.low(_READ) > k, f"read round {k + 1} of {plan.rounds}",
+                            lambda i: st.w[i, _READ] <= k):
+                    return checked, True  # a peer failed: it reports why; every rank stops here
                 scatter(k)
-            except BaseException as e:  # told to the node at the next round's flags (or raised after the last)
-                failure = e
+                st.set(_USED, k + 1)
+            st.set(_BAD, 1 if bad else 0)
+            st.set(_DONE, 1)
+            # every rank finished: nobody sets a failure flag after this, so every rank sees the
+            # same words and takes the same branch below
+            if not wait(lambda: st.low(_DONE) == 1, "finish the reads", lambda i: not st.w[i, _DONE]):
+                return checked, True
+        except BaseException:
+            st.set(_FAIL, 1)  # every rank of the node stops at its next wait
+            raise
     finally:  # reads still in flight write into the segment: wait for them before it goes
-        for futs in inflight.values():
+        with lock:
+            state["closing"] = True
+        for futs in list(inflight.values()):
             for f in futs:
                 f.cancel()
                 try:
                     f.result()
                 except BaseException:
                     pass
-    gathered = node.gather(json.dumps(sorted(bad)).encode())
-    if failure is not None:  # the last round's scatter failed: the peers finished theirs
-        raise failure
-    bad_all = {t for b in gathered.values() for t in json.loads(b)}
+    bad_all: set[int] = set()
+    if int(st.w[:, _BAD].max()):  # a range did not match its checksum: the node learns which
+        gathered = node.gather(json.dumps(sorted(bad)).encode())
+        bad_all = {t for b in gathered.values() for t in json.loads(b)}
     for j in jobs:
         j.done((index[j.st.key] not in bad_all, 0))
     return checked, False
-
-

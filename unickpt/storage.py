@@ -869,6 +869,12 @@ class _Reader:
         with self._lock:  # reads may run on several threads
             self.bytes_read += n
 
+    def prefetch(self, offset: int, n: int) -> None:
+        """Ask the kernel to start reading ``[offset, offset + n)`` into the page cache now
+        (a hint: the bytes count as read when :meth:`readinto` reads them)."""
+        if hasattr(os, "posix_fadvise") and n > 0:
+            os.posix_fadvise(self.fd, offset, n, os.POSIX_FADV_WILLNEED)
+
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
