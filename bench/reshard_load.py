@@ -17,9 +17,13 @@ torch.distributed.checkpoint alternating in ABBA order, ``--repeats`` rounds:
   placement ``(Shard(0), Shard(1))`` on a (2, 2) mesh (DCP cannot express flat ranges).
 
 Each load job measures its floor in the same job: every rank writes ``state / ranks`` bytes
-to its own file (O_DIRECT), then reads it back cold (fsync + DONTNEED) in 64 MiB preads.
-Figures: median over rounds of the slowest rank; ``x floor`` = seconds / the floor's
-seconds; ``x DCP`` = unickpt / DCP. ``read/need`` = bytes through unickpt's read calls
+to its own file (O_DIRECT), then, right before each scenario's pair of loads in every round,
+reads it back cold (fsync + DONTNEED) in 64 MiB preads. Figures: median over rounds of the
+slowest rank; ``x floor`` = the median over rounds of (the load's seconds / the seconds of
+the floor read just before its pair): this disk's speed drifts by up to 2x within a minute,
+so a load is compared with the disk of its own moment; ``x DCP`` = unickpt / DCP. Use an
+even number of rounds: in ABBA order each then goes first equally often (with 3 rounds,
+unickpt goes first twice, and the first load of a pair has been the slower one here). ``read/need`` = bytes through unickpt's read calls
 (every rank's ``LoadResult.bytes_read``) / bytes of the stored tensors the targets cover.
 Loaded data are checked against the formula that made them (round 1, outside the timing).
 Targets (issue #13): <= 1.15x the floor and <= 0.6x DCP.
@@ -164,13 +168,15 @@ def load_job(rank: int, world: int, cfg: dict) -> dict:
     buf = floor_buffer(torch.ones(IO_ELEMS))
     barrier()
     floor_write(floor_file, buf, share, direct=True)
-    res: dict = {"floor": []}
+    res: dict = {}
     names = [n for n, (_, w, _) in SCENARIOS.items() if w == world and n in cfg["scenarios"]]
     for n in names:
-        res[n] = {"unickpt": [], "warm": [], "dcp": [], "bytes_read": [], "bad": None}
+        res[n] = {"floor": [], "unickpt": [], "warm": [], "dcp": [], "bytes_read": [], "bad": None}
     for i in range(cfg["repeats"]):
-        res["floor"].append(floor_read(floor_file, buf, cold=True)[0])
         for name in names:
+            # the floor of this scenario's pair, right before it (the disk's speed drifts by 2x
+            # within a minute here; a floor read once per round lags the third pair by ~15 s)
+            res[name]["floor"].append(floor_read(floor_file, buf, cold=True)[0])
             (src_u, src_d), _, (tgt_u, tgt_d) = SCENARIOS[name]
 
             def run_u():
@@ -224,17 +230,20 @@ def measure(gb: float = 1.2, widths=(512, 5120), repeats: int = 3, parent: str |
             run_ranks(save_job, 2, cfg)
             for world in sorted({w for n, (_, w, _) in SCENARIOS.items() if n in scenarios}):
                 out = run_ranks(load_job, world, cfg)
-                floor = median(max(r["floor"][i] for r in out) for i in range(repeats))
                 for name in [n for n, (_, w, _) in SCENARIOS.items() if w == world and n in scenarios]:
+                    floor = median(max(r[name]["floor"][i] for r in out) for i in range(repeats))
+                    # each round's load over the floor read just before its pair, then the median
+                    x_floor = median(max(r[name]["unickpt"][i] for r in out) / max(r[name]["floor"][i] for r in out)
+                                     for i in range(repeats))
                     u = median(max(r[name]["unickpt"][i] for r in out) for i in range(repeats))
                     d = median(max(r[name]["dcp"][i] for r in out) for i in range(repeats))
                     warm = median(max(r[name]["warm"][i] for r in out) for i in range(repeats))
                     read = median(sum(r[name]["bytes_read"][i] for r in out) for i in range(repeats))
                     bad = sum(r[name]["bad"] for r in out) + sum(r[name]["dcp_bad"] for r in out)
                     rows.append({"width": width, "scenario": name, "ranks": world, "gb": total / 1e9,
-                                 "floor_s": floor, "unickpt_s": u, "warm_s": warm, "dcp_s": d, "x_floor": u / floor, "x_dcp": u / d,
+                                 "floor_s": floor, "unickpt_s": u, "warm_s": warm, "dcp_s": d, "x_floor": x_floor, "x_dcp": u / d,
                                  "read_over_need": read / total, "bad": bad,
-                                 "raw": {"floor": [r["floor"] for r in out], "unickpt": [r[name]["unickpt"] for r in out],
+                                 "raw": {"floor": [r[name]["floor"] for r in out], "unickpt": [r[name]["unickpt"] for r in out],
                                          "warm": [r[name]["warm"] for r in out],
                                          "dcp": [r[name]["dcp"] for r in out]}})
         finally:
@@ -257,7 +266,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gb", type=float, default=1.2)
     ap.add_argument("--widths", default="512,5120")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--dir", default=os.path.join(OUT, "data"))
     ap.add_argument("--json", default=os.path.join(OUT, "reshard_load.json"))

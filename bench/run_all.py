@@ -58,8 +58,8 @@ from bench._common import MiB, OUT, RESULTS, fmt, log, machine, my_segments, pri
 
 PARTS = ("save_load", "reshard", "async", "memtier", "compressed", "memory", "plan")
 PRESETS = {  # state GB, rounds, compute loop s (async), memory rounds, plan_scale --max-pieces
-    "quick": {"gb": 0.25, "repeats": 3, "loop_seconds": 1.0, "memory_repeats": 2, "plan_max_pieces": 1.5e5},
-    "full": {"gb": 2.0, "repeats": 3, "loop_seconds": 3.0, "memory_repeats": 2, "plan_max_pieces": 1.5e6},
+    "quick": {"gb": 0.25, "repeats": 4, "loop_seconds": 1.0, "memory_repeats": 2, "plan_max_pieces": 1.5e5},
+    "full": {"gb": 2.0, "repeats": 4, "loop_seconds": 3.0, "memory_repeats": 2, "plan_max_pieces": 1.5e6},
 }
 
 
@@ -189,9 +189,9 @@ def table(res: dict) -> list[list[str]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="0.25 GB state, 3 rounds, 1 s compute loop (a few minutes)")
+    ap.add_argument("--quick", action="store_true", help="0.25 GB state, 4 rounds, 1 s compute loop (a few minutes)")
     ap.add_argument("--gb", type=float, default=None, help="state size in GB (default 2.0; --quick 0.25)")
-    ap.add_argument("--repeats", type=int, default=None, help="rounds per timing (default 3, at least 3)")
+    ap.add_argument("--repeats", type=int, default=None, help="rounds per timing (default 4, at least 3; even: ABBA then puts each first equally often)")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     ap.add_argument("--dir", default=os.path.join(OUT, "data"), help="scratch directory (on the real disk)")
