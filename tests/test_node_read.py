@@ -495,3 +495,66 @@ def test_a_failing_prefetch_hint_changes_nothing(saved):
     out = dist.run(_load_columns_prefetch_failing, 2, saved)
     assert all(o[0][2] is True and o[1] == "1" for o in out), out
     assert sum(o[0][0] for o in out) == sum(o[0] for o in dist.run(_load_columns, 2, saved)), out
+
+
+@pytest.fixture
+def shm_5m(tmp_path):
+    """A 5 MiB tmpfs: room for the status words and the first 4 MiB round buffer, not more."""
+    import subprocess
+
+    d = tmp_path / "shm-5m"
+    d.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(d)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield str(d)
+    finally:
+        subprocess.run(["umount", str(d)], check=True)
+
+
+def _small_rounds_in(path, rank):
+    """Rounds of 4 MiB (3 buffers for the 9 MiB union) in ``path``; records that the
+    creator's background reservation ran."""
+    import unickpt.noderead as nr
+
+    nr.SHM_DIR, nr.ROUND = path, 4 << 20
+    real = nr._reserve
+
+    nr._reserve = lambda fd, chunks, word: (real(fd, chunks, word), os.environ.__setitem__("UNICKPT_TEST_RESERVED", "ran"))
+
+
+def _load_columns_reserving(rank, world, root, path):
+    got = _load_columns(rank, world, root, None, functools.partial(_small_rounds_in, path))
+    return got, os.environ.get("UNICKPT_TEST_RESERVED")
+
+
+def test_a_shared_memory_that_runs_out_while_the_segment_grows_reads_alone(saved, shm_5m):
+    """The node's first rank reserves the first round's buffer before anyone maps the
+    segment and the rest on a thread, while the first rounds are read; when /dev/shm runs
+    out meanwhile, no rank can finish the rounds, and every rank reads alone: bit-exact, in
+    no more time than it takes, nothing left in /dev/shm."""
+    t0 = time.monotonic()
+    out = dist.run(_load_columns_reserving, 2, saved, shm_5m, timeout=60)
+    assert time.monotonic() - t0 < 30, out
+    assert out[0][1] == "ran", out  # the creator's reservation thread ran (and failed: 5 MiB)
+    assert all(o[0][2] is True for o in out), out
+    assert sum(o[0][0] for o in out) >= 2 * _tensor_bytes(), out  # each read everything itself
+    assert os.listdir(shm_5m) == [], os.listdir(shm_5m)
+
+
+def _tiny_rounds(buffers, rank):
+    """Rounds of 4 MiB (one or two 1 MiB ranges per rank) in ``buffers`` buffers: the 9 MiB
+    union takes more rounds than there are buffers, so every buffer is read into again."""
+    import unickpt.noderead as nr
+
+    nr.ROUND, nr.BUFFERS = 4 << 20, buffers
+
+
+@pytest.mark.parametrize("ranks,buffers", [(2, 2), (3, 2), (3, 3)])
+def test_buffers_are_reused_round_after_round(saved, ranks, buffers):
+    """More rounds than buffers: a rank reads into a buffer again only once every rank of
+    the node scattered the round it held; bit-exact, each needed byte read once per node."""
+    out = dist.run(_load_columns, ranks, saved, None, functools.partial(_tiny_rounds, buffers), 20, timeout=60)
+    assert all(o[2] is True for o in out), out
+    need = _tensor_bytes()
+    assert 0 <= sum(o[0] for o in out) - need < 64 << 10, out

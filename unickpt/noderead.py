@@ -223,23 +223,35 @@ def _prefetch(plan: _NodePlan, me: int, keys: list, man: Manifest, files, pool) 
 
 
 class _Segment:
-    """The node's shared buffers: created by the node's first rank, mapped by the others."""
+    """The node's shared buffers: created by the node's first rank, mapped by the others.
 
-    def __init__(self, path: str, size: int, create: bool) -> None:
+    The creator reserves the first ``now`` bytes (the status words and the first round's
+    buffer) before anyone maps the segment, and the rest on a thread, chunk by chunk, while
+    the first rounds are read: it stores the number of chunks reserved so far, counting the
+    first ``now`` bytes as one (``-1``: out of space), as an int64 at byte ``word`` (a status word: see :class:`_Status`). ftruncate
+    reserves nothing on tmpfs: a read into a page ``/dev/shm`` has no room for fails (EFAULT)
+    or kills the process (SIGBUS), so no rank reads into a chunk before it is reserved."""
+
+    def __init__(self, path: str, size: int, create: bool, now: int = 0, chunks: list[tuple[int, int]] = (),
+                 word: int = 0) -> None:
         self.path, self.size, self.created = path, size, create
         self.map: mmap.mmap | None = None
         flags = os.O_RDWR | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
         fd = os.open(path, flags | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
             if create:
-                # reserve the pages now: ftruncate reserves nothing on tmpfs, and a read into a
-                # page /dev/shm has no room for fails (EFAULT) or kills the process (SIGBUS)
-                os.posix_fallocate(fd, 0, size)
+                os.posix_fallocate(fd, 0, now or size)
+                if now and now < size:
+                    os.ftruncate(fd, size)
+                os.pwrite(fd, (1).to_bytes(8, "little", signed=True), word)  # the first ``now`` bytes: one chunk
             st = os.fstat(fd)
             if st.st_size != size or st.st_uid != os.getuid():
                 raise OSError(f"{path}: not the segment this load created")
             self.map = mmap.mmap(fd, size)
             self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
+            if create and chunks:
+                threading.Thread(target=_reserve, args=(os.dup(fd), list(chunks), word), name="unickpt-shm-reserve",
+                                 daemon=True).start()
         except BaseException:
             self.close()  # nothing left behind in /dev/shm by a segment that failed
             raise
@@ -273,6 +285,24 @@ class _Segment:
             threading.Thread(target=unmap, name="unickpt-unmap", daemon=True).start()
         else:
             unmap()
+
+
+def _reserve(fd: int, chunks: list[tuple[int, int]], word: int) -> None:
+    """Reserve ``chunks`` of the segment in order, storing how many are reserved (after the
+    first, reserved by the creator) at byte ``word``; ``-1`` when /dev/shm runs out. Through
+    the file, not the mapping: the load may be over (and unmapped) before this ends."""
+    try:
+        for i, (off, n) in enumerate(chunks):
+            try:
+                os.posix_fallocate(fd, off, n)
+                done = i + 2
+            except OSError:
+                done = -1
+            os.pwrite(fd, done.to_bytes(8, "little", signed=True), word)
+            if done < 0:
+                return
+    finally:
+        os.close(fd)
 
 
 def _sweep_dead() -> None:
@@ -390,7 +420,9 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
         try:
             if comm.rank == plan.ranks[0]:
                 _sweep_dead()
-                seg = _Segment(path, size, create=True)
+                slot = int(plan.part[-1])
+                seg = _Segment(path, size, create=True, now=plan.header + slot, word=_ALLOC * 8,
+                               chunks=[(plan.header + b * slot, slot) for b in range(1, plan.buffers)])
         except OSError as e:
             log.info("node-shared reads off: cannot create %s (%s)", path, e)
             err = True
@@ -422,9 +454,12 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
         return m is not None and len(m) == len(j.touched) and not (j.touched & ~m).any()
 
     try:
-        checked, aborted = _rounds(comm, node, plan, seg, [j for j in jobs if covered(j)], keys, index, man,
-                                   files, pool, verify)
-        return checked, [j for j in jobs if not covered(j)], aborted
+        checked, how = _rounds(comm, node, plan, seg, [j for j in jobs if covered(j)], keys, index, man,
+                               files, pool, verify)
+        if how == "alone":  # /dev/shm ran out while the segment was being reserved: nothing was handed over
+            log.info("node-shared reads off: %s ran out of space for the segment; every rank reads alone", SHM_DIR)
+            return 0, jobs, False
+        return checked, [j for j in jobs if not covered(j)], how == "failed"
     finally:
         seg.close(background=True)
 
@@ -479,18 +514,24 @@ class _Status:
         return np.flatnonzero(self.w[:, _FAIL]).tolist()
 
 
-_WORDS, _READ, _USED, _FAIL, _PID, _START, _BAD, _DONE = 8, 0, 1, 2, 3, 4, 5, 6
+_WORDS, _READ, _USED, _FAIL, _PID, _START, _BAD, _DONE, _ALLOC = 8, 0, 1, 2, 3, 4, 5, 6, 7
 
 
 def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[SharedJob], keys, index, man,
-            files, pool, verify: bool) -> tuple[int, bool]:
+            files, pool, verify: bool) -> tuple[int, str]:
     """The rounds. Round ``k`` lives in buffer ``k % buffers``. Each rank reads its part of
     every round as soon as that buffer is free (every rank scattered the round it held) and
     publishes the round once its reads of it are done and hashed; it scatters round ``k`` once
     every rank published it. The ranks meet only through the status words (:class:`_Status`):
     no message per round, so no rank waits for another's turn on a core except for bytes it
     needs. A failure sets this rank's flag and stops every rank of the node at its next wait;
-    a peer that dies is noticed within a poll, one that hangs within ``comm.timeout_s``."""
+    a peer that dies is noticed within a poll, one that hangs within ``comm.timeout_s``. No
+    rank reads into a buffer before the node's first rank reserved it (:class:`_Segment`).
+
+    Returns ``(ranges verified, how)``: ``"done"`` (every job marked done), ``"failed"`` (a
+    rank of the node failed; nothing marked done) or ``"alone"`` (/dev/shm ran out of space
+    before the last buffer was reserved, so no rank of the node can finish the rounds;
+    nothing marked done: the jobs are read alone)."""
     slot = int(plan.part[-1])  # one round's buffer: one part per rank
     nbuf = plan.buffers
     me = plan.ranks.index(comm.rank)
@@ -503,7 +544,7 @@ def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[Shar
     checked = 0
     inflight: dict[int, list] = {}
     mine = plan.reader == me
-    state: dict = {"submitted": 0, "published": 0, "error": None, "closing": False}
+    state: dict = {"submitted": 0, "published": 0, "error": None, "closing": False, "alone": False}
     lock = threading.RLock()
 
     def read_hash(reader, offset: int, at: int, n: int, rows: np.ndarray) -> tuple[int, list[int]]:
@@ -565,6 +606,12 @@ def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[Shar
                     a = state["submitted"]
                     if a >= min(st.low(_USED) + nbuf, plan.rounds):
                         return
+                    reserved = int(st.w[0, _ALLOC])  # buffers the node's first rank has reserved so far
+                    if reserved < 0:
+                        state["alone"] = True  # /dev/shm ran out: no rank can finish the rounds
+                        return
+                    if a % nbuf >= reserved:  # its buffer is not reserved yet (first pass only)
+                        return
                     inflight[a] = submit(a)
                     state["submitted"] = a + 1
                     for f in inflight[a]:
@@ -578,18 +625,21 @@ def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[Shar
         if state["error"] is not None:
             raise state["error"]
 
-    def wait(ready: Callable[[], bool], what: str, behind: Callable[[int], bool]) -> bool:
-        """Until ``ready()`` (True) or a rank of the node failed (False); meanwhile this rank's
-        reads go on (:func:`pump`). ``behind(i)``: node position ``i`` holds the wait up."""
+    def wait(ready: Callable[[], bool], what: str, behind: Callable[[int], bool]) -> str:
+        """Until ``ready()`` ("ready"), a rank of the node failed ("failed") or /dev/shm ran out
+        of space for the segment ("alone"); meanwhile this rank's reads go on (:func:`pump`).
+        ``behind(i)``: node position ``i`` holds the wait up."""
         last, t_last, pause, poll = None, time.monotonic(), 0.0, 0.0
         while True:
             pump()
             if st.failed():
-                return False
+                return "failed"
             if ready():
-                return True
+                return "ready"
+            if state["alone"]:
+                return "alone"
             now = time.monotonic()
-            progress = st.w[:, (_READ, _USED)].tobytes()  # any progress by any rank of the node
+            progress = st.w[:, (_READ, _USED, _ALLOC)].tobytes()  # any progress by any rank of the node
             if progress != last:
                 last, t_last = progress, now
             elif now - t_last > comm.timeout_s:
@@ -625,17 +675,19 @@ def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[Shar
     try:
         try:
             for k in range(plan.rounds):
-                if not wait(lambda: st.low(_READ) > k, f"read round {k + 1} of {plan.rounds}",
-                            lambda i: st.w[i, _READ] <= k):
-                    return checked, True  # a peer failed: it reports why; every rank stops here
+                got = wait(lambda: st.low(_READ) > k, f"read round {k + 1} of {plan.rounds}",
+                           lambda i: st.w[i, _READ] <= k)
+                if got != "ready":  # a peer failed (it reports why): every rank stops here; or no space
+                    return checked, got
                 scatter(k)
                 st.set(_USED, k + 1)
             st.set(_BAD, 1 if bad else 0)
             st.set(_DONE, 1)
             # every rank finished: nobody sets a failure flag after this, so every rank sees the
             # same words and takes the same branch below
-            if not wait(lambda: st.low(_DONE) == 1, "finish the reads", lambda i: not st.w[i, _DONE]):
-                return checked, True
+            got = wait(lambda: st.low(_DONE) == 1, "finish the reads", lambda i: not st.w[i, _DONE])
+            if got != "ready":
+                return checked, got
         except BaseException:
             st.set(_FAIL, 1)  # every rank of the node stops at its next wait
             raise
@@ -655,4 +707,4 @@ def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[Shar
         bad_all = {t for b in gathered.values() for t in json.loads(b)}
     for j in jobs:
         j.done((index[j.st.key] not in bad_all, 0))
-    return checked, False
+    return checked, "done"
