@@ -558,3 +558,75 @@ def test_buffers_are_reused_round_after_round(saved, ranks, buffers):
     assert all(o[2] is True for o in out), out
     need = _tensor_bytes()
     assert 0 <= sum(o[0] for o in out) - need < 64 << 10, out
+
+
+def _eio_seen_as_a_flag_first(rank):
+    """Rank 1: its shared reads fail (EIO) after 20 ms, and its polls check the node's
+    failure flags 50 ms late: so its own read error is first seen as its own failure flag
+    (a GIL switch between the two checks does the same, rarely)."""
+    if rank != 1:
+        return
+    import unickpt.noderead as nr
+    import unickpt.storage as st
+
+    real_read = st._Reader.readinto
+
+    def readinto(self, offset, out):
+        if len(memoryview(out)) > 256 << 10:
+            time.sleep(0.02)
+            raise OSError(errno.EIO, "injected", self.path)
+        return real_read(self, offset, out)
+
+    st._Reader.readinto = readinto
+    real_failed = nr._Status.failed
+
+    def failed(self):
+        time.sleep(0.05)
+        return real_failed(self)
+
+    nr._Status.failed = failed
+
+
+def test_a_read_error_is_raised_however_the_rank_first_sees_it(saved):
+    """From a review: when the failing rank's poll saw its own failure flag before its own
+    error, every rank returned as if a peer had failed, nobody raised, and the load
+    'succeeded' with unread targets. The rank whose read failed always raises its error."""
+    out = dist.run(_load_columns, 2, saved, None, _eio_seen_as_a_flag_first, timeout=90)
+    assert out[1][0] == "StorageError" and "injected" in out[1][1], out
+    assert out[0][0] == "DistributedError" and "rank 1" in out[0][1], out
+
+
+def _segment_still_mapped(rank, world, root):
+    got = _load_columns(rank, world, root)
+    for _ in range(40):  # the unmap runs on a thread: give it up to 2 s
+        left = [line for line in open("/proc/self/maps") if "unickpt-read-" in line]
+        if not left:
+            break
+        time.sleep(0.05)
+    return got, left
+
+
+def test_the_segment_is_unmapped_when_the_load_returns(saved):
+    """From a review: a reference cycle through the rounds' closures kept a view of the
+    segment alive, so it stayed mapped (its /dev/shm pages held) until a garbage collection."""
+    out = dist.run(_segment_still_mapped, 2, saved)
+    assert all(o[0][2] is True and o[1] == [] for o in out), out
+
+
+def test_a_zombie_is_a_dead_process():
+    """A node mate killed and not yet reaped by its launcher still has /proc/PID/stat with its
+    start time: it counts as gone (else its mates wait out timeout_s)."""
+    import subprocess
+    import sys
+
+    import unickpt.noderead as nr
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    for _ in range(200):
+        with open(f"/proc/{p.pid}/stat", "rb") as f:
+            if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                break
+        time.sleep(0.01)
+    assert nr._proc_start(p.pid) is None
+    assert nr._proc_start(os.getpid()) is not None
+    p.wait()

@@ -188,7 +188,7 @@ def _plan_node(ranks: list[int], token: str, needs: dict[int, np.ndarray], keys:
     part = np.concatenate(([0], np.cumsum(-(-fill // 4096) * 4096))).astype(np.int64)
     seg = part[reader] + within
     return _NodePlan(ranks, token, tensor, rng, begin, end, rnd, seg, reader, rounds, part,
-                     max(1, min(BUFFERS, rounds)))
+                     max(1, min(BUFFERS, rounds, _NO_SPACE - 1)))
 
 
 def _prefetch(plan: _NodePlan, me: int, keys: list, man: Manifest, files, pool) -> None:
@@ -228,7 +228,8 @@ class _Segment:
     The creator reserves the first ``now`` bytes (the status words and the first round's
     buffer) before anyone maps the segment, and the rest on a thread, chunk by chunk, while
     the first rounds are read: it stores the number of chunks reserved so far, counting the
-    first ``now`` bytes as one (``-1``: out of space), as an int64 at byte ``word`` (a status word: see :class:`_Status`). ftruncate
+    first ``now`` bytes as one (:data:`_NO_SPACE`: out of space), in the low byte of the
+    little-endian int64 word at byte ``word`` (one byte: a store that cannot be seen torn) (a status word: see :class:`_Status`). ftruncate
     reserves nothing on tmpfs: a read into a page ``/dev/shm`` has no room for fails (EFAULT)
     or kills the process (SIGBUS), so no rank reads into a chunk before it is reserved."""
 
@@ -243,7 +244,7 @@ class _Segment:
                 os.posix_fallocate(fd, 0, now or size)
                 if now and now < size:
                     os.ftruncate(fd, size)
-                os.pwrite(fd, (1).to_bytes(8, "little", signed=True), word)  # the first ``now`` bytes: one chunk
+                os.pwrite(fd, bytes([1]), word)  # the first ``now`` bytes: one chunk
             st = os.fstat(fd)
             if st.st_size != size or st.st_uid != os.getuid():
                 raise OSError(f"{path}: not the segment this load created")
@@ -287,19 +288,23 @@ class _Segment:
             unmap()
 
 
+_NO_SPACE = 255  # the reserved-chunks byte when /dev/shm ran out (BUFFERS stays below it)
+
+
 def _reserve(fd: int, chunks: list[tuple[int, int]], word: int) -> None:
-    """Reserve ``chunks`` of the segment in order, storing how many are reserved (after the
-    first, reserved by the creator) at byte ``word``; ``-1`` when /dev/shm runs out. Through
-    the file, not the mapping: the load may be over (and unmapped) before this ends."""
+    """Reserve ``chunks`` of the segment in order, storing how many are reserved (the
+    creator's first one included) in the byte at ``word``; :data:`_NO_SPACE` when /dev/shm
+    runs out. Through the file, not the mapping: the load may be over (and unmapped) before
+    this ends; one byte, so no reader sees a store half done."""
     try:
         for i, (off, n) in enumerate(chunks):
             try:
                 os.posix_fallocate(fd, off, n)
                 done = i + 2
             except OSError:
-                done = -1
-            os.pwrite(fd, done.to_bytes(8, "little", signed=True), word)
-            if done < 0:
+                done = _NO_SPACE
+            os.pwrite(fd, bytes([done]), word)
+            if done == _NO_SPACE:
                 return
     finally:
         os.close(fd)
@@ -466,10 +471,11 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
 
 def _proc_start(pid: int) -> int | None:
     """Start time (clock ticks after boot) of process ``pid`` as this process sees it, or None
-    when there is no such process here."""
+    when there is no such process here, or it has exited (a zombie not yet reaped)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[19])
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return None if fields[0] in (b"Z", b"X", b"x") else int(fields[19])
     except (OSError, ValueError, IndexError):
         return None
 
@@ -607,7 +613,7 @@ def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[Shar
                     if a >= min(st.low(_USED) + nbuf, plan.rounds):
                         return
                     reserved = int(st.w[0, _ALLOC])  # buffers the node's first rank has reserved so far
-                    if reserved < 0:
+                    if reserved == _NO_SPACE:
                         state["alone"] = True  # /dev/shm ran out: no rank can finish the rounds
                         return
                     if a % nbuf >= reserved:  # its buffer is not reserved yet (first pass only)
@@ -639,7 +645,7 @@ def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[Shar
             if state["alone"]:
                 return "alone"
             now = time.monotonic()
-            progress = st.w[:, (_READ, _USED, _ALLOC)].tobytes()  # any progress by any rank of the node
+            progress = st.w[:, (_READ, _USED, _DONE, _ALLOC)].tobytes()  # any progress by any rank of the node
             if progress != last:
                 last, t_last = progress, now
             elif now - t_last > comm.timeout_s:
@@ -672,22 +678,30 @@ def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[Shar
                     copy_window(seg.bytes[at : at + ue - ub], ub // j.isz, ue // j.isz, j.runs.starts, j.ends,
                                 j.runs.local, j.dest, j.isz)
 
+    def run() -> str:
+        for k in range(plan.rounds):
+            got = wait(lambda: st.low(_READ) > k, f"read round {k + 1} of {plan.rounds}",
+                       lambda i: st.w[i, _READ] <= k)
+            if got != "ready":  # a rank failed (it reports why): every rank stops here; or no space
+                return got
+            scatter(k)
+            st.set(_USED, k + 1)
+        st.set(_BAD, 1 if bad else 0)
+        st.set(_DONE, 1)
+        # every rank finished: nobody sets a failure flag after this, so every rank sees the
+        # same words and takes the same branch below
+        got = wait(lambda: st.low(_DONE) == 1, "finish the reads", lambda i: not st.w[i, _DONE])
+        if got != "ready":
+            return got
+        return "bad" if int(st.w[:, _BAD].max()) else "done"
+
     try:
         try:
-            for k in range(plan.rounds):
-                got = wait(lambda: st.low(_READ) > k, f"read round {k + 1} of {plan.rounds}",
-                           lambda i: st.w[i, _READ] <= k)
-                if got != "ready":  # a peer failed (it reports why): every rank stops here; or no space
-                    return checked, got
-                scatter(k)
-                st.set(_USED, k + 1)
-            st.set(_BAD, 1 if bad else 0)
-            st.set(_DONE, 1)
-            # every rank finished: nobody sets a failure flag after this, so every rank sees the
-            # same words and takes the same branch below
-            got = wait(lambda: st.low(_DONE) == 1, "finish the reads", lambda i: not st.w[i, _DONE])
-            if got != "ready":
-                return checked, got
+            # every file this rank reads, opened here: the read threads then only look readers up
+            # (opening one reads and checks its header, which must not happen under the lock)
+            for name in sorted({man.tensors[keys[int(t)]].file for t in np.unique(plan.tensor[mine])}):
+                files.get(name)
+            how = run()
         except BaseException:
             st.set(_FAIL, 1)  # every rank of the node stops at its next wait
             raise
@@ -701,10 +715,16 @@ def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[Shar
                     f.result()
                 except BaseException:
                     pass
+        inflight.clear()
+        st.w = None  # the mapping can go now (the closures above form a cycle that outlives this call)
+    if state["error"] is not None:  # this rank's read failed (whatever the wait saw first): it says why
+        raise state["error"]
     bad_all: set[int] = set()
-    if int(st.w[:, _BAD].max()):  # a range did not match its checksum: the node learns which
+    if how == "bad":  # a range did not match its checksum: the node learns which
         gathered = node.gather(json.dumps(sorted(bad)).encode())
         bad_all = {t for b in gathered.values() for t in json.loads(b)}
+    elif how != "done":
+        return checked, how
     for j in jobs:
         j.done((index[j.st.key] not in bad_all, 0))
     return checked, "done"
