@@ -265,19 +265,23 @@ def test_a_node_of_one_rank_reads_alone_while_the_other_node_shares(saved):
 # --- review: segment setup and teardown ---------------------------------------------------
 
 
+def _tmpfs(path, size: str):
+    """A tmpfs of ``size`` mounted at ``path`` for the test (skipped where mounting is not allowed)."""
+    import subprocess
+
+    path.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield str(path)
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
 @pytest.fixture
 def small_shm(tmp_path):
     """A 1 MiB tmpfs (a container's small /dev/shm): far less than a segment needs."""
-    import subprocess
-
-    d = tmp_path / "small-shm"
-    d.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
-        yield str(d)
-    finally:
-        subprocess.run(["umount", str(d)], check=True)
+    yield from _tmpfs(tmp_path / "small-shm", "1m")
 
 
 def _set_shm_dir(path, rank):
@@ -500,16 +504,7 @@ def test_a_failing_prefetch_hint_changes_nothing(saved):
 @pytest.fixture
 def shm_5m(tmp_path):
     """A 5 MiB tmpfs: room for the status words and the first 4 MiB round buffer, not more."""
-    import subprocess
-
-    d = tmp_path / "shm-5m"
-    d.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(d)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
-        yield str(d)
-    finally:
-        subprocess.run(["umount", str(d)], check=True)
+    yield from _tmpfs(tmp_path / "shm-5m", "5m")
 
 
 def _small_rounds_in(path, rank):
