@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import unickpt  # noqa: E402
-from bench._common import (OUT, barrier, cold_barrier, fmt, log, median, print_table, run_ranks, scratch,  # noqa: E402
+from bench._common import (OUT, agree_max, barrier, cold_barrier, fmt, log, median, print_table, run_ranks, scratch,  # noqa: E402
                            rm_scratch, timed, write_json)
 from bench.save_load import RankState, model_shapes  # noqa: E402
 
@@ -111,7 +111,7 @@ def rank_job(rank: int, world: int, cfg: dict) -> dict:
             for _ in range(steps):
                 _work(iters, a)
                 step += 1
-                if h is not None and not h.done():
+                if h is not None and agree_max(0.0 if h.done() else 1.0):  # every rank skips, or none
                     continue
                 if h is not None:
                     h.wait()

@@ -293,6 +293,33 @@ def test_a_busy_writer_skips_snapshots_and_never_a_durable_checkpoint(tmp_path, 
     assert _committed(d) == [4]
 
 
+def _rank_1_always_busy(rank, world, *args):
+    """At every snapshot due, rank 1's previous save looks still busy and rank 0's looks done
+    (its handle says so; the snapshot then waits for it to be committed, as it always does)."""
+    import unickpt.async_save as A
+
+    A.AsyncSave.done = (lambda self: False) if rank == 1 else (lambda self: True)
+    return _on_nodes(rank, world, *args)
+
+
+def test_a_snapshot_is_skipped_by_every_rank_or_by_none(tmp_path, shm, monkeypatch):
+    """A snapshot is a collective save. Each rank's handle finishes at its own moment, so a
+    rank deciding alone to skip while another saved left both waiting out timeout_s; the
+    ranks now skip together when any of them is busy."""
+    monkeypatch.setenv("UNICKPT_TIMEOUT_S", "20")  # a divergence fails in 20 s, not 600
+    d = str(tmp_path / "ck")
+    metrics = str(tmp_path / "m.jsonl")
+    out = dist.run(_rank_1_always_busy, 2, ["n0", "n1"], 1, 1, 5, d, shm, 4, False, {"memory_skip_busy": True},
+                   metrics, timeout=120)
+    assert all(isinstance(o[0], list) for o in out), out
+    ev = _events(metrics)
+    skipped = [e["step"] for e in ev if e.get("event") == "snapshot_skipped"]
+    saved = [(e["tier"], e["step"]) for e in ev if e.get("event") == "save"]
+    # rank 0's writer was never busy: it skipped only because rank 1's was
+    assert skipped and ("durable", 4) in saved, (skipped, saved)
+    assert not set(skipped) & {s for t, s in saved if t == "memory"}
+
+
 def test_replicas_that_cannot_be_made_are_refused_before_anything_is_written(tmp_path):
     import torch
 

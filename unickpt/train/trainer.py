@@ -360,11 +360,16 @@ class Trainer:
         from unickpt import memtier
 
         c = self.ckpt
-        if c.memory_skip_busy and not durable and self._pending is not None and not self._pending.done():
-            self._emit({"event": "snapshot_skipped", "step": self.step, "busy_with": self._pending.step})
+        # a snapshot is collective: every rank skips if any rank's previous save is still being
+        # written. Each rank's handle finishes at its own moment (and poll_save drops it then),
+        # so a rank deciding alone skipped while another saved, and both waited out timeout_s.
+        busy = self._pending is not None and not self._pending.done()
+        if c.memory_skip_busy and not durable and self._any_rank(busy):
+            busy_with = self._pending.step if self._pending is not None else None
+            self._emit({"event": "snapshot_skipped", "step": self.step, "busy_with": busy_with})
             if self.mesh.rank == 0:  # reported, never silent (the metrics file may be off)
-                log.info("memory tier: no snapshot of step %d: the save of step %s is still being written",
-                         self.step, self._pending.step)
+                log.info("memory tier: no snapshot of step %d: a save%s is still being written", self.step,
+                         f" (of step {busy_with})" if busy_with is not None else " on another rank")
             return None
         self.wait_save()  # back-pressure: one save in flight
         t0 = time.perf_counter()
