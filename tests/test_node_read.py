@@ -515,7 +515,11 @@ def _small_rounds_in(path, rank):
     nr.SHM_DIR, nr.ROUND = path, 4 << 20
     real = nr._reserve
 
-    nr._reserve = lambda fd, chunks, word: (real(fd, chunks, word), os.environ.__setitem__("UNICKPT_TEST_RESERVED", "ran"))
+    def reserve(fd, chunks, word):
+        real(fd, chunks, word)
+        os.environ["UNICKPT_TEST_RESERVED"] = "ran"
+
+    nr._reserve = reserve
 
 
 def _load_columns_reserving(rank, world, root, path):

@@ -77,6 +77,9 @@ MIN_OVERLAP = 1.25
 """A node shares its reads when its ranks' needs add up to at least this many times their union."""
 PIECE = 8 << 20  # one read call at most
 SHM_DIR = "/dev/shm"
+# the status words (:class:`_Status`): one line of _WORDS int64 per rank of the node
+_WORDS, _READ, _USED, _FAIL, _PID, _START, _BAD, _DONE, _ALLOC = 8, 0, 1, 2, 3, 4, 5, 6, 7
+_NO_SPACE = 255  # the reserved-buffers byte (_ALLOC) when /dev/shm ran out (BUFFERS stays below it)
 
 
 def enabled() -> bool:
@@ -225,13 +228,12 @@ def _prefetch(plan: _NodePlan, me: int, keys: list, man: Manifest, files, pool) 
 class _Segment:
     """The node's shared buffers: created by the node's first rank, mapped by the others.
 
-    The creator reserves the first ``now`` bytes (the status words and the first round's
-    buffer) before anyone maps the segment, and the rest on a thread, chunk by chunk, while
-    the first rounds are read: it stores the number of chunks reserved so far, counting the
-    first ``now`` bytes as one (:data:`_NO_SPACE`: out of space), in the low byte of the
-    little-endian int64 word at byte ``word`` (one byte: a store that cannot be seen torn) (a status word: see :class:`_Status`). ftruncate
-    reserves nothing on tmpfs: a read into a page ``/dev/shm`` has no room for fails (EFAULT)
-    or kills the process (SIGBUS), so no rank reads into a chunk before it is reserved."""
+    ftruncate reserves nothing on tmpfs, and a read into a page ``/dev/shm`` has no room for
+    fails (EFAULT) or kills the process (SIGBUS): no rank reads into a page before it is
+    reserved. The creator reserves the first ``now`` bytes (the status words and the first
+    round's buffer) before anyone maps the segment, and ``chunks`` (the other buffers) on a
+    thread while the first rounds are read (:func:`_reserve`). The byte at ``word`` counts
+    the chunks reserved so far, the first ``now`` bytes as one, or holds :data:`_NO_SPACE`."""
 
     def __init__(self, path: str, size: int, create: bool, now: int = 0, chunks: list[tuple[int, int]] = (),
                  word: int = 0) -> None:
@@ -288,14 +290,12 @@ class _Segment:
             unmap()
 
 
-_NO_SPACE = 255  # the reserved-chunks byte when /dev/shm ran out (BUFFERS stays below it)
-
-
 def _reserve(fd: int, chunks: list[tuple[int, int]], word: int) -> None:
     """Reserve ``chunks`` of the segment in order, storing how many are reserved (the
-    creator's first one included) in the byte at ``word``; :data:`_NO_SPACE` when /dev/shm
-    runs out. Through the file, not the mapping: the load may be over (and unmapped) before
-    this ends; one byte, so no reader sees a store half done."""
+    creator's first one included) in the byte at ``word`` (the low byte of the creator's
+    :data:`_ALLOC` status word); :data:`_NO_SPACE` when /dev/shm runs out. Through the file,
+    not the mapping: the load may be over (and unmapped) before this ends. One byte, so no
+    reader sees a store half done."""
     try:
         for i, (off, n) in enumerate(chunks):
             try:
@@ -494,7 +494,6 @@ class _Status:
 
     def __init__(self, seg: "_Segment", ranks: list[int], me: int) -> None:
         self.m, self.me = len(ranks), me
-        self.ranks = ranks
         self.w = np.frombuffer(seg.map, dtype=np.int64, count=self.m * _WORDS).reshape(self.m, _WORDS)
 
     def register(self) -> None:
@@ -519,8 +518,6 @@ class _Status:
     def failed(self) -> list[int]:
         return np.flatnonzero(self.w[:, _FAIL]).tolist()
 
-
-_WORDS, _READ, _USED, _FAIL, _PID, _START, _BAD, _DONE, _ALLOC = 8, 0, 1, 2, 3, 4, 5, 6, 7
 
 
 def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[SharedJob], keys, index, man,
