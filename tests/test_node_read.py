@@ -246,7 +246,7 @@ def test_needs_and_rounds_stay_inside_the_node(saved):
     out = dist.run(_load_recording_exchanges, 4, saved, nodes)
     for rank, ((_, _, ok), seen) in enumerate(out):
         assert ok, out
-        assert len(seen["gathered"]) == 4 and all(set(r) == {"node", "can", "token", "failed", "n", "verify"}
+        assert len(seen["gathered"]) == 4 and all(set(r) == {"node", "can", "token", "failed", "n", "verify", "cached"}
                                                   for r in seen["gathered"]), seen
         mates = {r for r, n in enumerate(nodes) if n == nodes[rank] and r != rank}
         assert seen["peers"] == mates, (rank, seen)
@@ -629,3 +629,102 @@ def test_a_zombie_is_a_dead_process():
     assert nr._proc_start(p.pid) is None
     assert nr._proc_start(os.getpid()) is not None
     p.wait()
+
+
+def _load_rows(rank, world, root, cached=None):
+    """Load every matrix as row blocks (Shard(0), the saved layout: long runs, every rank's
+    stretches interleaved with the others' in the files). ``cached``: what the readers'
+    page-cache probe answers (None: the real probe). Returns (ok, whether the node shared)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import unickpt.noderead as nr
+    import unickpt.storage as st
+
+    if cached is not None:
+        st._Reader.resident = lambda self, offset, n: n if cached else 0
+    ran = []
+    real = nr._rounds
+    nr._rounds = lambda *a, **k: ran.append(1) or real(*a, **k)
+    mesh = init_device_mesh("cpu", (world,))
+    full = _full()
+    tgt = {"model": {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)]) for k, v in full.items()}}
+    try:
+        res = unickpt.load(tgt, root, timeout_s=20)
+    except Exception as e:
+        return type(e).__name__, str(e)
+    ok = all(torch.equal(tgt["model"][k].to_local(), distribute_tensor(v, mesh, [Shard(0)]).to_local())
+             for k, v in full.items())
+    return ok, bool(ran), res.bytes_read
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_interleaved_row_blocks_are_read_through_the_node_from_disk_and_alone_from_the_cache(saved, ranks):
+    """Row blocks of every matrix: each rank's needs are stretches of the files that the other
+    ranks' stretches separate. From disk the node reads them as one contiguous share per rank
+    (sequential streams, large requests); from the page cache every rank reads its own."""
+    cold = dist.run(_load_rows, ranks, saved, False)
+    warm = dist.run(_load_rows, ranks, saved, True)
+    assert all(o[0] is True and o[1] for o in cold), cold
+    # (3 ranks: in these small matrices the 1 MiB ranges at block boundaries are needed by two
+    # ranks each, and that overlap alone makes the node share, cached or not)
+    assert all(o[0] is True and (ranks == 3 or not o[1]) for o in warm), warm
+    need = _tensor_bytes()
+    assert 0 <= sum(o[2] for o in cold) - need < 64 << 10, cold  # each needed byte read once per node
+
+
+def test_a_damaged_block_of_a_shared_row_block_fails_the_rank_that_needs_it(saved, tmp_path):
+    root = str(tmp_path / "ck")
+    shutil.copytree(saved, root)
+    _damage(root)  # the middle of 'b': in rank 1's row block of 2, read by rank 0 or 1
+    out = dist.run(_load_rows, 2, root, False)
+    assert out[1][0] == "ChecksumError" and "'b'" in out[1][1], out
+    assert out[0][0] is not True, out  # the load failed on every rank
+
+
+def test_only_needs_cut_into_short_stretches_count_as_interleaved():
+    """A rank whose needs are long stretches (whole files, whole tensors) streams them alone;
+    one whose stretches are shorter than STRETCH on average does not."""
+    import numpy as np
+
+    from unickpt import noderead
+    from unickpt.manifest import TensorEntry
+
+    ranges = 8
+    block = noderead.STRETCH // ranges  # one tensor: STRETCH bytes in 8 checksummed ranges
+    sums = tuple((k * block, (k + 1) * block, "0") for k in range(ranges))
+    man = type("Man", (), {"tensors": {}})()
+    for f in range(2):
+        for i in range(4):
+            begin = i * (noderead.STRETCH + 4096)  # tensors padded apart: still one stretch
+            man.tensors[("m", f"t{f}{i}")] = TensorEntry("m", f"t{f}{i}", f"f{f}", "F32", (block // 4 * ranges,),
+                                                         begin, begin + noderead.STRETCH, sums)
+    keys = list(man.tensors)
+    whole = {r: {t: np.ones(ranges, bool) for t in range(len(keys)) if t // 4 == r} for r in range(2)}
+    assert not noderead._interleaved(whole, keys, man)  # each rank: one file, front to back
+    halves = {r: {t: np.arange(ranges) // (ranges // 2) == r for t in range(len(keys))} for r in range(2)}
+    assert noderead._interleaved(halves, keys, man)  # each rank: half of every tensor
+
+
+def test_the_page_cache_probe_sees_what_was_read_and_reads_nothing(tmp_path):
+    """``_Reader.resident`` (mmap + mincore): 0 after the file's pages were dropped, all of
+    them once read, and asking reads nothing."""
+    from unickpt import storage
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(4 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    r = storage._Reader(str(path))
+    try:
+        if r.resident(0, r.size) == r.size:
+            pytest.skip("this filesystem keeps every page in memory (tmpfs)")
+        assert r.resident(0, r.size) == 0
+        assert r.resident(0, r.size) == 0 and r.bytes_read == 0  # the probe faulted nothing in
+        r.readinto(1 << 20, memoryview(bytearray(1 << 20)))
+        assert r.resident(1 << 20, 1 << 20) == 1 << 20
+        assert r.resident(5, 100) in (0, 4096)  # partial pages count whole
+    finally:
+        r.close()

@@ -513,8 +513,9 @@ def _read_all(entries, man: Manifest, storage, ckpt, verify, progress, rank=0, w
     stream with read-ahead would); short runs go through a window. Each target is finished
     (copied back if needed, verified) once its reads are done.
 
-    With ``comm`` (collective: every rank of it calls this once), short-run targets whose
-    bytes other ranks of the node also need are read once per node (:mod:`unickpt.noderead`)."""
+    With ``comm`` (collective: every rank of it calls this once), the ranks of a node whose
+    needs overlap or interleave read them through the node, each rank one contiguous share
+    (:mod:`unickpt.noderead`); long runs wait for that decision (one small all-gather)."""
     files = _Files(storage, ckpt, man)
     scratch: list[torch.Tensor] = []
     bad: list[tuple[str, str]] = []
@@ -592,34 +593,40 @@ def _read_all(entries, man: Manifest, storage, ckpt, verify, progress, rank=0, w
             direct = local.device.type == "cpu" and local.is_contiguous()
             dest = as_bytes(local) if direct else torch.empty(local.numel() * isz, dtype=torch.uint8)
             runs = e.layout.runs()
-            futs = []
-            checked = None if verify != "none" else (True, 0)
-            if len(runs) and runs.numel:
-                mean = runs.numel * isz / len(runs)
-                if len(runs) == 1 or mean >= DIRECT_RUN:
-                    for g, ln, lo in zip(runs.starts.tolist(), runs.lengths.tolist(), runs.local.tolist()):
-                        for a in range(0, ln * isz, READ_CHUNK):
-                            k = min(READ_CHUNK, ln * isz - a)
-                            mv = memoryview(dest[lo * isz + a : lo * isz + a + k].numpy())
-                            futs.append(pool.submit(reader.readinto, base + g * isz + a, mv))
-                    in_flight[0] += runs.numel * isz
-                else:  # read in one stream with every other short-run target, after this loop
-                    done = (lambda checked, item=(st, runs, isz, dest, local, direct, [], None):
-                            finish(item[:7] + (checked,)))
-                    if comm is not None and eligible(st, isz):
-                        touched = _StreamCheck(st.checksums)
-                        touched.touch_runs(runs.starts * isz, (runs.starts + runs.lengths) * isz)
-                        shared.append(SharedJob(st, reader, base, runs, isz, dest, touched.touched, done))
-                    else:
-                        spans.add(reader, base, st, runs, isz, dest, verify != "none", done)
-                    continue
-            pending.append((st, runs, isz, dest, local, direct, futs, checked))
-            while pending and (in_flight[0] > READ_AHEAD or not pending[0][6] or len(pending) > 256):
-                finish(pending.popleft())
-        while pending:
+            long = bool(len(runs)) and (len(runs) == 1 or runs.numel * isz / len(runs) >= DIRECT_RUN)
+            if not len(runs) or not runs.numel:
+                read_direct(st, reader, base, runs, isz, dest, local, direct)
+                continue
+            # node-shared when it can be (read_shared decides whether the node shares): short
+            # runs, and long runs read straight into the target's own memory
+            if comm is not None and eligible(st, isz) and (not long or direct):
+                touched = _StreamCheck(st.checksums)
+                touched.touch_runs(runs.starts * isz, (runs.starts + runs.lengths) * isz)
+                shared.append(SharedJob(st, reader, base, runs, isz, dest, touched.touched,
+                                        done_of(st, runs, isz, dest, local, direct), long, local, direct))
+            elif long:
+                read_direct(st, reader, base, runs, isz, dest, local, direct)
+            else:  # read in one stream with every other short-run target, after this loop
+                spans.add(reader, base, st, runs, isz, dest, verify != "none", done_of(st, runs, isz, dest, local, direct))
+
+    def done_of(st, runs, isz, dest, local, direct):
+        return lambda checked: finish((st, runs, isz, dest, local, direct, [], checked))
+
+    def read_direct(st, reader, base, runs, isz, dest, local, direct) -> None:
+        """Long runs: READ_CHUNK preads straight into ``dest`` on the pool, the target
+        finished (verified around them) once they are done."""
+        futs = []
+        for g, ln, lo in zip(runs.starts.tolist(), runs.lengths.tolist(), runs.local.tolist()):
+            for a in range(0, ln * isz, READ_CHUNK):
+                k = min(READ_CHUNK, ln * isz - a)
+                mv = memoryview(dest[lo * isz + a : lo * isz + a + k].numpy())
+                futs.append(pool.submit(reader.readinto, base + g * isz + a, mv))
+        in_flight[0] += runs.numel * isz
+        pending.append((st, runs, isz, dest, local, direct, futs, None if verify != "none" else (True, 0)))
+        while pending and (in_flight[0] > READ_AHEAD or not pending[0][6] or len(pending) > 256):
             finish(pending.popleft())
 
-    shared: list[SharedJob] = []  # short-run targets read node-shared (with comm)
+    shared: list[SharedJob] = []  # targets read node-shared, if the node shares (with comm)
     try:
         early: BaseException | None = None
         try:
@@ -636,7 +643,12 @@ def _read_all(entries, man: Manifest, storage, ckpt, verify, progress, rank=0, w
                 return files.bytes_read, counts["verified"], bad
             counts["verified"] += n
             for j in alone:
-                spans.add(j.reader, j.base, j.st, j.runs, j.isz, j.dest, verify != "none", j.done)
+                if j.long:
+                    read_direct(j.st, j.reader, j.base, j.runs, j.isz, j.dest, j.local, j.direct)
+                else:
+                    spans.add(j.reader, j.base, j.st, j.runs, j.isz, j.dest, verify != "none", j.done)
+        while pending:
+            finish(pending.popleft())
         spans.run()
         for st, fut in verifying:
             tally(st, fut.result())

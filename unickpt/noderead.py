@@ -2,17 +2,25 @@
 
 When several ranks of a node need interleaved pieces of the same stored bytes (column
 blocks of row-major tensors: every rank needs a slice of every row), independent reads move
-the same bytes through read calls once per rank and hash them once per rank. Instead, the
-ranks of a node agree on the union of the checksummed ranges they need and read it once:
+the same bytes through read calls once per rank and hash them once per rank. When their
+needs only interleave (row blocks of every tensor, ZeRO ranges), reading alone moves each
+byte once, but every rank jumps from stretch to stretch of the files, and a disk serves
+that at a fraction of its streaming speed (smaller requests, read-ahead that runs into the
+next rank's stretch). Instead, the ranks of a node agree on the union of the checksummed
+ranges they need and read it once, each rank one contiguous share:
 
 1. One all-gather of a small record per rank: its node, whether it can map shared memory,
-   and the length of its needs: the checksummed ranges (indices into
-   ``TensorEntry.checksums``) its short-run targets touch. The needs themselves go only to
+   how much of its long-run needs the page cache holds, and the length of its needs: the
+   checksummed ranges (indices into ``TensorEntry.checksums``) its targets touch (short-run
+   targets, and long-run ones read into their own memory). The needs themselves go only to
    the other ranks of the node (point to point), and every exchange after this one stays
    inside the node, so a rank's work does not grow with the number of nodes. The ranks of
    a node compute the same plan from the same inputs, so the plan needs no agreement.
-2. A node shares only when it pays: at least two ranks, and the ranks' needs add up to
-   more than :data:`MIN_OVERLAP` times their union. Otherwise its ranks read alone.
+2. A node shares only when it pays: at least two ranks, and either the ranks' needs add up
+   to more than :data:`MIN_OVERLAP` times their union, or they interleave (some rank's
+   needs are stretches shorter than :data:`STRETCH` on average) and the node's ranks find
+   less than half of their long-run needs in the page cache (from the cache, the copy out
+   of the segment costs more than it saves). Otherwise its ranks read alone.
 3. The node's lowest rank creates a shared-memory segment (``/dev/shm``, mode 0600,
    unlinked as soon as every rank of the node has mapped it): a page of status words, then
    :data:`BUFFERS` buffers of about :data:`ROUND` bytes. The union (in file order) is cut
@@ -21,7 +29,8 @@ ranks of a node agree on the union of the checksummed ranges they need and read 
    reader (the kernel's read-ahead follows it; shares striped through every round defeat it
    and read at about half the speed here). Each share is cut into pieces of
    ``ROUND / ranks`` bytes; round ``k`` is every rank's ``k``-th piece, read into its part
-   of buffer ``k % BUFFERS`` and hashed (in the reading thread).
+   of buffer ``k % BUFFERS`` and hashed, in order, by one read thread per rank (several
+   threads on one share made the kernel send requests half the size).
    The ranks meet only through the status words (:class:`_Status`), never through a message
    per round: each rank publishes the rounds it has read and hashed and the rounds it has
    scattered. A rank scatters round ``k`` into its own targets once every rank of the node
@@ -52,6 +61,7 @@ import platform
 import secrets
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -75,7 +85,10 @@ BUFFERS = 4
 slowest scatter."""
 MIN_OVERLAP = 1.25
 """A node shares its reads when its ranks' needs add up to at least this many times their union."""
-PIECE = 8 << 20  # one read call at most
+PIECE = 16 << 20  # one read call at most
+STRETCH = 128 << 20
+"""A node also shares its reads when some rank would otherwise read stretches of the files
+shorter than this on average, skipping the bytes between them (see :func:`_interleaved`)."""
 SHM_DIR = "/dev/shm"
 # the status words (:class:`_Status`): one line of _WORDS int64 per rank of the node
 _WORDS, _READ, _USED, _FAIL, _PID, _START, _BAD, _DONE, _ALLOC = 8, 0, 1, 2, 3, 4, 5, 6, 7
@@ -101,6 +114,9 @@ class SharedJob:
     dest: torch.Tensor  # flat uint8: the target's bytes
     touched: np.ndarray  # bool per st.checksums range
     done: Callable[[tuple[bool, int]], None]
+    long: bool = False  # long runs (read straight into the target when the node does not share)
+    local: torch.Tensor | None = None  # the target itself (dest is its bytes, or a temporary)
+    direct: bool = True  # dest is the target's own memory
 
     def __post_init__(self) -> None:
         self.ends = self.runs.starts + self.runs.lengths  # once, not per round
@@ -147,6 +163,43 @@ class _NodePlan:
     def size(self) -> int:
         """Bytes of the node's segment: the status words, then the round buffers."""
         return self.header + self.buffers * int(self.part[-1])
+
+
+def _cached(jobs: list[SharedJob], samples: int = 16, n: int = 16 << 20) -> float:
+    """Fraction of the sampled bytes of ``jobs`` (up to ``samples`` of them, ``n`` bytes
+    each) in the page cache now: 0 when the readers cannot tell."""
+    got = want = 0
+    for j in jobs[:: max(1, -(-len(jobs) // samples))]:
+        ask = getattr(j.reader, "resident", None)
+        if ask is None or not len(j.runs):
+            continue
+        a = j.base + int(j.runs.starts[0]) * j.isz
+        k = min(n, int(j.runs.lengths[0]) * j.isz)
+        r = ask(a, k)
+        if r is None:
+            continue
+        got, want = got + min(r, k), want + k
+    return got / want if want else 0.0
+
+
+def _interleaved(per_rank: dict[int, dict[int, np.ndarray]], keys: list, man: Manifest) -> bool:
+    """True when some rank of the node, reading alone, would read stretches shorter than
+    :data:`STRETCH` on average: stretches of the stored bytes that another rank's stretches
+    separate (row blocks of every tensor, ZeRO ranges...). The disk serves such reads at a
+    fraction of its streaming speed; shared, each rank streams one contiguous share."""
+    for need in per_rank.values():
+        spans: list[tuple[str, int, int]] = []  # (file, begin, end) of the needed ranges, merged
+        for t in sorted(need, key=lambda t: (man.tensors[keys[t]].file, man.tensors[keys[t]].begin)):
+            st = man.tensors[keys[t]]
+            for a, b in _intervals(need[t]):
+                lo, hi = st.begin + st.checksums[a][0], st.begin + st.checksums[b - 1][1]
+                if spans and spans[-1][0] == st.file and lo - spans[-1][2] <= 1 << 20:  # padding: read through
+                    spans[-1] = (st.file, spans[-1][1], hi)
+                else:
+                    spans.append((st.file, lo, hi))
+        if len(spans) > 1 and sum(e - b for _, b, e in spans) < STRETCH * len(spans):
+            return True
+    return False
 
 
 def _plan_node(ranks: list[int], token: str, needs: dict[int, np.ndarray], keys: list, man: Manifest) -> _NodePlan:
@@ -381,7 +434,7 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
     can = enabled() and os.path.isdir(SHM_DIR)
     blob = json.dumps([[t, a, b] for t, m in sorted(need.items()) for a, b in _intervals(m)]).encode()
     me = {"node": node_id(), "can": can, "token": f"{os.getpid()}-{secrets.token_hex(8)}", "failed": failed,
-          "n": len(blob), "verify": verify}
+          "n": len(blob), "verify": verify, "cached": _cached([j for j in jobs if j.long]) if can else 0.0}
     # a small record from every rank; the needs themselves travel only between the node's ranks
     all_ = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(me).encode(), "load (node-shared reads)")]
     if any(d["failed"] for d in all_):
@@ -394,6 +447,7 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
     node = _Node(comm, ranks)
     needs = node.gather(blob, {r: all_[r]["n"] for r in ranks})
     union: dict[int, np.ndarray] = {}
+    per_rank: dict[int, dict[int, np.ndarray]] = {r: {} for r in ranks}
     asked = 0
     for r in ranks:
         try:
@@ -408,10 +462,15 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
                 continue
             m = union.setdefault(t, np.zeros(len(man.tensors[keys[t]].checksums), dtype=bool))
             m[a:b] = True
+            per_rank[r].setdefault(t, np.zeros(len(m), dtype=bool))[a:b] = True
             asked += sum(c[1] - c[0] for c in man.tensors[keys[t]].checksums[a:b])
     total = sum(sum(c[1] - c[0] for c, u in zip(man.tensors[keys[t]].checksums, m.tolist()) if u)
                 for t, m in union.items())
-    if not total or asked < MIN_OVERLAP * total:
+    # overlapping needs are always worth sharing (bytes read once, not once per rank); needs that
+    # only interleave are worth it from the disk, not from the page cache (the copy out of the
+    # segment costs more than the reads it saves there)
+    cached = sum(all_[r]["cached"] for r in ranks) / len(ranks)
+    if not total or (asked < MIN_OVERLAP * total and not (cached < 0.5 and _interleaved(per_rank, keys, man))):
         return 0, jobs, False
     plan = _plan_node(ranks, all_[ranks[0]]["token"], union, keys, man)
     _prefetch(plan, plan.ranks.index(comm.rank), keys, man, files, pool)
@@ -460,13 +519,23 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
 
     try:
         checked, how = _rounds(comm, node, plan, seg, [j for j in jobs if covered(j)], keys, index, man,
-                               files, pool, verify)
+                               files, verify)
         if how == "alone":  # /dev/shm ran out while the segment was being reserved: nothing was handed over
             log.info("node-shared reads off: %s ran out of space for the segment; every rank reads alone", SHM_DIR)
             return 0, jobs, False
         return checked, [j for j in jobs if not covered(j)], how == "failed"
     finally:
         seg.close(background=True)
+
+
+def _in_order(reads: list) -> tuple[int, list[int]]:
+    """``(fn, *args)`` calls of ``read_hash``, one after another: ranges hashed, tensors whose range did not match."""
+    n, wrong = 0, []
+    for fn, *args in reads:
+        a, b = fn(*args)
+        n += a
+        wrong += b
+    return n, wrong
 
 
 def _proc_start(pid: int) -> int | None:
@@ -521,7 +590,7 @@ class _Status:
 
 
 def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[SharedJob], keys, index, man,
-            files, pool, verify: bool) -> tuple[int, str]:
+            files, verify: bool) -> tuple[int, str]:
     """The rounds. Round ``k`` lives in buffer ``k % buffers``. Each rank reads its part of
     every round as soon as that buffer is free (every rank scattered the round it held) and
     publishes the round once its reads of it are done and hashed; it scatters round ``k`` once
@@ -549,6 +618,7 @@ def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[Shar
     mine = plan.reader == me
     state: dict = {"submitted": 0, "published": 0, "error": None, "closing": False, "alone": False}
     lock = threading.RLock()
+    stream = ThreadPoolExecutor(1, thread_name_prefix="unickpt-share-read")
 
     def read_hash(reader, offset: int, at: int, n: int, rows: np.ndarray) -> tuple[int, list[int]]:
         """One read into the segment, then the checksum of every range it holds."""
@@ -568,8 +638,11 @@ def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[Shar
             view.release()
 
     def submit(k: int) -> list:
-        """Start this rank's reads of round ``k``: consecutive ranges of one tensor in one read
-        of at most PIECE bytes."""
+        """Queue this rank's reads of round ``k`` on its one read thread: consecutive ranges of
+        one tensor in one read of at most PIECE bytes, in file order after the previous round's.
+        One stream per rank: reads of one share in flight on several threads at once reach the
+        disk as requests of half the size (the kernel's read-ahead loses track of the stream)
+        and took 1.4x as long here (docs/performance.md)."""
         sel = np.flatnonzero((plan.round == k) & mine)
         out = []
         i = 0
@@ -582,10 +655,10 @@ def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[Shar
             ent = man.tensors[keys[int(plan.tensor[rows[0]])]]
             b, n = int(plan.begin[rows[0]]), int(plan.end[rows[-1]] - plan.begin[rows[0]])
             base = man.files[ent.file].data_start + ent.begin
-            out.append(pool.submit(read_hash, files.get(ent.file), base + b,
-                                   plan.header + (k % nbuf) * slot + int(plan.seg[rows[0]]), n, rows))
+            out.append((read_hash, files.get(ent.file), base + b,
+                        plan.header + (k % nbuf) * slot + int(plan.seg[rows[0]]), n, rows))
             i = j
-        return out
+        return [stream.submit(_in_order, out)]
 
     def advance() -> None:
         """Publish this rank's finished rounds (in order) and start the reads whose buffer is
@@ -713,6 +786,7 @@ def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[Shar
                 except BaseException:
                     pass
         inflight.clear()
+        stream.shutdown(wait=True)
         st.w = None  # the mapping can go now (the closures above form a cycle that outlives this call)
     if state["error"] is not None:  # this rank's read failed (whatever the wait saw first): it says why
         raise state["error"]

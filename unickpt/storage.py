@@ -840,6 +840,40 @@ class _DirectWriter:
         self.eng.users -= 1
 
 
+_LIBC: list = []
+
+
+def _resident(fd: int, offset: int, n: int) -> int | None:
+    """Page-cache residency of a file range through mmap + mincore (Linux); None elsewhere."""
+    if not _LIBC:
+        try:
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                                   ctypes.c_int, ctypes.c_int, ctypes.c_int64]
+            libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+            libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+            _LIBC.append((ctypes, libc) if os.uname().sysname == "Linux" else None)
+        except (OSError, AttributeError):
+            _LIBC.append(None)
+    if _LIBC[0] is None:
+        return None
+    ctypes, libc = _LIBC[0]
+    page = mmap.PAGESIZE
+    lo = offset - offset % page
+    length = offset + n - lo
+    addr = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, lo)
+    if addr is None or addr == ctypes.c_void_p(-1).value:
+        return None
+    try:
+        vec = ctypes.create_string_buffer(-(-length // page))
+        if libc.mincore(addr, length, vec) != 0:
+            return None
+        return int(np.frombuffer(vec.raw, dtype=np.uint8).__and__(1).sum()) * page
+    finally:
+        libc.munmap(addr, length)
+
+
 class _Reader:
     """Positional reads straight into the caller's memory (no intermediate copy)."""
 
@@ -874,6 +908,11 @@ class _Reader:
         (a hint: the bytes count as read when :meth:`readinto` reads them)."""
         if hasattr(os, "posix_fadvise") and n > 0:
             os.posix_fadvise(self.fd, offset, n, os.POSIX_FADV_WILLNEED)
+
+    def resident(self, offset: int, n: int) -> int | None:
+        """Bytes of ``[offset, offset + n)`` in the page cache now (``mincore``; no I/O, the
+        file's pages are not touched), or None where that cannot be asked."""
+        return _resident(self.fd, offset, n) if n > 0 else 0
 
     def close(self) -> None:
         if self.fd >= 0:
