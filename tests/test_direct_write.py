@@ -238,6 +238,27 @@ def test_a_created_file_has_its_blocks_reserved_and_reads_as_zeros(tmp_path, mon
     assert os.stat(sparse).st_size == size and os.stat(sparse).st_blocks * 512 < size
 
 
+def test_ranks_of_a_machine_reserve_their_files_one_at_a_time(tmp_path):
+    """Reservations at the same moment interleave the files' blocks 8 MiB by 8 MiB (a later
+    sequential read of one file skips every other 8 MiB on disk): create_file reserves under
+    a lock that every process of this user on this machine takes."""
+    import threading
+    import time
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm for the lock")
+    s = st.LocalStorage()
+    done = []
+    with st._node_lock("alloc"):  # another rank reserving (a separate open file: flock excludes it)
+        t = threading.Thread(target=lambda: (s.create_file(str(tmp_path / "f"), 1 << 20), done.append(time.monotonic())))
+        t.start()
+        time.sleep(0.3)
+        assert not done  # waits for the other reservation
+        released = time.monotonic()
+    t.join(10)
+    assert done and done[0] >= released and os.path.getsize(tmp_path / "f") == 1 << 20
+
+
 def test_a_disk_without_room_for_a_file_fails_its_creation_naming_it(tmp_path):
     s = st.LocalStorage()
     f = faulty.install({"reserve_error": errno.ENOSPC})
