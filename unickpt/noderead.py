@@ -165,21 +165,24 @@ class _NodePlan:
         return self.header + self.buffers * int(self.part[-1])
 
 
-def _cached(jobs: list[SharedJob], samples: int = 16, n: int = 16 << 20) -> float:
+def _cached(jobs: list[SharedJob], samples: int = 16, n: int = 16 << 20) -> float | None:
     """Fraction of the sampled bytes of ``jobs`` (up to ``samples`` of them, ``n`` bytes
-    each) in the page cache now: 0 when the readers cannot tell."""
+    each) in the page cache now; None when the readers cannot tell (not local files: object
+    stores have no read-ahead for interleaved reads to defeat) or there are no such jobs."""
     got = want = 0
     for j in jobs[:: max(1, -(-len(jobs) // samples))]:
         ask = getattr(j.reader, "resident", None)
-        if ask is None or not len(j.runs):
+        if ask is None:
+            return None
+        if not len(j.runs):
             continue
         a = j.base + int(j.runs.starts[0]) * j.isz
         k = min(n, int(j.runs.lengths[0]) * j.isz)
         r = ask(a, k)
         if r is None:
-            continue
+            return None
         got, want = got + min(r, k), want + k
-    return got / want if want else 0.0
+    return got / want if want else None
 
 
 def _interleaved(per_rank: dict[int, dict[int, np.ndarray]], keys: list, man: Manifest) -> bool:
@@ -434,7 +437,7 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
     can = enabled() and os.path.isdir(SHM_DIR)
     blob = json.dumps([[t, a, b] for t, m in sorted(need.items()) for a, b in _intervals(m)]).encode()
     me = {"node": node_id(), "can": can, "token": f"{os.getpid()}-{secrets.token_hex(8)}", "failed": failed,
-          "n": len(blob), "verify": verify, "cached": _cached([j for j in jobs if j.long]) if can else 0.0}
+          "n": len(blob), "verify": verify, "cached": _cached([j for j in jobs if j.long]) if can else None}
     # a small record from every rank; the needs themselves travel only between the node's ranks
     all_ = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(me).encode(), "load (node-shared reads)")]
     if any(d["failed"] for d in all_):
@@ -469,8 +472,9 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
     # overlapping needs are always worth sharing (bytes read once, not once per rank); needs that
     # only interleave are worth it from the disk, not from the page cache (the copy out of the
     # segment costs more than the reads it saves there)
-    cached = sum(all_[r]["cached"] for r in ranks) / len(ranks)
-    if not total or (asked < MIN_OVERLAP * total and not (cached < 0.5 and _interleaved(per_rank, keys, man))):
+    cached = [all_[r]["cached"] for r in ranks]
+    cold = all(isinstance(c, (int, float)) for c in cached) and sum(cached) < 0.5 * len(cached)
+    if not total or (asked < MIN_OVERLAP * total and not (cold and _interleaved(per_rank, keys, man))):
         return 0, jobs, False
     plan = _plan_node(ranks, all_[ranks[0]]["token"], union, keys, man)
     _prefetch(plan, plan.ranks.index(comm.rank), keys, man, files, pool)
@@ -519,7 +523,7 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
 
     try:
         checked, how = _rounds(comm, node, plan, seg, [j for j in jobs if covered(j)], keys, index, man,
-                               files, verify)
+                               files, pool, verify)
         if how == "alone":  # /dev/shm ran out while the segment was being reserved: nothing was handed over
             log.info("node-shared reads off: %s ran out of space for the segment; every rank reads alone", SHM_DIR)
             return 0, jobs, False
@@ -590,7 +594,7 @@ class _Status:
 
 
 def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[SharedJob], keys, index, man,
-            files, verify: bool) -> tuple[int, str]:
+            files, pool, verify: bool) -> tuple[int, str]:
     """The rounds. Round ``k`` lives in buffer ``k % buffers``. Each rank reads its part of
     every round as soon as that buffer is free (every rank scattered the round it held) and
     publishes the round once its reads of it are done and hashed; it scatters round ``k`` once
@@ -638,11 +642,12 @@ def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[Shar
             view.release()
 
     def submit(k: int) -> list:
-        """Queue this rank's reads of round ``k`` on its one read thread: consecutive ranges of
-        one tensor in one read of at most PIECE bytes, in file order after the previous round's.
-        One stream per rank: reads of one share in flight on several threads at once reach the
-        disk as requests of half the size (the kernel's read-ahead loses track of the stream)
-        and took 1.4x as long here (docs/performance.md)."""
+        """Queue this rank's reads of round ``k``: consecutive ranges of one tensor in one read
+        of at most PIECE bytes. Local files (readers with ``sequential``): on this rank's one
+        read thread, in file order after the previous round's; reads of one share in flight on
+        several threads at once reach the disk as requests of half the size (the kernel's
+        read-ahead loses track of the stream) and took 1.4x as long here (docs/performance.md).
+        Other readers (object stores: each read a ranged GET): on the pool, in parallel."""
         sel = np.flatnonzero((plan.round == k) & mine)
         out = []
         i = 0
@@ -658,7 +663,9 @@ def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[Shar
             out.append((read_hash, files.get(ent.file), base + b,
                         plan.header + (k % nbuf) * slot + int(plan.seg[rows[0]]), n, rows))
             i = j
-        return [stream.submit(_in_order, out)]
+        if all(getattr(a[1], "sequential", False) for a in out):
+            return [stream.submit(_in_order, out)]
+        return [pool.submit(*a) for a in out]  # object stores: ranged GETs in parallel
 
     def advance() -> None:
         """Publish this rank's finished rounds (in order) and start the reads whose buffer is
