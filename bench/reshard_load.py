@@ -16,12 +16,16 @@ torch.distributed.checkpoint alternating in ABBA order, ``--repeats`` rounds:
   flattened and cut into 2 ZeRO ranges (``partition_flat(boxes=)``), DCP into the FSDP2 + TP
   placement ``(Shard(0), Shard(1))`` on a (2, 2) mesh (DCP cannot express flat ranges).
 
-Each load job measures its floor in the same job: every rank writes ``state / ranks`` bytes
-to its own file (O_DIRECT), then, right before each scenario's pair of loads in every round,
-reads it back cold (fsync + DONTNEED) in 64 MiB preads. Figures: median over rounds of the
-slowest rank; ``x floor`` = the median over rounds of (the load's seconds / the seconds of
-the floor read just before its pair): this disk's speed drifts by up to 2x within a minute,
-so a load is compared with the disk of its own moment; ``x DCP`` = unickpt / DCP. Use an
+Each load job measures its floors in the same job, right before each scenario's pair of
+loads in every round: ``floor`` = the plain cold read of the source checkpoint's own files
+(:func:`bench._common.files_floor`: the files in one sequence cut into one contiguous share
+per rank, each read front to back in 64 MiB preads after fsync + DONTNEED); ``fresh floor``
+= the same read of a file of ``state / ranks`` bytes per rank that the job wrote with
+O_DIRECT at its start (the floor until 2026-11-27; on this machine such a file reads
+faster than the checkpoint's own files, see docs/performance.md). Figures: median over
+rounds of the slowest rank; ``x floor`` = the median over rounds of (the load's seconds /
+the seconds of the floor read just before its pair): this disk's speed drifts by up to 2x
+within a minute, so a load is compared with the disk of its own moment; ``x DCP`` = unickpt / DCP. Use an
 even number of rounds: in ABBA order each then goes first equally often (with 3 rounds,
 unickpt goes first twice, and the first load of a pair has been the slower one here). ``read/need`` = bytes through unickpt's read calls
 (every rank's ``LoadResult.bytes_read``) / bytes of the stored tensors the targets cover.
@@ -48,7 +52,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import unickpt  # noqa: E402
-from bench._common import (OUT, abba, barrier, cold_barrier, floor_buffer, floor_read,  # noqa: E402
+from bench._common import (OUT, abba, barrier, cold_barrier, files_floor, floor_buffer, floor_read,  # noqa: E402
                            floor_write, fmt, log, median, print_table, run_ranks, timed, write_json)
 
 SCENARIOS = {  # name: (source layout (unickpt, DCP), load world, target layout (unickpt, DCP))
@@ -171,13 +175,14 @@ def load_job(rank: int, world: int, cfg: dict) -> dict:
     res: dict = {}
     names = [n for n, (_, w, _) in SCENARIOS.items() if w == world and n in cfg["scenarios"]]
     for n in names:
-        res[n] = {"floor": [], "unickpt": [], "warm": [], "dcp": [], "bytes_read": [], "bad": None}
+        res[n] = {"floor": [], "fresh_floor": [], "unickpt": [], "warm": [], "dcp": [], "bytes_read": [], "bad": None}
     for i in range(cfg["repeats"]):
         for name in names:
             # the floor of this scenario's pair, right before it (the disk's speed drifts by 2x
             # within a minute here; a floor read once per round lags the third pair by ~15 s)
-            res[name]["floor"].append(floor_read(floor_file, buf, cold=True)[0])
+            res[name]["fresh_floor"].append(floor_read(floor_file, buf, cold=True)[0])
             (src_u, src_d), _, (tgt_u, tgt_d) = SCENARIOS[name]
+            res[name]["floor"].append(files_floor(os.path.join(data, f"u-{src_u}"), rank, world, buf)[0])
 
             def run_u():
                 tg = pieces(tgt_u, shp, world, rank, False)
@@ -232,6 +237,9 @@ def measure(gb: float = 1.2, widths=(512, 5120), repeats: int = 3, parent: str |
                 out = run_ranks(load_job, world, cfg)
                 for name in [n for n, (_, w, _) in SCENARIOS.items() if w == world and n in scenarios]:
                     floor = median(max(r[name]["floor"][i] for r in out) for i in range(repeats))
+                    fresh = median(max(r[name]["fresh_floor"][i] for r in out) for i in range(repeats))
+                    x_fresh = median(max(r[name]["unickpt"][i] for r in out) / max(r[name]["fresh_floor"][i] for r in out)
+                                     for i in range(repeats))
                     # each round's load over the floor read just before its pair, then the median
                     x_floor = median(max(r[name]["unickpt"][i] for r in out) / max(r[name]["floor"][i] for r in out)
                                      for i in range(repeats))
@@ -241,9 +249,10 @@ def measure(gb: float = 1.2, widths=(512, 5120), repeats: int = 3, parent: str |
                     read = median(sum(r[name]["bytes_read"][i] for r in out) for i in range(repeats))
                     bad = sum(r[name]["bad"] for r in out) + sum(r[name]["dcp_bad"] for r in out)
                     rows.append({"width": width, "scenario": name, "ranks": world, "gb": total / 1e9,
-                                 "floor_s": floor, "unickpt_s": u, "warm_s": warm, "dcp_s": d, "x_floor": x_floor, "x_dcp": u / d,
+                                 "floor_s": floor, "fresh_floor_s": fresh, "x_fresh_floor": x_fresh, "unickpt_s": u, "warm_s": warm, "dcp_s": d, "x_floor": x_floor, "x_dcp": u / d,
                                  "read_over_need": read / total, "bad": bad,
-                                 "raw": {"floor": [r[name]["floor"] for r in out], "unickpt": [r[name]["unickpt"] for r in out],
+                                 "raw": {"floor": [r[name]["floor"] for r in out],
+                                         "fresh_floor": [r[name]["fresh_floor"] for r in out], "unickpt": [r[name]["unickpt"] for r in out],
                                          "warm": [r[name]["warm"] for r in out],
                                          "dcp": [r[name]["dcp"] for r in out]}})
         finally:
@@ -255,10 +264,12 @@ def print_rows(rows: list[dict]) -> None:
     table = []
     for r in rows:
         met = "met" if r["x_floor"] <= 1.15 and r["x_dcp"] <= 0.6 else "MISSED"
-        table.append([str(r["width"]), r["scenario"], str(r["ranks"]), fmt(r["floor_s"]), fmt(r["unickpt_s"]), fmt(r["warm_s"]),
-                      fmt(r["dcp_s"]), fmt(r["x_floor"], ".2f"), fmt(r["x_dcp"], ".2f"), fmt(r["read_over_need"], ".2f"),
+        table.append([str(r["width"]), r["scenario"], str(r["ranks"]), fmt(r["floor_s"]), fmt(r["fresh_floor_s"]),
+                      fmt(r["unickpt_s"]), fmt(r["warm_s"]), fmt(r["dcp_s"]), fmt(r["x_floor"], ".2f"),
+                      fmt(r["x_fresh_floor"], ".2f"), fmt(r["x_dcp"], ".2f"), fmt(r["read_over_need"], ".2f"),
                       f"<= 1.15x floor, <= 0.6x DCP: {met}" + ("" if not r["bad"] else f"; {r['bad']} WRONG tensors")])
-    print_table(["width", "scenario", "ranks", "floor s", "unickpt s", "warm s", "DCP s", "x floor", "x DCP", "read/need", "target"],
+    print_table(["width", "scenario", "ranks", "floor s", "fresh s", "unickpt s", "warm s", "DCP s", "x floor", "x fresh",
+                 "x DCP", "read/need", "target"],
                 table, left=2, left_last=True)
 
 
