@@ -104,8 +104,9 @@ def table(res: dict) -> list[list[str]]:
                          ("write_buffered", "write buffered + fsync"), ("read_cold", "read cold"),
                          ("read_warm", "read warm (page cache)")):
             row("floor", name, s[op]["median"], s[op]["gbps"], note=f"{ranks} ranks, each its own file / buffer")
-        row("floor", "read cold, the checkpoint's own files", s["read_cold_files"]["median"], s["read_cold_files"]["gbps"],
-            note=f"{ranks} ranks, one contiguous share each: the floor of the loads below")
+        row("floor", "read cold, the checkpoint's own files", s["files_unickpt_load"]["median"],
+            s["files_unickpt_load"]["gbps"], note=f"{ranks} ranks, one contiguous share each, before each load (this: "
+            "before the same-layout load): the floor of the loads below; x floor = median over rounds of load / its own read")
         for u, d, name, tgt in (("unickpt_save", "dcp_save", "save (durable, committed)", 1.15),
                                 ("unickpt_load", "dcp_load", "load same layout, cold", 1.15),
                                 ("unickpt_load_reshard", "dcp_load_reshard", "load resharded row->column, cold", 1.15)):
