@@ -599,7 +599,7 @@ def _read_all(entries, man: Manifest, storage, ckpt, verify, progress, rank=0, w
                 continue
             # node-shared when it can be (read_shared decides whether the node shares): short
             # runs, and long runs read straight into the target's own memory
-            if comm is not None and eligible(st, isz) and (not long or direct):
+            if comm is not None and (not long or direct) and eligible(st, isz, long):
                 touched = _StreamCheck(st.checksums)
                 touched.touch_runs(runs.starts * isz, (runs.starts + runs.lengths) * isz)
                 shared.append(SharedJob(st, reader, base, runs, isz, dest, touched.touched,

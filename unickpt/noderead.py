@@ -71,7 +71,7 @@ import torch
 from ._copy import copy_window
 from ._metrics import log
 from .errors import DistributedError
-from .format import Hasher
+from .format import CHECK_BLOCK, Hasher
 from .layout import Runs
 from .manifest import Manifest, TensorEntry
 from .transport import Comm, node_id
@@ -104,7 +104,8 @@ def enabled() -> bool:
 
 @dataclass
 class SharedJob:
-    """One short-run target: its runs in ``st``'s bytes and which checksummed ranges they touch."""
+    """One target the node may read shared: its runs in ``st``'s bytes and which checksummed
+    ranges they touch (``long``: long runs, read straight into the target when not shared)."""
 
     st: TensorEntry
     reader: object  # RandomReader of st.file
@@ -122,14 +123,16 @@ class SharedJob:
         self.ends = self.runs.starts + self.runs.lengths  # once, not per round
 
 
-def eligible(st: TensorEntry, isz: int) -> bool:
+def eligible(st: TensorEntry, isz: int, long: bool = False) -> bool:
     """A tensor can be read shared when its checksummed ranges are small enough to pack into
-    rounds and start on element boundaries (so a range never splits an element)."""
+    rounds and start on element boundaries (so a range never splits an element). For long-run
+    targets (shared only for the access pattern) at most 1 MiB: larger ranges (format 1: one
+    per tensor) would size each rank's part of the segment by the largest one."""
     if st.codec != "raw" or not st.checksums:
         return False
     b = np.fromiter((c[0] for c in st.checksums), dtype=np.int64, count=len(st.checksums))
     e = np.fromiter((c[1] for c in st.checksums), dtype=np.int64, count=len(st.checksums))
-    return bool(int((e - b).max()) <= ROUND // 4 and not (b % isz).any())
+    return bool(int((e - b).max()) <= (CHECK_BLOCK if long else ROUND // 4) and not (b % isz).any())
 
 
 def _intervals(mask: np.ndarray) -> list[list[int]]:
@@ -185,22 +188,23 @@ def _cached(jobs: list[SharedJob], samples: int = 16, n: int = 16 << 20) -> floa
     return got / want if want else None
 
 
-def _interleaved(per_rank: dict[int, dict[int, np.ndarray]], keys: list, man: Manifest) -> bool:
-    """True when some rank of the node, reading alone, would read stretches shorter than
-    :data:`STRETCH` on average: stretches of the stored bytes that another rank's stretches
-    separate (row blocks of every tensor, ZeRO ranges...). The disk serves such reads at a
-    fraction of its streaming speed; shared, each rank streams one contiguous share."""
-    for need in per_rank.values():
-        spans: list[tuple[str, int, int]] = []  # (file, begin, end) of the needed ranges, merged
-        for t in sorted(need, key=lambda t: (man.tensors[keys[t]].file, man.tensors[keys[t]].begin)):
+def _interleaved(long: dict[int, list], keys: list, man: Manifest) -> bool:
+    """True when some rank of the node, reading alone, would read at least half of its
+    long-run bytes in stretches shorter than :data:`STRETCH`: stretches of the stored bytes
+    that other ranks' stretches separate (row blocks of every tensor, ZeRO ranges...). The
+    disk serves such reads at a fraction of its streaming speed; shared, each rank streams
+    one contiguous share. ``long``: each rank's needs as ``(tensor, first range, end range)``."""
+    for need in long.values():
+        spans: list[list] = []  # [file, begin, end] of the needed bytes, merged
+        for t, a, b in sorted(need, key=lambda x: (man.tensors[keys[x[0]]].file, man.tensors[keys[x[0]]].begin, x[1])):
             st = man.tensors[keys[t]]
-            for a, b in _intervals(need[t]):
-                lo, hi = st.begin + st.checksums[a][0], st.begin + st.checksums[b - 1][1]
-                if spans and spans[-1][0] == st.file and lo - spans[-1][2] <= 1 << 20:  # padding: read through
-                    spans[-1] = (st.file, spans[-1][1], hi)
-                else:
-                    spans.append((st.file, lo, hi))
-        if len(spans) > 1 and sum(e - b for _, b, e in spans) < STRETCH * len(spans):
+            lo, hi = st.begin + st.checksums[a][0], st.begin + st.checksums[b - 1][1]
+            if spans and spans[-1][0] == st.file and lo - spans[-1][2] <= 1 << 20:  # padding: read through
+                spans[-1][2] = max(spans[-1][2], hi)
+            else:
+                spans.append([st.file, lo, hi])
+        size = sum(e - b for _, b, e in spans)
+        if size and 2 * sum(e - b for _, b, e in spans if e - b < STRETCH) >= size:
             return True
     return False
 
@@ -430,12 +434,12 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
     aborted)``: ``aborted`` means some rank failed and nothing more should be read."""
     keys = list(man.tensors)
     index = {k: i for i, k in enumerate(keys)}
-    need: dict[int, np.ndarray] = {}
+    need: dict[tuple[int, int], np.ndarray] = {}  # (tensor, 1 for long-run targets else 0): ranges touched
     for j in jobs:
-        t = index[j.st.key]
-        need[t] = need.get(t, np.zeros(len(j.st.checksums), dtype=bool)) | j.touched
+        k = (index[j.st.key], int(j.long))
+        need[k] = need.get(k, np.zeros(len(j.st.checksums), dtype=bool)) | j.touched
     can = enabled() and os.path.isdir(SHM_DIR)
-    blob = json.dumps([[t, a, b] for t, m in sorted(need.items()) for a, b in _intervals(m)]).encode()
+    blob = json.dumps([[t, a, b, kind] for (t, kind), m in sorted(need.items()) for a, b in _intervals(m)]).encode()
     me = {"node": node_id(), "can": can, "token": f"{os.getpid()}-{secrets.token_hex(8)}", "failed": failed,
           "n": len(blob), "verify": verify, "cached": _cached([j for j in jobs if j.long]) if can else None}
     # a small record from every rank; the needs themselves travel only between the node's ranks
@@ -449,8 +453,8 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
         return 0, jobs, False
     node = _Node(comm, ranks)
     needs = node.gather(blob, {r: all_[r]["n"] for r in ranks})
-    union: dict[int, np.ndarray] = {}
-    per_rank: dict[int, dict[int, np.ndarray]] = {r: {} for r in ranks}
+    short: dict[int, np.ndarray] = {}  # the union of the short-run needs
+    long: dict[int, list] = {r: [] for r in ranks}  # each rank's long-run needs: (tensor, a, b)
     asked = 0
     for r in ranks:
         try:
@@ -458,23 +462,31 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
         except ValueError:
             descr = None
         for item in descr if isinstance(descr, list) else []:
-            if not (isinstance(item, list) and len(item) == 3 and all(type(x) is int for x in item)):
+            if not (isinstance(item, list) and len(item) == 4 and all(type(x) is int for x in item)):
                 continue  # not what a rank of this version sends: it adds nothing to the union
-            t, a, b = item
-            if not (0 <= t < len(keys)) or not (0 <= a < b <= len(man.tensors[keys[t]].checksums)):
+            t, a, b, kind = item
+            if not (0 <= t < len(keys)) or not (0 <= a < b <= len(man.tensors[keys[t]].checksums)) or kind not in (0, 1):
                 continue
-            m = union.setdefault(t, np.zeros(len(man.tensors[keys[t]].checksums), dtype=bool))
+            if kind:
+                long[r].append((t, a, b))
+                continue
+            m = short.setdefault(t, np.zeros(len(man.tensors[keys[t]].checksums), dtype=bool))
             m[a:b] = True
-            per_rank[r].setdefault(t, np.zeros(len(m), dtype=bool))[a:b] = True
             asked += sum(c[1] - c[0] for c in man.tensors[keys[t]].checksums[a:b])
     total = sum(sum(c[1] - c[0] for c, u in zip(man.tensors[keys[t]].checksums, m.tolist()) if u)
-                for t, m in union.items())
-    # overlapping needs are always worth sharing (bytes read once, not once per rank); needs that
-    # only interleave are worth it from the disk, not from the page cache (the copy out of the
-    # segment costs more than the reads it saves there)
-    cached = [all_[r]["cached"] for r in ranks]
-    cold = all(isinstance(c, (int, float)) for c in cached) and sum(cached) < 0.5 * len(cached)
-    if not total or (asked < MIN_OVERLAP * total and not (cold and _interleaved(per_rank, keys, man))):
+                for t, m in short.items())
+    # overlapping short-run needs are worth sharing (bytes read once, not once per rank);
+    # long-run needs that interleave are worth it from the disk, not from the page cache (the
+    # copy out of the segment costs more than the reads it makes sequential there)
+    cached = [all_[r].get("cached") for r in ranks if long[r]]  # ranks without long runs have no say
+    cold = bool(cached) and all(type(c) in (int, float) for c in cached) and sum(cached) < 0.5 * len(cached)
+    share_long = cold and _interleaved(long, keys, man)
+    if not (total and asked >= MIN_OVERLAP * total) and not share_long:
+        return 0, jobs, False
+    union = short
+    for t, a, b in (x for r in ranks for x in long[r]) if share_long else ():
+        union.setdefault(t, np.zeros(len(man.tensors[keys[t]].checksums), dtype=bool))[a:b] = True
+    if not union:
         return 0, jobs, False
     plan = _plan_node(ranks, all_[ranks[0]]["token"], union, keys, man)
     _prefetch(plan, plan.ranks.index(comm.rank), keys, man, files, pool)

@@ -16,6 +16,7 @@ import os
 import shutil
 import stat
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
@@ -443,7 +444,9 @@ class LocalStorage:
         a disk without room for the file fails here, before a byte is written."""
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            with _node_lock("alloc"):
+            # one reservation at a time on the machine, where the layout matters (not in memory)
+            lock = size > 0 and not os.environ.get("UNICKPT_NO_FALLOCATE") and _fs_type(path) not in ("tmpfs", "ramfs")
+            with _node_lock("alloc") if lock else contextlib.nullcontext():
                 _reserve(fd, size, path)
             os.ftruncate(fd, size)
         finally:
@@ -525,26 +528,66 @@ def _progress(n: int, path: str) -> int:
 _FALLOCATE: list = []
 
 
+LOCK_WAIT_S = 5.0
+"""How long :func:`_node_lock` waits for another process's reservation before going on without."""
+_FS_TYPES: dict[str, str] = {}
+
+
+def _fs_type(path: str) -> str:
+    """The file system type of the mount holding ``path`` (``/proc/self/mounts``; "" if unknown)."""
+    d = os.path.dirname(os.path.realpath(path))
+    if d not in _FS_TYPES:
+        best, kind = "", ""
+        try:
+            with open("/proc/self/mounts") as f:
+                for line in f:
+                    parts = line.split()
+                    if len(parts) >= 3:
+                        mnt = parts[1].replace("\\040", " ")
+                        if (d == mnt or d.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best):
+                            best, kind = mnt, parts[2]
+        except OSError:
+            pass
+        _FS_TYPES[d] = kind
+    return _FS_TYPES[d]
+
+
 @contextlib.contextmanager
-def _node_lock(name: str):
+def _node_lock(name: str, wait_s: float | None = None):
     """An exclusive lock among this user's processes on this machine (``flock`` on a file in
-    /dev/shm), or nothing where there is no such file system. Used around ``fallocate``:
-    ranks of a node that reserve their files at the same moment get their blocks handed out
-    in turns of 8 MiB, so each file is laid out as dozens of extents interleaved with the
-    other files' and a later sequential read of one file skips every other 8 MiB on disk
-    (1.5x as long here, docs/performance.md). A reservation takes well under a millisecond."""
+    /dev/shm), taken around ``fallocate``: ranks of a node that reserve their files at the
+    same moment get their blocks handed out in turns of 8 MiB, so each file is laid out as
+    dozens of extents interleaved with the other files' and a later sequential read of one
+    file skips every other 8 MiB on disk (1.5x as long here, docs/performance.md). A
+    reservation on a disk file system takes well under a millisecond.
+
+    Only an optimisation, so never a reason to fail or hang: without /dev/shm or fcntl, with a
+    lock file that is not a regular file of this user's with one link (planted by someone
+    else), or when the lock stays taken for ``wait_s`` (default :data:`LOCK_WAIT_S`: a stopped
+    process holds it, or a child forked while it was held), the caller goes on without it."""
     fd = -1
     try:
-        import fcntl
+        try:
+            import fcntl
 
-        fd = os.open(os.path.join("/dev/shm", f"unickpt-{name}-{os.getuid()}.lock"),
-                     os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0), 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    except (OSError, ImportError):
-        if fd >= 0:
-            os.close(fd)
-        fd = -1
-    try:
+            fd = os.open(os.path.join("/dev/shm", f"unickpt-{name}-{os.getuid()}.lock"),
+                         os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0), 0o600)
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_nlink != 1:
+                raise OSError(errno.EPERM, "not this user's lock file")
+            deadline = time.monotonic() + (LOCK_WAIT_S if wait_s is None else wait_s)
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise OSError(errno.ETIMEDOUT, "lock held too long") from None
+                    time.sleep(0.001)
+        except (OSError, ImportError):
+            if fd >= 0:
+                os.close(fd)
+            fd = -1
         yield
     finally:
         if fd >= 0:
