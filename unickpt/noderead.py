@@ -17,10 +17,11 @@ ranges they need and read it once, each rank one contiguous share:
    inside the node, so a rank's work does not grow with the number of nodes. The ranks of
    a node compute the same plan from the same inputs, so the plan needs no agreement.
 2. A node shares only when it pays: at least two ranks, and either the ranks' needs add up
-   to more than :data:`MIN_OVERLAP` times their union, or they interleave (some rank's
-   needs are stretches shorter than :data:`STRETCH` on average) and the node's ranks find
-   less than half of their long-run needs in the page cache (from the cache, the copy out
-   of the segment costs more than it saves). Otherwise its ranks read alone.
+   to more than :data:`MIN_OVERLAP` times their union (short-run needs), or the long-run
+   needs interleave (some rank would read at least half of them in stretches shorter than
+   :data:`STRETCH`) and the node's ranks find less than half of them in the page cache
+   (from the cache, the copy out of the segment costs more than it saves). Otherwise its
+   ranks read alone.
 3. The node's lowest rank creates a shared-memory segment (``/dev/shm``, mode 0600,
    unlinked as soon as every rank of the node has mapped it): a page of status words, then
    :data:`BUFFERS` buffers of about :data:`ROUND` bytes. The union (in file order) is cut
@@ -87,8 +88,9 @@ MIN_OVERLAP = 1.25
 """A node shares its reads when its ranks' needs add up to at least this many times their union."""
 PIECE = 16 << 20  # one read call at most
 STRETCH = 128 << 20
-"""A node also shares its reads when some rank would otherwise read stretches of the files
-shorter than this on average, skipping the bytes between them (see :func:`_interleaved`)."""
+"""A node also shares its reads when some rank would otherwise read at least half of its
+long-run bytes in stretches of the files shorter than this, skipping the bytes between them
+(see :func:`_interleaved`)."""
 SHM_DIR = "/dev/shm"
 # the status words (:class:`_Status`): one line of _WORDS int64 per rank of the node
 _WORDS, _READ, _USED, _FAIL, _PID, _START, _BAD, _DONE, _ALLOC = 8, 0, 1, 2, 3, 4, 5, 6, 7
