@@ -319,3 +319,34 @@ def test_a_disk_without_room_for_a_file_fails_its_creation_naming_it(tmp_path):
     assert str(1 << 30) in str(ei.value) and f.injected
     s.create_file(str(tmp_path / "after"), 4096)  # uninstalled: the real call again
     assert os.path.getsize(tmp_path / "after") == 4096
+
+
+def test_staging_buffers_ask_for_huge_pages():
+    """O_DIRECT requests are built from a buffer's physical pages, at most max_segments of
+    them: from scattered 4 KiB pages a request carries ~1 MB. Staging buffers are private
+    anonymous memory advised for 2 MiB pages, which the kernel gives where transparent huge
+    pages are in "madvise" or "always" mode (shared anonymous memory would not get them)."""
+    import re
+
+    try:
+        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        pytest.skip("no transparent huge pages here")
+    if "[never]" in mode:
+        pytest.skip("transparent huge pages are off")
+    s = st._Staging(16 << 20)
+    try:
+        s.arr[:] = 1  # touch every page
+        addr = s.arr.ctypes.data
+        huge = None
+        for line in open("/proc/self/smaps").read().splitlines():
+            m = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+            if m:
+                inside = int(m.group(1), 16) <= addr < int(m.group(2), 16)
+            elif inside and line.startswith("AnonHugePages:"):
+                huge = int(line.split()[1]) << 10
+                break
+        assert addr % 4096 == 0 and huge is not None and huge >= 2 << 20, huge
+    finally:
+        del s.arr
+        s.buf.close()
