@@ -334,6 +334,13 @@ def test_staging_buffers_ask_for_huge_pages():
         pytest.skip("no transparent huge pages here")
     if "[never]" in mode:
         pytest.skip("transparent huge pages are off")
+    def fallbacks() -> int:
+        for line in open("/proc/vmstat"):
+            if line.startswith("thp_fault_fallback "):
+                return int(line.split()[1])
+        return 0
+
+    before = fallbacks()
     s = st._Staging(16 << 20)
     try:
         s.arr[:] = 1  # touch every page
@@ -346,6 +353,8 @@ def test_staging_buffers_ask_for_huge_pages():
             elif inside and line.startswith("AnonHugePages:"):
                 huge = int(line.split()[1]) << 10
                 break
+        if not huge and fallbacks() > before:
+            pytest.skip("the kernel had no free huge page to give (it was asked: a fallback was counted)")
         assert addr % 4096 == 0 and huge is not None and huge >= 2 << 20, huge
     finally:
         del s.arr
