@@ -593,10 +593,10 @@ def _read_all(entries, man: Manifest, storage, ckpt, verify, progress, rank=0, w
             direct = local.device.type == "cpu" and local.is_contiguous()
             dest = as_bytes(local) if direct else torch.empty(local.numel() * isz, dtype=torch.uint8)
             runs = e.layout.runs()
-            long = bool(len(runs)) and (len(runs) == 1 or runs.numel * isz / len(runs) >= DIRECT_RUN)
-            if not len(runs) or not runs.numel:
+            if not len(runs) or not runs.numel:  # nothing to read: finished (verified) as it is
                 read_direct(st, reader, base, runs, isz, dest, local, direct)
                 continue
+            long = len(runs) == 1 or runs.numel * isz / len(runs) >= DIRECT_RUN
             # node-shared when it can be (read_shared decides whether the node shares): short
             # runs, and long runs read straight into the target's own memory
             if comm is not None and (not long or direct) and eligible(st, isz, long):
