@@ -323,13 +323,27 @@ class _Segment:
         finally:
             os.close(fd)
 
-    def unlink(self) -> None:
-        if self.created:
-            self.created = False
+    def unlink(self, background: bool = False) -> None:
+        """Remove the segment's name (its pages stay while mapped). ``background``: on a
+        thread, because the unlink waits for the inode lock that the reservation thread
+        (:func:`_reserve`) holds while it zeroes each buffer: 10-35 ms here, which the node's
+        first rank would otherwise spend before its first read, and every rank after it. The
+        thread is not a daemon, so a process that exits normally unlinks first; one killed
+        before leaves the name for :func:`_sweep_dead`."""
+        if not self.created:
+            return
+        self.created = False
+
+        def remove() -> None:
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+
+        if background:
+            threading.Thread(target=remove, name="unickpt-shm-unlink").start()
+        else:
+            remove()
 
     def close(self, background: bool = False) -> None:
         """Unmap (``background``: on a thread, since returning ~100 MiB of pages takes tens of
@@ -524,7 +538,7 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
             seg.close()
         raise
     if seg is not None:
-        seg.unlink()  # every rank of the node mapped it (or gave up): nothing left in /dev/shm
+        seg.unlink(background=not err)  # every rank of the node mapped it (or gave up): nothing left in /dev/shm
     if err:  # sharing is only speed: everyone reads alone
         if seg is not None:
             seg.close()
