@@ -709,6 +709,40 @@ def test_only_needs_cut_into_short_stretches_count_as_interleaved():
     assert not noderead._interleaved(mixed, keys, man)
 
 
+def test_the_ranges_a_target_touches_are_those_its_byte_runs_overlap():
+    """``noderead.touched`` (one search per checksummed range for runs in order, a per-run
+    marking otherwise) marks exactly the ranges the loader's stream check would widen the runs
+    to, for runs in order, out of order, empty, at range edges and inside one range."""
+    import numpy as np
+
+    from unickpt import noderead
+    from unickpt.loader import _StreamCheck
+
+    rng = np.random.default_rng(5)
+    for trial in range(300):
+        cuts = np.unique(rng.integers(1, 4000, size=int(rng.integers(0, 12))))
+        edges = np.concatenate(([0], cuts, [4000])).tolist()
+        sums = [(a, b, "0") for a, b in zip(edges[:-1], edges[1:])]
+        pts = np.sort(rng.choice(4000, size=2 * int(rng.integers(1, 20)), replace=False))
+        b, e = pts[0::2].astype(np.int64), pts[1::2].astype(np.int64)
+        if trial % 3 == 1:  # out of order
+            p = rng.permutation(len(b))
+            b, e = b[p], e[p]
+        if trial % 5 == 2:  # an empty run, which touches nothing
+            e[0] = b[0]
+        if trial % 7 == 3:  # a run on a range's edges
+            b[0], e[0] = edges[0], edges[1]
+        want = _StreamCheck(sums)
+        want.touch_runs(b, e)
+        got = noderead.touched(noderead.bounds(type("St", (), {"checksums": sums})()), b, e)
+        assert got.tolist() == want.touched.tolist(), (sums, b.tolist(), e.tolist())
+    st = type("St", (), {"checksums": [(0, 10, "0"), (10, 20, "0"), (20, 30, "0")]})()
+    for runs, want in (([(10, 15)], [False, True, False]), ([(5, 10), (20, 21)], [True, False, True]),
+                       ([(9, 11)], [True, True, False]), ([(29, 30)], [False, False, True])):
+        b, e = (np.array(x, dtype=np.int64) for x in zip(*runs))
+        assert noderead.touched(noderead.bounds(st), b, e).tolist() == want, runs
+
+
 def test_the_page_cache_probe_sees_what_was_read_and_reads_nothing(tmp_path):
     """``_Reader.resident`` (mmap + mincore): 0 after the file's pages were dropped, all of
     them once read, and asking reads nothing."""

@@ -36,7 +36,7 @@ from .errors import (
 from .format import Hasher, dtype_name, parse_header, read_header, torch_dtype
 from .layout import Layout, Runs
 from .manifest import MANIFEST_NAME, Manifest, TensorEntry, data_file_name, manifest_cap
-from .noderead import SharedJob, eligible, read_shared
+from .noderead import SharedJob, bounds, eligible, read_shared, touched
 from .state import Entry, apply_json_state, flatten, json_missing
 from .stateful import for_load, is_stateful
 from .storage import RandomReader, Storage, join_path, per_node, storage_for
@@ -599,10 +599,10 @@ def _read_all(entries, man: Manifest, storage, ckpt, verify, progress, rank=0, w
             long = len(runs) == 1 or runs.numel * isz / len(runs) >= DIRECT_RUN
             # node-shared when it can be (read_shared decides whether the node shares): short
             # runs, and long runs read straight into the target's own memory
-            if comm is not None and (not long or direct) and eligible(st, isz, long):
-                touched = _StreamCheck(st.checksums)
-                touched.touch_runs(runs.starts * isz, (runs.starts + runs.lengths) * isz)
-                shared.append(SharedJob(st, reader, base, runs, isz, dest, touched.touched,
+            be = bounds(st) if comm is not None and (not long or direct) else None
+            if be is not None and eligible(st, isz, long, be):
+                mask = touched(be, runs.starts * isz, (runs.starts + runs.lengths) * isz)
+                shared.append(SharedJob(st, reader, base, runs, isz, dest, mask,
                                         done_of(st, runs, isz, dest, local, direct), long, local, direct))
             elif long:
                 read_direct(st, reader, base, runs, isz, dest, local, direct)

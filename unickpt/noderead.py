@@ -125,16 +125,48 @@ class SharedJob:
         self.ends = self.runs.starts + self.runs.lengths  # once, not per round
 
 
-def eligible(st: TensorEntry, isz: int, long: bool = False) -> bool:
+def bounds(st: TensorEntry) -> tuple[np.ndarray, np.ndarray]:
+    """Begins and ends of ``st``'s checksummed ranges (they tile its bytes in order)."""
+    n = len(st.checksums)
+    return (np.fromiter((c[0] for c in st.checksums), dtype=np.int64, count=n),
+            np.fromiter((c[1] for c in st.checksums), dtype=np.int64, count=n))
+
+
+def eligible(st: TensorEntry, isz: int, long: bool = False,
+             be: tuple[np.ndarray, np.ndarray] | None = None) -> bool:
     """A tensor can be read shared when its checksummed ranges are small enough to pack into
     rounds and start on element boundaries (so a range never splits an element). For long-run
     targets (shared only for the access pattern) at most 1 MiB: larger ranges (format 1: one
-    per tensor) would size each rank's part of the segment by the largest one."""
+    per tensor) would size each rank's part of the segment by the largest one. ``be``: its
+    :func:`bounds`, when already known."""
     if st.codec != "raw" or not st.checksums:
         return False
-    b = np.fromiter((c[0] for c in st.checksums), dtype=np.int64, count=len(st.checksums))
-    e = np.fromiter((c[1] for c in st.checksums), dtype=np.int64, count=len(st.checksums))
+    b, e = be if be is not None else bounds(st)
     return bool(int((e - b).max()) <= (CHECK_BLOCK if long else ROUND // 4) and not (b % isz).any())
+
+
+def touched(be: tuple[np.ndarray, np.ndarray], b: np.ndarray, e: np.ndarray) -> np.ndarray:
+    """Which checksummed ranges (``be``: :func:`bounds`) the byte runs ``[b[i], e[i])`` touch,
+    as a bool per range. Runs in ascending, disjoint order (a target's runs, always) take one
+    search per range rather than per run: a column block of a tall matrix has a run per row
+    (24,576 for a 48 MiB matrix 512 wide) and a few dozen ranges, and the per-run search cost
+    about 1 ms a tensor, a quarter of the CPU of a load's start (docs/performance.md).
+    Any other order gets the per-run marking."""
+    rb, re_ = be
+    live = e > b
+    b, e = b[live], e[live]
+    out = np.zeros(len(rb), dtype=bool)
+    if not len(b) or not len(rb):
+        return out
+    if len(b) == 1 or bool((b[1:] >= e[:-1]).all()):
+        j = np.searchsorted(e, rb, side="right")  # per range: the first run ending after it begins
+        ok = j < len(b)
+        out[ok] = b[j[ok]] < re_[ok]  # ... begins before it ends
+        return out
+    i0 = np.searchsorted(rb, b, side="right") - 1
+    i1 = np.searchsorted(rb, e - 1, side="right") - 1
+    marks = np.bincount(i0, minlength=len(rb) + 1) - np.bincount(i1 + 1, minlength=len(rb) + 1)
+    return np.cumsum(marks[:-1]) > 0
 
 
 def _intervals(mask: np.ndarray) -> list[list[int]]:
