@@ -27,7 +27,9 @@ BODY = textwrap.dedent(
     import unickpt
     from unickpt.async_save import checkpointer
 
-    print("SCRIPT START", os.getpid(), flush=True)
+    # one write per line (ranks share the pipe; print() under PYTHONUNBUFFERED writes each
+    # argument on its own, and two ranks' words interleaved: 'RANK DONERANK DONE  01')
+    sys.stdout.write(f"SCRIPT START {os.getpid()}\\n"); sys.stdout.flush()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     root = sys.argv[1]
@@ -52,7 +54,7 @@ BODY = textwrap.dedent(
     assert torch.equal(t["model"]["w"][4 * rank : 4 * rank + 4], torch.full((4, 3), 2.0 + rank))
     unickpt.async_save.shutdown()
     dist.destroy_process_group()
-    print("RANK DONE", rank, flush=True)
+    sys.stdout.write(f"RANK DONE {rank}\\n"); sys.stdout.flush()
     """
 )
 
