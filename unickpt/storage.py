@@ -444,10 +444,7 @@ class LocalStorage:
         a disk without room for the file fails here, before a byte is written."""
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            # one reservation at a time on the machine, where the layout matters (not in memory)
-            lock = size > 0 and not os.environ.get("UNICKPT_NO_FALLOCATE") and _fs_type(path) not in ("tmpfs", "ramfs")
-            with _node_lock("alloc") if lock else contextlib.nullcontext():
-                _reserve(fd, size, path)
+            _reserve(fd, size, path)
             os.ftruncate(fd, size)
         finally:
             os.close(fd)
@@ -619,7 +616,10 @@ def _reserve(fd: int, size: int, path: str) -> None:
     if _FALLOCATE[0] is None:
         return
     ctypes, fn = _FALLOCATE[0]
-    if fn(fd, 0, 0, size) == 0:
+    # one reservation at a time on the machine, where the layout matters (not in memory)
+    with _node_lock("alloc") if _fs_type(path) not in ("tmpfs", "ramfs") else contextlib.nullcontext():
+        rc = fn(fd, 0, 0, size)
+    if rc == 0:
         return
     err = ctypes.get_errno()
     if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
