@@ -738,7 +738,8 @@ def test_the_ranges_a_target_touches_are_those_its_byte_runs_overlap():
         assert got.tolist() == want.touched.tolist(), (sums, b.tolist(), e.tolist())
     st = type("St", (), {"checksums": [(0, 10, "0"), (10, 20, "0"), (20, 30, "0")]})()
     for runs, want in (([(10, 15)], [False, True, False]), ([(5, 10), (20, 21)], [True, False, True]),
-                       ([(9, 11)], [True, True, False]), ([(29, 30)], [False, False, True])):
+                       ([(9, 11)], [True, True, False]), ([(29, 30)], [False, False, True]),
+                       ([(0, 25), (5, 8)], [True, True, True]), ([(12, 14), (0, 5)], [True, True, False])):
         b, e = (np.array(x, dtype=np.int64) for x in zip(*runs))
         assert noderead.touched(noderead.bounds(st), b, e).tolist() == want, runs
 

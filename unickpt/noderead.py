@@ -147,26 +147,25 @@ def eligible(st: TensorEntry, isz: int, long: bool = False,
 
 def touched(be: tuple[np.ndarray, np.ndarray], b: np.ndarray, e: np.ndarray) -> np.ndarray:
     """Which checksummed ranges (``be``: :func:`bounds`) the byte runs ``[b[i], e[i])`` touch,
-    as a bool per range. Runs in ascending, disjoint order (a target's runs, always) take one
-    search per range rather than per run: a column block of a tall matrix has a run per row
-    (24,576 for a 48 MiB matrix 512 wide) and a few dozen ranges, and the per-run search cost
-    about 1 ms a tensor, a quarter of the CPU of a load's start (docs/performance.md).
-    Any other order gets the per-run marking."""
+    as a bool per range: one search per range among the runs, not per run. A column block of
+    a tall matrix has a run per row (24,576 for a 48 MiB matrix 512 wide) and a few dozen
+    ranges; the per-run search cost about 1 ms a tensor, a quarter of the CPU of a load's
+    start (docs/performance.md). A range is touched when the first run (by begin) that
+    reaches past its begin starts before its end."""
     rb, re_ = be
     live = e > b
     b, e = b[live], e[live]
     out = np.zeros(len(rb), dtype=bool)
     if not len(b) or not len(rb):
         return out
-    if len(b) == 1 or bool((b[1:] >= e[:-1]).all()):
-        j = np.searchsorted(e, rb, side="right")  # per range: the first run ending after it begins
-        ok = j < len(b)
-        out[ok] = b[j[ok]] < re_[ok]  # ... begins before it ends
-        return out
-    i0 = np.searchsorted(rb, b, side="right") - 1
-    i1 = np.searchsorted(rb, e - 1, side="right") - 1
-    marks = np.bincount(i0, minlength=len(rb) + 1) - np.bincount(i1 + 1, minlength=len(rb) + 1)
-    return np.cumsum(marks[:-1]) > 0
+    if len(b) > 1 and not bool((b[1:] >= b[:-1]).all()):  # a target's runs are in order already
+        o = np.argsort(b, kind="stable")
+        b, e = b[o], e[o]
+    reach = np.maximum.accumulate(e)  # the furthest any run so far reaches (= e for disjoint runs)
+    j = np.searchsorted(reach, rb, side="right")
+    ok = j < len(b)
+    out[ok] = b[j[ok]] < re_[ok]
+    return out
 
 
 def _intervals(mask: np.ndarray) -> list[list[int]]:
