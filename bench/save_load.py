@@ -74,10 +74,11 @@ from bench._common import (  # noqa: E402
 )
 
 KINDS = ("model", "exp_avg", "exp_avg_sq")
+LOADS = ("unickpt_load", "unickpt_load_reshard", "unickpt_load_noverify", "unickpt_load_reshard_noverify",
+         "dcp_load", "dcp_load_reshard")  # each with its floor, "files_<op>": its own files read right before it
 OPS = (
     "memcpy", "write_buffered", "write_direct", "read_cold", "read_warm",
-    *(f"files_{op}" for op in ("unickpt_load", "unickpt_load_reshard", "unickpt_load_noverify",
-                               "unickpt_load_reshard_noverify", "dcp_load", "dcp_load_reshard")),
+    *(f"files_{op}" for op in LOADS),
     "unickpt_save", "unickpt_load", "unickpt_load_reshard",
     "unickpt_load_noverify", "unickpt_load_reshard_noverify",
     "dcp_save", "dcp_load", "dcp_load_reshard",
@@ -85,8 +86,7 @@ OPS = (
 LABELS = {
     "memcpy": "memcpy floor", "write_buffered": "write buffered+fsync",
     "write_direct": "write O_DIRECT+fsync", "read_cold": "read cold", "read_warm": "read warm",
-    **{f"files_{op}": "  its files, cold" for op in ("unickpt_load", "unickpt_load_reshard", "unickpt_load_noverify",
-                                                     "unickpt_load_reshard_noverify", "dcp_load", "dcp_load_reshard")},
+    **{f"files_{op}": "  its files, cold" for op in LOADS},
     "unickpt_save": "unickpt save", "unickpt_load": "unickpt load",
     "unickpt_load_reshard": "unickpt load reshard", "dcp_save": "dcp save",
     "unickpt_load_noverify": "  same, verify=none", "unickpt_load_reshard_noverify": "  same, verify=none",
@@ -96,9 +96,7 @@ LABELS = {
 # before it. A file written just before (read_cold) reads faster here than a checkpoint's
 # files, and a read right after a save or after several loads of the same files is slower
 # or faster than the others (docs/performance.md): each load is paired with its own read.
-FLOOR_OF = {"unickpt_save": "write_direct", "dcp_save": "write_direct",
-            **{op: f"files_{op}" for op in ("unickpt_load", "unickpt_load_reshard", "unickpt_load_noverify",
-                                             "unickpt_load_reshard_noverify", "dcp_load", "dcp_load_reshard")}}
+FLOOR_OF = {"unickpt_save": "write_direct", "dcp_save": "write_direct", **{op: f"files_{op}" for op in LOADS}}
 VERIFY_OF = {"unickpt_load": "unickpt_load_noverify", "unickpt_load_reshard": "unickpt_load_reshard_noverify"}
 VERIFY_TARGET = 0.05  # verification may cost at most 5% of a cold load
 DCP_OF = {"unickpt_save": "dcp_save", "unickpt_load": "dcp_load", "unickpt_load_reshard": "dcp_load_reshard"}
