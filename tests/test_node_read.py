@@ -710,9 +710,10 @@ def test_only_needs_cut_into_short_stretches_count_as_interleaved():
 
 
 def test_the_ranges_a_target_touches_are_those_its_byte_runs_overlap():
-    """``noderead.touched`` (one search per checksummed range for runs in order, a per-run
-    marking otherwise) marks exactly the ranges the loader's stream check would widen the runs
-    to, for runs in order, out of order, empty, at range edges and inside one range."""
+    """``noderead.touched`` (one search per checksummed range among the runs, sorted first
+    when they are not in order) marks exactly the ranges the loader's stream check would widen
+    the runs to, for runs in order, out of order, overlapping, empty, at range edges and inside
+    one range."""
     import numpy as np
 
     from unickpt import noderead
