@@ -247,8 +247,8 @@ def load(
                 b2, v2, bad2, received, e2 = load_remote(comm, remote, man, sees, read_for_peers, bucket_bytes, verify)
                 bytes_read, verified, bad = bytes_read + b2, verified + v2, bad + bad2
                 err = err or e2
-    comm.agree(err, "load (reading)")
     if verify == "full":
+        comm.agree(err, "load (reading)")
         with ph.phase("verify"):
             try:
                 b2, v2, bad2 = _verify_share(man, storage, ckpt, comm, {e.key for e in entries if e.layout.is_full},
@@ -259,10 +259,10 @@ def load(
             except Exception as e:
                 err = e
         comm.agree(err, "load (verifying)")
-    if bad:
+    if bad and err is None:  # (one agreement for the reads and their checksums, unless verify="full")
         err = _changed(storage, ckpt, man) or ChecksumError(
             "checksum mismatch: " + "; ".join(f"tensor {n!r} in {f}" for f, n in bad), bad)
-    comm.agree(err, "load (checksums)")
+    comm.agree(err, "load (reading)" if verify != "full" else "load (checksums)")
     apply_json_state(state_dict, man.state, comm.rank, comm.world, skipped)
     try:  # stateful objects take what was loaded (load_state_dict)
         finish()

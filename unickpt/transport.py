@@ -140,7 +140,9 @@ class Comm:
             raise self._failed(op, what, e) from e
 
     def all_gather_bytes(self, data: bytes, what: str | None = None) -> list[bytes]:
-        """Every rank's byte string, on every rank (two collectives: lengths, then padded data)."""
+        """Every rank's byte string, on every rank (two collectives: lengths, then padded data;
+        one when every string is empty, as in :meth:`agree` when no rank failed: every rank
+        sees the same lengths, so every rank skips the second)."""
         if not self.active or self.world == 1:
             return [bytes(data)]
         g = self.p2p_group
@@ -150,6 +152,8 @@ class Comm:
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
         self._run("all_gather", what, lambda: g.allgather([sizes], [n], opts))
         m = max(int(s.item()) for s in sizes)
+        if m == 0:
+            return [b""] * self.world
         buf = torch.zeros(max(m, 1), dtype=torch.uint8)
         if data:
             buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
