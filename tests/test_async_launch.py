@@ -146,6 +146,45 @@ def _start_fails_on_rank_1(rank, world, root):
     return sorted(os.listdir(root))
 
 
+def _started_early(rank, world, root):
+    import pytest
+
+    from unickpt import async_save
+    from unickpt.errors import AsyncSaveError, UnickptError
+
+    sd = {"model": {"w": unickpt.shard(torch.full((4, 3), float(rank)), (4 * world, 3), offsets=(4 * rank, 0))}}
+    exe = sys.executable
+    if rank == 1:
+        sys.executable = os.path.join(root, "no-such-python")
+    try:  # a writer that cannot start: every rank raises at once, the failing one its own error
+        with pytest.raises(AsyncSaveError if rank == 1 else UnickptError, match="writer process could not be started"):
+            unickpt.start_async_writer()
+    finally:
+        sys.executable = exe
+    unickpt.save(sd, os.path.join(root, "a"), step=1, async_save=True).wait()  # the save restarts the writers
+    pid = async_save.checkpointer()._proc.pid
+    unickpt.start_async_writer()  # running: nothing to do
+    assert async_save.checkpointer()._proc.pid == pid
+
+    async_save.shutdown()
+    unickpt.start_async_writer()  # before any save: the writer is up before the save is called
+    proc = async_save.checkpointer()._proc
+    assert proc is not None and proc.is_alive() and proc.pid != pid
+    unickpt.save(sd, os.path.join(root, "b"), step=2, async_save=True).wait()
+    assert async_save.checkpointer()._proc.pid == proc.pid  # the save used it
+    async_save.shutdown()
+    return sorted(os.listdir(root))
+
+
+def test_start_async_writer_starts_the_writers_the_saves_then_use(tmp_path):
+    from tests import dist
+
+    assert dist.run(_started_early, 2, str(tmp_path)) == [["a", "b"], ["a", "b"]]
+    t = {"model": {"w": torch.zeros(8, 3)}}
+    unickpt.load(t, str(tmp_path / "b"))
+    assert torch.equal(t["model"]["w"], torch.cat([torch.zeros(4, 3), torch.ones(4, 3)]))
+
+
 def test_a_writer_that_cannot_start_fails_the_save_on_every_rank(tmp_path):
     from tests import dist
 

@@ -4,6 +4,7 @@ Public API::
 
     unickpt.save(state_dict, path, group=None, step=None, extra=None) -> SaveResult
     unickpt.save(..., async_save=True) -> AsyncSave (wait(), done(), error)
+    unickpt.start_async_writer(group=None) -> start the asynchronous writer now (at set-up)
     unickpt.load(state_dict, path, group=None, verify="auto") -> LoadResult
     unickpt.shard(local, shape, offsets=..., sizes=..., flat=..., replica=...) -> ShardedTensor
     unickpt.partition_flat(shapes, world, rank) -> ZeRO pieces of a flat buffer
@@ -29,10 +30,11 @@ _LAZY = {
     "Layout": ".layout", "ShardedTensor": ".layout", "partition_flat": ".layout", "shard": ".layout",
     "LoadResult": ".loader", "load": ".loader", "read_manifest": ".loader",
     "AsyncSave": ".async_save", "load_for_inference": ".inference", "SaveResult": ".saver", "save": ".api",
+    "start_async_writer": ".api",
     "Compression": ".compress", "PerRank": ".state", "per_rank": ".state",
 }
 if TYPE_CHECKING:
-    from .api import save
+    from .api import save, start_async_writer
     from .async_save import AsyncSave
     from .compress import Compression
     from .inference import load_for_inference
@@ -100,6 +102,7 @@ __all__ = [
     "__version__",
     "errors",
     "save",
+    "start_async_writer",
     "load",
     "SaveResult",
     "AsyncSave",

@@ -19,7 +19,7 @@ from .stateful import for_save
 from .storage import per_node
 from .transport import Comm
 
-__all__ = ["save"]
+__all__ = ["save", "start_async_writer"]
 
 
 def save(
@@ -189,3 +189,18 @@ def _check_shared(path, storage_options, async_save: bool, group) -> None:
             f"{os.fspath(path)}: {os.fspath(path).split('://')[0]}:// lives in one process; "
             + ("an asynchronous save is written by another process" if async_save else
                f"{world} ranks would each write their own copy") + " (use a file system or an object store)")
+
+
+def start_async_writer(*, group=None, timeout_s: float | None = None) -> None:
+    """Start this rank's asynchronous writer process now; collective over ``group``.
+
+    ``save(..., async_save=True)`` starts the writer at its first call otherwise, and that
+    first save is durable only once the writer has started: a fresh interpreter that imports
+    torch, seconds on a busy host, against milliseconds for every later save. Call this at
+    set-up (the trainer does when it saves asynchronously or has a memory tier) and the start
+    overlaps model building and the first steps. Does nothing when the writers are running.
+
+    Raises:
+        AsyncSaveError: on every rank, when some rank's writer could not be started.
+    """
+    checkpointer(group).start(timeout_s)

@@ -430,6 +430,23 @@ class Checkpointer:
         except (OSError, ValueError, AsyncSaveError) as e:
             self._start_error = e
 
+    def start(self, timeout_s: float | None = None) -> None:
+        """Collective over the group: start the writer processes now, when no rank has one,
+        so that the first asynchronous save does not wait for its writer to start (a fresh
+        interpreter that imports torch: seconds, against milliseconds for later saves).
+        Anything else (writers running, or some rank's writer gone: a failure its pending
+        save reports) is left to the next save, which restarts writers as it always does.
+        Raises :class:`~unickpt.errors.AsyncSaveError` on every rank when a writer cannot
+        start."""
+        comm = Comm(self.group, timeout_s=timeout_s if timeout_s is not None else self.timeout_s)
+        started = comm.all_gather_bytes(b"0" if self._proc is None else b"1", "asynchronous save (starting the writers)")
+        err = None
+        if all(f == b"0" for f in started):  # every rank takes this branch, or none
+            self._start_writer(comm)
+            if self._start_error is not None:
+                err = AsyncSaveError(f"the writer process could not be started: {self._start_error}")
+        comm.agree(err, "asynchronous save (starting the writers)")
+
     def _stop_writer(self, graceful: bool) -> None:
         proc, conn = self._proc, self._conn
         self._proc = self._conn = None

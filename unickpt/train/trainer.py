@@ -188,6 +188,8 @@ class Trainer:
         self._dir_rank = self._manages_directory(checkpoint.dir) if checkpoint is not None else False
         self._mem_rank = False
         if checkpoint is not None:
+            if checkpoint.async_save or checkpoint.memory_dir is not None:
+                unickpt.start_async_writer()  # its start (seconds) overlaps the set-up, not the first save
             self._sweep(checkpoint.dir)
             if checkpoint.memory_dir is not None:
                 self._setup_memory_tier()
