@@ -160,10 +160,10 @@ def _no_shm_on_rank_0(rank):
 
 
 def test_without_shared_memory_ranks_read_alone(saved):
-    out = dist.run(_load_columns, 2, saved, None, _no_shm_on_rank_0)
-    assert all(o[2] for o in out), out
-    assert sum(o[0] for o in out) >= 2 * _tensor_bytes(), out  # each read everything itself
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("unickpt-read-")]
+    out = dist.run(_load_with_pid, 2, saved, None, _no_shm_on_rank_0)
+    assert all(o[2] for o, _ in out), out
+    assert sum(o[0] for o, _ in out) >= 2 * _tensor_bytes(), out  # each read everything itself
+    assert not _leftovers(out[0][1]) and not _leftovers(out[1][1])
 
 
 def test_a_segment_left_by_a_killed_load_is_removed_by_the_next(saved):
@@ -460,12 +460,13 @@ def test_a_peer_killed_during_the_rounds_fails_its_node_mates_at_once(saved):
     """The ranks of a node meet through status words in shared memory, not messages: a peer
     killed between two of them can tell nobody. Its mates notice that its process is gone
     within a poll and raise DistributedError naming it, long before timeout_s (60 s)."""
-    out = dist.run(_load_columns, 2, saved, None, functools.partial(_in_scatter_on_rank_1, "kill"), 60,
+    out = dist.run(_load_with_pid, 2, saved, None, functools.partial(_in_scatter_on_rank_1, "kill"), 60,
                    timeout=90, may_die={1})
     assert out[1] is None, out  # killed
-    assert out[0][0] == "DistributedError" and "[1]" in out[0][1] and "exited" in out[0][1], out
-    assert out[0][2] < 10, out
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith("unickpt-read-")]
+    (got, pid0) = out[0]
+    assert got[0] == "DistributedError" and "[1]" in got[1] and "exited" in got[1], out
+    assert got[2] < 10, out
+    assert not _leftovers(pid0)  # the node's first rank (rank 0) created the segment: it is gone
 
 
 def test_a_peer_stalled_in_the_rounds_fails_its_node_mates_at_timeout_s(saved):
