@@ -48,32 +48,31 @@ def _mutate_after_call(rank, world, root):
         v.local.add_(5)
     h.wait(timeout=120)
     unickpt.save(_state(rank, world), os.path.join(root, "sync"), step=1)
-    return h.blocking_seconds
+    return os.getpid()
 
 
-def _left_by_dead_processes() -> list[str]:
-    """unickpt's /dev/shm segments whose creating process is gone (the name carries its pid).
-    Segments of live processes are not this test's to judge: other jobs on the machine (a
-    second test run, a benchmark) hold theirs, and a global "none at all" failed with them."""
-    import psutil
-
+def _left_by(pids) -> list[str]:
+    """unickpt's /dev/shm segments created by processes ``pids`` (the name carries the
+    creator's pid), which have exited. Only this test's own: other jobs on the machine (a
+    second test run, another test worker, a benchmark) hold theirs, live or about to be swept,
+    and a global "none at all" failed with them."""
     out = []
     for p in glob.glob("/dev/shm/unickpt-*"):
         rest = os.path.basename(p)[len("unickpt-"):]
         pid = rest[len("read-"):].split("-")[0] if rest.startswith("read-") else rest.split("-")[0]
-        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+        if pid.isdigit() and int(pid) in pids:
             out.append(p)
     return out
 
 
 def test_bytes_are_the_state_at_call_time_and_equal_a_sync_save(tmp_path):
     root = str(tmp_path)
-    dist.run(_mutate_after_call, 2, root)
+    pids = dist.run(_mutate_after_call, 2, root)
     assert _digests(os.path.join(root, "async")) == _digests(os.path.join(root, "sync"))
     t = {"model": {f"w{i}": torch.zeros(192, 40) for i in range(5)}}
     unickpt.load(t, os.path.join(root, "async-bg"))
     assert torch.equal(t["model"]["w2"][:96], torch.full((96, 40), 2.0 * -3 + 1))
-    assert not _left_by_dead_processes()
+    assert not _left_by(pids)
 
 
 def _writer_killed(rank, world, root):
@@ -186,6 +185,8 @@ def _train_then_die(rank, world, root):
     while not glob.glob(os.path.join(root, ".step-00000004.tmp-*/*.safetensors")) and time.monotonic() < deadline:
         time.sleep(0.1)
     time.sleep(0.5)
+    with open(os.path.join(root, f"pid-{rank}"), "w") as f:  # for the test: whose segments to look for
+        f.write(str(os.getpid()))
     os.kill(os.getpid(), signal.SIGKILL)  # the whole job dies mid-save
 
 
@@ -198,6 +199,11 @@ def test_whole_job_killed_mid_save_commits_nothing_and_resume_sweeps(tmp_path):
     root = str(tmp_path)
     with pytest.raises(RuntimeError, match="died"):
         dist.run(_train_then_die, 2, root, timeout=120)
+    pids = []
+    for r in range(2):
+        with open(os.path.join(root, f"pid-{r}")) as f:
+            pids.append(int(f.read()))
+        os.unlink(os.path.join(root, f"pid-{r}"))
     names = os.listdir(root)
     assert "step-00000002" in names and "step-00000004" not in names
     assert any(n.startswith(".step-00000004.tmp-") for n in names)  # the interrupted save
@@ -205,7 +211,7 @@ def test_whole_job_killed_mid_save_commits_nothing_and_resume_sweeps(tmp_path):
     for step, listing in out:
         assert step == 2
         assert listing == ["step-00000002"]  # stale temporary swept at start
-    assert not _left_by_dead_processes()
+    assert not _left_by(pids)  # the killed ranks' staging, swept by the resumed job
 
 
 def _fifty(rank, world, root):
