@@ -10,11 +10,11 @@ tensors as DTensors on a 1-D cpu mesh.
 Every figure is the median over ``--repeats`` rounds of the *slowest rank's* time; each timed
 region starts after a barrier; the rounds interleave all operations so that noise from other
 work on the machine spreads over all of them, unickpt's and DCP's in ABBA order (unickpt first in
-even rounds). Warm-ups, excluded from every figure: the first
-unickpt async save (spawns one writer process per rank, allocates the shared-memory staging
-buffer; it is reported once, then again with a new writer started by
-``unickpt.start_async_writer()`` before ``n_loop`` matmuls of set-up) and the first DCP async_save (spawns DCP's checkpoint process, ~11 s, and fills the
-stager's cache of shared-memory storages); later saves reuse both.
+even rounds). Warm-ups, excluded from every figure: the first unickpt async save (spawns one
+writer process per rank, allocates the shared-memory staging buffer; reported once, then
+again with a new writer and staging made by ``unickpt.start_async_writer(state)`` before
+``n_loop`` matmuls of set-up) and the first DCP async_save (spawns DCP's checkpoint process,
+~11 s, and fills the stager's cache of shared-memory storages); later saves reuse both.
 
 Floors (measured in the same run):
   memcpy        each rank copies its state into an already-touched, reused buffer of the
@@ -250,17 +250,17 @@ def rank_job(rank: int, world: int, cfg: dict) -> dict:
     n_phase, n_loop = max(1, round(copy_s / unit)), max(1, round(cfg["loop_seconds"] / unit))
     log(f"calibrated: matmul {unit * 1e3:.2f} ms; compute phase {n_phase} matmuls (~memcpy {copy_s:.3f} s), "
         f"loop {n_loop} matmuls", rank)
-    # the first save, twice (each with a new writer and staging): its writer started by the
-    # save itself, then by start_async_writer() before a set-up of n_loop matmuls
+    # the first save, twice (each with a new writer and staging): its writer and staging made
+    # by the save itself, then by start_async_writer(state) before a set-up of n_loop matmuls
     first = {"lazy": async_op("unickpt", os.path.join(u_root, "warmup"))}
     u_async.shutdown()
     t = time.perf_counter()
-    unickpt.start_async_writer()
+    unickpt.start_async_writer(u_state)
     first["start_call"] = time.perf_counter() - t
     compute.run(n_loop)
     first["early"] = async_op("unickpt", os.path.join(u_root, "warmup"))
-    log(f"unickpt first saves: durable {first['lazy']['durable']:.2f} s (writer started by the save), "
-        f"{first['early']['durable']:.2f} s (started at set-up)", rank)
+    log(f"unickpt first saves: durable {first['lazy']['durable']:.2f} s (writer and staging made by the save), "
+        f"{first['early']['durable']:.2f} s (start_async_writer(state) at set-up)", rank)
     t = time.perf_counter()
     err = None
     try:
@@ -411,8 +411,8 @@ def print_report(s: dict, cfg: dict) -> None:
     print("  unickpt writer phases (async, median of slowest rank): "
           + "; ".join(f"{p} {v:.3f}" for p, v in s["unickpt_async"]["phases"].items()))
     f = s["first_save"]
-    print(f"  first save (one sample, slowest rank; allocates the staging too): writer started by the save: "
-          f"blocking {f['lazy']['blocking']:.3f}, durable {f['lazy']['durable']:.3f}; by start_async_writer() "
+    print(f"  first save (one sample, slowest rank): writer and staging made by the save: "
+          f"blocking {f['lazy']['blocking']:.3f}, durable {f['lazy']['durable']:.3f}; by start_async_writer(state) "
           f"({f['start_call']:.3f} s) before {meta['n_loop']} matmuls of set-up: blocking "
           f"{f['early']['blocking']:.3f}, durable {f['early']['durable']:.3f}")
 

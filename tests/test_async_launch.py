@@ -167,11 +167,26 @@ def _started_early(rank, world, root):
     assert async_save.checkpointer()._proc.pid == pid
 
     async_save.shutdown()
-    unickpt.start_async_writer()  # before any save: the writer is up before the save is called
-    proc = async_save.checkpointer()._proc
+    unickpt.start_async_writer(sd)  # before any save: the writer and the staging for sd
+    c = async_save.checkpointer()
+    proc, seg = c._proc, c._seg
     assert proc is not None and proc.is_alive() and proc.pid != pid
+    assert seg is not None and seg.size >= 4 * 3 * 4
     unickpt.save(sd, os.path.join(root, "b"), step=2, async_save=True).wait()
-    assert async_save.checkpointer()._proc.pid == proc.pid  # the save used it
+    assert (c._proc.pid, c._seg) == (proc.pid, seg)  # the save used both
+    async_save.shutdown()
+
+    real = async_save._Segment.__init__
+    if rank == 1:  # staging that cannot be allocated on one rank: every rank raises at once
+        def no_room(self, name, size, create):
+            raise AsyncSaveError("no room for the staging (injected)")
+
+        async_save._Segment.__init__ = no_room
+    try:
+        with pytest.raises(AsyncSaveError if rank == 1 else UnickptError, match="no room for the staging"):
+            unickpt.start_async_writer(sd)
+    finally:
+        async_save._Segment.__init__ = real
     async_save.shutdown()
     return sorted(os.listdir(root))
 

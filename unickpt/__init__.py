@@ -4,7 +4,7 @@ Public API::
 
     unickpt.save(state_dict, path, group=None, step=None, extra=None) -> SaveResult
     unickpt.save(..., async_save=True) -> AsyncSave (wait(), done(), error)
-    unickpt.start_async_writer(group=None) -> start the asynchronous writer now (at set-up)
+    unickpt.start_async_writer(state_dict=None, group=None) -> the asynchronous writer (and staging), now
     unickpt.load(state_dict, path, group=None, verify="auto") -> LoadResult
     unickpt.shard(local, shape, offsets=..., sizes=..., flat=..., replica=...) -> ShardedTensor
     unickpt.partition_flat(shapes, world, rank) -> ZeRO pieces of a flat buffer

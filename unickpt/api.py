@@ -191,16 +191,21 @@ def _check_shared(path, storage_options, async_save: bool, group) -> None:
                f"{world} ranks would each write their own copy") + " (use a file system or an object store)")
 
 
-def start_async_writer(*, group=None, timeout_s: float | None = None) -> None:
-    """Start this rank's asynchronous writer process now; collective over ``group``.
+def start_async_writer(state_dict: Mapping[str, Any] | None = None, *, group=None) -> None:
+    """Start this rank's asynchronous writer process now; collective over ``group`` (the
+    group the asynchronous saves will name: writers belong to one group).
 
-    ``save(..., async_save=True)`` starts the writer at its first call otherwise, and that
-    first save is durable only once the writer has started: a fresh interpreter that imports
-    torch, seconds on a busy host, against milliseconds for every later save. Call this at
-    set-up (the trainer does when it saves asynchronously or has a memory tier) and the start
-    overlaps model building and the first steps. Does nothing when the writers are running.
+    ``save(..., async_save=True)`` otherwise starts the writer at its first call, and that
+    first save is durable only once the writer is up: a fresh interpreter that imports torch,
+    seconds on a busy host, against milliseconds for every later save. With ``state_dict``
+    (what the saves will pass, or anything of the same size), the staging memory for it is
+    also allocated and faulted in now, which that first save would otherwise do while the
+    training loop waits (seconds per GB). Call it at set-up: the trainer does when it saves
+    asynchronously or has a memory tier. Writers already started are left as they are (a
+    writer that exited is restarted by the next save, which says why).
 
     Raises:
-        AsyncSaveError: on every rank, when some rank's writer could not be started.
+        AsyncSaveError: on every rank, when some rank's writer could not be started or its
+            staging could not be allocated (``/dev/shm`` too small).
     """
-    checkpointer(group).start(timeout_s)
+    checkpointer(group).start(None if state_dict is None else for_save(state_dict))

@@ -419,10 +419,20 @@ class Checkpointer:
     def _start_writer(self, comm: Comm) -> None:
         """Collective over the trainer's group (called from save(), in the caller's thread).
         A writer that cannot be started is reported by the save (agreed over the group)."""
-        port = comm.broadcast_bytes(str(_pick_port()).encode() if comm.rank == 0 else None).decode()
+        mine = None
+        if comm.rank == 0:
+            try:
+                mine = str(_pick_port()).encode()
+            except OSError as e:  # told to every rank (an empty port) rather than raised here alone
+                log.warning("cannot pick a port for the writers' group: %s", e)
+                mine = b""
+        port = comm.broadcast_bytes(mine).decode()
         addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
         env_node = os.environ.get("UNICKPT_NODE_ID") or os.environ.get("GROUP_RANK")
         self._start_error = None
+        if not port:
+            self._start_error = AsyncSaveError("rank 0 could not pick a port for the writers' group")
+            return
         try:
             self._proc, self._conn = _WriterProcess.start(
                 _writer_main, (comm.rank, comm.world, addr, int(port), self.timeout_s, os.getpid(), env_node)
@@ -430,21 +440,29 @@ class Checkpointer:
         except (OSError, ValueError, AsyncSaveError) as e:
             self._start_error = e
 
-    def start(self, timeout_s: float | None = None) -> None:
+    def start(self, state_dict: Mapping[str, Any] | None = None) -> None:
         """Collective over the group: start the writer processes now, when no rank has one,
         so that the first asynchronous save does not wait for its writer to start (a fresh
         interpreter that imports torch: seconds, against milliseconds for later saves).
-        Anything else (writers running, or some rank's writer gone: a failure its pending
-        save reports) is left to the next save, which restarts writers as it always does.
-        Raises :class:`~unickpt.errors.AsyncSaveError` on every rank when a writer cannot
-        start."""
-        comm = Comm(self.group, timeout_s=timeout_s if timeout_s is not None else self.timeout_s)
+        ``state_dict`` (stateful objects already replaced by their state dicts): also
+        allocate and fault in the staging for a state of its size now, which the first save
+        would otherwise do in the call (seconds per GB). Writers started earlier, running or
+        not, are left to the next save: it restarts a writer that is gone, and a pending
+        save still reports its own failure. Raises :class:`~unickpt.errors.AsyncSaveError`
+        on every rank when a writer cannot be started or the staging cannot be allocated."""
+        comm = Comm(self.group, timeout_s=self.timeout_s)
         started = comm.all_gather_bytes(b"0" if self._proc is None else b"1", "asynchronous save (starting the writers)")
-        err = None
+        err: BaseException | None = None
         if all(f == b"0" for f in started):  # every rank takes this branch, or none
             self._start_writer(comm)
             if self._start_error is not None:
                 err = AsyncSaveError(f"the writer process could not be started: {self._start_error}")
+        if state_dict is not None and err is None:
+            try:
+                entries, _ = flatten(state_dict, comm.rank, comm.world)
+                self._ensure_segment(self._layout(entries).size, fault_in=True)
+            except Exception as e:
+                err = e
         comm.agree(err, "asynchronous save (starting the writers)")
 
     def _stop_writer(self, graceful: bool) -> None:
@@ -452,6 +470,13 @@ class Checkpointer:
         self._proc = self._conn = None
         if proc is None:
             return
+        if not proc.is_alive():  # it exited with nobody listening (e.g. started early): say why
+            try:
+                while conn.poll(0):
+                    log.warning("the asynchronous writer process (exit code %s) had reported: %s", proc.exitcode,
+                                conn.recv_bytes().decode(errors="replace")[:2000])
+            except (OSError, EOFError):
+                pass
         if graceful and proc.is_alive():
             try:
                 conn.send_bytes(b'{"op": "exit"}')
@@ -609,12 +634,17 @@ class Checkpointer:
             pos += row[6]
         return _Staged(rows, -(-pos // 64) * 64, signature)
 
-    def _ensure_segment(self, size: int) -> None:
+    def _ensure_segment(self, size: int, fault_in: bool = False) -> None:
+        """A segment of at least ``size`` bytes (10% headroom when a new one is made).
+        ``fault_in``: also map every page of a new one into this process now (one write per
+        page), which the first copy into it would otherwise do (at set-up, not in a save)."""
         if self._seg is not None and self._seg.size >= size:
             return
         new = max(ALIGN, -(-int(size * 1.1) // ALIGN) * ALIGN)
         self._counter += 1
         seg = _Segment(f"{_shm_prefix()}{self._counter}", new, create=True)
+        if fault_in:
+            seg.tensor[::mmap.PAGESIZE].zero_()
         seg.pin()
         if self._seg is not None:
             # the writer may still map the old one until its next command: unlink now (the

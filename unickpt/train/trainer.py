@@ -188,11 +188,13 @@ class Trainer:
         self._dir_rank = self._manages_directory(checkpoint.dir) if checkpoint is not None else False
         self._mem_rank = False
         if checkpoint is not None:
-            if checkpoint.async_save or checkpoint.memory_dir is not None:
-                unickpt.start_async_writer()  # its start (seconds) overlaps the set-up, not the first save
             self._sweep(checkpoint.dir)
             if checkpoint.memory_dir is not None:
                 self._setup_memory_tier()
+            if checkpoint.async_save or checkpoint.memory_dir is not None:
+                # the writer's start (seconds) and the staging (seconds per GB) now, not in the
+                # first save; after the memory budget check, which counts the staging
+                unickpt.start_async_writer(self.state_dict())
         if resume == "auto" and checkpoint is not None and checkpoint.memory_dir is not None:
             self._resume_from_tiers()
         elif resume == "auto" and checkpoint is not None and self._any_rank(
