@@ -188,6 +188,19 @@ def _started_early(rank, world, root):
     finally:
         async_save._Segment.__init__ = real
     async_save.shutdown()
+
+    pick = async_save._pick_port
+    if rank == 0:  # no port for the writers' group: every rank learns it, none waits in the broadcast
+        def no_port():
+            raise OSError(98, "injected: no free port")
+
+        async_save._pick_port = no_port
+    try:
+        with pytest.raises(AsyncSaveError, match="could not pick a port"):
+            unickpt.start_async_writer()
+    finally:
+        async_save._pick_port = pick
+    async_save.shutdown()
     return sorted(os.listdir(root))
 
 
@@ -208,3 +221,34 @@ def test_a_writer_that_cannot_start_fails_the_save_on_every_rank(tmp_path):
     t = {"model": {"w": torch.zeros(8, 3)}}
     unickpt.load(t, str(tmp_path / "b"))
     assert torch.equal(t["model"]["w"], torch.cat([torch.zeros(4, 3), torch.ones(4, 3)]))
+
+
+def test_a_writer_that_exited_unheard_has_its_last_words_logged(caplog):
+    """A writer started early whose own set-up failed replies, then exits, with no save
+    listening; the save that replaces it logs that reply instead of dropping it."""
+    import logging
+    import multiprocessing.connection as mpc
+
+    from unickpt import async_save
+
+    class Exited:  # the part of _WriterProcess that _stop_writer uses, for a process that is gone
+        exitcode = 1
+
+        def is_alive(self):
+            return False
+
+        def join(self, timeout=None):
+            pass
+
+        def close(self):
+            pass
+
+    c = async_save.Checkpointer()
+    parent, child = mpc.Pipe(duplex=True)
+    child.send_bytes(b'{"ok": false, "error": "writer group setup failed: injected"}')
+    child.close()
+    c._proc, c._conn = Exited(), parent
+    with caplog.at_level(logging.WARNING, logger="unickpt"):
+        c._stop_writer(graceful=True)
+    assert "writer group setup failed: injected" in caplog.text and "exit code 1" in caplog.text
+    assert c._proc is None and c._conn is None
