@@ -417,8 +417,9 @@ class Checkpointer:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def _start_writer(self, comm: Comm) -> None:
-        """Collective over the trainer's group (called from save(), in the caller's thread).
-        A writer that cannot be started is reported by the save (agreed over the group)."""
+        """Collective over the trainer's group (called from save() and start(), in the
+        caller's thread). A writer that cannot be started is reported by the caller (agreed
+        over the group): ``_start_error``."""
         mine = None
         if comm.rank == 0:
             try:
