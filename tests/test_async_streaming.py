@@ -233,9 +233,13 @@ def _fsdp_save_streamed(rank, world, root):
     model = fsdp(llama(), world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     _llama_steps(model, opt, 2)
+    # writer and staging before the save (after a step: AdamW makes its moments at the first)
+    unickpt.start_async_writer({"model": model, "optim": opt})
+    seg = a.checkpointer()._seg
     state, groups = _llama_state(model, opt)  # the state at the call
     h = unickpt.save({"model": model, "optim": opt}, os.path.join(root, "llama"), step=2, async_save=True,
                      background_staging=True)
+    assert seg is not None and a.checkpointer()._seg is seg  # sized right: the save reused it
     h.wait_staged()  # (a trainer overlaps its forward/backward here; the update must wait)
     losses = _llama_steps(model, opt, 2, seed=11)  # changes every parameter and moment
     assert h.wait(timeout=120).step == 2
