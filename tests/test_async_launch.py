@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 import unickpt
@@ -252,3 +253,58 @@ def test_a_writer_that_exited_unheard_has_its_last_words_logged(caplog):
         c._stop_writer(graceful=True)
     assert "writer group setup failed: injected" in caplog.text and "exit code 1" in caplog.text
     assert c._proc is None and c._conn is None
+
+
+@pytest.mark.parametrize("bg", [False, True], ids=["in-the-call", "background"])
+def test_start_async_writer_leaves_the_staging_of_a_save_in_flight_alone(tmp_path, bg):
+    """Called again with a larger state while a save is in flight (its new writer still
+    starting, so it certainly is), the staging stays: replacing it unmapped the memory the
+    copy and the writer were using (a crash, or zeros committed with their checksums). Once
+    the save is over, the next call grows it."""
+    from unickpt import async_save
+
+    async_save.shutdown()
+    sd = {"model": {"w": torch.arange(3_000_000, dtype=torch.float32)}}
+    unickpt.start_async_writer(sd)
+    c = async_save.checkpointer()
+    seg = c._seg
+    h = unickpt.save(sd, str(tmp_path / "a"), step=1, async_save=True, background_staging=bg)
+    bigger = {"model": {"w": torch.ones(6_000_000)}}
+    unickpt.start_async_writer(bigger)
+    assert c._seg is seg
+    h.wait(timeout=120)
+    unickpt.start_async_writer(bigger)
+    assert c._seg is not seg and c._seg.size >= 24_000_000
+    unickpt.save(bigger, str(tmp_path / "b"), step=2, async_save=True, background_staging=bg).wait(timeout=120)
+    async_save.shutdown()
+    for name, want in (("a", sd), ("b", bigger)):
+        t = {"model": {"w": torch.zeros_like(want["model"]["w"])}}
+        unickpt.load(t, str(tmp_path / name))
+        assert torch.equal(t["model"]["w"], want["model"]["w"]), name
+
+
+def _stateful_fails_on_rank_1(rank, world, root):
+    import pytest
+
+    from unickpt.errors import UnickptError
+
+    class Broken:
+        def state_dict(self):
+            raise RuntimeError("state_dict failed (injected)")
+
+        def load_state_dict(self, sd):
+            pass
+
+    sd = {"model": {"w": unickpt.shard(torch.full((4, 3), float(rank)), (4 * world, 3), offsets=(4 * rank, 0))}}
+    if rank == 1:
+        sd["extra"] = Broken()
+    with pytest.raises(RuntimeError if rank == 1 else UnickptError, match="injected"):
+        unickpt.start_async_writer(sd)  # the other rank is told at once, not after its timeout
+    unickpt.async_save.shutdown()
+    return True
+
+
+def test_a_state_dict_that_fails_on_one_rank_fails_start_async_writer_on_every_rank(tmp_path):
+    from tests import dist
+
+    assert dist.run(_stateful_fails_on_rank_1, 2, str(tmp_path), timeout=60, env={"UNICKPT_TIMEOUT_S": "600"}) == [True, True]

@@ -71,6 +71,7 @@ from .format import dtype_name, torch_dtype
 from .layout import Layout
 from .saver import ProgressFn, SaveOptions, SaveResult, save_entries
 from .state import Entry, flatten
+from .stateful import for_save
 from .storage import FROM_MEMORY_MIN
 from .transport import Comm, resolve_timeout
 
@@ -445,12 +446,15 @@ class Checkpointer:
         """Collective over the group: start the writer processes now, when no rank has one,
         so that the first asynchronous save does not wait for its writer to start (a fresh
         interpreter that imports torch: seconds, against milliseconds for later saves).
-        ``state_dict`` (stateful objects already replaced by their state dicts): also
-        allocate and fault in the staging for a state of its size now, which the first save
-        would otherwise do in the call (seconds per GB). Writers started earlier, running or
-        not, are left to the next save: it restarts a writer that is gone, and a pending
-        save still reports its own failure. Raises :class:`~unickpt.errors.AsyncSaveError`
-        on every rank when a writer cannot be started or the staging cannot be allocated."""
+        ``state_dict`` (as ``unickpt.save`` takes it): also allocate and fault in the staging
+        for a state of its size now, which the first save would otherwise do in the call
+        (seconds per GB); not while a save is in flight (its writer and copy use the staging:
+        the next save grows it if it must). Writers started earlier, running or not, are
+        left to the next save: it restarts a writer that is gone, and a pending save still
+        reports its own failure. Raises :class:`~unickpt.errors.AsyncSaveError` on every
+        rank when a writer cannot be started or the staging cannot be allocated, and any
+        error of reading ``state_dict`` on the rank that has it (the others raise
+        :class:`~unickpt.errors.DistributedError`)."""
         comm = Comm(self.group, timeout_s=self.timeout_s)
         started = comm.all_gather_bytes(b"0" if self._proc is None else b"1", "asynchronous save (starting the writers)")
         err: BaseException | None = None
@@ -460,8 +464,12 @@ class Checkpointer:
                 err = AsyncSaveError(f"the writer process could not be started: {self._start_error}")
         if state_dict is not None and err is None:
             try:
-                entries, _ = flatten(state_dict, comm.rank, comm.world)
-                self._ensure_segment(self._layout(entries).size, fault_in=True)
+                entries, _ = flatten(for_save(state_dict), comm.rank, comm.world)
+                size = self._layout(entries).size
+                if self._last is not None and not self._last.done():
+                    log.info("start_async_writer: a save is in flight, so its staging is left as it is")
+                else:
+                    self._ensure_segment(size, fault_in=True)
             except Exception as e:
                 err = e
         comm.agree(err, "asynchronous save (starting the writers)")
