@@ -201,10 +201,11 @@ def start_async_writer(state_dict: Mapping[str, Any] | None = None, *, group=Non
     (what the saves will pass, or anything of the same size), the staging memory for it is
     also allocated and faulted in now, which that first save would otherwise do while the
     training loop waits (seconds per GB). A torch optimizer has no state before its first
-    step: pass it after that step, or its moments make the first save allocate again. Call it at set-up: the trainer does when it saves
-    asynchronously or has a memory tier. Writers already started are left as they are (a
-    writer that exited is restarted by the next save, which says why), and so is the staging
-    while a save is in flight.
+    step: pass it after that step, or its moments make the first save allocate again.
+
+    Call it at set-up: the trainer does when it saves asynchronously or has a memory tier.
+    Writers already started are left as they are (a writer that exited is restarted by the
+    next save, which says why), and so is the staging while a save is in flight.
 
     Raises:
         AsyncSaveError: on every rank, when some rank's writer could not be started or its

@@ -406,7 +406,7 @@ class Checkpointer:
         self._seg: _Segment | None = None
         self._proc: _WriterProcess | None = None
         self._conn = None
-        self._start_error: BaseException | None = None  # the last writer start failed
+        self._start_error: AsyncSaveError | None = None  # why the last writer start failed
         self._last: AsyncSave | None = None
         self._counter = 0
         self._streams: dict = {}  # CUDA device -> the stream that stages its tensors (see _copy)
@@ -420,7 +420,7 @@ class Checkpointer:
     def _start_writer(self, comm: Comm) -> None:
         """Collective over the trainer's group (called from save() and start(), in the
         caller's thread). A writer that cannot be started is reported by the caller (agreed
-        over the group): ``_start_error``."""
+        over the group): ``_start_error``, an AsyncSaveError that says why."""
         mine = None
         if comm.rank == 0:
             try:
@@ -433,14 +433,15 @@ class Checkpointer:
         env_node = os.environ.get("UNICKPT_NODE_ID") or os.environ.get("GROUP_RANK")
         self._start_error = None
         if not port:
-            self._start_error = AsyncSaveError("rank 0 could not pick a port for the writers' group")
+            self._start_error = AsyncSaveError("the writer process could not be started: rank 0 could not pick a "
+                                               "port for the writers' group")
             return
         try:
             self._proc, self._conn = _WriterProcess.start(
                 _writer_main, (comm.rank, comm.world, addr, int(port), self.timeout_s, os.getpid(), env_node)
             )
         except (OSError, ValueError, AsyncSaveError) as e:
-            self._start_error = e
+            self._start_error = AsyncSaveError(f"the writer process could not be started: {e}")
 
     def start(self, state_dict: Mapping[str, Any] | None = None) -> None:
         """Collective over the group: start the writer processes now, when no rank has one,
@@ -460,8 +461,7 @@ class Checkpointer:
         err: BaseException | None = None
         if all(f == b"0" for f in started):  # every rank takes this branch, or none
             self._start_writer(comm)
-            if self._start_error is not None:
-                err = AsyncSaveError(f"the writer process could not be started: {self._start_error}")
+            err = self._start_error
         if state_dict is not None and err is None:
             try:
                 entries, _ = flatten(for_save(state_dict), comm.rank, comm.world)
@@ -549,7 +549,7 @@ class Checkpointer:
         err: BaseException | None = None
         try:
             if self._start_error is not None:
-                raise AsyncSaveError(f"the writer process could not be started: {self._start_error}")
+                raise self._start_error
             entries, json_state = flatten(state_dict, comm.rank, comm.world)
             staged = self._layout(entries)
             staged.ready = _ready(entries)
