@@ -8,6 +8,9 @@
   the storage's own loops must complete them or fail, never leave a short file.
 * asynchronous writers: a rank whose environment holds ``UNICKPT_TEST_FAULTS`` (JSON faults)
   when its writer starts gets that writer's storage broken (after :func:`mark_fault_points`).
+* :func:`writer_cannot_join`, :func:`writer_exits`: asynchronous writers (the checkpointer's
+  ``_writer_main``, set on one rank) whose set-up fails as the real one reports it, or that
+  exit silently before joining the writers' group.
 * :func:`mark_fault_points`: the ``UNICKPT_FAULT`` points (``unickpt.commit._fault_point``)
   of this process, and of the asynchronous writer processes it starts, act only once the
   file ``$UNICKPT_MARK_DIR/armed`` exists, and then first create
@@ -23,7 +26,8 @@ import time
 
 import unickpt.storage as _st
 
-__all__ = ["Faults", "FaultyStorage", "install", "uninstall", "mark_fault_points", "writer_main"]
+__all__ = ["Faults", "FaultyStorage", "install", "uninstall", "mark_fault_points", "writer_main",
+           "writer_cannot_join", "writer_exits"]
 
 
 class Faults:
@@ -321,3 +325,14 @@ def writer_main(*args) -> None:
 
         install(json.loads(cfg))
     (_REAL.get("writer_main") or a._writer_main)(*args)
+
+
+def writer_cannot_join(conn, *args) -> None:
+    """An asynchronous writer whose group set-up fails (its peers cannot be reached): it
+    replies as the real one does, then exits."""
+    conn.send_bytes(b'{"ok": false, "error": "writer group setup failed: injected"}')
+
+
+def writer_exits(conn, *args) -> None:
+    """An asynchronous writer that dies before joining its group, without a word."""
+    os._exit(3)

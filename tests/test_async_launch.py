@@ -308,3 +308,42 @@ def test_a_state_dict_that_fails_on_one_rank_fails_start_async_writer_on_every_r
     from tests import dist
 
     assert dist.run(_stateful_fails_on_rank_1, 2, str(tmp_path), timeout=60, env={"UNICKPT_TIMEOUT_S": "600"}) == [True, True]
+
+
+def _writer_fails_at_set_up(rank, world, root):
+    import pytest
+
+    from tests import faulty
+    from unickpt import async_save
+    from unickpt.errors import AsyncSaveError, UnickptError
+
+    sd = {"model": {"w": unickpt.shard(torch.full((4, 3), float(rank)), (4 * world, 3), offsets=(4 * rank, 0))}}
+    real = async_save._writer_main
+    for bad, said in ((faulty.writer_cannot_join, "writer group setup failed: injected"),
+                      (faulty.writer_exits, r"exited \(exit code 3\) before joining the writers' group")):
+        if rank == 1:
+            async_save._writer_main = bad
+        try:  # reported by start_async_writer on every rank, not left to the first save
+            with pytest.raises(AsyncSaveError if rank == 1 else UnickptError, match=said):
+                unickpt.start_async_writer(sd)
+        finally:
+            async_save._writer_main = real
+        # the peers' writers wait for a group that cannot form: stopped on every rank
+        assert async_save.checkpointer()._proc is None
+    unickpt.start_async_writer(sd)
+    unickpt.save(sd, os.path.join(root, "a"), step=1, async_save=True).wait()
+    async_save.shutdown()
+    return sorted(os.listdir(root))
+
+
+def test_a_writer_that_fails_at_set_up_fails_start_async_writer_on_every_rank(tmp_path):
+    """The writers' group forms before start_async_writer returns: a writer that cannot join
+    it (it said why, or it died) fails the call on every rank at once, well within the
+    600 s timeout that bounds the peers' writers (the job would be killed at 120 s)."""
+    from tests import dist
+
+    out = dist.run(_writer_fails_at_set_up, 2, str(tmp_path), timeout=120, env={"UNICKPT_TIMEOUT_S": "600"})
+    assert out == [["a"], ["a"]]
+    t = {"model": {"w": torch.zeros(8, 3)}}
+    unickpt.load(t, str(tmp_path / "a"))
+    assert torch.equal(t["model"]["w"], torch.cat([torch.zeros(4, 3), torch.ones(4, 3)]))

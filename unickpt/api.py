@@ -204,11 +204,15 @@ def start_async_writer(state_dict: Mapping[str, Any] | None = None, *, group=Non
     step: pass it after that step, or its moments make the first save allocate again.
 
     Call it at set-up: the trainer does when it saves asynchronously or has a memory tier.
-    Writers already started are left as they are (a writer that exited is restarted by the
-    next save, which says why), and so is the staging while a save is in flight.
+    It returns once the writers have joined their own process group (they start while the
+    staging is faulted in), so a writer that cannot reach its peers fails here, not at the
+    first save. Writers already started are left as they are (a writer that exited is
+    restarted by the next save, which says why), and so is the staging while a save is in
+    flight.
 
     Raises:
-        AsyncSaveError: on every rank, when some rank's writer could not be started or its
+        AsyncSaveError: on every rank, when some rank's writer could not be started or could
+            not join the writers' group (within the ``UNICKPT_TIMEOUT_S`` timeout), or its
             staging could not be allocated (``/dev/shm`` too small).
     """
     checkpointer(group).start(state_dict)

@@ -81,6 +81,8 @@ SHM_DIR = "/dev/shm"
 ALIGN = 4096
 PROGRESS_INTERVAL = 0.1  # seconds between a writer's progress reports (plus the final one)
 STAGE_CHUNK = 32 << 20  # the trainer tells its writer how far the copy has got every ~this many bytes
+READY_SLICE = 0.1  # seconds start() waits for its writer between two looks at every rank's
+_READY = {"op": "ready"}  # a writer's first message once it has joined the writers' group
 
 
 def _shm_prefix(pid: int | None = None) -> str:
@@ -450,19 +452,24 @@ class Checkpointer:
         ``state_dict`` (as ``unickpt.save`` takes it): also allocate and fault in the staging
         for a state of its size now, which the first save would otherwise do in the call
         (seconds per GB); not while a save is in flight (its writer and copy use the staging:
-        the next save grows it if it must). Writers started earlier, running or not, are
-        left to the next save: it restarts a writer that is gone, and a pending save still
-        reports its own failure. Raises :class:`~unickpt.errors.AsyncSaveError` on every
-        rank when a writer cannot be started or the staging cannot be allocated, and any
-        error of reading ``state_dict`` on the rank that has it (the others raise
-        :class:`~unickpt.errors.DistributedError`)."""
+        the next save grows it if it must). The writers it starts have joined their group when
+        it returns (the staging is faulted in meanwhile), so a writer that cannot (an address
+        or port the nodes cannot reach, a broken interpreter) fails this call, not the first
+        save. Writers started earlier, running or not, are left to the next save: it
+        restarts a writer that is gone, and a pending save still reports its own failure.
+        Raises :class:`~unickpt.errors.AsyncSaveError` on every rank when a writer cannot be
+        started or join its group within ``timeout_s`` (the writers it started are then
+        stopped on every rank; the next save starts new ones) or the staging cannot be
+        allocated, and any error of reading ``state_dict`` on the rank that has it (the
+        others raise :class:`~unickpt.errors.DistributedError`)."""
         comm = Comm(self.group, timeout_s=self.timeout_s)
         started = comm.all_gather_bytes(b"0" if self._proc is None else b"1", "asynchronous save (starting the writers)")
         err: BaseException | None = None
-        if all(f == b"0" for f in started):  # every rank takes this branch, or none
+        starting = all(f == b"0" for f in started)  # every rank takes this branch, or none
+        if starting:
             self._start_writer(comm)
             err = self._start_error
-        if state_dict is not None and err is None:
+        if state_dict is not None and err is None:  # while the writer starts
             try:
                 entries, _ = flatten(for_save(state_dict), comm.rank, comm.world)
                 size = self._layout(entries).size
@@ -472,7 +479,59 @@ class Checkpointer:
                     self._ensure_segment(size, fault_in=True)
             except Exception as e:
                 err = e
+        if starting:
+            err = self._await_ready(comm, err)
         comm.agree(err, "asynchronous save (starting the writers)")
+
+    def _await_ready(self, comm: Comm, err: BaseException | None) -> BaseException | None:
+        """Collective, after :meth:`start` started a writer on every rank: wait until every
+        writer has joined the writers' group (its ``ready`` message), at most ``timeout_s``.
+        Each rank waits :data:`READY_SLICE` at a time for its own writer, then every rank says
+        where it stands (an all-gather), so a rank whose writer failed, or which failed
+        otherwise (``err``), ends the wait everywhere at once rather than after the others'
+        timeout. On a failure anywhere, every rank stops its writer (their group cannot form)
+        and the next save starts new ones. Returns this rank's error, if any."""
+        deadline = time.monotonic() + self.timeout_s
+        ready = False
+        while True:
+            if err is None and not ready:
+                try:
+                    ready = self._poll_ready(max(0.0, min(READY_SLICE, deadline - time.monotonic())))
+                except AsyncSaveError as e:
+                    err = e
+                if err is None and not ready and time.monotonic() >= deadline:
+                    err = AsyncSaveError(f"the writer process could not be started: it did not join the writers' "
+                                         f"group within {self.timeout_s:g} s")
+            mine = b"" if err is None and not ready else b"1" if err is None else b"0"
+            states = comm.all_gather_bytes(mine, "asynchronous save (waiting for the writers)")
+            if b"0" in states:
+                self._stop_writer(graceful=False)
+                return err
+            if all(s == b"1" for s in states):
+                return None
+
+    def _poll_ready(self, timeout: float) -> bool:
+        """Whether this rank's writer has said it is ready, waiting at most ``timeout``
+        seconds; AsyncSaveError if it reported a failure or exited first."""
+        conn, proc = self._conn, self._proc
+        if conn is None or proc is None:
+            raise AsyncSaveError("the writer process could not be started: no writer process")
+        if not mpc.wait([conn, proc.sentinel], timeout):
+            return False
+        msg = None
+        try:
+            if conn.poll():
+                msg = json.loads(conn.recv_bytes())
+        except (EOFError, OSError, ValueError):
+            msg = None
+        if msg == _READY:
+            return True
+        if isinstance(msg, dict) and msg.get("ok") is False:
+            raise AsyncSaveError(f"the writer process could not be started: {msg.get('error')}")
+        proc.join(timeout=1.0)  # it exited (or said something else, which no writer does)
+        raise AsyncSaveError(f"the writer process could not be started: it exited (exit code {proc.exitcode}) "
+                             f"before joining the writers' group" if msg is None else
+                             f"the writer process could not be started: unexpected first message {msg!r}")
 
     def _stop_writer(self, graceful: bool) -> None:
         proc, conn = self._proc, self._conn
@@ -482,8 +541,10 @@ class Checkpointer:
         if not proc.is_alive():  # it exited with nobody listening (e.g. started early): say why
             try:
                 while conn.poll(0):
-                    log.warning("the asynchronous writer process (exit code %s) had reported: %s", proc.exitcode,
-                                conn.recv_bytes().decode(errors="replace")[:2000])
+                    said = conn.recv_bytes().decode(errors="replace")
+                    if said != json.dumps(_READY):
+                        log.warning("the asynchronous writer process (exit code %s) had reported: %s", proc.exitcode,
+                                    said[:2000])
             except (OSError, EOFError):
                 pass
         if graceful and proc.is_alive():
@@ -767,6 +828,8 @@ class Checkpointer:
                 if handle._progress is not None:
                     handle._progress_pending.append((int(msg["done"]), int(msg["total"])))
                 continue
+            if msg is not None and msg.get("op") == "ready":  # a writer started by this save is up
+                continue
             handle.total_seconds = time.perf_counter() - handle.t0
             handle._finished = True
             if msg is None:
@@ -889,6 +952,7 @@ def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: f
     except Exception as e:
         _reply(conn, {"ok": False, "error": f"writer group setup failed: {e}"})
         return
+    _reply(conn, _READY)  # awaited by Checkpointer.start(); skipped by a save's reader
     comm = Comm(None, timeout_s=timeout_s)
     while True:
         try:
