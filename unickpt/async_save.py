@@ -82,6 +82,7 @@ ALIGN = 4096
 PROGRESS_INTERVAL = 0.1  # seconds between a writer's progress reports (plus the final one)
 STAGE_CHUNK = 32 << 20  # the trainer tells its writer how far the copy has got every ~this many bytes
 READY_SLICE = 0.1  # seconds start() waits for its writer between two looks at every rank's
+WRITER_BOOT_S = 60.0  # start() allows a writer this long to start its interpreter, beyond timeout_s for its group
 _READY = {"op": "ready"}  # a writer's first message once it has joined the writers' group
 
 
@@ -458,7 +459,7 @@ class Checkpointer:
         save. Writers started earlier, running or not, are left to the next save: it
         restarts a writer that is gone, and a pending save still reports its own failure.
         Raises :class:`~unickpt.errors.AsyncSaveError` on every rank when a writer cannot be
-        started or join its group within ``timeout_s`` (the writers it started are then
+        started or join its group within ``timeout_s`` + a minute (the writers it started are then
         stopped on every rank; the next save starts new ones) or the staging cannot be
         allocated, and any error of reading ``state_dict`` on the rank that has it (the
         others raise :class:`~unickpt.errors.DistributedError`)."""
@@ -485,13 +486,15 @@ class Checkpointer:
 
     def _await_ready(self, comm: Comm, err: BaseException | None) -> BaseException | None:
         """Collective, after :meth:`start` started a writer on every rank: wait until every
-        writer has joined the writers' group (its ``ready`` message), at most ``timeout_s``.
+        writer has joined the writers' group (its ``ready`` message), at most ``timeout_s``
+        (which bounds the group's set-up) + :data:`WRITER_BOOT_S` (the interpreter's start).
         Each rank waits :data:`READY_SLICE` at a time for its own writer, then every rank says
         where it stands (an all-gather), so a rank whose writer failed, or which failed
         otherwise (``err``), ends the wait everywhere at once rather than after the others'
         timeout. On a failure anywhere, every rank stops its writer (their group cannot form)
         and the next save starts new ones. Returns this rank's error, if any."""
-        deadline = time.monotonic() + self.timeout_s
+        limit = self.timeout_s + WRITER_BOOT_S
+        deadline = time.monotonic() + limit
         ready = False
         while True:
             if err is None and not ready:
@@ -501,7 +504,7 @@ class Checkpointer:
                     err = e
                 if err is None and not ready and time.monotonic() >= deadline:
                     err = AsyncSaveError(f"the writer process could not be started: it did not join the writers' "
-                                         f"group within {self.timeout_s:g} s")
+                                         f"group within {limit:g} s")
             mine = b"" if err is None and not ready else b"1" if err is None else b"0"
             states = comm.all_gather_bytes(mine, "asynchronous save (waiting for the writers)")
             if b"0" in states:
