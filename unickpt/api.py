@@ -213,7 +213,8 @@ def start_async_writer(state_dict: Mapping[str, Any] | None = None, *, group=Non
     Raises:
         AsyncSaveError: on every rank, when some rank's writer could not be started or could
             not join the writers' group (within the ``UNICKPT_TIMEOUT_S`` timeout plus a
-            minute for the interpreter's start), or its
-            staging could not be allocated (``/dev/shm`` too small).
+            minute for the interpreter's start), its staging could not be allocated
+            (``/dev/shm`` too small), or a peer failed. A rank whose ``state_dict`` cannot be
+            read raises that error instead (the others AsyncSaveError quoting it).
     """
     checkpointer(group).start(state_dict)

@@ -66,7 +66,7 @@ import torch
 
 from ._metrics import log
 from ._writer_main import BOOT
-from .errors import AsyncSaveError, UnickptError
+from .errors import AsyncSaveError, DistributedError, UnickptError
 from .format import dtype_name, torch_dtype
 from .layout import Layout
 from .saver import ProgressFn, SaveOptions, SaveResult, save_entries
@@ -460,9 +460,9 @@ class Checkpointer:
         restarts a writer that is gone, and a pending save still reports its own failure.
         Raises :class:`~unickpt.errors.AsyncSaveError` on every rank when a writer cannot be
         started or join its group within ``timeout_s`` + a minute (the writers it started are then
-        stopped on every rank; the next save starts new ones) or the staging cannot be
-        allocated, and any error of reading ``state_dict`` on the rank that has it (the
-        others raise :class:`~unickpt.errors.DistributedError`)."""
+        stopped on every rank; the next save starts new ones), the staging cannot be
+        allocated or a peer fails; a rank whose ``state_dict`` cannot be read raises that
+        error (the others AsyncSaveError quoting it)."""
         comm = Comm(self.group, timeout_s=self.timeout_s)
         started = comm.all_gather_bytes(b"0" if self._proc is None else b"1", "asynchronous save (starting the writers)")
         err: BaseException | None = None
@@ -480,9 +480,16 @@ class Checkpointer:
                     self._ensure_segment(size, fault_in=True)
             except Exception as e:
                 err = e
-        if starting:
-            err = self._await_ready(comm, err)
-        comm.agree(err, "asynchronous save (starting the writers)")
+        try:
+            if starting:
+                err = self._await_ready(comm, err)
+            comm.agree(err, "asynchronous save (starting the writers)")
+        except DistributedError as e:  # a peer failed (or the group did): one error type on every rank
+            if starting:
+                self._stop_writer(graceful=False)  # no group of writers can be trusted to have formed
+            if err is not None:
+                raise
+            raise AsyncSaveError(str(e)) from e
 
     def _await_ready(self, comm: Comm, err: BaseException | None) -> BaseException | None:
         """Collective, after :meth:`start` started a writer on every rank: wait until every
