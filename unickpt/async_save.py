@@ -81,7 +81,7 @@ SHM_DIR = "/dev/shm"
 ALIGN = 4096
 PROGRESS_INTERVAL = 0.1  # seconds between a writer's progress reports (plus the final one)
 STAGE_CHUNK = 32 << 20  # the trainer tells its writer how far the copy has got every ~this many bytes
-READY_SLICE = 0.1  # seconds start() waits for its writer between two looks at every rank's
+READY_SLICE = 0.1  # seconds start() waits for its own writer between two all-gathers of every rank's state
 WRITER_BOOT_S = 60.0  # start() allows a writer this long to start its interpreter, beyond timeout_s for its group
 _READY = {"op": "ready"}  # a writer's first message once it has joined the writers' group
 
