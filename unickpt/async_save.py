@@ -484,12 +484,12 @@ class Checkpointer:
             if starting:
                 err = self._await_ready(comm, err)
             comm.agree(err, "asynchronous save (starting the writers)")
-        except DistributedError as e:  # a peer failed (or the group did): one error type on every rank
-            if starting:
-                self._stop_writer(graceful=False)  # no group of writers can be trusted to have formed
-            if err is not None:
-                raise
-            raise AsyncSaveError(str(e)) from e
+        except BaseException as e:
+            if starting:  # a failure anywhere: no group of writers can be trusted to have formed
+                self._stop_writer(graceful=False)
+            if err is None and isinstance(e, DistributedError):  # a peer's: one error type on every rank
+                raise AsyncSaveError(str(e)) from e
+            raise
 
     def _await_ready(self, comm: Comm, err: BaseException | None) -> BaseException | None:
         """Collective, after :meth:`start` started a writer on every rank: wait until every
@@ -498,8 +498,8 @@ class Checkpointer:
         Each rank waits :data:`READY_SLICE` at a time for its own writer, then every rank says
         where it stands (an all-gather), so a rank whose writer failed, or which failed
         otherwise (``err``), ends the wait everywhere at once rather than after the others'
-        timeout. On a failure anywhere, every rank stops its writer (their group cannot form)
-        and the next save starts new ones. Returns this rank's error, if any."""
+        timeout (start() then stops the writers on every rank; the next save starts new
+        ones). Returns this rank's error, if any."""
         limit = self.timeout_s + WRITER_BOOT_S
         deadline = time.monotonic() + limit
         ready = False
@@ -515,7 +515,6 @@ class Checkpointer:
             mine = b"" if err is None and not ready else b"1" if err is None else b"0"
             states = comm.all_gather_bytes(mine, "asynchronous save (waiting for the writers)")
             if b"0" in states:
-                self._stop_writer(graceful=False)
                 return err
             if all(s == b"1" for s in states):
                 return None
