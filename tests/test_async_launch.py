@@ -190,17 +190,17 @@ def _started_early(rank, world, root):
         async_save._Segment.__init__ = real
     async_save.shutdown()
 
-    pick = async_save._pick_port
-    if rank == 0:  # no port for the writers' group: every rank learns it, none waits in the broadcast
-        def no_port():
-            raise OSError(98, "injected: no free port")
+    serve = async_save._serve_rendezvous
+    if rank == 0:  # no rendezvous for the writers' group: every rank learns it, none waits in the broadcast
+        def no_port(addr, timeout_s):
+            raise RuntimeError("injected: no free port")
 
-        async_save._pick_port = no_port
+        async_save._serve_rendezvous = no_port
     try:
-        with pytest.raises(AsyncSaveError, match="could not pick a port"):
+        with pytest.raises(AsyncSaveError, match="could not serve the writers' rendezvous"):
             unickpt.start_async_writer()
     finally:
-        async_save._pick_port = pick
+        async_save._serve_rendezvous = serve
     async_save.shutdown()
     return sorted(os.listdir(root))
 
@@ -209,6 +209,44 @@ def test_start_async_writer_starts_the_writers_the_saves_then_use(tmp_path):
     from tests import dist
 
     assert dist.run(_started_early, 2, str(tmp_path)) == [["a", "b"], ["a", "b"]]
+    t = {"model": {"w": torch.zeros(8, 3)}}
+    unickpt.load(t, str(tmp_path / "b"))
+    assert torch.equal(t["model"]["w"], torch.cat([torch.zeros(4, 3), torch.ones(4, 3)]))
+
+
+def _rendezvous_held(rank, world, root):
+    import psutil
+
+    from unickpt import async_save
+
+    sd = {"model": {"w": unickpt.shard(torch.full((4, 3), float(rank)), (4 * world, 3), offsets=(4 * rank, 0))}}
+    unickpt.start_async_writer()
+    c = async_save.checkpointer()
+
+    def listening() -> set[int]:
+        return {x.laddr.port for x in psutil.Process().net_connections("tcp") if x.status == psutil.CONN_LISTEN}
+
+    port = c._rendezvous.port if rank == 0 else None
+    if rank == 0:  # bound by the trainer itself, before any writer started: no port was picked and let go
+        assert port in listening()
+    unickpt.save(sd, os.path.join(root, "a"), step=1, async_save=True).wait()
+    if rank == 1:  # a writer gone: the next save starts a new group on every rank
+        c._proc.kill()
+        c._proc.join(10)
+    unickpt.save(sd, os.path.join(root, "b"), step=2, async_save=True).wait()
+    if rank == 0:  # the new group met on the same store, under a key prefix of its own
+        assert (c._rendezvous.port, c._groups) == (port, 2) and port in listening()
+    async_save.shutdown()
+    return sorted(os.listdir(root))
+
+
+def test_the_writers_meet_on_a_store_rank_0_holds_across_restarts(tmp_path):
+    """Rank 0's trainer serves the writers' rendezvous on a port the kernel gave it at bind
+    time: no port is picked, released and bound again seconds later by a writer (which
+    another process could take in between); a restarted group meets on the same store."""
+    from tests import dist
+
+    assert dist.run(_rendezvous_held, 2, str(tmp_path)) == [["a", "b"], ["a", "b"]]
     t = {"model": {"w": torch.zeros(8, 3)}}
     unickpt.load(t, str(tmp_path / "b"))
     assert torch.equal(t["model"]["w"], torch.cat([torch.zeros(4, 3), torch.ones(4, 3)]))

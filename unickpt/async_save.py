@@ -54,7 +54,6 @@ import multiprocessing.connection as mpc
 import multiprocessing.util as mp_util
 import signal
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -302,10 +301,17 @@ class AsyncSave:
         return self._result
 
 
-def _pick_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+def _serve_rendezvous(addr: str, timeout_s: float):
+    """The writers' rendezvous, served by rank 0's trainer: a TCP store on a port the kernel
+    picks at bind time and this process holds from then on (no port is picked, released and
+    bound again later by another process, which a third could take in between). Each writer
+    group meets under its own key prefix (see :meth:`Checkpointer._start_writer`)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(addr, 0, None, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
 
 
 #: variables a launcher (torchrun, torch.distributed.launch) sets for a trainer: a writer
@@ -417,6 +423,8 @@ class Checkpointer:
         # (signature of the staged entries, page phase of each or None): from the writer's
         # plan of the last save of the same entries (see _layout)
         self._phases: tuple[str, list[int | None]] | None = None
+        self._rendezvous = None  # rank 0: the TCP store its writers' groups meet on (_serve_rendezvous)
+        self._groups = 0  # rank 0: writer groups formed on it so far (each under its own key prefix)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -424,24 +432,28 @@ class Checkpointer:
         """Collective over the trainer's group (called from save() and start(), in the
         caller's thread). A writer that cannot be started is reported by the caller (agreed
         over the group): ``_start_error``, an AsyncSaveError that says why."""
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
         mine = None
         if comm.rank == 0:
             try:
-                mine = str(_pick_port()).encode()
-            except OSError as e:  # told to every rank (an empty port) rather than raised here alone
-                log.warning("cannot pick a port for the writers' group: %s", e)
+                if self._rendezvous is None:
+                    self._rendezvous = _serve_rendezvous(addr, self.timeout_s)
+                self._groups += 1
+                mine = f"{self._rendezvous.port}:{self._groups}".encode()
+            except (OSError, RuntimeError) as e:  # told to every rank (no port) rather than raised here alone
+                log.warning("cannot serve the writers' rendezvous: %s", e)
                 mine = b""
-        port = comm.broadcast_bytes(mine).decode()
-        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port, _, group = comm.broadcast_bytes(mine).decode().partition(":")
         env_node = os.environ.get("UNICKPT_NODE_ID") or os.environ.get("GROUP_RANK")
         self._start_error = None
         if not port:
-            self._start_error = AsyncSaveError("the writer process could not be started: rank 0 could not pick a "
-                                               "port for the writers' group")
+            self._start_error = AsyncSaveError("the writer process could not be started: rank 0 could not serve "
+                                               "the writers' rendezvous")
             return
         try:
             self._proc, self._conn = _WriterProcess.start(
-                _writer_main, (comm.rank, comm.world, addr, int(port), self.timeout_s, os.getpid(), env_node)
+                _writer_main, (comm.rank, comm.world, addr, int(port), f"unickpt-writers-{group}/", self.timeout_s,
+                               os.getpid(), env_node)
             )
         except (OSError, ValueError, AsyncSaveError) as e:
             self._start_error = AsyncSaveError(f"the writer process could not be started: {e}")
@@ -580,6 +592,7 @@ class Checkpointer:
             except UnickptError as e:
                 log.warning("pending asynchronous save did not complete at shutdown: %s", e)
         self._stop_writer(graceful=True)
+        self._rendezvous = None  # (its writers are gone)
         if self._seg is not None:
             self._seg.close(unlink=True)
         self._seg = None
@@ -931,7 +944,8 @@ def _orphaned(parent_pid: int, segments: dict, wait: float = 2.0) -> None:
     _free_parent_segments(parent_pid, segments)
 
 
-def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: float, parent_pid: int, node) -> None:
+def _writer_main(conn, rank: int, world: int, addr: str, port: int, prefix: str, timeout_s: float, parent_pid: int,
+                 node) -> None:
     import datetime
 
     import torch.distributed as dist
@@ -953,10 +967,11 @@ def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: f
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer, which may wait for us
     try:
-        # an explicit store: under torchrun, TORCHELASTIC_USE_AGENT_STORE would otherwise make
-        # every writer a client of a store that nobody serves
+        # an explicit store, served by rank 0's trainer (_serve_rendezvous): under torchrun,
+        # TORCHELASTIC_USE_AGENT_STORE would otherwise make every writer a client of a store
+        # that nobody serves
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(addr, port, world, is_master=(rank == 0), timeout=timeout)
+        store = dist.PrefixStore(prefix, dist.TCPStore(addr, port, None, is_master=False, timeout=timeout))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     except Exception as e:
         _reply(conn, {"ok": False, "error": f"writer group setup failed: {e}"})
