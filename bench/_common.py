@@ -42,7 +42,16 @@ def _ctx():
     return _CTX
 
 
+def _serve():
+    """The job's rendezvous, a TCP store served by this (the parent) process on a port the
+    kernel gives it at bind time; the ranks are its clients."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
+
+
 def free_port() -> int:
+    """A port free now (for a launcher such as torchrun that binds it itself, later)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -56,7 +65,8 @@ def _worker(fn, rank, world, port, args, q, env):
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        store = dist.TCPStore("127.0.0.1", port, None, is_master=False)  # served by run_ranks(), the parent
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
         q.put((rank, True, fn(rank, world, *args)))
     except BaseException as e:  # every failure goes to the parent with its traceback
         q.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
@@ -75,7 +85,8 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 1800, env: 
     traceback; the job is killed after ``timeout`` seconds."""
     ctx = _ctx()
     q = ctx.Queue()
-    port = free_port()
+    store = _serve()  # held until the job ends: no port is picked, let go and bound again by a rank
+    port = store.port
     env = {"OMP_NUM_THREADS": "1", **(env or {})}
     procs = [ctx.Process(target=_worker, args=(fn, r, world, port, args, q, env)) for r in range(world)]
     for p in procs:

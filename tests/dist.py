@@ -31,7 +31,16 @@ def _ctx():
     return _CTX
 
 
+def _serve():
+    """The job's rendezvous, a TCP store served by this (the parent) process on a port the
+    kernel gives it at bind time; the ranks are its clients."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
+
+
 def free_port() -> int:
+    """A port free now (for a launcher such as torchrun that binds it itself, later)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -47,9 +56,8 @@ def _worker(fn, rank, world, port, args, q, env, backend="gloo"):
     try:
         if backend == "nccl":
             torch.cuda.set_device(0)
-        dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-        )
+        store = dist.TCPStore("127.0.0.1", port, None, is_master=False)  # served by run(), the parent
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
         out = fn(rank, world, *args)
         q.put((rank, True, out))
     except BaseException as e:  # report every failure to the parent
@@ -69,7 +77,8 @@ def run(fn: Callable, world: int, *args: Any, timeout: float = 180, env: dict | 
     may exit without a result (a test that kills them): theirs is None."""
     ctx = _ctx()
     q = ctx.Queue()
-    port = free_port()
+    store = _serve()  # held until the job ends: no port is picked, let go and bound again by a rank
+    port = store.port
     procs = [
         ctx.Process(target=_worker, args=(fn, r, world, port, args, q, dict(env or {}), backend))
         for r in range(world)
