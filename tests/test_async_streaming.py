@@ -303,3 +303,41 @@ def test_a_background_copy_streams_to_the_writer_which_reads_only_copied_bytes(t
     for started, same in out:
         assert started == [True]  # the save's temporary existed while the trainer was still copying
         assert same  # every byte stored is the new state's, none the segment's previous content
+
+
+def test_a_streamed_copy_tells_the_writer_every_chunk_whatever_the_shape(monkeypatch):
+    """Every ~STAGE_CHUNK bytes copied are told to the writer, also inside a tensor of one long
+    row (a streamed copy used to cut tensors only between rows: a 1 x N tensor arrived whole,
+    and the writer waited for all of it), and each told prefix of the segment holds the state."""
+    import unickpt.async_save as a
+    from unickpt.state import flatten
+
+    monkeypatch.setattr(a, "STAGE_CHUNK", 64 << 10)
+    sd = {"model": {"row": torch.randn(1, 100_000), "col": torch.randn(3, 50_000).t(), "flat": torch.randn(70_000),
+                    "scalar": torch.tensor(2.0)}}
+    entries, _ = flatten(sd, 0, 1)
+    c = a.Checkpointer()
+    try:
+        staged = c._layout(entries)
+        c._ensure_segment(staged.size)
+        told: list[tuple[int, bool]] = []
+
+        def tell(end, done=False):
+            for e, row in zip(entries, staged.entries):  # what is told is there already
+                off, n = row[5], row[6]
+                if off + n <= end:
+                    got = c._seg.tensor[off : off + n].view(e.local.dtype).view(e.local.shape)
+                    assert torch.equal(got, e.local), e.name
+            told.append((end, done))
+
+        c._copy(entries, staged, tell)
+        ends = [t for t, _ in told]
+        assert ends == sorted(ends) and len(ends) >= (4 * (100_000 + 70_000 + 150_000)) // (64 << 10) - 4
+        rows = {e.name: row for e, row in zip(entries, staged.entries)}
+        inside = [t for t in ends if rows["row"][5] < t < rows["row"][5] + rows["row"][6]]
+        assert len(inside) >= 400_000 // (64 << 10) - 1  # the 1 x N tensor is told in blocks
+        for e, row in zip(entries, staged.entries):
+            got = c._seg.tensor[row[5] : row[5] + row[6]].view(e.local.dtype).view(e.local.shape)
+            assert torch.equal(got, e.local), e.name
+    finally:
+        c.close()

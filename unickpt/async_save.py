@@ -746,8 +746,9 @@ class Checkpointer:
 
     def _copy(self, entries: list[Entry], staged: _Staged, tell=None) -> None:
         """Copy the entries into the segment in segment order; every ~:data:`STAGE_CHUNK`
-        bytes (large tensors in blocks of rows), ``tell(end)``: the segment is filled up to
-        byte ``end`` (device copies synchronized first).
+        bytes (large tensors in blocks of elements, or of rows when not contiguous),
+        ``tell(end)``: the segment is filled up to byte ``end`` (device copies synchronized
+        first).
 
         Device tensors are copied on a high-priority stream held by this checkpointer per
         device, after the event of :func:`_ready`: a background copy overlaps the caller's
@@ -784,6 +785,8 @@ class Checkpointer:
                     continue
                 dst = buf[off : off + n].view(e.local.dtype).view(e.local.shape)
                 src = e.local.detach()
+                if src.is_contiguous():  # blocks of elements: a tensor of few long rows (1 x N) streams too
+                    dst, src = dst.view(-1), src.view(-1)
                 s = stream(src.device) if src.device.type == "cuda" else None
                 rows = src.shape[0] if src.dim() else 1
                 step = rows if tell is None or src.dim() == 0 else max(1, STAGE_CHUNK * rows // n)
