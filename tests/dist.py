@@ -31,9 +31,10 @@ def _ctx():
     return _CTX
 
 
-def _serve():
-    """The job's rendezvous, a TCP store served by this (the parent) process on a port the
-    kernel gives it at bind time; the ranks are its clients."""
+def serve_store():
+    """A job's rendezvous, a TCP store served by this (the parent) process on a port the
+    kernel gives it at bind time; the ranks (:func:`_worker`) are its clients. Keep it
+    until the job ends."""
     import torch.distributed as dist
 
     return dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
@@ -77,7 +78,7 @@ def run(fn: Callable, world: int, *args: Any, timeout: float = 180, env: dict | 
     may exit without a result (a test that kills them): theirs is None."""
     ctx = _ctx()
     q = ctx.Queue()
-    store = _serve()  # held until the job ends: no port is picked, let go and bound again by a rank
+    store = serve_store()  # held until the job ends: no port is picked, let go and bound again by a rank
     port = store.port
     procs = [
         ctx.Process(target=_worker, args=(fn, r, world, port, args, q, dict(env or {}), backend))

@@ -111,7 +111,8 @@ class _Job:
     def __init__(self, fn, world: int, *args, env: dict | None = None, envs: dict | None = None) -> None:
         ctx = dist._ctx()
         self.q = ctx.Queue()
-        port = dist.free_port()
+        self.store = dist.serve_store()  # the ranks' rendezvous, held while the job lives
+        port = self.store.port
         self.procs = []
         for r in range(world):
             e = {k: str(v) for k, v in (env or {}).items()}
