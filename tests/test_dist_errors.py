@@ -159,3 +159,48 @@ def test_a_bad_state_on_one_rank_under_compression_raises_everywhere(tmp_path):
         out = dist.run(_bad_dtype_with_compression, 2, str(tmp_path / master), master, timeout=60)
         assert out[1] == "FormatError" and out[0] in ("DistributedError", "StateDictError"), out
         assert not os.path.exists(tmp_path / master)
+
+
+def _different_calls(rank, world, root):
+    from unickpt.transport import Comm
+
+    sd = {"model": {"w": unickpt.shard(torch.full((2, 4), float(rank)), (4, 4), offsets=(2 * rank, 0))}}
+    unickpt.save(sd, os.path.join(root, "a"))
+    t0 = time.monotonic()
+    try:  # rank 0 saves while rank 1 loads: they must not take each other's bytes
+        if rank == 0:
+            unickpt.save(sd, os.path.join(root, "b"))
+        else:
+            unickpt.load({"model": {"w": torch.zeros(4, 4)}}, os.path.join(root, "a"))
+        said = None
+    except DistributedError as e:
+        said = str(e)
+    took = time.monotonic() - t0
+    c = Comm(timeout_s=600)
+    said2 = []
+    for call in (lambda w: c.broadcast_bytes(b"x" if rank == 0 else None, what=w),
+                 lambda w: c.min_max(torch.tensor([1, 2]), what=w)):
+        try:  # the same kind of collective, for different steps: told apart too
+            call(f"step {rank}")
+            said2.append(None)
+        except DistributedError as e:
+            said2.append(str(e))
+    # every rank made the same collectives: the group still works
+    unickpt.save(sd, os.path.join(root, "c"))
+    assert c.broadcast_bytes(b"ok" if rank == 0 else None, what="after") == b"ok"
+    return said, took, said2, sorted(os.listdir(root))
+
+
+def test_ranks_in_different_calls_fail_at_once_and_the_group_still_works(tmp_path):
+    """Each collective carries a tag of its call: ranks that reached different calls raise
+    DistributedError naming each rank's call at once (600 s timeout; the job is killed at
+    120 s), rather than taking each other's bytes for their own."""
+    out = dist.run(_different_calls, 2, str(tmp_path), timeout=120, env={"UNICKPT_TIMEOUT_S": "600"})
+    for said, took, said2, names in out:
+        assert said is not None and "different collective calls" in said, said
+        assert "rank(s) [0] in 'save (checking the options) [all_gather]'" in said, said
+        assert "rank(s) [1] in 'load (finding the checkpoint) [all_gather]'" in said, said
+        assert took < 60
+        for op, s2 in zip(("broadcast", "all_reduce"), said2):
+            assert s2 is not None and f"'step 0 [{op}]'" in s2 and f"'step 1 [{op}]'" in s2, s2
+        assert names == ["a", "c"]  # b never committed

@@ -13,6 +13,13 @@ Every wait is bounded: each collective and transfer carries a timeout (``timeout
 the group's connections: the hung rank fails at its next operation rather than pairing with
 an abandoned one. A peer that dies (connection reset or closed) fails the others at once.
 Errors of torch.distributed itself always surface as :class:`DistributedError`.
+
+Every collective carries a tag of its call (the operation and its ``what``, see
+:func:`_tag`): ranks that reached different calls (one saving while another loads, one rank
+calling ``start_async_writer`` alone) raise :class:`DistributedError` on every rank at
+once, naming each rank's call, rather than reading each other's bytes as their own; every
+rank made the same collectives, so the group still works. Collectives of different kinds
+(an all-gather against an all-reduce) cannot see each other's tags: the timeout bounds them.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+import xxhash
 from torch._C import _distributed_c10d as _c10d
 
 from .errors import DistributedError, InvalidArgumentError, UnickptError, as_typed
@@ -69,6 +77,14 @@ def resolve_timeout(timeout_s: float | None = None) -> float:
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < 1e8:
         raise InvalidArgumentError(f"{src} must be a positive number of seconds, got {timeout_s!r}")
     return float(timeout_s)
+
+
+def _tag(op: str, what: str | None) -> int:
+    """A fingerprint (< 2**61) of a collective call: which operation, for which step (``what``).
+    Every call carries it, so ranks that reached different calls (some in a save, others in
+    a load, or in different steps) fail at once with a typed error naming each rank's call,
+    instead of exchanging each other's bytes."""
+    return xxhash.xxh64_intdigest(f"{op}\0{what or ''}".encode()) >> 3
 
 
 def _first_line(msg: str) -> str:
@@ -139,57 +155,94 @@ class Comm:
         except RuntimeError as e:  # gloo/c10d errors: DistBackendError, DistNetworkError, timeouts
             raise self._failed(op, what, e) from e
 
-    def all_gather_bytes(self, data: bytes, what: str | None = None) -> list[bytes]:
-        """Every rank's byte string, on every rank (two collectives: lengths, then padded data;
-        one when every string is empty, as in :meth:`agree` when no rank failed: every rank
-        sees the same lengths, so every rank skips the second)."""
-        if not self.active or self.world == 1:
-            return [bytes(data)]
+    def _gather(self, head: list[int], data: bytes, what: str | None) -> tuple[list[list[int]], list[bytes] | None]:
+        """All-gather of ``head`` (int64 values, the last the call's tag) and, unless every
+        rank's ``data`` is empty, of ``data`` (padded): ``(every rank's head, every rank's data
+        or None)``."""
         g = self.p2p_group
         opts = _c10d.AllgatherOptions()
         opts.timeout = self._timeout()
-        n = torch.tensor([len(data)], dtype=torch.int64)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        n = torch.tensor([len(data), *head], dtype=torch.int64)
+        sizes = [torch.zeros(len(head) + 1, dtype=torch.int64) for _ in range(self.world)]
         self._run("all_gather", what, lambda: g.allgather([sizes], [n], opts))
-        m = max(int(s.item()) for s in sizes)
+        heads = [s.tolist() for s in sizes]
+        m = max(h[0] for h in heads)
         if m == 0:
-            return [b""] * self.world
-        buf = torch.zeros(max(m, 1), dtype=torch.uint8)
+            return heads, None
+        buf = torch.zeros(m, dtype=torch.uint8)
         if data:
             buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         outs = [torch.empty_like(buf) for _ in range(self.world)]
         self._run("all_gather", what, lambda: g.allgather([outs], [buf], opts))
-        return [bytes(o[: int(s.item())].numpy().tobytes()) for o, s in zip(outs, sizes)]
+        return heads, [bytes(o[: h[0]].numpy().tobytes()) for o, h in zip(outs, heads)]
+
+    def _check_calls(self, tags: list[int], op: str, what: str | None) -> None:
+        """Collective, once every rank has every rank's tag: see :meth:`_mismatch`."""
+        if len(set(tags)) > 1:
+            self._mismatch(op, what)
+
+    def _mismatch(self, op: str, what: str | None) -> None:
+        """Collective, when every rank has seen that the ranks' tags differ: each says which
+        call it is in (one more all-gather, untagged: every rank saw the same tags, so every
+        rank makes it) and every rank raises :class:`DistributedError`. The group stays
+        usable: every rank made the same collectives."""
+        _, names = self._gather([0], (f"{what} [{op}]" if what else op).encode(), "comparing the ranks' calls")
+        calls = [n.decode(errors="replace") for n in names or [b""] * self.world]
+        where: dict[str, list[int]] = {}
+        for r, c in enumerate(calls):
+            where.setdefault(c, []).append(r)
+        said = "; ".join(f"rank(s) {rs} in {c!r}" for c, rs in where.items())
+        raise DistributedError(f"the ranks reached different collective calls ({said}): every rank of the group must "
+                               "make the same unickpt calls (save, load, start_async_writer, ...) in the same order")
+
+    def all_gather_bytes(self, data: bytes, what: str | None = None) -> list[bytes]:
+        """Every rank's byte string, on every rank (two collectives: lengths with the call's
+        tag, then padded data; one when every string is empty, as in :meth:`agree` when no
+        rank failed: every rank sees the same lengths, so every rank skips the second).
+        Ranks in different calls (see :func:`_tag`) raise DistributedError."""
+        if not self.active or self.world == 1:
+            return [bytes(data)]
+        tag = _tag("all_gather", what)
+        heads, out = self._gather([tag], data, what)
+        self._check_calls([h[1] for h in heads], "all_gather", what)
+        return out if out is not None else [b""] * self.world
 
     def broadcast_bytes(self, data: bytes | None, src: int = 0, what: str | None = None) -> bytes:
-        """Rank ``src``'s byte string on every rank."""
+        """Rank ``src``'s byte string on every rank (its length and every rank's tag in one
+        all-gather, then the bytes). Ranks in different calls raise DistributedError."""
         if not self.active or self.world == 1:
             assert data is not None
             return bytes(data)
         g = self.p2p_group
+        heads, _ = self._gather([len(data) if self.rank == src else 0, _tag("broadcast", what)], b"", what)
+        self._check_calls([h[2] for h in heads], "broadcast", what)
         opts = _c10d.BroadcastOptions()
         opts.rootRank, opts.rootTensor, opts.timeout = src, 0, self._timeout()
-        n = torch.tensor([len(data) if self.rank == src else 0], dtype=torch.int64)
-        self._run("broadcast", what, lambda: g.broadcast([n], opts))
-        buf = torch.empty(max(int(n.item()), 1), dtype=torch.uint8)
+        n = heads[src][1]
+        buf = torch.empty(max(n, 1), dtype=torch.uint8)
         if self.rank == src and data:
             buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         self._run("broadcast", what, lambda: g.broadcast([buf], opts))
-        return bytes(buf[: int(n.item())].numpy().tobytes())
+        return bytes(buf[:n].numpy().tobytes())
 
     def min_max(self, values: torch.Tensor, what: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Element-wise minimum and maximum over the ranks of a 1-D int64 tensor whose values
-        lie in ``[-2**62, 2**62]`` (one all-reduce)."""
+        lie in ``[-2**62, 2**62]`` (one all-reduce, which also carries the call's tag)."""
         if not self.active or self.world == 1:
             return values.clone(), values.clone()
         g = self.p2p_group
         opts = _c10d.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MIN
         opts.timeout = self._timeout()
-        both = torch.cat([values, -values]).to(torch.int64)
+        tag = _tag("all_reduce", what)
+        vals = torch.cat([values.to(torch.int64), torch.tensor([tag], dtype=torch.int64)])
+        both = torch.cat([vals, -vals])
         self._run("all_reduce", what, lambda: g.allreduce([both], opts))
-        n = values.numel()
-        return both[:n], -both[n:]
+        n = vals.numel()
+        lo, hi = both[: n - 1], -both[n : 2 * n - 1]
+        if int(both[n - 1]) != -int(both[2 * n - 1]):  # tags differ: every rank sees it
+            self._mismatch("all_reduce", what)
+        return lo, hi
 
     def agree(self, error: BaseException | None, what: str) -> None:
         """Collective: raise on every rank if any rank failed.
