@@ -248,25 +248,22 @@ def install(config: dict) -> Faults:
         _REAL["pwrite"], _REAL["write"] = os.pwrite, os.write
         os.pwrite, os.write = _short_pwrite(os.pwrite), _short_write(os.write)
     if config.get("reserve_error"):
-        _REAL["fallocate"] = list(_st._FALLOCATE)
-        _st._FALLOCATE[:] = [(_Errno(config["reserve_error"]), _failing_fallocate(faults))]
+        _REAL["fallocate"] = _st._LIBC_FNS.get("fallocate", _MISSING)
+        _st._LIBC_FNS["fallocate"] = _failing_fallocate(faults, config["reserve_error"])
     _ACTIVE.append(faults)
     return faults
 
 
-class _Errno:
-    """The part of ``ctypes`` that ``storage._reserve`` uses: the errno of the last call."""
-
-    def __init__(self, code: int) -> None:
-        self.code = code
-
-    def get_errno(self) -> int:
-        return self.code
+_MISSING = object()
 
 
-def _failing_fallocate(faults: Faults):
+def _failing_fallocate(faults: Faults, code: int):
+    """In place of the C library's fallocate (``storage._libc``): fails with errno ``code``."""
+    import ctypes
+
     def fallocate(fd, mode, offset, size):
         faults.injected.append(f"reserve_error:fd {fd}")
+        ctypes.set_errno(code)
         return -1
 
     return fallocate
@@ -283,7 +280,11 @@ def uninstall() -> None:
     if "pwrite" in _REAL:
         os.pwrite, os.write = _REAL.pop("pwrite"), _REAL.pop("write")
     if "fallocate" in _REAL:
-        _st._FALLOCATE[:] = _REAL.pop("fallocate")
+        real = _REAL.pop("fallocate")
+        if real is _MISSING:
+            _st._LIBC_FNS.pop("fallocate", None)
+        else:
+            _st._LIBC_FNS["fallocate"] = real
     _ACTIVE.clear()
 
 

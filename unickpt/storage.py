@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import errno
 import mmap
 import os
@@ -522,7 +523,20 @@ def _progress(n: int, path: str) -> int:
     return n
 
 
-_FALLOCATE: list = []
+_LIBC_FNS: dict[str, Any] = {}
+
+
+def _libc(name: str, argtypes: list, restype=ctypes.c_int):
+    """The C library's function ``name``, typed, its errno kept for ``ctypes.get_errno()``;
+    None where this C library lacks it (looked up once per process)."""
+    if name not in _LIBC_FNS:
+        try:
+            fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+            fn.argtypes, fn.restype = argtypes, restype
+        except (OSError, AttributeError):
+            fn = None
+        _LIBC_FNS[name] = fn
+    return _LIBC_FNS[name]
 
 
 LOCK_WAIT_S = 5.0
@@ -603,19 +617,9 @@ def _reserve(fd: int, size: int, path: str) -> None:
     is :class:`~unickpt.errors.StorageError` (ENOSPC) naming the file and the size."""
     if size <= 0 or os.environ.get("UNICKPT_NO_FALLOCATE"):
         return
-    if not _FALLOCATE:
-        try:
-            import ctypes
-
-            fn = ctypes.CDLL(None, use_errno=True).fallocate
-            fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-            fn.restype = ctypes.c_int
-            _FALLOCATE.append((ctypes, fn))
-        except (OSError, AttributeError):
-            _FALLOCATE.append(None)
-    if _FALLOCATE[0] is None:
+    fn = _libc("fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64])
+    if fn is None:
         return
-    ctypes, fn = _FALLOCATE[0]
     # one reservation at a time on the machine, where the layout matters (not in memory)
     with _node_lock("alloc") if _fs_type(path) not in ("tmpfs", "ramfs") else contextlib.nullcontext():
         rc = fn(fd, 0, 0, size)
@@ -627,22 +631,14 @@ def _reserve(fd: int, size: int, path: str) -> None:
     raise StorageError(err, f"cannot reserve {size} bytes ({os.strerror(err)})", path)
 
 
-_RENAMEAT2 = []
 _NO_LOCK_WARNED: list[str] = []
 
 
 def _renameat2(src: str, dst: str, flags: int) -> int | None:
     """renameat2(2): 0, an errno, or None where the call or the flag is unsupported."""
-    if not _RENAMEAT2:
-        try:
-            import ctypes
-
-            _RENAMEAT2.append((ctypes, ctypes.CDLL(None, use_errno=True).renameat2))
-        except (OSError, AttributeError):
-            _RENAMEAT2.append(None)
-    if _RENAMEAT2[0] is None or os.environ.get("UNICKPT_NO_RENAMEAT2"):
+    fn = _libc("renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint])
+    if fn is None or os.environ.get("UNICKPT_NO_RENAMEAT2"):
         return None
-    ctypes, fn = _RENAMEAT2[0]
     if fn(-100, os.fsencode(src), -100, os.fsencode(dst), flags) == 0:  # AT_FDCWD
         return 0
     err = ctypes.get_errno()
@@ -929,38 +925,29 @@ class _DirectWriter:
         self.eng.users -= 1
 
 
-_LIBC: list = []
-
-
 def _resident(fd: int, offset: int, n: int) -> int | None:
     """Page-cache residency of a file range through mmap + mincore (Linux); None elsewhere."""
-    if not _LIBC:
-        try:
-            import ctypes
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                                                   ctypes.c_int, ctypes.c_int, ctypes.c_int64]
-            libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-            libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-            _LIBC.append((ctypes, libc) if os.uname().sysname == "Linux" else None)
-        except (OSError, AttributeError):
-            _LIBC.append(None)
-    if _LIBC[0] is None:
+    if os.uname().sysname != "Linux":
         return None
-    ctypes, libc = _LIBC[0]
+    mmap_ = _libc("mmap", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64],
+                  ctypes.c_void_p)
+    munmap = _libc("munmap", [ctypes.c_void_p, ctypes.c_size_t])
+    mincore = _libc("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p])
+    if mmap_ is None or munmap is None or mincore is None:
+        return None
     page = mmap.PAGESIZE
     lo = offset - offset % page
     length = offset + n - lo
-    addr = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, lo)
+    addr = mmap_(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, lo)
     if addr is None or addr == ctypes.c_void_p(-1).value:
         return None
     try:
         vec = ctypes.create_string_buffer(-(-length // page))
-        if libc.mincore(addr, length, vec) != 0:
+        if mincore(addr, length, vec) != 0:
             return None
         return int(np.frombuffer(vec.raw, dtype=np.uint8).__and__(1).sum()) * page
     finally:
-        libc.munmap(addr, length)
+        munmap(addr, length)
 
 
 class _Reader:
