@@ -7,6 +7,7 @@ fail the test with that rank's traceback; a hung job is killed after ``timeout``
 
 from __future__ import annotations
 
+import glob
 import multiprocessing as mp
 import os
 import socket
@@ -38,6 +39,20 @@ def serve_store():
     import torch.distributed as dist
 
     return dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
+
+
+def shm_left_by(pids) -> list[str]:
+    """unickpt's /dev/shm segments created by processes ``pids`` (the name carries the
+    creator's pid), which have exited. Only this test's own: other jobs on the machine (a
+    second test run, another test worker, a benchmark) hold theirs, live or about to be swept,
+    and a global "none at all" failed with them."""
+    out = []
+    for p in glob.glob("/dev/shm/unickpt-*"):
+        rest = os.path.basename(p)[len("unickpt-"):]
+        pid = rest[len("read-"):].split("-")[0] if rest.startswith("read-") else rest.split("-")[0]
+        if pid.isdigit() and int(pid) in pids:
+            out.append(p)
+    return out
 
 
 def free_port() -> int:

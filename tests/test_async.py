@@ -51,20 +51,6 @@ def _mutate_after_call(rank, world, root):
     return os.getpid()
 
 
-def _left_by(pids) -> list[str]:
-    """unickpt's /dev/shm segments created by processes ``pids`` (the name carries the
-    creator's pid), which have exited. Only this test's own: other jobs on the machine (a
-    second test run, another test worker, a benchmark) hold theirs, live or about to be swept,
-    and a global "none at all" failed with them."""
-    out = []
-    for p in glob.glob("/dev/shm/unickpt-*"):
-        rest = os.path.basename(p)[len("unickpt-"):]
-        pid = rest[len("read-"):].split("-")[0] if rest.startswith("read-") else rest.split("-")[0]
-        if pid.isdigit() and int(pid) in pids:
-            out.append(p)
-    return out
-
-
 def test_bytes_are_the_state_at_call_time_and_equal_a_sync_save(tmp_path):
     root = str(tmp_path)
     pids = dist.run(_mutate_after_call, 2, root)
@@ -72,7 +58,7 @@ def test_bytes_are_the_state_at_call_time_and_equal_a_sync_save(tmp_path):
     t = {"model": {f"w{i}": torch.zeros(192, 40) for i in range(5)}}
     unickpt.load(t, os.path.join(root, "async-bg"))
     assert torch.equal(t["model"]["w2"][:96], torch.full((96, 40), 2.0 * -3 + 1))
-    assert not _left_by(pids)
+    assert not dist.shm_left_by(pids)
 
 
 def _writer_killed(rank, world, root):
@@ -211,7 +197,7 @@ def test_whole_job_killed_mid_save_commits_nothing_and_resume_sweeps(tmp_path):
     for step, listing in out:
         assert step == 2
         assert listing == ["step-00000002"]  # stale temporary swept at start
-    assert not _left_by(pids)  # the killed ranks' staging, swept by the resumed job
+    assert not dist.shm_left_by(pids)  # the killed ranks' staging, swept by the resumed job
 
 
 def _fifty(rank, world, root):

@@ -163,7 +163,7 @@ def test_without_shared_memory_ranks_read_alone(saved):
     out = dist.run(_load_with_pid, 2, saved, None, _no_shm_on_rank_0)
     assert all(o[2] for o, _ in out), out
     assert sum(o[0] for o, _ in out) >= 2 * _tensor_bytes(), out  # each read everything itself
-    assert not _leftovers(out[0][1]) and not _leftovers(out[1][1])
+    assert not dist.shm_left_by({out[0][1]}) and not dist.shm_left_by({out[1][1]})
 
 
 def test_a_segment_left_by_a_killed_load_is_removed_by_the_next(saved):
@@ -315,14 +315,10 @@ def _load_with_pid(rank, world, root, node_of=None, patch=None, timeout_s=20):
     return _load_columns(rank, world, root, node_of, patch, timeout_s), os.getpid()
 
 
-def _leftovers(pid):
-    return [f for f in os.listdir("/dev/shm") if f.startswith(f"unickpt-read-{pid}-")]
-
-
 def test_a_segment_that_cannot_be_mapped_is_not_left_behind(saved):
     out = dist.run(_load_with_pid, 2, saved, None, _mmap_fails_on_rank_0)
     assert all(o[0][2] is True for o in out), out  # read alone
-    assert not _leftovers(out[0][1]), _leftovers(out[0][1])
+    assert not dist.shm_left_by({out[0][1]}), dist.shm_left_by({out[0][1]})
 
 
 def _fails_on(which: int, name: str, exc: BaseException, rank: int) -> None:
@@ -343,7 +339,7 @@ _rank_1_fails_before_the_segment = functools.partial(_fails_on, 1, "_plan_node",
 def test_a_segment_is_removed_when_a_peer_never_maps_it(saved):
     out = dist.run(_load_with_pid, 2, saved, None, _rank_1_fails_before_the_segment, 3, timeout=90)
     assert out[0][0][0] == "DistributedError" and "injected" in out[1][0][1], out
-    assert not _leftovers(out[0][1]), _leftovers(out[0][1])
+    assert not dist.shm_left_by({out[0][1]}), dist.shm_left_by({out[0][1]})
 
 
 def _load_verify_per_rank(rank, world, root, verify_of):
@@ -466,7 +462,7 @@ def test_a_peer_killed_during_the_rounds_fails_its_node_mates_at_once(saved):
     (got, pid0) = out[0]
     assert got[0] == "DistributedError" and "[1]" in got[1] and "exited" in got[1], out
     assert got[2] < 10, out
-    assert not _leftovers(pid0)  # the node's first rank (rank 0) created the segment: it is gone
+    assert not dist.shm_left_by({pid0})  # the node's first rank (rank 0) created the segment: it is gone
 
 
 def test_a_peer_stalled_in_the_rounds_fails_its_node_mates_at_timeout_s(saved):
