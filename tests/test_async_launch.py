@@ -192,7 +192,7 @@ def _started_early(rank, world, root):
 
     serve = async_save._serve_rendezvous
     if rank == 0:  # no rendezvous for the writers' group: every rank learns it, none waits in the broadcast
-        def no_port(addr, timeout_s):
+        def no_port(timeout_s):
             raise RuntimeError("injected: no free port")
 
         async_save._serve_rendezvous = no_port
@@ -234,21 +234,54 @@ def _rendezvous_held(rank, world, root):
         c._proc.kill()
         c._proc.join(10)
     unickpt.save(sd, os.path.join(root, "b"), step=2, async_save=True).wait()
-    if rank == 0:  # the new group met on the same store, under a key prefix of its own
-        assert (c._rendezvous.port, c._groups) == (port, 2) and port in listening()
+    if rank == 0:  # the new group met on a store of its own; the old one (and its keys) is gone
+        now = listening()
+        assert c._rendezvous.port in now and (port == c._rendezvous.port or port not in now)
     async_save.shutdown()
+    if rank == 0:
+        assert c._rendezvous is None
     return sorted(os.listdir(root))
 
 
-def test_the_writers_meet_on_a_store_rank_0_holds_across_restarts(tmp_path):
+def test_the_writers_meet_on_a_store_rank_0_holds(tmp_path):
     """Rank 0's trainer serves the writers' rendezvous on a port the kernel gave it at bind
     time: no port is picked, released and bound again seconds later by a writer (which
-    another process could take in between); a restarted group meets on the same store."""
+    another process could take in between); a restarted group meets on a new store, and
+    the old one is let go."""
     from tests import dist
 
     assert dist.run(_rendezvous_held, 2, str(tmp_path)) == [["a", "b"], ["a", "b"]]
     t = {"model": {"w": torch.zeros(8, 3)}}
     unickpt.load(t, str(tmp_path / "b"))
+    assert torch.equal(t["model"]["w"], torch.cat([torch.zeros(4, 3), torch.ones(4, 3)]))
+
+
+def _subgroup_async(rank, world, root):
+    import torch.distributed as tdist
+
+    from unickpt import async_save
+
+    group = tdist.new_group([1, 2])  # collective: every rank creates it; its rank 0 is the job's rank 1
+    if rank == 0:
+        return None
+    g = rank - 1
+    sd = {"model": {"w": unickpt.shard(torch.full((4, 3), float(g)), (8, 3), offsets=(4 * g, 0))}}
+    unickpt.save(sd, os.path.join(root, "a"), step=1, async_save=True, group=group).wait()
+    c = async_save.checkpointer(group)
+    served = c._rendezvous is not None  # by the subgroup's rank 0 (the job's rank 1), not the job's rank 0
+    async_save.shutdown()
+    return served
+
+
+def test_the_writers_of_a_subgroup_meet_at_its_own_rank_0(tmp_path):
+    """An asynchronous save over a subgroup whose rank 0 is not the job's: that rank serves
+    the writers' rendezvous and tells the others where (its own address towards
+    MASTER_ADDR), and the save commits."""
+    from tests import dist
+
+    assert dist.run(_subgroup_async, 3, str(tmp_path), env={"MASTER_ADDR": "127.0.0.1"}) == [None, True, False]
+    t = {"model": {"w": torch.zeros(8, 3)}}
+    unickpt.load(t, str(tmp_path / "a"))
     assert torch.equal(t["model"]["w"], torch.cat([torch.zeros(4, 3), torch.ones(4, 3)]))
 
 

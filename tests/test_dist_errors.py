@@ -177,14 +177,22 @@ def _different_calls(rank, world, root):
         said = str(e)
     took = time.monotonic() - t0
     c = Comm(timeout_s=600)
+    calls = {"broadcast": lambda w: c.broadcast_bytes(b"x" if rank == 0 else None, what=w),
+             "all_reduce": lambda w: c.min_max(torch.tensor([1, 2]), what=w),
+             "all_gather": lambda w: c.all_gather_bytes(b"y" * 10, what=w)}
     said2 = []
-    for call in (lambda w: c.broadcast_bytes(b"x" if rank == 0 else None, what=w),
-                 lambda w: c.min_max(torch.tensor([1, 2]), what=w)):
-        try:  # the same kind of collective, for different steps: told apart too
-            call(f"step {rank}")
+    for mine, theirs in (("broadcast", "broadcast"), ("all_reduce", "all_reduce"), ("broadcast", "all_reduce"),
+                         ("all_gather", "broadcast"), ("all_reduce", "all_gather")):
+        try:  # the same step in calls of different kinds, or different steps: told apart
+            calls[mine if rank == 0 else theirs](f"step {rank}" if mine == theirs else "step")
             said2.append(None)
         except DistributedError as e:
-            said2.append(str(e))
+            said2.append((mine, theirs, str(e)))
+    try:  # an all-reduce of unequal lengths (gloo would abort the process)
+        c.min_max(torch.arange(2 + rank), what="lengths")
+        said2.append(None)
+    except DistributedError as e:
+        said2.append(("lengths", "", str(e)))
     # every rank made the same collectives: the group still works
     unickpt.save(sd, os.path.join(root, "c"))
     assert c.broadcast_bytes(b"ok" if rank == 0 else None, what="after") == b"ok"
@@ -194,13 +202,19 @@ def _different_calls(rank, world, root):
 def test_ranks_in_different_calls_fail_at_once_and_the_group_still_works(tmp_path):
     """Each collective carries a tag of its call: ranks that reached different calls raise
     DistributedError naming each rank's call at once (600 s timeout; the job is killed at
-    120 s), rather than taking each other's bytes for their own."""
+    120 s), rather than taking each other's bytes for their own, also between collectives of
+    different kinds (gloo aborts a process whose peer sends a message of another size)."""
     out = dist.run(_different_calls, 2, str(tmp_path), timeout=120, env={"UNICKPT_TIMEOUT_S": "600"})
     for said, took, said2, names in out:
         assert said is not None and "different collective calls" in said, said
         assert "rank(s) [0] in 'save (checking the options) [all_gather]'" in said, said
         assert "rank(s) [1] in 'load (finding the checkpoint) [all_gather]'" in said, said
         assert took < 60
-        for op, s2 in zip(("broadcast", "all_reduce"), said2):
-            assert s2 is not None and f"'step 0 [{op}]'" in s2 and f"'step 1 [{op}]'" in s2, s2
+        assert None not in said2, said2
+        for mine, theirs, s2 in said2[:-1]:
+            if mine == theirs:
+                assert f"'step 0 [{mine}]'" in s2 and f"'step 1 [{theirs}]'" in s2, s2
+            else:
+                assert f"rank(s) [0] in 'step [{mine}]'" in s2 and f"rank(s) [1] in 'step [{theirs}]'" in s2, s2
+        assert "different numbers of values ([2, 3])" in said2[-1][2], said2[-1]
         assert names == ["a", "c"]  # b never committed

@@ -301,17 +301,42 @@ class AsyncSave:
         return self._result
 
 
-def _serve_rendezvous(addr: str, timeout_s: float):
-    """The writers' rendezvous, served by rank 0's trainer: a TCP store on a port the kernel
-    picks at bind time and this process holds from then on (no port is picked, released and
-    bound again later by another process, which a third could take in between). Each writer
-    group meets under its own key prefix (see :meth:`Checkpointer._start_writer`)."""
+def _serve_rendezvous(timeout_s: float):
+    """The writers' rendezvous, served by the trainer of the group's rank 0: a TCP store that
+    listens on every interface, on a port the kernel picks at bind time and this process
+    holds from then on (no port is picked, released and bound again later by another
+    process, which a third could take in between). One per group of writers: a new group
+    (a restart) gets a new store, and the old one's keys (~170 bytes + 8 per rank, per
+    rank) go with it. Its own client connects over the loopback, which always answers."""
     import datetime
 
     import torch.distributed as dist
 
-    return dist.TCPStore(addr, 0, None, is_master=True, wait_for_workers=False,
+    return dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _rendezvous_addr() -> str:
+    """Where the other ranks' writers reach this host (the trainer of the group's rank 0):
+    ``MASTER_ADDR`` (default 127.0.0.1) when this is the job's rank 0, whose host that is;
+    otherwise (the rank 0 of a subgroup) this host's own address on its route to
+    ``MASTER_ADDR`` (a UDP socket's local address once connected: nothing is sent)."""
+    import socket
+
+    import torch.distributed as dist
+
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        return master
+    try:
+        for family, kind, proto, _, sockaddr in socket.getaddrinfo(master, 9, type=socket.SOCK_DGRAM):
+            with socket.socket(family, kind, proto) as s:
+                s.connect(sockaddr)
+                return s.getsockname()[0]
+    except OSError as e:
+        log.warning("cannot find this host's address towards MASTER_ADDR %s (%s): the writers will look for "
+                    "their rendezvous there", master, e)
+    return master
 
 
 #: variables a launcher (torchrun, torch.distributed.launch) sets for a trainer: a writer
@@ -423,8 +448,7 @@ class Checkpointer:
         # (signature of the staged entries, page phase of each or None): from the writer's
         # plan of the last save of the same entries (see _layout)
         self._phases: tuple[str, list[int | None]] | None = None
-        self._rendezvous = None  # rank 0: the TCP store its writers' groups meet on (_serve_rendezvous)
-        self._groups = 0  # rank 0: writer groups formed on it so far (each under its own key prefix)
+        self._rendezvous = None  # rank 0: the TCP store its writers' group met on (_serve_rendezvous)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -432,28 +456,26 @@ class Checkpointer:
         """Collective over the trainer's group (called from save() and start(), in the
         caller's thread). A writer that cannot be started is reported by the caller (agreed
         over the group): ``_start_error``, an AsyncSaveError that says why."""
-        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
         mine = None
         if comm.rank == 0:
+            self._rendezvous = None  # the last group's (its writers are stopped)
             try:
-                if self._rendezvous is None:
-                    self._rendezvous = _serve_rendezvous(addr, self.timeout_s)
-                self._groups += 1
-                mine = f"{self._rendezvous.port}:{self._groups}".encode()
+                self._rendezvous = _serve_rendezvous(self.timeout_s)
+                mine = json.dumps([_rendezvous_addr(), self._rendezvous.port]).encode()
             except (OSError, RuntimeError) as e:  # told to every rank (no port) rather than raised here alone
                 log.warning("cannot serve the writers' rendezvous: %s", e)
                 mine = b""
-        port, _, group = comm.broadcast_bytes(mine).decode().partition(":")
+        said = comm.broadcast_bytes(mine, what="asynchronous save (the writers' rendezvous)")
         env_node = os.environ.get("UNICKPT_NODE_ID") or os.environ.get("GROUP_RANK")
         self._start_error = None
-        if not port:
+        if not said:
             self._start_error = AsyncSaveError("the writer process could not be started: rank 0 could not serve "
                                                "the writers' rendezvous")
             return
+        addr, port = json.loads(said)
         try:
             self._proc, self._conn = _WriterProcess.start(
-                _writer_main, (comm.rank, comm.world, addr, int(port), f"unickpt-writers-{group}/", self.timeout_s,
-                               os.getpid(), env_node)
+                _writer_main, (comm.rank, comm.world, addr, int(port), self.timeout_s, os.getpid(), env_node)
             )
         except (OSError, ValueError, AsyncSaveError) as e:
             self._start_error = AsyncSaveError(f"the writer process could not be started: {e}")
@@ -947,8 +969,7 @@ def _orphaned(parent_pid: int, segments: dict, wait: float = 2.0) -> None:
     _free_parent_segments(parent_pid, segments)
 
 
-def _writer_main(conn, rank: int, world: int, addr: str, port: int, prefix: str, timeout_s: float, parent_pid: int,
-                 node) -> None:
+def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: float, parent_pid: int, node) -> None:
     import datetime
 
     import torch.distributed as dist
@@ -974,7 +995,7 @@ def _writer_main(conn, rank: int, world: int, addr: str, port: int, prefix: str,
         # TORCHELASTIC_USE_AGENT_STORE would otherwise make every writer a client of a store
         # that nobody serves
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.PrefixStore(prefix, dist.TCPStore(addr, port, None, is_master=False, timeout=timeout))
+        store = dist.TCPStore(addr, port, None, is_master=False, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     except Exception as e:
         _reply(conn, {"ok": False, "error": f"writer group setup failed: {e}"})

@@ -18,8 +18,10 @@ Every collective carries a tag of its call (the operation and its ``what``, see
 :func:`_tag`): ranks that reached different calls (one saving while another loads, one rank
 calling ``start_async_writer`` alone) raise :class:`DistributedError` on every rank at
 once, naming each rank's call, rather than reading each other's bytes as their own; every
-rank made the same collectives, so the group still works. Collectives of different kinds
-(an all-gather against an all-reduce) cannot see each other's tags: the timeout bounds them.
+rank made the same collectives, so the group still works. Every call starts with the same
+collective (an all-gather of a fixed-size header: see :meth:`Comm._gather`), so calls of
+different kinds (a broadcast against an all-reduce) meet there too. Only
+:meth:`Comm.exchange` (point to point) and :meth:`Comm.barrier` carry no tag.
 """
 
 from __future__ import annotations
@@ -155,17 +157,23 @@ class Comm:
         except RuntimeError as e:  # gloo/c10d errors: DistBackendError, DistNetworkError, timeouts
             raise self._failed(op, what, e) from e
 
-    def _gather(self, head: list[int], data: bytes, what: str | None) -> tuple[list[list[int]], list[bytes] | None]:
-        """All-gather of ``head`` (int64 values, the last the call's tag) and, unless every
-        rank's ``data`` is empty, of ``data`` (padded): ``(every rank's head, every rank's data
-        or None)``."""
+    def _gather(self, op: str, what: str | None, data: bytes = b"", aux: int = 0,
+                tagged: bool = True) -> tuple[list[list[int]], list[bytes] | None]:
+        """The first collective of every call: an all-gather of ``[len(data), aux, tag]``
+        per rank (the same shape for every call, so ranks in different calls meet here and
+        compare tags; see :func:`_tag`), then, unless every rank's ``data`` is empty, an
+        all-gather of ``data`` padded to the longest. Returns every rank's header and data
+        (None when all were empty). Tags that differ raise DistributedError on every rank
+        (``tagged=False``: no tag, no check)."""
         g = self.p2p_group
         opts = _c10d.AllgatherOptions()
         opts.timeout = self._timeout()
-        n = torch.tensor([len(data), *head], dtype=torch.int64)
-        sizes = [torch.zeros(len(head) + 1, dtype=torch.int64) for _ in range(self.world)]
-        self._run("all_gather", what, lambda: g.allgather([sizes], [n], opts))
-        heads = [s.tolist() for s in sizes]
+        head = torch.tensor([len(data), aux, _tag(op, what) if tagged else 0], dtype=torch.int64)
+        heads_t = [torch.zeros(3, dtype=torch.int64) for _ in range(self.world)]
+        self._run("all_gather", what, lambda: g.allgather([heads_t], [head], opts))
+        heads = [h.tolist() for h in heads_t]
+        if tagged and len({h[2] for h in heads}) > 1:  # every rank sees the same headers
+            self._mismatch(op, what)
         m = max(h[0] for h in heads)
         if m == 0:
             return heads, None
@@ -176,17 +184,13 @@ class Comm:
         self._run("all_gather", what, lambda: g.allgather([outs], [buf], opts))
         return heads, [bytes(o[: h[0]].numpy().tobytes()) for o, h in zip(outs, heads)]
 
-    def _check_calls(self, tags: list[int], op: str, what: str | None) -> None:
-        """Collective, once every rank has every rank's tag: see :meth:`_mismatch`."""
-        if len(set(tags)) > 1:
-            self._mismatch(op, what)
-
     def _mismatch(self, op: str, what: str | None) -> None:
         """Collective, when every rank has seen that the ranks' tags differ: each says which
         call it is in (one more all-gather, untagged: every rank saw the same tags, so every
         rank makes it) and every rank raises :class:`DistributedError`. The group stays
         usable: every rank made the same collectives."""
-        _, names = self._gather([0], (f"{what} [{op}]" if what else op).encode(), "comparing the ranks' calls")
+        _, names = self._gather(op, "comparing the ranks' calls", (f"{what} [{op}]" if what else op).encode(),
+                                tagged=False)
         calls = [n.decode(errors="replace") for n in names or [b""] * self.world]
         where: dict[str, list[int]] = {}
         for r, c in enumerate(calls):
@@ -202,9 +206,7 @@ class Comm:
         Ranks in different calls (see :func:`_tag`) raise DistributedError."""
         if not self.active or self.world == 1:
             return [bytes(data)]
-        tag = _tag("all_gather", what)
-        heads, out = self._gather([tag], data, what)
-        self._check_calls([h[1] for h in heads], "all_gather", what)
+        _, out = self._gather("all_gather", what, data)
         return out if out is not None else [b""] * self.world
 
     def broadcast_bytes(self, data: bytes | None, src: int = 0, what: str | None = None) -> bytes:
@@ -214,8 +216,7 @@ class Comm:
             assert data is not None
             return bytes(data)
         g = self.p2p_group
-        heads, _ = self._gather([len(data) if self.rank == src else 0, _tag("broadcast", what)], b"", what)
-        self._check_calls([h[2] for h in heads], "broadcast", what)
+        heads, _ = self._gather("broadcast", what, aux=len(data) if self.rank == src else 0)
         opts = _c10d.BroadcastOptions()
         opts.rootRank, opts.rootTensor, opts.timeout = src, 0, self._timeout()
         n = heads[src][1]
@@ -227,22 +228,22 @@ class Comm:
 
     def min_max(self, values: torch.Tensor, what: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Element-wise minimum and maximum over the ranks of a 1-D int64 tensor whose values
-        lie in ``[-2**62, 2**62]`` (one all-reduce, which also carries the call's tag)."""
+        lie in ``[-2**62, 2**62]`` (the call's tag and every rank's length in one all-gather,
+        then one all-reduce)."""
         if not self.active or self.world == 1:
             return values.clone(), values.clone()
         g = self.p2p_group
+        heads, _ = self._gather("all_reduce", what, aux=values.numel())
+        if len({h[1] for h in heads}) > 1:  # (every rank sees it) an all-reduce of unequal lengths aborts gloo
+            raise DistributedError(f"{what or 'all_reduce'}: the ranks hold different numbers of values "
+                                   f"({[h[1] for h in heads]})")
         opts = _c10d.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MIN
         opts.timeout = self._timeout()
-        tag = _tag("all_reduce", what)
-        vals = torch.cat([values.to(torch.int64), torch.tensor([tag], dtype=torch.int64)])
-        both = torch.cat([vals, -vals])
+        both = torch.cat([values, -values]).to(torch.int64)
         self._run("all_reduce", what, lambda: g.allreduce([both], opts))
-        n = vals.numel()
-        lo, hi = both[: n - 1], -both[n : 2 * n - 1]
-        if int(both[n - 1]) != -int(both[2 * n - 1]):  # tags differ: every rank sees it
-            self._mismatch("all_reduce", what)
-        return lo, hi
+        n = values.numel()
+        return both[:n], -both[n:]
 
     def agree(self, error: BaseException | None, what: str) -> None:
         """Collective: raise on every rank if any rank failed.
