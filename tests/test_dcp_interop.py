@@ -5,6 +5,7 @@ trust rule (every byte verified) through DCP; `convert --from-dcp` keeping non-t
 import datetime
 import json
 import os
+import time
 import subprocess
 import sys
 
@@ -334,3 +335,45 @@ def test_node_local_checkpoints_load_through_dcp_with_pieces_sent_by_their_node(
     out = dist.run(_node_local, 2, str(tmp_path))
     assert out[0][0] != out[1][0]  # each node holds other files
     assert [o[1] for o in out] == [[], []]
+
+
+def _node_local_fails_on_rank_1(rank, world, root, where):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from unickpt import loader
+
+    os.environ["UNICKPT_NODE_ID"] = f"n{rank}"  # two "nodes", one rank each, each its own disk
+    full = torch.arange(48, dtype=torch.float32).view(8, 6)
+    unickpt.save({"model": {"w": unickpt.shard(full[4 * rank : 4 * rank + 4].clone(), (8, 6), offsets=(4 * rank, 0))}},
+                 os.path.join(root, "{node}", "step-00000001"))
+    reader = udcp.StorageReader(os.path.join(root, "{node}"), verify="full", timeout_s=600)
+    if rank == 1 and where == "reading":  # its own reads fail: its peer must not wait in the verification
+        real, calls = loader._read_all, []
+
+        def failing(*a, **k):  # its own reads come first; the reads it serves for its peer after
+            calls.append(1)
+            if len(calls) == 1:
+                raise OSError(5, "injected read failure")
+            return real(*a, **k)
+
+        loader._read_all = failing
+    if rank == 1 and where == "targets":  # a failure before its reads: its peer must not wait for them
+        def broken(self, *a, **k):
+            raise RuntimeError("injected planning failure")
+
+        udcp.StorageReader._targets = broken
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointException) as ei:
+        dcp.load({"model": {"w": torch.zeros(8, 6)}}, storage_reader=reader)
+    return time.monotonic() - t0, str(ei.value)
+
+
+@pytest.mark.parametrize("where", ["reading", "targets"])
+def test_a_node_local_dcp_load_failing_on_one_rank_fails_the_other_at_once(tmp_path, where):
+    """Node-local DCP loads are collective inside read_data (pieces sent by their node, the
+    verify="full" share): a rank that fails before or during its reads still meets its peer
+    there, so the peer fails at once, not after the 600 s timeout (job killed at 120 s)."""
+    out = dist.run(_node_local_fails_on_rank_1, 2, str(tmp_path), where, timeout=120)
+    for took, said in out:
+        assert took < 60 and "injected" in said, said

@@ -243,12 +243,29 @@ class StorageReader(_dcp_storage.StorageReader):
         return [dataclasses.replace(p, storage_data={"rank": i, "world": len(plans)}) for i, p in enumerate(plans)]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
-        man, ckpt = self._man, self._ckpt
-        if man is None:
+        if self._man is None:
             raise InvalidArgumentError("unickpt.dcp.StorageReader.read_data before read_metadata")
         entries: list[Entry] = []
         casts: list[tuple[torch.Tensor, torch.Tensor]] = []
         commits = []
+        try:
+            self._targets(plan, planner, entries, casts, commits)
+        except Exception as e:
+            if self._comm is None:
+                raise
+            self._read([], plan, e)  # node-local: still in the collectives (the peers' reads come through us)
+        self._read(entries, plan)
+        for target, dest in casts:
+            target.copy_(dest)
+        for ri, target in commits:
+            planner.commit_tensor(ri, target)
+        return _done(None)
+
+    def _targets(self, plan: LoadPlan, planner: LoadPlanner, entries: list, casts: list, commits: list) -> None:
+        """What ``plan`` asks: JSON values handed to the planner now, tensors as entries to
+        read (into ``entries``; a dtype DCP casts goes through a buffer: ``casts``), each
+        with the read item to commit (``commits``)."""
+        man, ckpt = self._man, self._ckpt
         for ri in plan.items:
             fqn = ri.storage_index.fqn
             if ri.type == LoadItemType.BYTE_IO:
@@ -277,20 +294,15 @@ class StorageReader(_dcp_storage.StorageReader):
                 casts.append((target, dest))
             entries.append(Entry(key[0], key[1], dest, lay))
             commits.append((ri, target))
-        self._read(entries, plan)
-        for target, dest in casts:
-            target.copy_(dest)
-        for ri, target in commits:
-            planner.commit_tensor(ri, target)
-        return _done(None)
 
-    def _read(self, entries: list[Entry], plan: LoadPlan) -> None:
+    def _read(self, entries: list[Entry], plan: LoadPlan, err: BaseException | None = None) -> None:
         """unickpt's reading path (loader._read_all; node-local: remote.load_remote), then the
-        checksum verdict. Raises typed errors naming file and tensor."""
+        checksum verdict. Raises typed errors naming file and tensor. Node-local, it is
+        collective: a rank that failed before (``err``) still serves its peers' reads and
+        meets them in every agreement, then raises ``err``."""
         man, storage, ckpt, verify = self._man, self._storage, self._ckpt, self.verify
         sd = plan.storage_data if isinstance(plan.storage_data, dict) else {}
         rank, world = sd.get("rank", self._rank), sd.get("world", 1)
-        err: BaseException | None = None
         bad: list[tuple[str, str]] = []
         comm = self._comm
         sees = set(man.files)
@@ -304,7 +316,8 @@ class StorageReader(_dcp_storage.StorageReader):
                 (remote if e.layout.numel and not files_needed(man, e.key) <= sees else local).append(e)
             entries = local
         try:
-            _, _, bad = _loader._read_all(entries, man, storage, ckpt, verify, None, rank, world)
+            if err is None:
+                _, _, bad = _loader._read_all(entries, man, storage, ckpt, verify, None, rank, world)
         except Exception as e:
             err = _loader._changed(storage, ckpt, man) or e
         if comm is not None:  # collective (every rank of dcp.load is in read_data), also after a failure
@@ -316,6 +329,8 @@ class StorageReader(_dcp_storage.StorageReader):
             _, _, bad2, _, e2 = load_remote(comm, remote, man, sees, read_for_peers, DEFAULT_BUCKET, verify)
             bad += bad2
             err = err or e2
+        if comm is not None and verify == "full":  # the share below is collective: every rank, or none
+            comm.agree(err, "dcp load (reading)")
         if err is None and verify == "full":
             try:
                 done = {e.key for e in entries if e.layout.is_full}
