@@ -285,6 +285,28 @@ def test_the_writers_of_a_subgroup_meet_at_its_own_rank_0(tmp_path):
     assert torch.equal(t["model"]["w"], torch.cat([torch.zeros(4, 3), torch.ones(4, 3)]))
 
 
+def _two_checkpointers(rank, world, root):
+    import torch.distributed as tdist
+
+    from unickpt import async_save
+
+    sd = {"model": {"w": unickpt.shard(torch.full((4, 3), float(rank)), (4 * world, 3), offsets=(4 * rank, 0))}}
+    unickpt.save(sd, os.path.join(root, "a"), step=1, async_save=True).wait()
+    # another group (here the same ranks, another key): its own checkpointer, staging and writers
+    unickpt.save(sd, os.path.join(root, "b"), step=2, async_save=True, group=tdist.group.WORLD).wait()
+    segs = {async_save.checkpointer(g)._seg.name for g in (None, tdist.group.WORLD)}
+    async_save.shutdown()
+    return len(segs), sorted(os.listdir(root))
+
+
+def test_two_checkpointers_of_one_process_stage_in_segments_of_their_own(tmp_path):
+    """Each group's checkpointer numbered its segments from 1: the second one's first save
+    failed with "File exists" on the other's /dev/shm segment."""
+    from tests import dist
+
+    assert dist.run(_two_checkpointers, 2, str(tmp_path)) == [(2, ["a", "b"])] * 2
+
+
 def test_a_writer_that_cannot_start_fails_the_save_on_every_rank(tmp_path):
     from tests import dist
 

@@ -193,6 +193,20 @@ def _different_calls(rank, world, root):
         said2.append(None)
     except DistributedError as e:
         said2.append(("lengths", "", str(e)))
+    said3 = {}
+    for name, kw in (("path", {"path": os.path.join(root, f"p{rank}")}), ("step", {"step": rank}),
+                     ("overwrite", {"overwrite": rank == 0})):
+        try:  # the same call with different arguments: nothing saved, every rank told which differ
+            unickpt.save(sd, **{"path": os.path.join(root, "a"), **kw})
+            said3[name] = None
+        except DistributedError as e:
+            said3[name] = str(e)
+    try:
+        unickpt.load({"model": {"w": torch.zeros(4, 4)}}, os.path.join(root, "a" if rank == 0 else "c-none"))
+        said3["load path"] = None
+    except DistributedError as e:
+        said3["load path"] = str(e)
+    said2.append(said3)
     # every rank made the same collectives: the group still works
     unickpt.save(sd, os.path.join(root, "c"))
     assert c.broadcast_bytes(b"ok" if rank == 0 else None, what="after") == b"ok"
@@ -210,6 +224,13 @@ def test_ranks_in_different_calls_fail_at_once_and_the_group_still_works(tmp_pat
         assert "rank(s) [0] in 'save (checking the options) [all_gather]'" in said, said
         assert "rank(s) [1] in 'load (finding the checkpoint) [all_gather]'" in said, said
         assert took < 60
+        said3 = said2.pop()
+        for name, s3 in said3.items():
+            assert s3 is not None and "called with different arguments" in s3, (name, s3)
+        assert "rank(s) [0]: {\"path\": " in said3["path"] and "p1" in said3["path"], said3["path"]
+        assert '{"step": 0}' in said3["step"] and '{"step": 1}' in said3["step"], said3["step"]
+        assert '{"overwrite": true}' in said3["overwrite"], said3["overwrite"]
+        assert "c-none" in said3["load path"], said3["load path"]
         assert None not in said2, said2
         for mine, theirs, s2 in said2[:-1]:
             if mine == theirs:
@@ -217,4 +238,4 @@ def test_ranks_in_different_calls_fail_at_once_and_the_group_still_works(tmp_pat
             else:
                 assert f"rank(s) [0] in 'step [{mine}]'" in s2 and f"rank(s) [1] in 'step [{theirs}]'" in s2, s2
         assert "different numbers of values ([2, 3])" in said2[-1][2], said2[-1]
-        assert names == ["a", "c"]  # b never committed
+        assert names == ["a", "c"]  # b, p0, p1 never committed

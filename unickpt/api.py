@@ -8,12 +8,14 @@ asynchronous machinery that runs it in a writer process.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Mapping, Sequence
 
 from .async_save import checkpointer
 from .compress import Compression
 from .errors import InvalidArgumentError
+from .format import Hasher
 from .saver import DEFAULT_BUCKET, ProgressFn, SaveOptions, save_entries
 from .stateful import for_save
 from .storage import per_node
@@ -149,11 +151,27 @@ def save(
     except Exception as e:  # agreed below: a rank alone with bad options must not strand the others
         err = e
     comm = Comm(group, timeout_s=opts.timeout_s if opts is not None else None)
-    comm.agree(err, "save (checking the options)")
+    comm.agree(err, "save (checking the options)",
+               same=_call_args(path, opts, async_save=bool(async_save), also=[os.fspath(p) for p in also])
+               if err is None else None)
     if async_save:
         return checkpointer(group).save(state_dict, path, opts, background_staging=background_staging, progress=progress,
                                         also=also)
     return save_entries(comm, None, state_dict, path, opts, progress)
+
+
+def _call_args(path, opts: SaveOptions | None, **more: Any) -> dict[str, Any]:
+    """What every rank of a save must give alike, for the options' agreement: the path (as
+    given: ``{node}`` unexpanded), every option but the timeout (each rank's own wait) and
+    the storage options (each rank's own credentials may differ), and ``more``. Long values
+    travel as digests."""
+    out: dict[str, Any] = {"path": os.fspath(path), **more}
+    for k, v in (opts.to_json() if opts is not None else {}).items():
+        if k in ("timeout_s", "storage_options"):
+            continue
+        text = json.dumps(v, sort_keys=True, default=str)
+        out[k] = v if len(text) <= 200 else f"xxh3 {Hasher.of(text.encode())}"
+    return out
 
 
 def _hf_files(state_dict, hf_config, extra_files: Mapping[str, str] | None) -> Mapping[str, str] | None:

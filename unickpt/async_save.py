@@ -48,6 +48,7 @@ import collections
 import contextlib
 import dataclasses
 import glob
+import itertools
 import json
 import mmap
 import multiprocessing.connection as mpc
@@ -83,6 +84,7 @@ STAGE_CHUNK = 32 << 20  # the trainer tells its writer how far the copy has got 
 READY_SLICE = 0.1  # seconds start() waits for its own writer between two all-gathers of every rank's state
 WRITER_BOOT_S = 60.0  # start() allows a writer this long to start its interpreter, beyond timeout_s for its group
 _READY = {"op": "ready"}  # a writer's first message once it has joined the writers' group
+_SEGMENT_NUMBERS = itertools.count(1)  # staging segments of this process (every checkpointer's): unique names
 
 
 def _shm_prefix(pid: int | None = None) -> str:
@@ -442,7 +444,6 @@ class Checkpointer:
         self._conn = None
         self._start_error: AsyncSaveError | None = None  # why the last writer start failed
         self._last: AsyncSave | None = None
-        self._counter = 0
         self._streams: dict = {}  # CUDA device -> the stream that stages its tensors (see _copy)
         self._lock = threading.Lock()
         # (signature of the staged entries, page phase of each or None): from the writer's
@@ -641,7 +642,8 @@ class Checkpointer:
                 prev_err = e
         alive = self._proc is not None and self._proc.is_alive()
         # every rank learns whether any rank's previous save failed, and all take one branch
-        flags = comm.all_gather_bytes(json.dumps([prev_err is not None, alive, surfaced]).encode())
+        flags = comm.all_gather_bytes(json.dumps([prev_err is not None, alive, surfaced]).encode(),
+                                      "asynchronous save (the previous save and the writers)")
         states = [json.loads(f) for f in flags]
         failed = [r for r, s in enumerate(states) if s[0]]
         if failed or not all(s[1] for s in states):
@@ -755,8 +757,7 @@ class Checkpointer:
         if self._seg is not None and self._seg.size >= size:
             return
         new = max(ALIGN, -(-int(size * 1.1) // ALIGN) * ALIGN)
-        self._counter += 1
-        seg = _Segment(f"{_shm_prefix()}{self._counter}", new, create=True)
+        seg = _Segment(f"{_shm_prefix()}{next(_SEGMENT_NUMBERS)}", new, create=True)
         if fault_in:
             seg.tensor[::mmap.PAGESIZE].zero_()
         seg.pin()

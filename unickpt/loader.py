@@ -191,7 +191,8 @@ def load(
 
     node_local = per_node(path)
     with ph.phase("manifest"):
-        ckpt, _, man = _find(comm, storage, p, node_local)
+        ckpt, _, man = _find(comm, storage, p, node_local,
+                             same={"path": os.fspath(path)})  # (verify and strict are per rank)
 
     with ph.phase("validate"):
         entries: list[Entry] = []
@@ -309,11 +310,13 @@ def _changed(storage: Storage, ckpt: str, man: Manifest) -> CheckpointChangedErr
     return CheckpointChangedError(f"{ckpt}: the checkpoint was replaced or removed while it was being read; load it again")
 
 
-def _find(comm: Comm, storage, p: str, node_local: bool) -> tuple[str, str, Manifest]:
+def _find(comm: Comm, storage, p: str, node_local: bool, same: Mapping[str, Any] | None = None
+          ) -> tuple[str, str, Manifest]:
     """Resolve the checkpoint and share its manifest: ``(checkpoint path, its name under
     p or "", manifest)``. Shared storage: rank 0 resolves. Node storage: every rank resolves
     in its node's directory; the lowest rank that found it sends the manifest, and every
-    rank uses the same checkpoint name under its own root."""
+    rank uses the same checkpoint name under its own root. ``same``: the load's arguments
+    that every rank must give alike (compared in the first agreement)."""
     err: BaseException | None = None
     found, rel, mbytes = False, "", b""
     if comm.rank == 0 or node_local:
@@ -329,10 +332,10 @@ def _find(comm: Comm, storage, p: str, node_local: bool) -> tuple[str, str, Mani
     if node_local:
         flags = [b == b"1" for b in comm.all_gather_bytes(b"1" if found else b"0")]
         src = flags.index(True) if any(flags) else 0
-        comm.agree(err if comm.rank == src else None, "load (finding the checkpoint on any node)")
+        comm.agree(err if comm.rank == src else None, "load (finding the checkpoint on any node)", same=same)
     else:
         src = 0
-        comm.agree(err, "load (finding the checkpoint)")
+        comm.agree(err, "load (finding the checkpoint)", same=same)
     blob = comm.broadcast_bytes(rel.encode() + b"\0" + mbytes if comm.rank == src else None, src=src)
     rel_b, _, mbytes = blob.partition(b"\0")
     rel = rel_b.decode()

@@ -21,17 +21,23 @@ once, naming each rank's call, rather than reading each other's bytes as their o
 rank made the same collectives, so the group still works. Every call starts with the same
 collective (an all-gather of a fixed-size header: see :meth:`Comm._gather`), so calls of
 different kinds (a broadcast against an all-reduce) meet there too. Only
-:meth:`Comm.exchange` (point to point) and :meth:`Comm.barrier` carry no tag.
+:meth:`Comm.exchange` (point to point) and :meth:`Comm.barrier` carry no tag, and so do the
+collectives of torch itself (``torch.distributed.checkpoint``'s, also when it runs
+unickpt's DCP reader or writer): a unickpt call on one rank against a DCP call on another
+is a mismatch of torch collectives, which gloo may answer by aborting a process. An
+agreement can also compare arguments that every rank must give alike (``same``: a save's
+path and options, a load's path), in the same collective.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import socket
 import time
 import traceback
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -87,6 +93,11 @@ def _tag(op: str, what: str | None) -> int:
     a load, or in different steps) fail at once with a typed error naming each rank's call,
     instead of exchanging each other's bytes."""
     return xxhash.xxh64_intdigest(f"{op}\0{what or ''}".encode()) >> 3
+
+
+def _fingerprint(text: str) -> int:
+    """A fingerprint (< 2**61) of a call's arguments (0 for none)."""
+    return xxhash.xxh64_intdigest(text.encode()) >> 3 if text else 0
 
 
 def _first_line(msg: str) -> str:
@@ -245,12 +256,14 @@ class Comm:
         n = values.numel()
         return both[:n], -both[n:]
 
-    def agree(self, error: BaseException | None, what: str) -> None:
+    def agree(self, error: BaseException | None, what: str, same: Mapping[str, Any] | None = None) -> None:
         """Collective: raise on every rank if any rank failed.
 
         The failing rank re-raises its own exception; the others raise
         :class:`DistributedError` quoting the first failure, so no rank goes on alone into a
-        later collective and hangs.
+        later collective and hangs. ``same``: the arguments of the call that every rank must
+        have given alike (JSON-able; a fingerprint travels in the same collective): when they
+        differ, every rank raises DistributedError naming each rank's differing values.
         """
         if error is not None:
             error = as_typed(error)
@@ -261,8 +274,9 @@ class Comm:
         msg = b""
         if error is not None:
             msg = f"{type(error).__name__}: {error}".encode()[:4000] or b"error"
+        args = json.dumps(same, sort_keys=True, default=str) if same is not None else ""
         try:
-            msgs = self.all_gather_bytes(msg, what=what)
+            heads, msgs = self._gather("all_gather", what, msg, aux=_fingerprint(args))
         except DistributedError:
             if error is not None:  # our own failure is the one to report (the peers may be gone)
                 raise error
@@ -270,9 +284,29 @@ class Comm:
         self._after = what
         if error is not None:
             raise error
-        for r, m in enumerate(msgs):
+        for r, m in enumerate(msgs or ()):
             if m:
                 raise DistributedError(f"{what} failed on rank {r}: {m.decode(errors='replace')}")
+        if len({h[1] for h in heads}) > 1:  # (every rank sees it)
+            self._differ(what, args)
+
+    def _differ(self, what: str, args: str) -> None:
+        """Collective, when every rank has seen that the ranks' arguments differ: gather them
+        (untagged) and raise DistributedError naming the keys that differ, per rank."""
+        _, said = self._gather("all_gather", "comparing the ranks' arguments", args.encode(), tagged=False)
+        each = []
+        for b in said or [b""] * self.world:
+            try:
+                each.append(json.loads(b) if b else {})
+            except ValueError:
+                each.append({})
+        keys = sorted({k for d in each for k in d if len({json.dumps(e.get(k), sort_keys=True) for e in each}) > 1})
+        by: dict[str, list[int]] = {}
+        for r, d in enumerate(each):
+            by.setdefault(json.dumps({k: d.get(k) for k in keys}, sort_keys=True)[:600], []).append(r)
+        said_ = "; ".join(f"rank(s) {rs}: {v}" for v, rs in by.items())
+        raise DistributedError(f"{what}: the ranks were called with different arguments ({said_}): every rank of "
+                               "the group must pass the same")
 
     def barrier(self, what: str | None = None) -> None:
         if self.active and self.world > 1:
