@@ -18,7 +18,7 @@ from .errors import InvalidArgumentError
 from .format import Hasher
 from .saver import DEFAULT_BUCKET, ProgressFn, SaveOptions, save_entries
 from .stateful import for_save
-from .storage import per_node
+from .storage import compared_path, per_node
 from .transport import Comm
 
 __all__ = ["save", "start_async_writer"]
@@ -152,7 +152,7 @@ def save(
         err = e
     comm = Comm(group, timeout_s=opts.timeout_s if opts is not None else None)
     comm.agree(err, "save (checking the options)",
-               same=_call_args(path, opts, async_save=bool(async_save), also=[os.fspath(p) for p in also])
+               same=_call_args(path, opts, async_save=bool(async_save), also=[compared_path(p) for p in also])
                if err is None else None)
     if async_save:
         return checkpointer(group).save(state_dict, path, opts, background_staging=background_staging, progress=progress,
@@ -161,11 +161,11 @@ def save(
 
 
 def _call_args(path, opts: SaveOptions | None, **more: Any) -> dict[str, Any]:
-    """What every rank of a save must give alike, for the options' agreement: the path (as
-    given: ``{node}`` unexpanded), every option but the timeout (each rank's own wait) and
+    """What every rank of a save must give alike, for the options' agreement: the path (see
+    :func:`~unickpt.storage.compared_path`), every option but the timeout (each rank's own wait) and
     the storage options (each rank's own credentials may differ), and ``more``. Long values
     travel as digests."""
-    out: dict[str, Any] = {"path": os.fspath(path), **more}
+    out: dict[str, Any] = {"path": compared_path(path), **more}
     for k, v in (opts.to_json() if opts is not None else {}).items():
         if k in ("timeout_s", "storage_options"):
             continue

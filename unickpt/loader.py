@@ -39,7 +39,7 @@ from .manifest import MANIFEST_NAME, Manifest, TensorEntry, data_file_name, mani
 from .noderead import SharedJob, bounds, eligible, read_shared, touched
 from .state import Entry, apply_json_state, flatten, json_missing
 from .stateful import for_load, is_stateful
-from .storage import RandomReader, Storage, join_path, per_node, storage_for
+from .storage import RandomReader, Storage, compared_path, join_path, per_node, storage_for
 from .transport import Comm
 
 __all__ = ["load", "LoadResult", "read_manifest", "Verify"]
@@ -192,7 +192,7 @@ def load(
     node_local = per_node(path)
     with ph.phase("manifest"):
         ckpt, _, man = _find(comm, storage, p, node_local,
-                             same={"path": os.fspath(path)})  # (verify and strict are per rank)
+                             same={"path": compared_path(path)})  # (verify and strict are per rank)
 
     with ph.phase("validate"):
         entries: list[Entry] = []

@@ -177,6 +177,15 @@ def per_node(path: str | os.PathLike) -> bool:
     return NODE in os.fspath(path)
 
 
+def compared_path(path: str | os.PathLike) -> str:
+    """The part of a checkpoint path that every rank of a save or load must give alike: the
+    whole path on shared storage; on node-local storage (``{node}``) what follows the
+    ``{node}`` part, since each node's root may lie elsewhere (a memory tier under another
+    directory per node, as two "nodes" on one host have it)."""
+    p = os.fspath(path)
+    return p if NODE not in p else "{node}" + p.split(NODE, 1)[1]
+
+
 def expand_node(path: str | os.PathLike) -> str:
     """``{node}`` replaced by this process's node identity (see :func:`unickpt.transport.node_id`)."""
     from .transport import node_id
