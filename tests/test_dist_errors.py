@@ -207,6 +207,10 @@ def _different_calls(rank, world, root):
     except DistributedError as e:
         said3["load path"] = str(e)
     said2.append(said3)
+    # per rank by design: rank 0's extra and files are stored, direct_io is each rank's; one
+    # directory however spelled
+    unickpt.save(sd, os.path.join(root, "d") + ("/" if rank else ""), extra={"rank": rank},
+                 extra_files={"notes.txt": "rank 0's"} if rank == 0 else None, direct_io=rank == 0)
     # every rank made the same collectives: the group still works
     unickpt.save(sd, os.path.join(root, "c"))
     assert c.broadcast_bytes(b"ok" if rank == 0 else None, what="after") == b"ok"
@@ -238,4 +242,4 @@ def test_ranks_in_different_calls_fail_at_once_and_the_group_still_works(tmp_pat
             else:
                 assert f"rank(s) [0] in 'step [{mine}]'" in s2 and f"rank(s) [1] in 'step [{theirs}]'" in s2, s2
         assert "different numbers of values ([2, 3])" in said2[-1][2], said2[-1]
-        assert names == ["a", "c"]  # b, p0, p1 never committed
+        assert names == ["a", "c", "d"]  # b, p0, p1 never committed

@@ -148,26 +148,30 @@ def save(
         if also and not async_save:
             raise InvalidArgumentError("also= needs async_save=True (the writer processes write every path)")
         _check_shared(path, storage_options, async_save, group)
+        same = _call_args(path, opts, async_save=bool(async_save), also=[compared_path(p) for p in also])
     except Exception as e:  # agreed below: a rank alone with bad options must not strand the others
-        err = e
+        err, same = e, None
     comm = Comm(group, timeout_s=opts.timeout_s if opts is not None else None)
-    comm.agree(err, "save (checking the options)",
-               same=_call_args(path, opts, async_save=bool(async_save), also=[compared_path(p) for p in also])
-               if err is None else None)
+    comm.agree(err, "save (checking the options)", same=same)
     if async_save:
         return checkpointer(group).save(state_dict, path, opts, background_staging=background_staging, progress=progress,
                                         also=also)
     return save_entries(comm, None, state_dict, path, opts, progress)
 
 
+_PER_RANK_OPTIONS = ("timeout_s", "direct_io", "storage_options", "extra", "strategy", "extra_files")
+
+
 def _call_args(path, opts: SaveOptions | None, **more: Any) -> dict[str, Any]:
     """What every rank of a save must give alike, for the options' agreement: the path (see
-    :func:`~unickpt.storage.compared_path`), every option but the timeout (each rank's own wait) and
-    the storage options (each rank's own credentials may differ), and ``more``. Long values
-    travel as digests."""
+    :func:`~unickpt.storage.compared_path`), the options that shape the checkpoint or the
+    ranks' shared work, and ``more``. Not compared: each rank's own ``timeout_s``,
+    ``direct_io`` and ``storage_options`` (credentials may differ per rank), nor ``extra``,
+    ``strategy`` and ``extra_files``, which the checkpoint takes from rank 0 (node-local:
+    files from each node's first rank), as documented. Long values travel as digests."""
     out: dict[str, Any] = {"path": compared_path(path), **more}
     for k, v in (opts.to_json() if opts is not None else {}).items():
-        if k in ("timeout_s", "storage_options"):
+        if k in _PER_RANK_OPTIONS:
             continue
         text = json.dumps(v, sort_keys=True, default=str)
         out[k] = v if len(text) <= 200 else f"xxh3 {Hasher.of(text.encode())}"

@@ -191,8 +191,8 @@ def load(
 
     node_local = per_node(path)
     with ph.phase("manifest"):
-        ckpt, _, man = _find(comm, storage, p, node_local,
-                             same={"path": compared_path(path)})  # (verify and strict are per rank)
+        same = {"path": compared_path(path), "bucket_bytes": bucket_bytes}  # (verify and strict are per rank)
+        ckpt, _, man = _find(comm, storage, p, node_local, same=same)
 
     with ph.phase("validate"):
         entries: list[Entry] = []

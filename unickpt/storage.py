@@ -18,11 +18,13 @@ import shutil
 import stat
 import threading
 import time
+import urllib.parse
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
 import numpy as np
+import xxhash
 
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, DistributedError, FormatError, InvalidArgumentError,
                      StorageError)
@@ -183,7 +185,17 @@ def compared_path(path: str | os.PathLike) -> str:
     ``{node}`` part, since each node's root may lie elsewhere (a memory tier under another
     directory per node, as two "nodes" on one host have it)."""
     p = os.fspath(path)
-    return p if NODE not in p else "{node}" + p.split(NODE, 1)[1]
+    if NODE in p:
+        p = "{node}" + os.path.normpath(p.split(NODE, 1)[1] or ".")
+    elif "://" in p:  # a URL: the same spelling, less what may hold credentials (shown to every rank)
+        u = urllib.parse.urlsplit(p)
+        rest = "".join(x for x in (u.username or "", u.password or "", u.query, u.fragment))
+        p = f"{u.scheme}://{u.hostname or ''}{f':{u.port}' if u.port else ''}{u.path}"
+        if rest:
+            p += f" (+ xxh3 {xxhash.xxh3_64_hexdigest(rest.encode())} of its credentials and query)"
+    else:  # one spelling of a local directory: relative or not, a trailing slash or not
+        p = os.path.abspath(p)
+    return p
 
 
 def expand_node(path: str | os.PathLike) -> str:
