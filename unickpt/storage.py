@@ -180,17 +180,19 @@ def per_node(path: str | os.PathLike) -> bool:
 
 
 def compared_path(path: str | os.PathLike) -> str:
-    """The part of a checkpoint path that every rank of a save or load must give alike: the
-    whole path on shared storage; on node-local storage (``{node}``) what follows the
-    ``{node}`` part, since each node's root may lie elsewhere (a memory tier under another
-    directory per node, as two "nodes" on one host have it)."""
+    """The part of a checkpoint path that every rank of a save or load must give alike, in one
+    spelling: a local directory as an absolute path; a URL less its user, password, query
+    and fragment (a digest of them instead: the comparison's message reaches every rank); on
+    node-local storage (``{node}``) only what follows ``{node}``, since each node's root may
+    lie elsewhere (a memory tier under another directory per node, as two "nodes" on one
+    host have it)."""
     p = os.fspath(path)
     if NODE in p:
         p = "{node}" + os.path.normpath(p.split(NODE, 1)[1] or ".")
     elif "://" in p:  # a URL: the same spelling, less what may hold credentials (shown to every rank)
         u = urllib.parse.urlsplit(p)
         rest = "".join(x for x in (u.username or "", u.password or "", u.query, u.fragment))
-        p = f"{u.scheme}://{u.hostname or ''}{f':{u.port}' if u.port else ''}{u.path}"
+        p = f"{u.scheme}://{u.netloc.rpartition('@')[2]}{u.path}"
         if rest:
             p += f" (+ xxh3 {xxhash.xxh3_64_hexdigest(rest.encode())} of its credentials and query)"
     else:  # one spelling of a local directory: relative or not, a trailing slash or not
