@@ -84,6 +84,7 @@ STAGE_CHUNK = 32 << 20  # the trainer tells its writer how far the copy has got 
 READY_SLICE = 0.1  # seconds start() waits for its own writer between two all-gathers of every rank's state
 WRITER_BOOT_S = 60.0  # start() allows a writer this long to start its interpreter, beyond timeout_s for its group
 _READY = {"op": "ready"}  # a writer's first message once it has joined the writers' group
+_READY_RAW = json.dumps(_READY).encode()  # the same, as _reply sends it
 _SEGMENT_NUMBERS = itertools.count(1)  # staging segments of this process (every checkpointer's): unique names
 
 
@@ -585,10 +586,10 @@ class Checkpointer:
         if not proc.is_alive():  # it exited with nobody listening (e.g. started early): say why
             try:
                 while conn.poll(0):
-                    said = conn.recv_bytes().decode(errors="replace")
-                    if said != json.dumps(_READY):
+                    said = conn.recv_bytes()
+                    if said != _READY_RAW:
                         log.warning("the asynchronous writer process (exit code %s) had reported: %s", proc.exitcode,
-                                    said[:2000])
+                                    said.decode(errors="replace")[:2000])
             except (OSError, EOFError):
                 pass
         if graceful and proc.is_alive():
@@ -876,7 +877,7 @@ class Checkpointer:
                 if handle._progress is not None:
                     handle._progress_pending.append((int(msg["done"]), int(msg["total"])))
                 continue
-            if msg is not None and msg.get("op") == "ready":  # a writer started by this save is up
+            if msg == _READY:  # a writer started by this save is up
                 continue
             handle.total_seconds = time.perf_counter() - handle.t0
             handle._finished = True

@@ -248,13 +248,14 @@ class StorageReader(_dcp_storage.StorageReader):
         entries: list[Entry] = []
         casts: list[tuple[torch.Tensor, torch.Tensor]] = []
         commits = []
+        err: BaseException | None = None
         try:
             self._targets(plan, planner, entries, casts, commits)
         except Exception as e:
             if self._comm is None:
                 raise
-            self._read([], plan, e)  # node-local: still in the collectives (the peers' reads come through us)
-        self._read(entries, plan)
+            err, entries = e, []  # node-local: still in the collectives (the peers' reads come through us)
+        self._read(entries, plan, err)  # (raises err)
         for target, dest in casts:
             target.copy_(dest)
         for ri, target in commits:

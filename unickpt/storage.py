@@ -16,6 +16,7 @@ import mmap
 import os
 import shutil
 import stat
+import sys
 import threading
 import time
 import urllib.parse
@@ -24,10 +25,10 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
 import numpy as np
-import xxhash
 
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, DistributedError, FormatError, InvalidArgumentError,
                      StorageError)
+from .format import Hasher
 
 __all__ = ["Capabilities", "Storage", "MarkerStorage", "LocalStorage", "join_path", "storage_for", "ExtentWriter", "RandomReader"]
 
@@ -194,7 +195,7 @@ def compared_path(path: str | os.PathLike) -> str:
         rest = "".join(x for x in (u.username or "", u.password or "", u.query, u.fragment))
         p = f"{u.scheme}://{u.netloc.rpartition('@')[2]}{u.path}"
         if rest:
-            p += f" (+ xxh3 {xxhash.xxh3_64_hexdigest(rest.encode())} of its credentials and query)"
+            p += f" (+ xxh3 {Hasher.of(rest.encode())} of its credentials and query)"
     else:  # one spelling of a local directory: relative or not, a trailing slash or not
         p = os.path.abspath(p)
     return p
@@ -950,7 +951,7 @@ class _DirectWriter:
 
 def _resident(fd: int, offset: int, n: int) -> int | None:
     """Page-cache residency of a file range through mmap + mincore (Linux); None elsewhere."""
-    if os.uname().sysname != "Linux":
+    if not sys.platform.startswith("linux"):
         return None
     mmap_ = _libc("mmap", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64],
                   ctypes.c_void_p)

@@ -87,17 +87,25 @@ def resolve_timeout(timeout_s: float | None = None) -> float:
     return float(timeout_s)
 
 
+def _fingerprint(text: str) -> int:
+    """A fingerprint (< 2**61, an int64 that negation keeps in range) of ``text``; 0 for none."""
+    return xxhash.xxh64_intdigest(text.encode()) >> 3 if text else 0
+
+
 def _tag(op: str, what: str | None) -> int:
-    """A fingerprint (< 2**61) of a collective call: which operation, for which step (``what``).
+    """The fingerprint of a collective call: which operation, for which step (``what``).
     Every call carries it, so ranks that reached different calls (some in a save, others in
     a load, or in different steps) fail at once with a typed error naming each rank's call,
     instead of exchanging each other's bytes."""
-    return xxhash.xxh64_intdigest(f"{op}\0{what or ''}".encode()) >> 3
+    return _fingerprint(f"{op}\0{what or ''}")
 
 
-def _fingerprint(text: str) -> int:
-    """A fingerprint (< 2**61) of a call's arguments (0 for none)."""
-    return xxhash.xxh64_intdigest(text.encode()) >> 3 if text else 0
+def _ranks_by(values: list[str]) -> dict[str, list[int]]:
+    """The ranks that gave each value (``values`` by rank), in order of first appearance."""
+    out: dict[str, list[int]] = {}
+    for r, v in enumerate(values):
+        out.setdefault(v, []).append(r)
+    return out
 
 
 def _first_line(msg: str) -> str:
@@ -200,13 +208,8 @@ class Comm:
         call it is in (one more all-gather, untagged: every rank saw the same tags, so every
         rank makes it) and every rank raises :class:`DistributedError`. The group stays
         usable: every rank made the same collectives."""
-        _, names = self._gather(op, "comparing the ranks' calls", (f"{what} [{op}]" if what else op).encode(),
-                                tagged=False)
-        calls = [n.decode(errors="replace") for n in names or [b""] * self.world]
-        where: dict[str, list[int]] = {}
-        for r, c in enumerate(calls):
-            where.setdefault(c, []).append(r)
-        said = "; ".join(f"rank(s) {rs} in {c!r}" for c, rs in where.items())
+        calls = self._each(f"{what} [{op}]" if what else op, "comparing the ranks' calls")
+        said = "; ".join(f"rank(s) {rs} in {c!r}" for c, rs in _ranks_by(calls).items())
         raise DistributedError(f"the ranks reached different collective calls ({said}): every rank of the group must "
                                "make the same unickpt calls (save, load, start_async_writer, ...) in the same order")
 
@@ -293,20 +296,23 @@ class Comm:
     def _differ(self, what: str, args: str) -> None:
         """Collective, when every rank has seen that the ranks' arguments differ: gather them
         (untagged) and raise DistributedError naming the keys that differ, per rank."""
-        _, said = self._gather("all_gather", "comparing the ranks' arguments", args.encode(), tagged=False)
         each = []
-        for b in said or [b""] * self.world:
+        for text in self._each(args, "comparing the ranks' arguments"):
             try:
-                each.append(json.loads(b) if b else {})
+                each.append(json.loads(text) if text else {})
             except ValueError:
                 each.append({})
         keys = sorted({k for d in each for k in d if len({json.dumps(e.get(k), sort_keys=True) for e in each}) > 1})
-        by: dict[str, list[int]] = {}
-        for r, d in enumerate(each):
-            by.setdefault(json.dumps({k: d.get(k) for k in keys}, sort_keys=True)[:600], []).append(r)
-        said_ = "; ".join(f"rank(s) {rs}: {v}" for v, rs in by.items())
-        raise DistributedError(f"{what}: the ranks were called with different arguments ({said_}): every rank of "
+        differ = _ranks_by([json.dumps({k: d.get(k) for k in keys}, sort_keys=True)[:600] for d in each])
+        said = "; ".join(f"rank(s) {rs}: {v}" for v, rs in differ.items())
+        raise DistributedError(f"{what}: the ranks were called with different arguments ({said}): every rank of "
                                "the group must pass the same")
+
+    def _each(self, text: str, what: str) -> list[str]:
+        """Every rank's ``text``, after a mismatch every rank has seen (untagged: every rank
+        makes this all-gather)."""
+        _, said = self._gather("all_gather", what, text.encode(), tagged=False)
+        return [b.decode(errors="replace") for b in said or [b""] * self.world]
 
     def barrier(self, what: str | None = None) -> None:
         if self.active and self.world > 1:
