@@ -448,7 +448,7 @@ class StorageWriter(_dcp_storage.StorageWriter):
         comm.agree(err, "dcp save (reading the plan)")
         json_state: dict[str, Any] = {}
         if comm.world > 1:
-            gathered = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(values).encode())]
+            gathered = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(values).encode(), "dcp save (the state's values)")]
         else:
             gathered = [values]
         for vals in gathered:

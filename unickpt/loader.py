@@ -330,13 +330,14 @@ def _find(comm: Comm, storage, p: str, node_local: bool, same: Mapping[str, Any]
     own = mbytes  # node-local: this node's copy, checked against the shared one below
     own_path = storage.join(ckpt, MANIFEST_NAME) if found else None
     if node_local:
-        flags = [b == b"1" for b in comm.all_gather_bytes(b"1" if found else b"0")]
+        flags = [b == b"1" for b in comm.all_gather_bytes(b"1" if found else b"0", "load (finding the checkpoint on any node)")]
         src = flags.index(True) if any(flags) else 0
         comm.agree(err if comm.rank == src else None, "load (finding the checkpoint on any node)", same=same)
     else:
         src = 0
         comm.agree(err, "load (finding the checkpoint)", same=same)
-    blob = comm.broadcast_bytes(rel.encode() + b"\0" + mbytes if comm.rank == src else None, src=src)
+    blob = comm.broadcast_bytes(rel.encode() + b"\0" + mbytes if comm.rank == src else None, src=src,
+                             what="load (the manifest)")
     rel_b, _, mbytes = blob.partition(b"\0")
     rel = rel_b.decode()
     ckpt = storage.join(p, rel) if rel else p
@@ -978,7 +979,7 @@ def _verify_share(man: Manifest, storage, ckpt, comm: Comm, already: set, sees: 
     if sees is None:  # shared storage: every rank sees every file
         sees_all = [set(man.files)] * comm.world
     else:  # node-local: every rank takes part, whatever it sees
-        sees_all = [set(json.loads(b)) for b in comm.all_gather_bytes(json.dumps(sorted(sees)).encode())]
+        sees_all = [set(json.loads(b)) for b in comm.all_gather_bytes(json.dumps(sorted(sees)).encode(), "load (the files each node sees)")]
     for t in sorted(man.tensors.values(), key=lambda t: (-t.nbytes, t.role, t.name)):
         if t.codec == "from_model":
             continue

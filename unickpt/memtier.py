@@ -166,8 +166,10 @@ def candidates(comm: Comm, memory_dir: str | None, durable_dir: str | None, stor
     except (UnickptError, OSError) as e:
         err = e
     comm.agree(err, "resume (listing checkpoints)")
-    reports = [json.loads(b) for b in comm.all_gather_bytes(json.dumps({"node": node_id(), "steps": mine}).encode())]
-    durable = json.loads(comm.broadcast_bytes(json.dumps(durable).encode() if comm.rank == 0 else None))
+    reports = [json.loads(b) for b in comm.all_gather_bytes(json.dumps({"node": node_id(), "steps": mine}).encode(),
+                                                          "resume (snapshots in memory)")]
+    durable = json.loads(comm.broadcast_bytes(json.dumps(durable).encode() if comm.rank == 0 else None,
+                                               what="resume (durable checkpoints)"))
     by_step: dict[int, list[dict]] = {}
     seen_nodes = set()
     for r in reports:

@@ -145,7 +145,7 @@ def load_remote(comm: Comm, remote: list[Entry], man: Manifest, sees_mine: set[s
     run)."""
     mine = [[e.role, e.name, dtype_name(e.local.dtype), e.layout.to_json()] for e in remote]
     record = {"needs": mine, "sees": sorted(sees_mine), "checks": verify != "none"}
-    gathered = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(record).encode())]
+    gathered = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(record).encode(), "load (pieces read for other nodes)")]
     needs = [g["needs"] for g in gathered]
     sees = [set(g["sees"]) for g in gathered]
     if not any(needs):

@@ -238,7 +238,7 @@ def save_entries(
                 err = e
             comm.agree(err, "save (staging)")
         try:  # collectives inside come before anything that can fail (see compress.prepare)
-            entries, tags, exceptions, dropped = prepare(entries, comp, lambda o: _gather_json(comm, o))
+            entries, tags, exceptions, dropped = prepare(entries, comp, lambda o: _gather_json(comm, o, "save (compression)"))
             dtypes = [dtype_name(e.local.dtype) for e in entries]
             summary = summarize(entries, dtypes, node_id(), tags)  # rules where layouts have them
         except Exception as e:
@@ -269,7 +269,8 @@ def save_entries(
                 log.warning("save: the plan callback failed: %s", e)
 
     # -- prepare the temporary directory ------------------------------------------------
-    token = comm.broadcast_bytes(_commit.new_token().encode() if comm.rank == 0 else None).decode()
+    token = comm.broadcast_bytes(_commit.new_token().encode() if comm.rank == 0 else None,
+                                 what="save (the transaction's token)").decode()
     txn = _commit.Transaction(storage, final, overwrite=opts.overwrite, token=token)
     tmp = txn.tmp
     # node-local storage ({node} in the path): the first rank of every node manages that
@@ -310,7 +311,7 @@ def save_entries(
                 storage.close()
             with ph.phase("finish"):
                 # partial pages at the edges of O_DIRECT runs go to the file's owner
-                blobs = comm.all_gather_bytes(_encode_fragments(fragments))
+                blobs = comm.all_gather_bytes(_encode_fragments(fragments), "save (page fragments)")
                 if err is None:
                     try:
                         _finish_files(plan, comm.rank, storage, tmp, blobs, txn.file_name)
@@ -325,7 +326,7 @@ def save_entries(
                 copies = replicate(comm, plan, storage, tmp, txn.file_name, opts.replicas, dir_rank)
         _commit._fault_point("after-data")
         with ph.phase("commit"):
-            reports = [json.loads(r) for r in comm.all_gather_bytes(json.dumps(result).encode())]
+            reports = [json.loads(r) for r in comm.all_gather_bytes(json.dumps(result).encode(), "save (reports for the manifest)")]
             blob, idx = b"", None
             if comm.rank == 0:
                 try:
@@ -342,8 +343,8 @@ def save_entries(
                     err = e
             comm.agree(err, "save (manifest)")
             if per_node(path):  # every node's directory gets the same manifest and index
-                blob = comm.broadcast_bytes(blob if comm.rank == 0 else None)
-                idx = comm.broadcast_bytes((idx or b"") if comm.rank == 0 else None) or None
+                blob = comm.broadcast_bytes(blob if comm.rank == 0 else None, what="save (the manifest)")
+                idx = comm.broadcast_bytes((idx or b"") if comm.rank == 0 else None, what="save (the index)") or None
             if dir_rank:
                 try:
                     if idx is not None:
@@ -410,16 +411,17 @@ def _agree_plan(comm: Comm, summary: LocalSummary, bucket_bytes: int, max_file_b
     """Exchange heads (digest and rule claims); reuse the cached plan when every rank's
     summary is unchanged, otherwise exchange the payloads (explicit rows, each rule body
     once, sent by its lowest claimant) and plan again."""
-    digests = tuple(comm.all_gather_bytes(summary.head()))
+    digests = tuple(comm.all_gather_bytes(summary.head(), "save (planning: summaries' digests)"))
     from . import plan as _plan
 
     key = (id(comm.group), comm.world, digests, bucket_bytes, max_file_bytes, zstd, _plan.DIRECT_MIN_RUN, shared_writes)
     plan = _PLAN_CACHE.get(key)
     # caches are per process: reuse only if every rank has the plan, so all run the same collectives
-    hits = comm.all_gather_bytes(b"1" if plan is not None else b"0")
+    hits = comm.all_gather_bytes(b"1" if plan is not None else b"0", "save (planning: cached plans)")
     if plan is not None and all(h == b"1" for h in hits):
         return plan
-    summaries, rules = assemble(list(digests), comm.all_gather_bytes(summary.payload(list(digests), comm.rank)))
+    summaries, rules = assemble(list(digests), comm.all_gather_bytes(summary.payload(list(digests), comm.rank),
+                                                                   "save (planning: summaries)"))
     err = None
     try:
         plan = make_plan(summaries, bucket_bytes=bucket_bytes, max_file_bytes=max_file_bytes, zstd=zstd,
@@ -443,9 +445,9 @@ def _gather_rank_state(comm: Comm, entries: list[Entry], json_state: dict[str, A
     _rank_values(json_state, values.append)
     common = _rank_values(json_state, None, lambda v: None)  # what must be the same on every rank
     digest = xxhash.xxh3_64_hexdigest(json.dumps(common, sort_keys=True, separators=(",", ":")).encode())
-    everyone = _gather_json(comm, {"al": mine_al, "pr": mine_pr, "v": values, "h": digest})
+    everyone = _gather_json(comm, {"al": mine_al, "pr": mine_pr, "v": values, "h": digest}, "save (per-rank values)")
     if len({x["h"] for x in everyone}) > 1:  # JSON values differ between ranks: find one to name
-        states = _gather_json(comm, common)
+        states = _gather_json(comm, common, "save (per-rank values differ)")
         path, r = _first_difference(states)
         raise StateDictError(
             f"the JSON value {path!r} differs between ranks (rank 0 and rank {r}): JSON values are saved once for all "
@@ -585,8 +587,8 @@ def _check_replicas(comm: Comm, plan: SavePlan, entries: list[Entry], staged: "S
             "(broadcast) before saving")
 
 
-def _gather_json(comm: Comm, obj) -> list:
-    return [json.loads(b) for b in comm.all_gather_bytes(json.dumps(obj).encode())]
+def _gather_json(comm: Comm, obj, what: str) -> list:
+    return [json.loads(b) for b in comm.all_gather_bytes(json.dumps(obj).encode(), what)]
 
 
 def _exception_report(plan: SavePlan, rank: int, exceptions: dict) -> dict:

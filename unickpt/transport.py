@@ -213,7 +213,7 @@ class Comm:
         raise DistributedError(f"the ranks reached different collective calls ({said}): every rank of the group must "
                                "make the same unickpt calls (save, load, start_async_writer, ...) in the same order")
 
-    def all_gather_bytes(self, data: bytes, what: str | None = None) -> list[bytes]:
+    def all_gather_bytes(self, data: bytes, what: str) -> list[bytes]:
         """Every rank's byte string, on every rank (two collectives: lengths with the call's
         tag, then padded data; one when every string is empty, as in :meth:`agree` when no
         rank failed: every rank sees the same lengths, so every rank skips the second).
@@ -223,7 +223,7 @@ class Comm:
         _, out = self._gather("all_gather", what, data)
         return out if out is not None else [b""] * self.world
 
-    def broadcast_bytes(self, data: bytes | None, src: int = 0, what: str | None = None) -> bytes:
+    def broadcast_bytes(self, data: bytes | None, src: int = 0, *, what: str) -> bytes:
         """Rank ``src``'s byte string on every rank (its length and every rank's tag in one
         all-gather, then the bytes). Ranks in different calls raise DistributedError."""
         if not self.active or self.world == 1:
@@ -240,7 +240,7 @@ class Comm:
         self._run("broadcast", what, lambda: g.broadcast([buf], opts))
         return bytes(buf[:n].numpy().tobytes())
 
-    def min_max(self, values: torch.Tensor, what: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def min_max(self, values: torch.Tensor, what: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Element-wise minimum and maximum over the ranks of a 1-D int64 tensor whose values
         lie in ``[-2**62, 2**62]`` (the call's tag and every rank's length in one all-gather,
         then one all-reduce)."""
@@ -314,7 +314,7 @@ class Comm:
         _, said = self._gather("all_gather", what, text.encode(), tagged=False)
         return [b.decode(errors="replace") for b in said or [b""] * self.world]
 
-    def barrier(self, what: str | None = None) -> None:
+    def barrier(self, what: str) -> None:
         if self.active and self.world > 1:
             opts = _c10d.BarrierOptions()
             opts.timeout = self._timeout()
