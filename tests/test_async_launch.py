@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -47,6 +48,8 @@ BODY = textwrap.dedent(
     leaked = sorted(k for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
                     if k in env) + sorted(k for k in env if k.startswith("TORCHELASTIC_"))
     assert not leaked, leaked
+    # torch's C++ log (a stack trace per line) is off in the writer unless the caller set a level
+    assert env.get("TORCH_CPP_LOG_LEVEL") == os.environ.get("TORCH_CPP_LOG_LEVEL", "FATAL"), env.get("TORCH_CPP_LOG_LEVEL")
     assert not any(a.endswith(".py") for a in writer.cmdline()), writer.cmdline()
     h = unickpt.save(state(2), os.path.join(root, "step-2"), step=2, async_save=True)
     h.wait()
@@ -285,26 +288,68 @@ def test_the_writers_of_a_subgroup_meet_at_its_own_rank_0(tmp_path):
     assert torch.equal(t["model"]["w"], torch.cat([torch.zeros(4, 3), torch.ones(4, 3)]))
 
 
+def _subgroup_addr_override(rank, world, root):
+    import pytest
+    import torch.distributed as tdist
+
+    from unickpt import async_save
+    from unickpt.errors import AsyncSaveError
+
+    group = tdist.new_group([1, 2])
+    if rank == 0:
+        return None
+    if rank == 1:  # the subgroup's rank 0 says it is reached at an address nobody answers on
+        os.environ["UNICKPT_WRITER_ADDR"] = "192.0.2.1"  # TEST-NET-1 (RFC 5737)
+    t0 = time.monotonic()
+    with pytest.raises(AsyncSaveError):
+        unickpt.start_async_writer(group=group)
+    waited = time.monotonic() - t0
+    os.environ.pop("UNICKPT_WRITER_ADDR", None)
+    g = rank - 1
+    sd = {"model": {"w": unickpt.shard(torch.full((4, 3), float(g)), (8, 3), offsets=(4 * g, 0))}}
+    unickpt.save(sd, os.path.join(root, "a"), step=1, async_save=True, group=group).wait()  # writers restarted
+    async_save.shutdown()
+    return waited < 60
+
+
+def test_the_writers_rendezvous_address_can_be_set(tmp_path):
+    """``UNICKPT_WRITER_ADDR`` on the host of the group's rank 0 is where the other writers
+    look for the rendezvous: an address nobody answers on fails the start on every rank
+    (within the timeout), and without it the next save finds its writers."""
+    from tests import dist
+
+    out = dist.run(_subgroup_addr_override, 3, str(tmp_path), env={"MASTER_ADDR": "127.0.0.1", "UNICKPT_TIMEOUT_S": "5"})
+    assert out == [None, True, True]
+    t = {"model": {"w": torch.zeros(8, 3)}}
+    unickpt.load(t, str(tmp_path / "a"))
+    assert torch.equal(t["model"]["w"], torch.cat([torch.zeros(4, 3), torch.ones(4, 3)]))
+
+
 def _two_checkpointers(rank, world, root):
     import torch.distributed as tdist
 
     from unickpt import async_save
 
     sd = {"model": {"w": unickpt.shard(torch.full((4, 3), float(rank)), (4 * world, 3), offsets=(4 * rank, 0))}}
+    other = tdist.new_group([0, 1])
     unickpt.save(sd, os.path.join(root, "a"), step=1, async_save=True).wait()
-    # another group (here the same ranks, another key): its own checkpointer, staging and writers
+    # the default group, named: the same checkpointer (one staging buffer, one set of writers)
     unickpt.save(sd, os.path.join(root, "b"), step=2, async_save=True, group=tdist.group.WORLD).wait()
-    segs = {async_save.checkpointer(g)._seg.name for g in (None, tdist.group.WORLD)}
+    same = async_save.checkpointer(tdist.group.WORLD) is async_save.checkpointer(None)
+    # another group (here the same ranks): its own checkpointer, staging and writers
+    unickpt.save(sd, os.path.join(root, "c"), step=3, async_save=True, group=other).wait()
+    segs = {async_save.checkpointer(g)._seg.name for g in (None, tdist.group.WORLD, other)}
     async_save.shutdown()
-    return len(segs), sorted(os.listdir(root))
+    return same, len(segs), sorted(os.listdir(root))
 
 
 def test_two_checkpointers_of_one_process_stage_in_segments_of_their_own(tmp_path):
     """Each group's checkpointer numbered its segments from 1: the second one's first save
-    failed with "File exists" on the other's /dev/shm segment."""
+    failed with "File exists" on the other's /dev/shm segment. ``group=None`` and the
+    default group named are one group (they were two sets of writers for the same ranks)."""
     from tests import dist
 
-    assert dist.run(_two_checkpointers, 2, str(tmp_path)) == [(2, ["a", "b"])] * 2
+    assert dist.run(_two_checkpointers, 2, str(tmp_path)) == [(True, 2, ["a", "b", "c"])] * 2
 
 
 def test_a_writer_that_cannot_start_fails_the_save_on_every_rank(tmp_path):

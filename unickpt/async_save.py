@@ -321,13 +321,17 @@ def _serve_rendezvous(timeout_s: float):
 
 def _rendezvous_addr() -> str:
     """Where the other ranks' writers reach this host (the trainer of the group's rank 0):
-    ``MASTER_ADDR`` (default 127.0.0.1) when this is the job's rank 0, whose host that is;
-    otherwise (the rank 0 of a subgroup) this host's own address on its route to
-    ``MASTER_ADDR`` (a UDP socket's local address once connected: nothing is sent)."""
+    ``UNICKPT_WRITER_ADDR`` when set (for hosts the others reach at an address of their
+    own, e.g. behind a NAT); else ``MASTER_ADDR`` (default 127.0.0.1) when this is the
+    job's rank 0, whose host that is; otherwise (the rank 0 of a subgroup) this host's own
+    address on its route to ``MASTER_ADDR`` (a UDP socket's local address once connected:
+    nothing is sent)."""
     import socket
 
     import torch.distributed as dist
 
+    if os.environ.get("UNICKPT_WRITER_ADDR"):
+        return os.environ["UNICKPT_WRITER_ADDR"]
     master = os.environ.get("MASTER_ADDR", "127.0.0.1")
     if not dist.is_initialized() or dist.get_rank() == 0:
         return master
@@ -350,8 +354,12 @@ _LAUNCHER_ENV_PREFIXES = ("TORCHELASTIC_",)
 
 
 def _writer_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items()
-            if k not in _LAUNCHER_ENV and not k.startswith(_LAUNCHER_ENV_PREFIXES)}
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV and not k.startswith(_LAUNCHER_ENV_PREFIXES)}
+    # torch's C++ log lines carry a stack trace each (an unreachable rendezvous printed ~30
+    # lines per retry and writer); the writer's errors reach the trainer typed, with their
+    # message. A TORCH_CPP_LOG_LEVEL of the caller's own is kept.
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+    return env
 
 
 class _WriterProcess:
@@ -910,7 +918,12 @@ _CHECKPOINTERS: dict[int, Checkpointer] = {}
 
 
 def checkpointer(group=None) -> Checkpointer:
-    """The process-wide checkpointer of ``group`` (created on first use)."""
+    """The process-wide checkpointer of ``group`` (created on first use). ``None`` and the
+    default group are one group: one staging buffer and one set of writers for both."""
+    import torch.distributed as dist
+
+    if group is not None and dist.is_available() and dist.is_initialized() and group is dist.group.WORLD:
+        group = None
     key = id(group)
     c = _CHECKPOINTERS.get(key)
     if c is None:
