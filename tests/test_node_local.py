@@ -16,6 +16,7 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 
 import unickpt
 from tests import dist
@@ -230,3 +231,26 @@ def test_every_node_checks_its_own_copy_of_the_manifest(saved, tmp_path, damage)
     msgs = dist.run(_load_corrupt, 3, root)
     assert all(msgs), msgs
     assert any("n1" in x and ("differs" in x or "damaged" in x or "FIFO" in x) for x in msgs), msgs
+
+
+def _save_extra_files(rank, world, root):
+    os.environ["UNICKPT_NODE_ID"] = f"n{rank}"
+    sd = {"model": {"w": unickpt.shard(torch.full((4, 3), float(rank)), (4 * world, 3), offsets=(4 * rank, 0))}}
+    given = {0: {"config.json": '{"from": "rank 0"}'}, 1: {"config.json": '{"from": "rank 1"}'}, 2: None}[rank]
+    unickpt.save(sd, os.path.join(root, "{node}", "ck"), step=1, extra_files=given)
+
+
+def test_every_node_gets_rank_0s_extra_files(tmp_path):
+    """The manifest (the same on every node) records rank 0's extra files; each node's first
+    rank wrote its own, so a node given other text, or none, held files that fail their
+    checks (a committed checkpoint that `unickpt verify` refused on that node)."""
+    import xxhash
+
+    root = str(tmp_path)
+    dist.run(_save_extra_files, 3, root)
+    for n in ("n0", "n1", "n2"):
+        d = os.path.join(root, n, "ck")
+        data = open(os.path.join(d, "config.json"), "rb").read()
+        assert data == b'{"from": "rank 0"}', (n, data)
+        size, digest = unickpt.read_manifest(d)[1].aux["config.json"]
+        assert (size, digest) == (len(data), xxhash.xxh3_64_hexdigest(data)), n

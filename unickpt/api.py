@@ -89,7 +89,8 @@ def save(
         background_staging: with ``async_save``, return even before the copy; call
             ``handle.wait_staged()`` before modifying any tensor of the state dict.
         extra_files: small text files (e.g. ``{"config.json": ...}``) written into the
-            checkpoint by rank 0 before the commit.
+            checkpoint before the commit: rank 0's (on node-local storage, rank 0's into every
+            node's directory; other ranks' are not used).
         quant: ``"O1"`` (8-bit) or ``"O2"`` (4-bit) Adam moments (``exp_avg``,
             ``exp_avg_sq``), see docs/compression.md; ``None``/``"O0"`` stores them as they are.
         master: ``"full"`` (default), ``"residual"`` (bit-exact fp32 masters from the bf16
@@ -168,7 +169,7 @@ def _call_args(path, opts: SaveOptions | None, **more: Any) -> dict[str, Any]:
     ranks' shared work, and ``more``. Not compared: each rank's own ``timeout_s``,
     ``direct_io`` and ``storage_options`` (credentials may differ per rank), nor ``extra``,
     ``strategy`` and ``extra_files``, which the checkpoint takes from rank 0 (node-local:
-    files from each node's first rank), as documented. Long values travel as digests."""
+    rank 0's files in every node's directory), as documented. Long values travel as digests."""
     out: dict[str, Any] = {"path": compared_path(path), **more}
     for k, v in (opts.to_json() if opts is not None else {}).items():
         if k in _PER_RANK_OPTIONS:

@@ -342,14 +342,18 @@ def save_entries(
                 except Exception as e:
                     err = e
             comm.agree(err, "save (manifest)")
-            if per_node(path):  # every node's directory gets the same manifest and index
+            extra_files = dict(opts.extra_files or {})
+            if per_node(path):  # every node's directory gets the same manifest, index and extra files
                 blob = comm.broadcast_bytes(blob if comm.rank == 0 else None, what="save (the manifest)")
                 idx = comm.broadcast_bytes((idx or b"") if comm.rank == 0 else None, what="save (the index)") or None
+                # rank 0's, which the manifest records (a node's own would fail its checks)
+                extra_files = json.loads(comm.broadcast_bytes(json.dumps(extra_files).encode() if comm.rank == 0 else None,
+                                                              what="save (the extra files)"))
             if dir_rank:
                 try:
                     if idx is not None:
                         txn.put(INDEX_NAME, idx)
-                    for n, text in (opts.extra_files or {}).items():
+                    for n, text in extra_files.items():
                         txn.put(n, text.encode())
                     if per_node(path) and not txn.marker:  # (a rename commits; on object stores the
                         txn.put(MANIFEST_NAME, blob)  # manifest is the commit marker, put by commit)
