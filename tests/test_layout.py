@@ -102,3 +102,5 @@ def test_bad_layouts_are_refused_with_a_reason():
         Layout((4, 4), (0,), (4, 4))
     with pytest.raises(LayoutError, match="elements"):
         shard(torch.zeros(5), (4, 4), flat=(0, 6))
+    with pytest.raises(LayoutError, match="needs a torch.Tensor, got ndarray"):  # was AttributeError
+        shard(np.zeros((2, 4), np.float32), (4, 4), offsets=(2, 0))

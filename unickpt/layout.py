@@ -266,6 +266,8 @@ def shard(
         # ZeRO partition: elements [1000, 3000) of a (64, 100) tensor, flattened
         shard(buf[0:2000], (64, 100), flat=(1000, 3000))
     """
+    if not isinstance(local, torch.Tensor):  # (ShardedTensor says so too, but local.dim() comes first)
+        raise LayoutError(f"shard() needs a torch.Tensor, got {type(local).__name__}")
     shape = tuple(int(s) for s in shape)
     nd = len(shape)
     offsets = tuple(int(o) for o in offsets) if offsets is not None else (0,) * nd
