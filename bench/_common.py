@@ -13,6 +13,7 @@ import mmap
 import multiprocessing as mp
 import os
 import queue
+import resource
 import shutil
 import socket
 import statistics
@@ -198,6 +199,12 @@ def timed(fn, io: Callable[[], dict] = io_counters):
     dt = time.perf_counter() - t0
     c1 = io()
     return dt, out, {k: c1[k] - c0[k] for k in c0}
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far (its threads included)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def slowest(fn) -> float:

@@ -36,6 +36,13 @@ Targets (issue #13): <= 1.15x the floor and <= 0.6x DCP.
 cache: the load's CPU work alone (reads from the cache, hashing, scattering), for telling a
 load that waits on the disk from one that waits on the CPU (2 cores here, shared by every
 rank and the kernel).
+
+``host check`` (the line under the table; ``fresh_floor_cpu`` in the JSON): the CPU seconds
+of each rank's fresh floor read. That read is the same plain sequential read every round,
+so its CPU time should not move; here it costs 0.2-0.3 s per GB in most rounds and 1-2.5 s
+per GB in some (system time: the kernel's page-cache work slowed down), and in those
+rounds every operation, loads and floors, runs slower (docs/performance.md, "Rounds the
+host slows down").
 """
 
 from __future__ import annotations
@@ -52,8 +59,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import unickpt  # noqa: E402
-from bench._common import (OUT, abba, barrier, cold_barrier, files_floor, floor_buffer, floor_read,  # noqa: E402
-                           floor_write, fmt, log, median, print_table, run_ranks, timed, write_json)
+from bench._common import (OUT, abba, barrier, cold_barrier, cpu_seconds, files_floor, floor_buffer, floor_read,  # noqa: E402
+                           floor_write, fmt, log, make_cold, median, print_table, run_ranks, timed, write_json)
 
 SCENARIOS = {  # name: (source layout (unickpt, DCP), load world, target layout (unickpt, DCP))
     "row->column": (("row", "row"), 2, ("col", "col")),
@@ -175,12 +182,18 @@ def load_job(rank: int, world: int, cfg: dict) -> dict:
     res: dict = {}
     names = [n for n, (_, w, _) in SCENARIOS.items() if w == world and n in cfg["scenarios"]]
     for n in names:
-        res[n] = {"floor": [], "fresh_floor": [], "unickpt": [], "warm": [], "dcp": [], "bytes_read": [], "bad": None}
+        res[n] = {"floor": [], "fresh_floor": [], "fresh_floor_cpu": [], "unickpt": [], "warm": [], "dcp": [],
+                  "bytes_read": [], "bad": None}
     for i in range(cfg["repeats"]):
         for name in names:
             # the floor of this scenario's pair, right before it (the disk's speed drifts by 2x
             # within a minute here; a floor read once per round lags the third pair by ~15 s)
-            res[name]["fresh_floor"].append(floor_read(floor_file, buf, cold=True)[0])
+            # and its CPU time: a plain sequential read whose CPU time rises several-fold is a round
+            # the host slowed down (docs/performance.md, "Rounds the host slows down")
+            make_cold([floor_file])
+            c0 = cpu_seconds()
+            res[name]["fresh_floor"].append(floor_read(floor_file, buf, cold=False)[0])
+            res[name]["fresh_floor_cpu"].append(cpu_seconds() - c0)
             (src_u, src_d), _, (tgt_u, tgt_d) = SCENARIOS[name]
             res[name]["floor"].append(files_floor(os.path.join(data, f"u-{src_u}"), rank, world, buf)[0])
 
@@ -248,11 +261,15 @@ def measure(gb: float = 1.2, widths=(512, 5120), repeats: int = 3, parent: str |
                     warm = median(max(r[name]["warm"][i] for r in out) for i in range(repeats))
                     read = median(sum(r[name]["bytes_read"][i] for r in out) for i in range(repeats))
                     bad = sum(r[name]["bad"] for r in out) + sum(r[name]["dcp_bad"] for r in out)
+                    fcpu = [max(r[name]["fresh_floor_cpu"][i] for r in out) for i in range(repeats)]
                     rows.append({"width": width, "scenario": name, "ranks": world, "gb": total / 1e9,
                                  "floor_s": floor, "fresh_floor_s": fresh, "x_fresh_floor": x_fresh, "unickpt_s": u, "warm_s": warm, "dcp_s": d, "x_floor": x_floor, "x_dcp": u / d,
                                  "read_over_need": read / total, "bad": bad,
+                                 "fresh_floor_cpu_s": median(fcpu), "fresh_floor_cpu_max_s": max(fcpu),
                                  "raw": {"floor": [r[name]["floor"] for r in out],
-                                         "fresh_floor": [r[name]["fresh_floor"] for r in out], "unickpt": [r[name]["unickpt"] for r in out],
+                                         "fresh_floor": [r[name]["fresh_floor"] for r in out],
+                                         "fresh_floor_cpu": [r[name]["fresh_floor_cpu"] for r in out],
+                                         "unickpt": [r[name]["unickpt"] for r in out],
                                          "warm": [r[name]["warm"] for r in out],
                                          "dcp": [r[name]["dcp"] for r in out]}})
         finally:
@@ -271,6 +288,17 @@ def print_rows(rows: list[dict]) -> None:
     print_table(["width", "scenario", "ranks", "floor s", "fresh s", "unickpt s", "warm s", "DCP s", "x floor", "x fresh",
                  "x DCP", "read/need", "target"],
                 table, left=2, left_last=True)
+    if rows:
+        print(host_check(rows))
+
+
+def host_check(rows: list[dict]) -> str:
+    """One line on the host's steadiness: CPU seconds of the fresh floor read per rank."""
+    cpu = [x for r in rows for x in (r["fresh_floor_cpu_s"], r["fresh_floor_cpu_max_s"])]
+    per_gb = [r["fresh_floor_cpu_max_s"] / (r["gb"] / r["ranks"]) for r in rows]
+    return (f"host check: CPU of the fresh floor read per rank, medians {min(cpu[0::2]):.2f}-{max(cpu[0::2]):.2f} s, "
+            f"worst round {max(cpu[1::2]):.2f} s ({max(per_gb):.2f} s per GB read); a quiet read here costs "
+            f"0.2-0.3 s per GB, and rounds at several times that were slowed by the host, loads and floors alike")
 
 
 def main() -> int:

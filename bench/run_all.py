@@ -124,7 +124,8 @@ def table(res: dict) -> list[list[str]]:
                 r["gb"] / r["unickpt_s"], r["x_floor"], r["x_dcp"],
                 f"floor {r['floor_s']:.3f} s (fresh file {r['fresh_floor_s']:.3f} s, {r['x_fresh_floor']:.2f}x), "
                 f"warm {r['warm_s']:.3f} s, DCP {r['dcp_s']:.3f} s, "
-                f"read/need {r['read_over_need']:.2f}; "
+                f"read/need {r['read_over_need']:.2f}, floor read CPU {r['fresh_floor_cpu_s']:.2f} s "
+                f"(worst round {r['fresh_floor_cpu_max_s']:.2f} s); "
                 f"target <= 1.15x floor, <= 0.6x DCP: {'met' if ok else 'MISSED'}")
     if "async" in res:
         a = res["async"]["summary"]
