@@ -429,7 +429,7 @@ class Trainer:
 
         if not per_node(root):
             return self.mesh.rank == 0
-        nodes = Comm(None).all_gather_bytes(node_id().encode())
+        nodes = Comm(None).all_gather_bytes(node_id().encode(), "trainer (the ranks' nodes)")
         return nodes.index(nodes[self.mesh.rank]) == self.mesh.rank
 
     def _any_rank(self, flag: bool) -> bool:
@@ -468,7 +468,7 @@ class Trainer:
         local = sum(e.local.numel() * e.local.element_size() for e in entries)
         primary = sum(e.local.numel() * e.local.element_size() for e in entries if e.layout.replica == 0)
         me = {"node": node_id(), "pid": os.getpid(), "local": local, "primary": primary}
-        everyone = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(me).encode())]
+        everyone = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(me).encode(), "trainer (the memory budget)")]
         nodes = list(dict.fromkeys(r["node"] for r in everyone))
         replicas = c.memory_replicas if c.memory_replicas is not None else min(1, len(nodes) - 1)
         if replicas > len(nodes) - 1:
@@ -547,7 +547,8 @@ class Trainer:
         from unickpt.transport import node_id
 
         mine = sorted({f for f, _ in getattr(e, "bad", [])}) if isinstance(e, unickpt.errors.ChecksumError) else []
-        everyone = [json.loads(b) for b in comm.all_gather_bytes(json.dumps([node_id(), mine]).encode())]
+        everyone = [json.loads(b) for b in comm.all_gather_bytes(json.dumps([node_id(), mine]).encode(),
+                                                                "trainer (damaged snapshot copies)")]
         return sorted({f for n, fs in everyone if n == node_id() for f in fs})
 
     def close(self) -> None:
