@@ -11,6 +11,7 @@ masters (rebuilt from model weights that may sit on the other node); loaded on
 loads equal the single-process dequantization.
 """
 
+import json
 import os
 import shutil
 
@@ -254,3 +255,38 @@ def test_every_node_gets_rank_0s_extra_files(tmp_path):
         assert data == b'{"from": "rank 0"}', (n, data)
         size, digest = unickpt.read_manifest(d)[1].aux["config.json"]
         assert (size, digest) == (len(data), xxhash.xxh3_64_hexdigest(data)), n
+
+
+def test_cli_verify_checks_one_nodes_directory(saved, tmp_path):
+    """`unickpt verify` of one node's directory failed on every node: the other nodes' files
+    are missing there by design. With --node it checks the files that directory holds and
+    names the rest; without, it says why the files are missing."""
+    from tests.clirun import cli
+
+    for n, other in (("n0", "n1"), ("n1", "n0")):
+        d = os.path.join(saved, n, "ck-o1")
+        man = unickpt.read_manifest(d)[1]
+        mine = sorted(f for f, e in man.files.items() if e.node == n)
+        r = cli("verify", d, "--node", n, "--json", "-q")
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["node"] == n and out["files"] == len(mine) and out["bad"] == []
+        assert out["elsewhere"] == sorted(f for f, e in man.files.items() if e.node == other)
+        assert out["tensors"] == sum(man.files[t.file].node == n for t in man.tensors.values())
+        r = cli("verify", d)
+        assert r.returncode == 1 and f"written on node(s) ['{other}']" in r.stderr and "--node ID" in r.stderr, r.stderr
+        r = cli("verify", d, "--node", other)  # the wrong node: its files are not here
+        assert r.returncode == 1 and "is missing" in r.stderr, r.stderr
+    assert cli("verify", os.path.join(saved, "n0", "ck-o1"), "--node", "n9").returncode == 2
+    # a damaged file of the node is still found
+    d = os.path.join(saved, "n1")
+    bad = str(tmp_path / "n1")
+    shutil.copytree(d, bad)
+    f = sorted(f for f, e in unickpt.read_manifest(os.path.join(bad, "ck-o0"))[1].files.items() if e.node == "n1")[0]
+    with open(os.path.join(bad, "ck-o0", f), "r+b") as fh:
+        fh.seek(-3, 2)
+        b = fh.read(1)
+        fh.seek(-3, 2)
+        fh.write(bytes([b[0] ^ 0xFF]))
+    r = cli("verify", os.path.join(bad, "ck-o0"), "--node", "n1")
+    assert r.returncode == 1 and "do not match their checksum" in r.stderr, r.stderr

@@ -201,32 +201,57 @@ def _inspect(args):
 def _verify(args):
     t0 = time.perf_counter()
     ckpt, man = _read_manifest(args.path)  # (format >= 2: the manifest's own checksum is checked here)
-    bad = _with_progress("verify", args, lambda progress: verify_checkpoint(ckpt, man, progress))
+    node = args.node
+    nodes = sorted({f.node for f in man.files.values()} | {n for f in man.files.values() for n in f.replicas})
+    if node is not None and node not in nodes:
+        raise InvalidArgumentError(f"--node {node!r}: the checkpoint's files were written on node(s) {nodes}")
+    bad = _with_progress("verify", args, lambda progress: verify_checkpoint(ckpt, man, progress, node=node))
     secs = time.perf_counter() - t0
-    nbytes = sum(t.nbytes for t in man.tensors.values())
-    res: dict[str, Any] = {"path": ckpt, "tensors": len(man.tensors), "files": len(man.files), "other_files": len(man.aux),
+    here = [t for t in man.tensors.values() if _on_node(man.files[t.file], node)]
+    files_here = [f for f in man.files.values() if _on_node(f, node)]
+    elsewhere = sorted(f.name for f in man.files.values() if not _on_node(f, node))
+    nbytes = sum(t.nbytes for t in here)
+    res: dict[str, Any] = {"path": ckpt, "tensors": len(here), "files": len(files_here), "other_files": len(man.aux),
                            "bytes": nbytes, "seconds": secs, "gbps": gbps(nbytes, secs),
                            "bad": [{"file": f, "tensor": n, "reason": why} for f, n, why in bad]}
+    if node is not None:
+        res["node"], res["elsewhere"] = node, elsewhere
     if bad:
         tensors = {(f, n) for f, n, _ in bad if n}
         others = sorted({f for f, n, _ in bad if not n})
-        summary = (f"{len(tensors)} of {len(man.tensors)} tensors failed verification"
+        summary = (f"{len(tensors)} of {len(here)} tensors failed verification"
                    + (f"; so did {', '.join(others)}" if others else ""))
         if not args.json:
             for f, n, why in bad:
                 print(f"BAD  {_safe(f)}: {'tensor ' + repr(_safe(n)) + ': ' if n else ''}{_safe(why)}", file=sys.stderr)
+            gone = {f for f, n, why in bad if n and "is missing" in why}
+            if node is None and len(nodes) > 1 and gone:  # one node's directory of a node-local checkpoint?
+                print(f"note: the missing files were written on node(s) {sorted({man.files[f].node for f in gone})}; on "
+                      "node-local storage each node's directory holds its own files only: `unickpt verify PATH --node "
+                      "ID` checks one node's", file=sys.stderr)
         print(f"unickpt verify: {_safe(summary)}", file=sys.stderr)
         res["error"] = {"type": "ChecksumError", "message": summary}
         return FAILED, res, ""
     extra = f" and {len(man.aux)} other files" if man.aux else ""
     note = "" if man.format_version >= 2 else " (format 1: the manifest, headers and other files carry no checksum)"
-    return OK, res, (f"ok: {len(man.tensors)} tensors in {len(man.files)} files{extra} match their checksums{note} "
-                     f"({human_bytes(nbytes)} in {secs:.2f} s, {gbps(nbytes, secs):.2f} GB/s)")
+    of_node = "" if node is None else f" of node {node}"
+    rest = (f"; {len(elsewhere)} files of other nodes not checked here ({', '.join(sorted({man.files[f].node for f in elsewhere}))})"
+            if elsewhere else "")
+    return OK, res, (f"ok: {len(here)} tensors in {len(files_here)} files{of_node}{extra} match their checksums{note} "
+                     f"({human_bytes(nbytes)} in {secs:.2f} s, {gbps(nbytes, secs):.2f} GB/s){rest}")
 
 
-def verify_checkpoint(ckpt: str, man: Manifest, progress: Progress = None) -> list[tuple[str, str, str]]:
+def _on_node(f, node: str | None) -> bool:
+    """Whether file entry ``f`` lies in ``node``'s directory (every file when ``node`` is None)."""
+    return node is None or f.node == node or node in f.replicas
+
+
+def verify_checkpoint(ckpt: str, man: Manifest, progress: Progress = None, node: str | None = None
+                      ) -> list[tuple[str, str, str]]:
     """Check every stored tensor against its checksum; return ``(file, tensor, reason)``.
-    ``progress(done, total)`` is called with the bytes checked so far."""
+    ``progress(done, total)`` is called with the bytes checked so far. ``node``: the
+    directory is that node's of a node-local checkpoint; only the files it holds (written
+    there, or replicated to it) are checked."""
     import torch
 
     from .format import Hasher
@@ -234,12 +259,13 @@ def verify_checkpoint(ckpt: str, man: Manifest, progress: Progress = None) -> li
     from .storage import storage_for
 
     storage, _ = storage_for(ckpt)
-    total = sum(t.nbytes for t in man.tensors.values())
+    total = sum(t.nbytes for t in man.tensors.values() if _on_node(man.files[t.file], node))
     buf = torch.empty(WINDOW, dtype=torch.uint8)
     bad: list[tuple[str, str, str]] = []
     by_file: dict[str, list] = {}
     for t in man.tensors.values():
-        by_file.setdefault(t.file, []).append(t)
+        if _on_node(man.files[t.file], node):
+            by_file.setdefault(t.file, []).append(t)
     done = 0
     for fname in sorted(by_file):
         ts = sorted(by_file[fname], key=lambda t: t.begin)
@@ -397,6 +423,8 @@ def _parser() -> _Parser:
     pi.set_defaults(fn=_inspect)
     pv = sub.add_parser("verify", parents=[common], help="check every tensor against its checksum (exit 1 on mismatch)")
     pv.add_argument("path", help="checkpoint directory, or a root of step-* checkpoints (newest)")
+    pv.add_argument("--node", metavar="ID", help="PATH is node ID's directory of a node-local checkpoint: check the "
+                    "files it holds (the others live on their nodes)")
     pv.set_defaults(fn=_verify)
     pe = sub.add_parser("export", parents=[common], help="write the model weights as a Hugging Face model folder")
     pe.add_argument("src", help="checkpoint directory, or a root of step-* checkpoints (newest)")
