@@ -276,7 +276,7 @@ def test_cli_verify_checks_one_nodes_directory(saved, tmp_path):
         r = cli("verify", d)
         assert r.returncode == 1 and f"written on node(s) ['{other}']" in r.stderr and "--node ID" in r.stderr, r.stderr
         r = cli("verify", d, "--node", other)  # the wrong node: its files are not here
-        assert r.returncode == 1 and "is missing" in r.stderr, r.stderr
+        assert r.returncode == 1 and f"is missing (written on node {other}" in r.stderr, r.stderr
     assert cli("verify", os.path.join(saved, "n0", "ck-o1"), "--node", "n9").returncode == 2
     # a damaged file of the node is still found
     d = os.path.join(saved, "n1")

@@ -448,8 +448,15 @@ def _mismatch(ckpt: str, man: Manifest, missing: list[str], unexpected: list[str
 
 def open_file(storage: Storage, ckpt: str, man: Manifest, fname: str) -> RandomReader:
     """A reader of the logical (safetensors) bytes of a checkpoint file, header checked."""
-    r = storage.open_reader(storage.join(ckpt, fname))
     fe = man.files[fname]
+    try:
+        r = storage.open_reader(storage.join(ckpt, fname))
+    except CheckpointNotFoundError as e:
+        if len({f.node for f in man.files.values()}) < 2:
+            raise
+        where = ", ".join([fe.node, *fe.replicas])
+        raise CheckpointNotFoundError(f"{e} (written on node {where}: if the checkpoint is node-local, that "
+                                      "node's directory holds it)") from None
     try:
         if fe.container == "zstd":
             from .container import ZstdReader
