@@ -438,7 +438,7 @@ def test_an_internal_bug_is_one_line_and_a_hint_its_traceback_only_with_debug(tm
 
     p = _ckpt(tmp_path)
 
-    def buggy(ckpt, man, progress=None):
+    def buggy(ckpt, man, progress=None, **kw):
         return None + 1
 
     monkeypatch.setattr(cli, "verify_checkpoint", buggy)
@@ -447,6 +447,7 @@ def test_an_internal_bug_is_one_line_and_a_hint_its_traceback_only_with_debug(tm
     out, err = capsys.readouterr()
     assert json.loads(out)["error"]["type"] == "TypeError"
     assert len(err.splitlines()) == 1 and "internal error: TypeError" in err and "--debug" in err
+    assert "NoneType" in err, err  # the bug itself, not a call that failed before it ran
     with pytest.raises(TypeError):
         cli.main(["verify", str(p), "--debug"])
     monkeypatch.setenv("UNICKPT_DEBUG", "1")
