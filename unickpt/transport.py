@@ -92,12 +92,12 @@ def _fingerprint(text: str) -> int:
     return xxhash.xxh64_intdigest(text.encode()) >> 3 if text else 0
 
 
-def _tag(op: str, what: str | None) -> int:
+def _tag(op: str, what: str) -> int:
     """The fingerprint of a collective call: which operation, for which step (``what``).
     Every call carries it, so ranks that reached different calls (some in a save, others in
     a load, or in different steps) fail at once with a typed error naming each rank's call,
     instead of exchanging each other's bytes."""
-    return _fingerprint(f"{op}\0{what or ''}")
+    return _fingerprint(f"{op}\0{what}")
 
 
 def _ranks_by(values: list[str]) -> dict[str, list[int]]:
@@ -168,7 +168,7 @@ class Comm:
             text = f"{op}{where} failed: a peer rank died or its connection broke"
         return DistributedError(f"{text} [{type(e).__name__}: {_first_line(msg)}]")
 
-    def _run(self, op: str, what: str | None, post):
+    def _run(self, op: str, what: str, post):
         """Post a collective (``post()`` returns its work) and wait for it; typed errors."""
         try:
             work = post()
@@ -176,7 +176,7 @@ class Comm:
         except RuntimeError as e:  # gloo/c10d errors: DistBackendError, DistNetworkError, timeouts
             raise self._failed(op, what, e) from e
 
-    def _gather(self, op: str, what: str | None, data: bytes = b"", aux: int = 0,
+    def _gather(self, op: str, what: str, data: bytes = b"", aux: int = 0,
                 tagged: bool = True) -> tuple[list[list[int]], list[bytes] | None]:
         """The first collective of every call: an all-gather of ``[len(data), aux, tag]``
         per rank (the same shape for every call, so ranks in different calls meet here and
@@ -203,12 +203,12 @@ class Comm:
         self._run("all_gather", what, lambda: g.allgather([outs], [buf], opts))
         return heads, [bytes(o[: h[0]].numpy().tobytes()) for o, h in zip(outs, heads)]
 
-    def _mismatch(self, op: str, what: str | None) -> None:
+    def _mismatch(self, op: str, what: str) -> None:
         """Collective, when every rank has seen that the ranks' tags differ: each says which
         call it is in (one more all-gather, untagged: every rank saw the same tags, so every
         rank makes it) and every rank raises :class:`DistributedError`. The group stays
         usable: every rank made the same collectives."""
-        calls = self._each(f"{what} [{op}]" if what else op, "comparing the ranks' calls")
+        calls = self._each(f"{what} [{op}]", "comparing the ranks' calls")
         said = "; ".join(f"rank(s) {rs} in {c!r}" for c, rs in _ranks_by(calls).items())
         raise DistributedError(f"the ranks reached different collective calls ({said}): every rank of the group must "
                                "make the same unickpt calls (save, load, start_async_writer, ...) in the same order")
@@ -249,7 +249,7 @@ class Comm:
         g = self.p2p_group
         heads, _ = self._gather("all_reduce", what, aux=values.numel())
         if len({h[1] for h in heads}) > 1:  # (every rank sees it) an all-reduce of unequal lengths aborts gloo
-            raise DistributedError(f"{what or 'all_reduce'}: the ranks hold different numbers of values "
+            raise DistributedError(f"{what}: the ranks hold different numbers of values "
                                    f"({[h[1] for h in heads]})")
         opts = _c10d.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MIN
