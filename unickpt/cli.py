@@ -224,8 +224,8 @@ def _verify(args):
         if not args.json:
             for f, n, why in bad:
                 print(f"BAD  {_safe(f)}: {'tensor ' + repr(_safe(n)) + ': ' if n else ''}{_safe(why)}", file=sys.stderr)
-            gone = {f for f, n, why in bad if n and "is missing" in why}
-            if node is None and len(nodes) > 1 and gone:  # one node's directory of a node-local checkpoint?
+            gone = _absent(ckpt, {f for f, n, _ in bad if n}) if node is None and len(nodes) > 1 else set()
+            if gone:  # one node's directory of a node-local checkpoint?
                 print(f"note: the missing files were written on node(s) {sorted({man.files[f].node for f in gone})}; on "
                       "node-local storage each node's directory holds its own files only: `unickpt verify PATH --node "
                       "ID` checks one node's", file=sys.stderr)
@@ -239,6 +239,17 @@ def _verify(args):
             if elsewhere else "")
     return OK, res, (f"ok: {len(here)} tensors in {len(files_here)} files{of_node}{extra} match their checksums{note} "
                      f"({human_bytes(nbytes)} in {secs:.2f} s, {gbps(nbytes, secs):.2f} GB/s){rest}")
+
+
+def _absent(ckpt: str, names: set[str]) -> set[str]:
+    """Those of the files ``names`` that the checkpoint directory does not hold."""
+    from .storage import storage_for
+
+    storage, _ = storage_for(ckpt)
+    try:
+        return {f for f in names if not storage.exists(storage.join(ckpt, f))}
+    finally:
+        storage.close()
 
 
 def _on_node(f, node: str | None) -> bool:
