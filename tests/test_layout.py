@@ -104,3 +104,38 @@ def test_bad_layouts_are_refused_with_a_reason():
         shard(torch.zeros(5), (4, 4), flat=(0, 6))
     with pytest.raises(LayoutError, match="needs a torch.Tensor, got ndarray"):  # was AttributeError
         shard(np.zeros((2, 4), np.float32), (4, 4), offsets=(2, 0))
+
+
+def test_windowed_copies_match_brute_force():
+    """copy_window puts every element of the runs that a window holds where the runs say,
+    and nothing else: for layouts whose middle runs are regular (placed by arithmetic) and
+    for others (searched), against an element-by-element reference, over random windows."""
+    from unickpt._copy import Windows, copy_window
+
+    rng = np.random.default_rng(7)
+    layouts = [Layout((40, 12), (0, 4), (40, 5)),  # column block: every run alike
+               Layout((40, 12), (0, 4), (40, 5), (3, 187)),  # ZeRO range of it: clipped ends
+               Layout((9, 8, 6), (1, 2, 1), (7, 5, 4)),  # 3-D box: steps change at plane ends
+               Layout((30, 7), (3, 0), (20, 7), (5, 100)),  # flat range of rows: one run
+               Layout((40, 12), (0, 0), (40, 1))]  # runs of one element
+    regular = 0
+    for lay in layouts:
+        runs = lay.runs()
+        win = Windows(runs.starts, runs.lengths, runs.local)
+        regular += win.mid is not None
+        elems = _expand(runs)
+        total = math.prod(lay.shape)
+        for isz in (1, 4):
+            for _ in range(60):  # windows of every size, inside runs and across them
+                lo = int(rng.integers(0, total))
+                hi = int(rng.integers(lo, total + 1))
+                src = torch.randint(0, 255, (total * isz,), dtype=torch.uint8)  # 255: never copied
+                buf = src[lo * isz : hi * isz].clone()
+                dst = torch.full((len(elems) * isz,), 255, dtype=torch.uint8)
+                copy_window(buf, lo, hi, win, dst, isz)
+                want = torch.full_like(dst, 255)
+                for i, g in enumerate(elems):
+                    if lo <= g < hi:
+                        want[i * isz : (i + 1) * isz] = src[g * isz : (g + 1) * isz]
+                assert torch.equal(dst, want), (lay, isz, lo, hi)
+    assert regular == 3, regular  # both paths were taken

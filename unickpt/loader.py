@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from . import commit as _commit
-from ._copy import as_bytes, copy_runs, copy_window
+from ._copy import Windows, as_bytes, copy_runs, copy_window
 from ._metrics import Phases, gbps, human_bytes, log
 from .errors import (
     CheckpointChangedError,
@@ -811,22 +811,22 @@ class _SpanStream:
     def __init__(self, pool, depth: int) -> None:
         self.pool, self.depth = pool, max(1, depth)
         self.bufs: list[torch.Tensor] = []  # allocated by the first run that reads
-        self.jobs: list = []  # (reader, base, runs, run ends, isz, dest, check, pieces, done)
+        self.jobs: list = []  # (reader, base, Windows of the runs, isz, dest, check, pieces, done)
 
     def add(self, reader, base: int, st: TensorEntry, runs: Runs, isz: int, dest: torch.Tensor, verify: bool,
             done: Callable[[tuple[bool, int]], None]) -> None:
         check, pieces = _span_pieces(st, runs, isz, verify)
-        self.jobs.append((reader, base, runs, runs.starts + runs.lengths, isz, dest, check, pieces, done))
+        self.jobs.append((reader, base, Windows(runs.starts, runs.lengths, runs.local), isz, dest, check, pieces, done))
 
     def run(self) -> None:
-        order = [(j, n) for j, job in enumerate(self.jobs) for n in range(len(job[7]))]
+        order = [(j, n) for j, job in enumerate(self.jobs) for n in range(len(job[6]))]
         if order and not self.bufs:
             self.bufs = [torch.empty(SPAN_PIECE, dtype=torch.uint8) for _ in range(self.depth + 1)]
         flight: deque = deque()
 
         def submit(k: int) -> None:
             j, n = order[k]
-            reader, base, pieces = self.jobs[j][0], self.jobs[j][1], self.jobs[j][7]
+            reader, base, pieces = self.jobs[j][0], self.jobs[j][1], self.jobs[j][6]
             pos, size = pieces[n]
             buf = self.bufs[k % len(self.bufs)][:size]
             flight.append(self.pool.submit(reader.readinto, base + pos, memoryview(buf.numpy())))
@@ -837,16 +837,16 @@ class _SpanStream:
             flight.popleft().result()
             if k + self.depth < len(order):
                 submit(k + self.depth)
-            _, _, runs, ends, isz, dest, check, pieces, done = self.jobs[j]
+            _, _, windows, isz, dest, check, pieces, done = self.jobs[j]
             pos, size = pieces[n]
             buf = self.bufs[k % len(self.bufs)][:size]
             check.feed(pos, buf)
-            copy_window(buf, pos // isz, (pos + size) // isz, runs.starts, ends, runs.local, dest, isz)
+            copy_window(buf, pos // isz, (pos + size) // isz, windows, dest, isz)
             if n == len(pieces) - 1:
                 done((check.ok, check.checked))
         for job in self.jobs:  # targets without any piece (nothing to read)
-            if not job[7]:
-                job[8]((job[6].ok, job[6].checked))
+            if not job[6]:
+                job[7]((job[5].ok, job[5].checked))
         self.jobs.clear()
 
 

@@ -69,7 +69,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ._copy import copy_window
+from ._copy import Windows, copy_window
 from ._metrics import log
 from .errors import DistributedError
 from .format import CHECK_BLOCK, Hasher
@@ -122,7 +122,7 @@ class SharedJob:
     direct: bool = True  # dest is the target's own memory
 
     def __post_init__(self) -> None:
-        self.ends = self.runs.starts + self.runs.lengths  # once, not per round
+        self.windows = Windows(self.runs.starts, self.runs.lengths, self.runs.local)  # once, not per round
 
 
 def bounds(st: TensorEntry) -> tuple[np.ndarray, np.ndarray]:
@@ -811,8 +811,7 @@ def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[Shar
                 ub, ue = int(plan.begin[part[0]]), int(plan.end[part[-1]])
                 at = plan.header + (k % nbuf) * slot + int(plan.seg[part[0]])
                 for j in by_tensor[t]:
-                    copy_window(seg.bytes[at : at + ue - ub], ub // j.isz, ue // j.isz, j.runs.starts, j.ends,
-                                j.runs.local, j.dest, j.isz)
+                    copy_window(seg.bytes[at : at + ue - ub], ub // j.isz, ue // j.isz, j.windows, j.dest, j.isz)
 
     def run() -> str:
         for k in range(plan.rounds):
