@@ -276,6 +276,8 @@ def main() -> int:
     info["fails"] = fails
     path = args.json or os.path.join(RESULTS, f"run_all-{info['mode']}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     write_json(path, {"info": info, "table": rows, "results": res})
+    if not os.path.relpath(path, ROOT).startswith(".."):  # quoted in docs: no machine's directories
+        path = os.path.relpath(path, ROOT)
     print(f"\ntook {info['seconds']['total'] / 60:.1f} min ("
           + ", ".join(f"{k} {v:.0f} s" for k, v in info["seconds"].items() if k != "total") + f"); JSON: {path}")
     for f in fails:

@@ -74,8 +74,8 @@ class Windows:
     many :func:`copy_window` calls: the ends and local offsets are computed here, and where
     every run but the first and the last has one length at constant steps (row and column
     blocks, ZeRO ranges of them: the common case) a window is placed by arithmetic instead
-    of searches and checks over its runs, which cost ~0.1 s per rank and GB in a resharded
-    load of 512-wide matrices (docs/performance.md)."""
+    of searches and checks over its runs (5-16% of the user CPU time of a warm resharded
+    load of 512-wide matrices, docs/performance.md)."""
 
     __slots__ = ("starts", "ends", "local", "mid")
 
