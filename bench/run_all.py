@@ -193,7 +193,7 @@ def table(res: dict) -> list[list[str]]:
                 note=f"{extra} <= {r['bound'] / MiB:.0f} MiB ({r['note']}): {'ok' if r['ok'] else 'EXCEEDED'}")
     if "plan" in res:
         for p in res["plan"]:
-            row("planner", f"decode + make_plan + schedule, {p['layout']}, {p['world']} ranks", p["plan_s"], None, None,
+            row("planner", f"summarize + decode + make_plan + schedule, {p['layout']}, {p['world']} ranks", p["plan_s"], None, None,
                 None, f"1000 layers, rule summaries ({p['summary_kib']:.1f} KiB/rank); target < 1 s/rank: "
                 f"{'met' if p['plan_s'] < 1 else 'MISSED'}; peak {p['peak_mib']:.0f} MiB "
                 f"(target < 256: {'met' if p['peak_mib'] < 256 else 'MISSED'}); manifest {p['manifest_mib']:.2f} MiB")

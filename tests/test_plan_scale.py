@@ -7,6 +7,7 @@ at 10,000 ranks and on random small cases (gaps, overlaps, replicas, mixed rules
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
@@ -381,3 +382,28 @@ def test_vectorised_source_runs_equal_layout_runs_on_random_cases():
                 _source_runs_match(t)
                 n_checked += 1
     assert n_checked > 100
+
+
+def test_each_units_digest_is_the_digest_of_its_body():
+    """summarize names each rule body by the digest of its JSON. Grid bodies are written from
+    a text shared by the tensors of one geometry, role, dtype and tag: the digests are those
+    of the whole bodies, for names that JSON escapes, per-tensor tags and several roles; a
+    layout that is not its rule's piece is sent as a row."""
+    from unickpt.plan import _digest
+
+    mesh, pl = (2, 4), (0, 1)
+    names = ['w"0', "w\\1", "é2", "w\u00003", "plain"]
+    pairs, tags = [], {}
+    for role in ("model", "optim.exp_avg"):
+        for i, name in enumerate(names):
+            pairs.append((role, name, grid_layout((16, 8), mesh, pl, (1, 2))))
+            if i % 2:
+                tags[(role, name)] = {"codec": "int8", "group": i}
+    good = grid_layout((16, 8), mesh, pl, (1, 2))
+    bad = Layout(good.shape, good.offsets, (good.sizes[0] - 1, good.sizes[1]), None, 0, good.hint)
+    pairs.append(("model", "off_by_one", bad))
+    entries = _entries(pairs)
+    ls = summarize(entries, ["BF16"] * len(entries), "n0", {e.key: tags.get(e.key) for e in entries})
+    assert len(ls.units) == 10 and all(d == _digest(body) for d, body in ls.units.items())
+    assert len({json.dumps(b["tag"]) for b in ls.units.values()}) == 3  # None and two tags
+    assert [r[1] for r in ls.rows] == ["off_by_one"]
