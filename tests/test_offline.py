@@ -92,6 +92,42 @@ def test_reshard_bad_input_writes_nothing(src):
     assert sorted(os.listdir(tmp)) == ["src"]  # no destination, no temporary left
 
 
+def test_reshard_keeps_what_loads_tied_weights_per_rank_values_and_side_files(tmp_path):
+    """A reshard changes files, roles and codecs, not what loads: tied weights load from the
+    copy, per-rank values keep their marker, and the side files (config.json,
+    generation_config.json) come along byte for byte, listed and checked; the index is
+    written anew. A side file that does not match its manifest fails the reshard, which
+    then leaves nothing behind; a dropped role takes its aliases with it."""
+    w = torch.randn(8, 4)
+    cfg = '{"model_type": "llama", "hidden_size": 4}'
+    sd = {"model": {"emb": w, "head": w, "rng": unickpt.per_rank(torch.arange(3.0))},
+          "optimizer": {"exp_avg": {"emb": torch.ones(8, 4)}}}
+    unickpt.save(sd, tmp_path / "src", extra_files={"config.json": cfg, "generation_config.json": "{}"})
+    _, before = unickpt.read_manifest(tmp_path / "src")
+    assert before.aliases and before.per_rank  # what the copy must keep
+    r = cli("reshard", tmp_path / "src", tmp_path / "dst", "--max-file-size", "1KiB", "-q")
+    assert r.returncode == 0, r.stderr
+    _, man = unickpt.read_manifest(tmp_path / "dst")
+    assert man.aliases == before.aliases and man.per_rank == before.per_rank
+    assert (tmp_path / "dst" / "config.json").read_text() == cfg
+    assert (tmp_path / "dst" / "generation_config.json").read_text() == "{}"
+    assert set(man.aux) == set(before.aux)
+    t = {"model": {"emb": torch.zeros(8, 4), "head": torch.zeros(8, 4), "rng": unickpt.per_rank(torch.zeros(3))}}
+    unickpt.load(t, tmp_path / "dst", strict=False)
+    assert torch.equal(t["model"]["head"], w) and torch.equal(t["model"]["rng"].value, torch.arange(3.0))
+    assert cli("verify", tmp_path / "dst", "-q").returncode == 0
+
+    r = cli("reshard", tmp_path / "src", tmp_path / "m", "--drop-role", "model", "-q")  # the optimizer's stay
+    assert r.returncode == 0, r.stderr
+    _, m = unickpt.read_manifest(tmp_path / "m")
+    assert not m.aliases and not m.per_rank and {role for role, _ in m.tensors} == {"optimizer"}
+
+    (tmp_path / "src" / "config.json").write_text(cfg.replace("4", "5"))
+    r = cli("reshard", tmp_path / "src", tmp_path / "bad", "-q")
+    assert r.returncode == 2 and "ChecksumError" in r.stderr and "config.json" in r.stderr, r.stderr
+    assert not (tmp_path / "bad").exists() and not [n for n in os.listdir(tmp_path) if n.startswith(".bad")]
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_convert_from_dcp(tmp_path):
     import torch.distributed.checkpoint as dcp

@@ -384,6 +384,48 @@ def test_export_never_replaces_a_checkpoint_or_its_root(ck, tmp_path):
     assert unickpt.latest(root).endswith("step-00000005") and unickpt.read_manifest(ck)[1].step == 3
 
 
+def test_bad_arguments_and_unwritable_destinations_raise_typed_errors(ck, tmp_path):
+    """Out-of-range arguments are InvalidArgumentError (still a ValueError); a destination the
+    storage cannot create is a StorageError naming it, not the hidden temporary."""
+    from unickpt.errors import InvalidArgumentError, StorageError
+
+    t = {"model": {k: torch.zeros_like(v) for k, v in _state()["model"].items()}}
+    for kw in ({"verify": "bogus"}, {"bucket_bytes": 0}):
+        with pytest.raises(InvalidArgumentError):
+            unickpt.load(t, ck, **kw)
+    with pytest.raises(InvalidArgumentError):
+        unickpt.Compression(quant="O3")
+    r = cli("export", ck, "/proc/unickpt-no-such-dir/out", "--json")
+    got = json.loads(r.stdout)
+    assert r.returncode == 2 and got["error"]["type"] == "StorageError", r.stdout
+    assert "/proc/unickpt-no-such-dir/out" in got["error"]["message"] and ".tmp" not in got["error"]["message"], got
+    with pytest.raises(StorageError, match="/proc/unickpt-x"):
+        unickpt.save(_state(), "/proc/unickpt-x")
+
+
+def test_overwrite_never_deletes_checkpoints_nested_deeper(tmp_path):
+    """A folder an export would replace, or a checkpoint a save would replace, may hold
+    committed checkpoints at any depth and under any name (a run's directory, a 'best' copy):
+    both refuse, name the one found, and every checkpoint stays loadable, the export's
+    own source included."""
+    root = tmp_path / "root"
+    src = root / "runs" / "run1" / "step-00000001"
+    unickpt.save(_state(), src, step=1)
+    unickpt.save(_state(), root / "best", step=9)
+    r = cli("export", src, root, "--overwrite", "-q")
+    assert r.returncode == 2 and "CheckpointExistsError" in r.stderr and "holds a committed checkpoint" in r.stderr, r.stderr
+    r = cli("export", src, root / "runs", "--overwrite", "-q")  # its source, two levels down
+    assert r.returncode == 2 and "step-00000001" in r.stderr, r.stderr
+    outer = tmp_path / "outer"
+    unickpt.save(_state(), outer, step=2)
+    unickpt.save(_state(), outer / "inner", step=3)  # a checkpoint inside another one's directory
+    with pytest.raises(CheckpointExistsError, match="holds another committed checkpoint"):
+        unickpt.save(_state(), outer, step=4, overwrite=True)
+    for p, step in ((src, 1), (root / "best", 9), (outer, 2), (outer / "inner", 3)):
+        assert unickpt.read_manifest(p)[1].step == step
+        assert cli("verify", p, "-q").returncode == 0, p
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_convert_checks_dcp_claims_before_allocating_or_creating(tmp_path):
     import pickle

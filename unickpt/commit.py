@@ -45,7 +45,7 @@ import socket
 import time
 import uuid
 
-from .errors import CheckpointExistsError, CheckpointNotFoundError, InvalidArgumentError
+from .errors import CheckpointExistsError, CheckpointNotFoundError, InvalidArgumentError, StorageError, UnickptError
 from .manifest import INDEX_NAME, MANIFEST_NAME
 from .storage import MarkerStorage, Storage
 
@@ -85,6 +85,18 @@ def is_committed(storage: Storage, path: str) -> bool:
     if not storage.caps.atomic_rename:
         return storage.isfile(storage.join(path, MANIFEST_NAME))
     return storage.isdir(path) and storage.isfile(storage.join(path, MANIFEST_NAME))
+
+
+def committed_under(storage: Storage, path: str, *, below: bool = False) -> str | None:
+    """The first committed checkpoint at ``path`` or anywhere under it (``below``: under it
+    only), or None. Real directories only: links are not followed, as no reader follows them."""
+    stack = [path]
+    while stack:
+        p = stack.pop()
+        if (p != path or not below) and is_committed(storage, p):
+            return p
+        stack.extend(q for q in reversed([storage.join(p, n) for n in storage.listdir(p)]) if storage.isdir(q))
+    return None
 
 
 def committed_steps(storage: Storage, root: str) -> list[tuple[int, str]]:
@@ -385,9 +397,11 @@ class Transaction:
         if not s.isdir(final):
             raise CheckpointExistsError(f"{final}: exists and is not a directory")
         if self.folder:
-            if is_committed(s, final) or committed_steps(s, final):
-                raise CheckpointExistsError(f"{final}: is a checkpoint or holds committed checkpoints; an export "
-                                            "never replaces them (choose another destination)")
+            found = committed_under(s, final)  # at any depth, under any name: a replaced folder goes whole
+            if found is not None:
+                what = "is a checkpoint" if found == final else f"holds a committed checkpoint ({found})"
+                raise CheckpointExistsError(f"{final}: {what}; an export never replaces checkpoints (choose another "
+                                            "destination)")
             if not self.overwrite:
                 raise CheckpointExistsError(f"{final}: already exists (use --overwrite / overwrite=True to replace it)")
             return
@@ -395,6 +409,10 @@ class Transaction:
             if not self.overwrite:
                 raise CheckpointExistsError(
                     f"{final}: a committed checkpoint is already there (pass overwrite=True to replace it)")
+            inner = committed_under(s, final, below=True)
+            if inner is not None:  # replacing this one would delete that one, which nothing newer replaces
+                raise CheckpointExistsError(f"{final}: holds another committed checkpoint ({inner}); refusing to "
+                                            "replace it")
         elif s.listdir(final):
             raise CheckpointExistsError(f"{final}: exists, is not a checkpoint and is not empty; refusing to replace it")
 
@@ -428,6 +446,14 @@ class Transaction:
     def begin(self) -> None:
         if self.marker:
             return self._begin_marker()
+        try:
+            self._begin_dir()
+        except OSError as e:  # (a StorageError already names its path)
+            if isinstance(e, UnickptError):
+                raise
+            raise StorageError(e.errno, f"cannot write {self.final}: {e.strerror or e}", e.filename) from None
+
+    def _begin_dir(self) -> None:
         s = self.storage
         if not s.isdir(self.parent):
             s.makedirs(self.parent)

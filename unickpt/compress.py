@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from . import codecs as _c
-from .errors import FormatError, StateDictError
+from .errors import FormatError, InvalidArgumentError, StateDictError
 from .layout import Layout
 from .state import Entry
 
@@ -68,15 +68,15 @@ class Compression:
         if self.quant == "O0":
             object.__setattr__(self, "quant", None)
         if self.quant not in (None, "O1", "O2"):
-            raise ValueError(f"quant must be None, 'O0', 'O1' or 'O2', got {self.quant!r}")
+            raise InvalidArgumentError(f"quant must be None, 'O0', 'O1' or 'O2', got {self.quant!r}")
         if self.master not in ("full", "residual", "drop"):
-            raise ValueError(f"master must be 'full', 'residual' or 'drop', got {self.master!r}")
+            raise InvalidArgumentError(f"master must be 'full', 'residual' or 'drop', got {self.master!r}")
         if self.zstd is not None and (type(self.zstd) is not int or not 1 <= self.zstd <= 22):
-            raise ValueError(f"zstd must be None or a level 1..22, got {self.zstd!r}")
+            raise InvalidArgumentError(f"zstd must be None or a level 1..22, got {self.zstd!r}")
         if not (isinstance(self.eps, (int, float)) and math.isfinite(self.eps) and self.eps > 0):
-            raise ValueError(f"eps must be a finite number > 0, got {self.eps!r}")
+            raise InvalidArgumentError(f"eps must be a finite number > 0, got {self.eps!r}")
         if type(self.block) is not int or not 2 <= self.block <= 1 << 20 or self.block % 2:
-            raise ValueError(f"block must be an even integer in 2..2^20, got {self.block!r}")
+            raise InvalidArgumentError(f"block must be an even integer in 2..2^20, got {self.block!r}")
 
     @property
     def bits(self) -> int | None:
@@ -93,7 +93,7 @@ class Compression:
     def coerce(value: "Compression | dict | None", **kw) -> "Compression":
         if isinstance(value, Compression):
             if any(v is not None for v in kw.values()):
-                raise ValueError("pass either compression=Compression(...) or quant/master/zstd, not both")
+                raise InvalidArgumentError("pass either compression=Compression(...) or quant/master/zstd, not both")
             return value
         if isinstance(value, dict):
             return Compression(**value)

@@ -178,9 +178,9 @@ def load(
         DtypeMismatchError (before any target is written), ChecksumError, FormatError.
     """
     if verify not in ("auto", "full", "none"):
-        raise ValueError(f"verify must be 'auto', 'full' or 'none', got {verify!r}")
+        raise InvalidArgumentError(f"verify must be 'auto', 'full' or 'none', got {verify!r}")
     if type(bucket_bytes) is not int or bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
+        raise InvalidArgumentError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
     comm = Comm(group, timeout_s=timeout_s)
     ph = Phases()
     storage, p = storage_for(path, storage_options)

@@ -21,7 +21,8 @@ import torch
 from . import __version__
 from . import commit as _commit
 from ._metrics import gbps, human_bytes, log
-from .errors import FormatError, InvalidArgumentError, StateDictError, UnickptError
+from .errors import (ChecksumError, CheckpointNotFoundError, FormatError, InvalidArgumentError, StateDictError,
+                     UnickptError)
 from .format import Hasher, block_sums, build_header, dtype_name, itemsize, order_key, torch_dtype
 from .loader import open_files, read_manifest, read_whole
 from .codecs import split_master
@@ -123,7 +124,10 @@ class _Writer:
             self._put(role, name, "low16", res.low)
             self.args[(role, name)] = {"exceptions": [res.exc_index.tolist(), res.exc_bits.tolist()]}
 
-    def commit(self, *, step, state, extra, strategy: dict, compression: dict | None = None) -> str:
+    def commit(self, *, step, state, extra, strategy: dict, compression: dict | None = None,
+               aliases: dict | None = None, per_rank: set | None = None, aux: dict[str, bytes] | None = None) -> str:
+        """``aliases``, ``per_rank``: as the manifest records them; ``aux``: side files (name ->
+        bytes, checked already) written beside the data and listed in the manifest."""
         framed = {}
         for fname, w in self.writers.items():
             frags = w.close()
@@ -152,12 +156,15 @@ class _Writer:
             saved_by={"world_size": 1, "nodes": [node_id()], "strategy": strategy, "unickpt_version": __version__,
                       "torch_version": torch.__version__.split("+")[0]},
             created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            compression=compression or {},
+            compression=compression or {}, aliases=dict(aliases or {}), per_rank=set(per_rank or ()),
         )
+        side = dict(aux or {})
         idx = man.hf_index()
         if idx is not None:
-            self.txn.put(INDEX_NAME, idx)
-            man.aux = {INDEX_NAME: (len(idx), Hasher.of(idx))}
+            side[INDEX_NAME] = idx
+        for fname, data in sorted(side.items()):
+            self.txn.put(fname, data)
+        man.aux = {fname: (len(data), Hasher.of(data)) for fname, data in side.items()}
         self.txn.commit(man.to_json())
         self.storage.close()
         return self.final
@@ -231,10 +238,15 @@ def reshard_offline(
     the moments quantized (``quant`` O1/O2; O0 stores them decoded), masters
     ``full``/``residual``/``drop``, zstd-framed optimizer and master files; fresh checksums.
     ``eps`` defaults to the source's (when it was quantized), else 1e-8. A role the
-    checkpoint lacks is an :class:`InvalidArgumentError` naming the roles it has."""
+    checkpoint lacks is an :class:`InvalidArgumentError` naming the roles it has. What loads
+    stays as it was: tied weights (aliases), per-rank tensors and the side files
+    (``config.json``... checked against the manifest first; the index is written anew) of the
+    roles kept."""
     t0 = time.perf_counter()
     ckpt, man = read_manifest(src)
     drop = _roles_to_drop(ckpt, man, drop_roles)
+    src_storage = storage_for(ckpt)[0]  # the destination may be on another store
+    aux = _side_files(src_storage, ckpt, man)  # a damaged one fails here, before DST exists
     if eps is None:
         eps = float((man.compression or {}).get("eps", 1e-8))
     comp = Compression(quant=quant, master=master, zstd=zstd, eps=eps, block=block)
@@ -251,7 +263,6 @@ def reshard_offline(
                 tag = {"codec": "residual16", "model": t.name}
         entries.append((t.role, t.name, t.dtype, t.shape, tag))
     readers: dict = {}  # every source file checked before anything of the claimed size is created
-    src_storage = storage_for(ckpt)[0]  # the destination may be on another store
     open_files(src_storage, ckpt, man, {man.tensors[(t.role, t.name)].file for t in keep if t.codec != "from_model"}
                | {man.tensors[("model", t.args["model"])].file for t in keep if t.codec in ("residual16", "from_model")},
                readers)
@@ -274,7 +285,9 @@ def reshard_offline(
         strategy = dict(man.saved_by.get("strategy") or {}, resharded_from=ckpt)
         state = {k: v for k, v in man.state.items() if k not in drop}
         path = w.commit(step=man.step, state=state, extra=man.extra, strategy=strategy,
-                        compression=comp.to_json() if comp.active else None)
+                        compression=comp.to_json() if comp.active else None,
+                        aliases={k: v for k, v in man.aliases.items() if k[0] not in drop},
+                        per_rank={k for k in man.per_rank if k[0] not in drop}, aux=aux)
     except BaseException:
         w.abort()
         raise
@@ -287,6 +300,36 @@ def reshard_offline(
              human_bytes(man.total_bytes), human_bytes(out.total_bytes), secs)
     return {"path": path, "tensors": len(keep), "bytes": total, "stored_bytes": out.total_bytes, "seconds": secs,
             "gbps": gbps(total, secs)}
+
+
+SIDE_FILE_LIMIT = 256 << 20
+
+
+def _side_files(storage, ckpt: str, man: Manifest) -> dict[str, bytes]:
+    """The checkpoint's side files but the index (``save(extra_files=...)``: config.json...),
+    each a regular file matching the size and checksum its manifest records
+    (:class:`ChecksumError` otherwise). Format 1 recorded none: its side files are not
+    copied, and a warning names them."""
+    out = {}
+    for fname, (size, digest) in sorted(man.aux.items()):
+        if fname == INDEX_NAME:
+            continue
+        path = storage.join(ckpt, fname)
+        if not 0 <= size <= SIDE_FILE_LIMIT:
+            raise FormatError(f"{path}: the manifest records {size} bytes for it (side files: at most "
+                              f"{SIDE_FILE_LIMIT} bytes)")
+        if not storage.exists(path):
+            raise CheckpointNotFoundError(f"{path}: listed in the manifest but missing")
+        data = storage.read_bytes(path, size)
+        if len(data) != size or Hasher.of(data) != digest:
+            raise ChecksumError(f"{path}: does not match the size and checksum the manifest records", [(fname, "")])
+        out[fname] = data
+    if man.format_version < 2:
+        old = [n for n in ("config.json", "generation_config.json") if storage.exists(storage.join(ckpt, n))]
+        if old:
+            log.warning("%s: format %d checkpoints do not checksum their side files; not copied: %s", ckpt,
+                        man.format_version, ", ".join(old))
+    return out
 
 
 def _roles_to_drop(ckpt: str, man: Manifest, drop_roles: Iterable[str]) -> set[str]:
