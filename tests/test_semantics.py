@@ -130,6 +130,27 @@ def test_an_optimizer_object_saved_by_dcp_loads_into_an_optimizer_object(tmp_pat
     assert res.missing == [] and res.unexpected == [] and _same_optimizer_state(opt, opt2)
 
 
+def test_top_level_json_values_beside_stateful_objects_are_restored(tmp_path):
+    """The README's own use: a module, an optimizer and a scheduler beside plain values in
+    one dict. The plain values at the top level (an int, a string, a list) are restored into
+    the caller's dict as they are without objects; nested ones were already."""
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    _train(model, opt, sched)
+    unickpt.save({"model": model, "optim": opt, "sched": sched, "step": 100, "tag": "run-a", "seen": [3, 5],
+                  "trainer": {"tokens": 7}}, tmp_path / "step-00000100", step=100)
+    m2 = _mlp(1)
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
+    s2 = torch.optim.lr_scheduler.StepLR(o2, 2)
+    st = {"model": m2, "optim": o2, "sched": s2, "step": 0, "tag": "", "seen": [], "trainer": {"tokens": 0}}
+    res = unickpt.load(st, tmp_path)
+    assert (st["step"], st["tag"], st["seen"], st["trainer"]) == (100, "run-a", [3, 5], {"tokens": 7})
+    assert st["model"] is m2 and st["optim"] is o2 and st["sched"] is s2  # the objects stay, loaded
+    assert not res.missing and not res.skipped and _same_optimizer_state(opt, o2)
+    assert s2.state_dict() == sched.state_dict()
+
+
 def test_json_values_the_checkpoint_lacks_are_missing(tmp_path):
     unickpt.save({"step": 3, "model": {"w": torch.ones(2)}}, tmp_path / "ck")
     target = {"step": 0, "epoch": 7, "trainer": {"x": 1}, "model": {"w": torch.zeros(2)}}

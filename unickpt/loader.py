@@ -204,6 +204,7 @@ def load(
         finish = None
         try:
             objects = {k for k, v in state_dict.items() if is_stateful(v)} if isinstance(state_dict, Mapping) else set()
+            given = state_dict
             state_dict, finish = for_load(state_dict, {r for r, _ in man.tensors}, man.state)
             entries, _ = flatten(state_dict, comm.rank, comm.world)
             entries, missing, skipped, covered = _validate(entries, man, ckpt, comm.world)
@@ -265,6 +266,10 @@ def load(
             "checksum mismatch: " + "; ".join(f"tensor {n!r} in {f}" for f, n in bad), bad)
     comm.agree(err, "load (reading)" if verify != "full" else "load (checksums)")
     apply_json_state(state_dict, man.state, comm.rank, comm.world, skipped)
+    if finish is not None and state_dict is not given:  # for_load's copy around the stateful objects:
+        for k, v in state_dict.items():  # the caller's dict takes its replaced JSON leaves ("step": 100)
+            if k not in objects:
+                given[k] = v
     try:  # stateful objects take what was loaded (load_state_dict)
         finish()
     except Exception as e:
