@@ -548,6 +548,54 @@ def test_hung_async_writer_fails_every_rank_within_the_timeout(tmp_path):
     assert _committed(root) == ["step-00000001", "step-00000003"] and _leftovers(root) == []
 
 
+def _async_writer_killed_after_the_rename(rank, world, root, marks):
+    faulty.mark_fault_points()
+    import signal
+
+    import psutil
+    import torch.distributed as tdist
+
+    if rank == 1:  # rank 1's writer parks before the commit's agreement; rank 0's renames meanwhile
+        os.environ["UNICKPT_FAULT"] = "before-commit:60"
+    unickpt.save(_state(rank, world, 1), os.path.join(root, "step-00000001"), step=1, async_save=True).wait(timeout=120)
+    _arm(rank, marks)
+    final = os.path.join(root, "step-00000002")
+    h = unickpt.save(_state(rank, world, 2), final, step=2, async_save=True)
+    if rank == 1:
+        deadline = time.monotonic() + 60
+        while not (any(n.startswith("at-before-commit-") for n in os.listdir(marks))
+                   and os.path.exists(os.path.join(final, "unickpt.json"))):
+            assert time.monotonic() < deadline, "the writers never reached the commit"
+            time.sleep(0.02)
+        for c in psutil.Process().children():
+            if any("_writer_main" in a for a in c.cmdline()):
+                os.kill(c.pid, signal.SIGKILL)
+    try:
+        h.wait(timeout=120)
+        err = None
+    except AsyncSaveError as e:
+        err = str(e)
+    tdist.barrier()
+    if rank == 0:
+        os.unlink(os.path.join(marks, "armed"))
+    tdist.barrier()
+    return err, _load_rank(rank, world, final, 2)
+
+
+def test_a_writer_killed_after_the_rename_says_the_checkpoint_is_committed(tmp_path):
+    """The writers of rank 0 renamed the checkpoint into place; rank 1's, parked before the
+    commit's last agreement, is killed. The checkpoint is complete: rank 1 (whose writer died)
+    says it is committed, never that nothing was; rank 0 says the outcome is unknown."""
+    root, marks = str(tmp_path / "ck"), str(tmp_path / "marks")
+    os.makedirs(marks)
+    out = dist.run(_async_writer_killed_after_the_rename, 2, root, marks, timeout=150,
+                   env={"UNICKPT_MARK_DIR": marks, "UNICKPT_TIMEOUT_S": "60"})
+    (e0, ok0), (e1, ok1) = out
+    assert e1 and "died" in e1 and "is committed" in e1 and "nothing was committed" not in e1, e1
+    assert e0 and "outcome is unknown" in e0 and "was committed by this rank" in e0, e0
+    assert ok0 and ok1 and _committed(root) == ["step-00000001", "step-00000002"]
+
+
 def _async_writer_disk_full(rank, world, root):
     faulty.mark_fault_points()
     unickpt.save(_state(rank, world, 1), os.path.join(root, "step-00000001"), step=1)

@@ -893,8 +893,8 @@ class Checkpointer:
                 proc.join(timeout=1.0)  # its pipe closed as it exited: let it be reaped for the code
                 code = proc.exitcode
                 handle._error = AsyncSaveError(
-                    f"save of {handle.path}: the writer process of this rank died (exit code {code}); nothing was committed"
-                )
+                    f"save of {handle.path}: the writer process of this rank died (exit code {code}) before it "
+                    f"reported the outcome; {_committed_now(handle.path)}")
             elif msg.get("ok"):
                 handle._result = SaveResult(**msg["result"])
                 handle.results = [SaveResult(**r) for r in msg.get("results") or [msg["result"]]]
@@ -904,6 +904,26 @@ class Checkpointer:
             else:
                 handle._error = AsyncSaveError(f"save of {handle.path} failed: {msg.get('error')}")
             return
+
+
+def _committed_now(path: str) -> str:
+    """What a rank whose writer died can say of the save: the other ranks' writers fail at
+    their next collective, unless they had passed the commit's last agreement, so a
+    committed checkpoint there may be this save's."""
+    p = writer_path(path)
+    try:
+        if "://" not in p and "{node}" not in p:
+            from .commit import is_committed
+            from .storage import storage_for
+
+            if is_committed(storage_for(p)[0], p):
+                return (f"{p} is committed (the other ranks' writers had passed the commit); check it with "
+                        "unickpt.read_manifest before relying on it")
+            return (f"{p} is not committed now; unless the other ranks' writers had passed the commit, they fail "
+                    "too and it stays so (check unickpt.latest() before relying on it)")
+    except Exception:  # (the message only)
+        pass
+    return "the outcome is unknown here (check unickpt.latest() before relying on it)"
 
 
 def writer_path(path) -> str:
