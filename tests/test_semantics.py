@@ -151,6 +151,18 @@ def test_top_level_json_values_beside_stateful_objects_are_restored(tmp_path):
     assert s2.state_dict() == sched.state_dict()
 
 
+def test_saved_lists_longer_than_the_target_are_loaded_whole_or_reported(tmp_path):
+    """A list of lists of plain values loads whole, as a flat list does (dcp.load through
+    unickpt's reader agrees); a list of dicts is filled item by item, and saved items beyond
+    the target's length are reported in ``skipped``, never dropped silently."""
+    unickpt.save({"model": {"w": torch.ones(2)}, "trainer": {"buckets": [[1, 2], [3, 4, 5]], "groups": [{"a": 1}, {"a": 2}]}},
+                 tmp_path / "ck")
+    st = {"model": {"w": torch.zeros(2)}, "trainer": {"buckets": [[0]], "groups": [{"a": 0}]}}
+    res = unickpt.load(st, tmp_path / "ck")
+    assert st["trainer"] == {"buckets": [[1, 2], [3, 4, 5]], "groups": [{"a": 1}]}
+    assert len(res.skipped) == 1 and res.skipped[0].startswith("trainer.groups: 1 saved items"), res.skipped
+
+
 def test_json_values_the_checkpoint_lacks_are_missing(tmp_path):
     unickpt.save({"step": 3, "model": {"w": torch.ones(2)}}, tmp_path / "ck")
     target = {"step": 0, "epoch": 7, "trainer": {"x": 1}, "model": {"w": torch.zeros(2)}}

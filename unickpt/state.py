@@ -281,6 +281,10 @@ def apply_json_state(target: Any, saved: Any, rank: int = 0, world: int = 1,
             items.append((key, k, v))
     elif isinstance(target, MutableSequence) and isinstance(saved, list):
         items = [(i, str(i), v) for i, v in enumerate(saved[: len(target)])]
+        if len(saved) > len(target) and skipped is not None:  # (no tensor targets to put them in)
+            skipped.append(f"{where or '(top level)'}: {len(saved) - len(target)} saved items beyond the target's "
+                           f"{len(target)} not restored (the target list holds dicts or tensors, so it is filled "
+                           "item by item)")
     else:
         return
     for key, k, v in items:
@@ -365,4 +369,6 @@ def json_missing(target: Any, saved: Any, where: str = "") -> list[str]:
 
 
 def _is_leaf_list(v: Any) -> bool:
-    return isinstance(v, list) and all(isinstance(x, _JSON_SCALARS) for x in v)
+    """A list of JSON scalars, or of such lists at any depth: loaded whole (the saved list,
+    whatever its length), as a plain value is."""
+    return isinstance(v, list) and all(isinstance(x, _JSON_SCALARS) or _is_leaf_list(x) for x in v)
