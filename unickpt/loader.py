@@ -13,7 +13,7 @@ import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Literal, Mapping
+from typing import Any, Callable, Collection, Literal, Mapping, MutableMapping
 
 import numpy as np
 import torch
@@ -266,9 +266,9 @@ def load(
             "checksum mismatch: " + "; ".join(f"tensor {n!r} in {f}" for f, n in bad), bad)
     comm.agree(err, "load (reading)" if verify != "full" else "load (checksums)")
     apply_json_state(state_dict, man.state, comm.rank, comm.world, skipped)
-    if finish is not None and state_dict is not given:  # for_load's copy around the stateful objects:
-        for k, v in state_dict.items():  # the caller's dict takes its replaced JSON leaves ("step": 100)
-            if k not in objects:
+    if finish is not None and state_dict is not given and isinstance(given, MutableMapping):
+        for k, v in state_dict.items():  # for_load's copy around the stateful objects: the caller's
+            if k not in objects and given.get(k) is not v:  # dict takes its replaced JSON leaves ("step")
                 given[k] = v
     try:  # stateful objects take what was loaded (load_state_dict)
         finish()
