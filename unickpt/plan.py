@@ -795,8 +795,8 @@ def _summarize(entries: list[Entry], dtypes: list[str], node: str, tags: dict) -
     texts: dict[tuple, tuple[str, str] | None] = {}
     for k, (body, index) in grid.items():
         geo = (tuple(body["mesh"]), repr(body["pl"]), tuple(body["t"][0][1]))
-        if geo + (index,) not in pieces:
-            pieces[geo + (index,)] = _grid_piece(body, index)
+        if geo + (index,) not in pieces:  # (a grid rule has one tensor: its piece, if any)
+            pieces[geo + (index,)] = next(iter((_pieces_at(body, index) or {}).values()), None)
         want = pieces[geo + (index,)]
         if want is None or entries[k].layout != want:
             explicit.append(k)
@@ -835,36 +835,27 @@ def _around_name(body: dict) -> tuple[str, str] | None:
     return (parts[0], parts[1]) if len(parts) == 2 else None
 
 
-def _grid_piece(body: dict, index: int) -> Layout | None:
-    """The piece of a grid rule's one tensor at ``index`` (None: the rule is malformed, or
-    gives that member nothing)."""
+def _pieces_at(body: dict, index: int) -> dict[str, Layout] | None:
+    """The pieces rule ``body`` gives member ``index``, by tensor name (None: the rule is
+    malformed, or has no such member)."""
     try:
         u = Unit(*_template(body))
     except LayoutError:
         return None
     if not 0 <= index < u.n:
         return None
+    out = {}
     for j in u.slots_of(index):
         lay = u.piece(j, index)
         if lay is not None:
-            return lay
-    return None
+            out[u.slots[j][0]] = lay
+    return out
 
 
 def _claim_ok(body: dict, index: int, mine: list[Entry]) -> bool:
-    try:
-        u = Unit(*_template(body))
-    except LayoutError:
-        return False
-    if not 0 <= index < u.n:
-        return False
+    want = _pieces_at(body, index)
     have = {e.name: e.layout for e in mine}
-    want = {}
-    for j in u.slots_of(index):
-        lay = u.piece(j, index)
-        if lay is not None:
-            want[u.slots[j][0]] = lay
-    return len(have) == len(mine) and have == want
+    return want is not None and len(have) == len(mine) and have == want
 
 
 def encode_summary(entries: list[Entry], dtypes: list[str], node: str, tags: dict | None = None) -> bytes:
