@@ -217,6 +217,7 @@ class AsyncSave:
         self.total_seconds: float | None = None
         self._signature = ""  # of the staged entries (Checkpointer._layout)
         self._n_entries = 0
+        self._before = _manifest_stat(path)  # what stood at the path (an overwrite): told from this save's
 
     # -- staging -------------------------------------------------------------------------
 
@@ -894,7 +895,7 @@ class Checkpointer:
                 code = proc.exitcode
                 handle._error = AsyncSaveError(
                     f"save of {handle.path}: the writer process of this rank died (exit code {code}) before it "
-                    f"reported the outcome; {_committed_now(handle.path)}")
+                    f"reported the outcome; {_committed_now(handle.path, handle._before)}")
             elif msg.get("ok"):
                 handle._result = SaveResult(**msg["result"])
                 handle.results = [SaveResult(**r) for r in msg.get("results") or [msg["result"]]]
@@ -906,10 +907,23 @@ class Checkpointer:
             return
 
 
-def _committed_now(path: str) -> str:
+def _manifest_stat(path: str) -> tuple | None:
+    """Identity of the manifest at local ``path`` (None: none, or not a local path)."""
+    p = writer_path(path)
+    if "://" in p or "{node}" in p:
+        return None
+    try:
+        st = os.lstat(os.path.join(p, "unickpt.json"))
+    except (OSError, ValueError):
+        return None
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+def _committed_now(path: str, before: tuple | None = None) -> str:
     """What a rank whose writer died can say of the save: the other ranks' writers fail at
     their next collective, unless they had passed the commit's last agreement, so a
-    committed checkpoint there may be this save's."""
+    committed checkpoint there may be this save's (``before``: the manifest that stood there
+    when the save began, which an overwrite leaves in place until its commit)."""
     p = writer_path(path)
     try:
         if "://" not in p and "{node}" not in p:
@@ -917,6 +931,10 @@ def _committed_now(path: str) -> str:
             from .storage import storage_for
 
             if is_committed(storage_for(p)[0], p):
+                if before is not None and _manifest_stat(p) == before:
+                    return (f"{p} still holds the checkpoint that was there before this save; unless the other "
+                            "ranks' writers had passed the commit, they fail too and it stays so (check "
+                            "unickpt.read_manifest before relying on it)")
                 return (f"{p} is committed (the other ranks' writers had passed the commit); check it with "
                         "unickpt.read_manifest before relying on it")
             return (f"{p} is not committed now; unless the other ranks' writers had passed the commit, they fail "
