@@ -32,6 +32,13 @@ def _regular(offs: np.ndarray) -> int | None:
     return int(d[0]) if np.all(d == d[0]) else None
 
 
+def _copy_rows(src: torch.Tensor, s_off: int, s_stride: int, dst: torch.Tensor, d_off: int, d_stride: int,
+               rows: int, k: int) -> None:
+    """``rows`` runs of ``k`` bytes at constant strides, in one strided copy (no Python loop)."""
+    s = src.as_strided((rows, k), (s_stride, 1), src.storage_offset() + s_off)
+    dst.as_strided((rows, k), (d_stride, 1), dst.storage_offset() + d_off).copy_(s)
+
+
 def copy_runs(src: torch.Tensor, src_offs, dst: torch.Tensor, dst_offs, lens, isz: int) -> None:
     """``dst[dst_offs[i]:+lens[i]] = src[src_offs[i]:+lens[i]]`` for every run, in elements of
     ``isz`` bytes, on flat uint8 tensors."""
@@ -59,10 +66,7 @@ def copy_runs(src: torch.Tensor, src_offs, dst: torch.Tensor, dst_offs, lens, is
     k = int(ln[n // 2])
     s_stride, d_stride = _regular(so[mid]), _regular(do[mid])
     if hi > lo and np.all(ln[mid] == k) and s_stride is not None and d_stride is not None and s_stride >= 0 and d_stride >= 0:
-        rows = hi - lo
-        s = src.as_strided((rows, k), (s_stride, 1), src.storage_offset() + int(so[lo]))
-        d = dst.as_strided((rows, k), (d_stride, 1), dst.storage_offset() + int(do[lo]))
-        d.copy_(s)
+        _copy_rows(src, int(so[lo]), s_stride, dst, int(do[lo]), d_stride, hi - lo, k)
         return
     for a, b, kk in zip(so[mid].tolist(), do[mid].tolist(), ln[mid].tolist()):
         dst[b : b + kk].copy_(src[a : a + kk])
@@ -93,9 +97,6 @@ class Windows:
             if (k > 0 and step >= k and lstep >= k and np.all(ln == k) and np.all(np.diff(s) == step)
                     and np.all(np.diff(lc) == lstep)):
                 self.mid = (int(s[0]), step, k, int(lc[0]), lstep)
-
-    def __len__(self) -> int:
-        return len(self.starts)
 
 
 def _one(buf: torch.Tensor, lo: int, hi: int, start: int, end: int, local: int, dst: torch.Tensor, isz: int) -> None:
@@ -134,7 +135,4 @@ def copy_window(buf: torch.Tensor, lo: int, hi: int, runs: Windows, dst: torch.T
         jb -= 1
     if jb <= ja:
         return
-    rows = jb - ja
-    src = buf.as_strided((rows, k * isz), (step * isz, 1), buf.storage_offset() + (s0 + ja * step - lo) * isz)
-    out = dst.as_strided((rows, k * isz), (lstep * isz, 1), dst.storage_offset() + (l0 + ja * lstep) * isz)
-    out.copy_(src)
+    _copy_rows(buf, (s0 + ja * step - lo) * isz, step * isz, dst, (l0 + ja * lstep) * isz, lstep * isz, jb - ja, k * isz)

@@ -55,6 +55,7 @@ import multiprocessing.connection as mpc
 import multiprocessing.util as mp_util
 import signal
 import os
+import stat
 import subprocess
 import sys
 import threading
@@ -69,6 +70,7 @@ from ._writer_main import BOOT
 from .errors import AsyncSaveError, DistributedError, UnickptError
 from .format import dtype_name, torch_dtype
 from .layout import Layout
+from .manifest import MANIFEST_NAME
 from .saver import ProgressFn, SaveOptions, SaveResult, save_entries
 from .state import Entry, flatten
 from .stateful import for_save
@@ -907,16 +909,20 @@ class Checkpointer:
             return
 
 
-def _manifest_stat(path: str) -> tuple | None:
-    """Identity of the manifest at local ``path`` (None: none, or not a local path)."""
+def _local(path) -> str | None:
+    """``path`` made absolute, if it is one local directory (not a URL, not node-local)."""
     p = writer_path(path)
-    if "://" in p or "{node}" in p:
-        return None
+    return None if "://" in p or "{node}" in p else p
+
+
+def _manifest_stat(path) -> tuple | None:
+    """Identity of the committed manifest (a regular file) at local ``path``, or None."""
+    p = _local(path)
     try:
-        st = os.lstat(os.path.join(p, "unickpt.json"))
+        st = os.lstat(os.path.join(p, MANIFEST_NAME)) if p is not None else None
     except (OSError, ValueError):
         return None
-    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size) if st is not None and stat.S_ISREG(st.st_mode) else None
 
 
 def _committed_now(path: str, before: tuple | None = None) -> str:
@@ -924,24 +930,19 @@ def _committed_now(path: str, before: tuple | None = None) -> str:
     their next collective, unless they had passed the commit's last agreement, so a
     committed checkpoint there may be this save's (``before``: the manifest that stood there
     when the save began, which an overwrite leaves in place until its commit)."""
-    p = writer_path(path)
-    try:
-        if "://" not in p and "{node}" not in p:
-            from .commit import is_committed
-            from .storage import storage_for
-
-            if is_committed(storage_for(p)[0], p):
-                if before is not None and _manifest_stat(p) == before:
-                    return (f"{p} still holds the checkpoint that was there before this save; unless the other "
-                            "ranks' writers had passed the commit, they fail too and it stays so (check "
-                            "unickpt.read_manifest before relying on it)")
-                return (f"{p} is committed (the other ranks' writers had passed the commit); check it with "
-                        "unickpt.read_manifest before relying on it")
-            return (f"{p} is not committed now; unless the other ranks' writers had passed the commit, they fail "
-                    "too and it stays so (check unickpt.latest() before relying on it)")
-    except Exception:  # (the message only)
-        pass
-    return "the outcome is unknown here (check unickpt.latest() before relying on it)"
+    p = _local(path)
+    if p is None:
+        return "the outcome is unknown here (check unickpt.latest() before relying on it)"
+    now = _manifest_stat(p)
+    if now is None:
+        return (f"{p} is not committed now; unless the other ranks' writers had passed the commit, they fail "
+                "too and it stays so (check unickpt.latest() before relying on it)")
+    if now == before:
+        return (f"{p} still holds the checkpoint that was there before this save; unless the other ranks' "
+                "writers had passed the commit, they fail too and it stays so (check unickpt.read_manifest "
+                "before relying on it)")
+    return (f"{p} is committed (the other ranks' writers had passed the commit); check it with "
+            "unickpt.read_manifest before relying on it")
 
 
 def writer_path(path) -> str:

@@ -95,7 +95,7 @@ def committed_under(storage: Storage, path: str, *, below: bool = False) -> str 
         p = stack.pop()
         if (p != path or not below) and is_committed(storage, p):
             return p
-        stack.extend(q for q in reversed([storage.join(p, n) for n in storage.listdir(p)]) if storage.isdir(q))
+        stack.extend(q for q in (storage.join(p, n) for n in storage.listdir(p)) if storage.isdir(q))
     return None
 
 
