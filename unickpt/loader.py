@@ -13,7 +13,7 @@ import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Literal, Mapping, MutableMapping
+from typing import Any, Callable, Collection, Literal, Mapping
 
 import numpy as np
 import torch
@@ -204,7 +204,6 @@ def load(
         finish = None
         try:
             objects = {k for k, v in state_dict.items() if is_stateful(v)} if isinstance(state_dict, Mapping) else set()
-            given = state_dict
             state_dict, finish = for_load(state_dict, {r for r, _ in man.tensors}, man.state)
             entries, _ = flatten(state_dict, comm.rank, comm.world)
             entries, missing, skipped, covered = _validate(entries, man, ckpt, comm.world)
@@ -266,10 +265,6 @@ def load(
             "checksum mismatch: " + "; ".join(f"tensor {n!r} in {f}" for f, n in bad), bad)
     comm.agree(err, "load (reading)" if verify != "full" else "load (checksums)")
     apply_json_state(state_dict, man.state, comm.rank, comm.world, skipped)
-    if finish is not None and state_dict is not given and isinstance(given, MutableMapping):
-        for k, v in state_dict.items():  # for_load's copy around the stateful objects: the caller's
-            if k not in objects and given.get(k) is not v:  # dict takes its replaced JSON leaves ("step")
-                given[k] = v
     try:  # stateful objects take what was loaded (load_state_dict)
         finish()
     except Exception as e:

@@ -24,7 +24,7 @@ dict checks like any other non-tensor, non-JSON value.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any, Callable
 
 import torch
@@ -154,7 +154,8 @@ def for_load(state_dict: Mapping[str, Any], stored_roles: set[str] | None = None
              saved_state: Mapping[str, Any] | None = None) -> tuple[Mapping[str, Any], Callable[[], None]]:
     """``(targets, finish)``: the state dict with every top-level stateful object replaced by
     a target state dict to load into, and a function that hands what was loaded to the
-    objects (call it after the load succeeded on every rank). ``stored_roles``: the roles
+    objects, and the plain values it replaced to ``state_dict`` (call it after the load
+    succeeded on every rank). ``stored_roles``: the roles
     the checkpoint holds tensors of; an optimizer saved before it had any state is restored
     without state (its param groups only), not given state it never had. ``saved_state``:
     the checkpoint's JSON state; an optimizer saved with numbered parameters (its plain
@@ -199,5 +200,9 @@ def for_load(state_dict: Mapping[str, Any], stored_roles: set[str] | None = None
     def finish() -> None:
         for f in (*first, *then, *last):
             f()
+        if isinstance(state_dict, MutableMapping):  # the plain values the load replaced in ``out``
+            for k, v in out.items():  # (top-level JSON leaves: "step": 100) go to the caller's dict
+                if not is_stateful(state_dict[k]) and state_dict[k] is not v:
+                    state_dict[k] = v
 
     return out, finish
