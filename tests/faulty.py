@@ -334,6 +334,14 @@ def writer_cannot_join(conn, *args) -> None:
     conn.send_bytes(b'{"ok": false, "error": "writer group setup failed: injected"}')
 
 
+def writer_starts_slowly(conn, *args) -> None:
+    """An asynchronous writer still starting (an interpreter importing for minutes): it never
+    reaches the writers' group. A test kills it."""
+    import time
+
+    time.sleep(600)
+
+
 def writer_exits(conn, *args) -> None:
     """An asynchronous writer that dies before joining its group, without a word."""
     os._exit(3)

@@ -466,6 +466,8 @@ def _writer_fails_at_set_up(rank, world, root):
                       (faulty.writer_exits, r"exited \(exit code 3\) before joining the writers' group")):
         if rank == 1:
             async_save._writer_main = bad
+        if rank == 0:  # its own writer may fail first, at the gate rank 1's trainer closed
+            said = f"{said}|rank 1's writer process \\(pid \\d+\\) exited before it joined the writers' group"
         try:  # reported by start_async_writer on every rank (one error type), not left to the first save
             with pytest.raises(AsyncSaveError, match=said):
                 unickpt.start_async_writer(sd)
@@ -490,3 +492,49 @@ def test_a_writer_that_fails_at_set_up_fails_start_async_writer_on_every_rank(tm
     t = {"model": {"w": torch.zeros(8, 3)}}
     unickpt.load(t, str(tmp_path / "a"))
     assert torch.equal(t["model"]["w"], torch.cat([torch.zeros(4, 3), torch.ones(4, 3)]))
+
+
+def _writer_killed_while_a_save_starts_it(rank, world, root):
+    import signal
+
+    import pytest
+
+    from tests import faulty
+    from unickpt import async_save
+    from unickpt.errors import AsyncSaveError
+
+    sd = {"model": {"w": unickpt.shard(torch.full((4, 3), float(rank)), (4 * world, 3), offsets=(4 * rank, 0))}}
+    unickpt.save(sd, os.path.join(root, "a"), step=1)
+    real = async_save._writer_main
+    if rank == 1:
+        async_save._writer_main = faulty.writer_starts_slowly
+    try:  # no start_async_writer(): this save starts the writers and returns while they start
+        h = unickpt.save(sd, os.path.join(root, "b"), step=2, async_save=True)
+    finally:
+        async_save._writer_main = real
+    if rank == 1:
+        os.kill(async_save.checkpointer()._proc.pid, signal.SIGKILL)
+        said = "the writer process of this rank died"
+    else:  # told by rank 1's trainer through the writers' rendezvous, not after its 600 s timeout
+        said = r"rank 1's writer process \(pid \d+\) exited before it joined the writers' group"
+    with pytest.raises(AsyncSaveError, match=said):
+        h.wait()
+    unickpt.save(sd, os.path.join(root, "c"), step=3, async_save=True).wait()  # new writers on every rank
+    async_save.shutdown()
+    return sorted(os.listdir(root))
+
+
+def test_a_writer_killed_while_a_save_starts_it_fails_that_save_on_every_rank_at_once(tmp_path):
+    """A save that starts the writers itself returns while they start. When one rank's writer
+    dies before joining their group, its trainer closes the group's gate with the reason, so
+    the other ranks' saves fail at once naming it, not when their 600 s timeout ends (the job
+    would be killed at 120 s). The next save starts new writers; "b" was never committed."""
+    from tests import dist
+
+    out = dist.run(_writer_killed_while_a_save_starts_it, 2, str(tmp_path), timeout=120,
+                   env={"UNICKPT_TIMEOUT_S": "600"})
+    assert out == [["a", "c"], ["a", "c"]]
+    for name in ("a", "c"):
+        t = {"model": {"w": torch.zeros(8, 3)}}
+        unickpt.load(t, str(tmp_path / name))
+        assert torch.equal(t["model"]["w"], torch.cat([torch.zeros(4, 3), torch.ones(4, 3)]))

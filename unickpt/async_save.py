@@ -53,6 +53,7 @@ import json
 import mmap
 import multiprocessing.connection as mpc
 import multiprocessing.util as mp_util
+import select
 import signal
 import os
 import stat
@@ -382,7 +383,7 @@ class _WriterProcess:
         self._popen, self.sentinel, self.pid = popen, sentinel, popen.pid
 
     @classmethod
-    def start(cls, target, args: tuple) -> tuple["_WriterProcess", mpc.Connection]:
+    def start(cls, target, args: tuple, pass_fds: tuple[int, ...] = ()) -> tuple["_WriterProcess", mpc.Connection]:
         module, name = getattr(target, "__module__", None), getattr(target, "__qualname__", "")
         if not module or module == "__main__" or "<" in name:
             raise AsyncSaveError(f"the writer's entry point must be importable by name, not {module}.{name}")
@@ -401,7 +402,7 @@ class _WriterProcess:
             popen = subprocess.Popen(
                 [sys.executable, "-c", BOOT, json.dumps(cfg)],
                 stdin=subprocess.DEVNULL,  # stdout/stderr: the trainer's (its launcher's logs)
-                pass_fds=(child.fileno(), sentinel_w),
+                pass_fds=(child.fileno(), sentinel_w, *pass_fds),
                 env=_writer_env(),
             )
         except BaseException:
@@ -486,12 +487,20 @@ class Checkpointer:
                                                "the writers' rendezvous")
             return
         addr, port = json.loads(said)
+        joined_r, joined_w = os.pipe()
         try:
             self._proc, self._conn = _WriterProcess.start(
-                _writer_main, (comm.rank, comm.world, addr, int(port), self.timeout_s, os.getpid(), env_node)
-            )
+                _writer_main, (comm.rank, comm.world, addr, int(port), self.timeout_s, os.getpid(), env_node, joined_w),
+                pass_fds=(joined_w,))
         except (OSError, ValueError, AsyncSaveError) as e:
             self._start_error = AsyncSaveError(f"the writer process could not be started: {e}")
+        finally:
+            os.close(joined_w)  # the writer's copy alone is left: EOF on joined_r once it has gone
+        why = f"rank {comm.rank}'s writer " + (
+            f"process could not be started ({self._start_error})" if self._start_error is not None else
+            f"process (pid {self._proc.pid}) exited before it joined the writers' group")
+        threading.Thread(target=_watch_joining, args=(joined_r, addr, int(port), why, self.timeout_s + WRITER_BOOT_S),
+                         name="unickpt-writer-start", daemon=True).start()
 
     def start(self, state_dict: Mapping[str, Any] | None = None) -> None:
         """Collective over the group: start the writer processes now, when no rank has one,
@@ -1023,11 +1032,57 @@ def _orphaned(parent_pid: int, segments: dict, wait: float = 2.0) -> None:
     _free_parent_segments(parent_pid, segments)
 
 
-def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: float, parent_pid: int, node) -> None:
+#: keys of the writers' rendezvous store (:func:`_pass_gate`), apart from those of the group itself
+_ARRIVED_KEY, _GATE_KEY = "unickpt/writers/arrived", "unickpt/writers/gate"
+_GATE_OPEN = b"open"
+
+
+def _pass_gate(store, world: int, timeout) -> None:
+    """Wait until every writer of the group has reached its rendezvous store, or one of them
+    is known never to: the last to arrive opens the gate (``open``); the trainer of a writer
+    that exits (or cannot start) before arriving closes it with the reason
+    (:func:`_watch_joining`). ``compare_set`` on a missing key sets it, so the first word
+    stands. Without it, the other writers would wait for the missing one in
+    ``init_process_group`` until ``timeout``. Raises AsyncSaveError with the reason."""
+    if store.add(_ARRIVED_KEY, 1) >= world:
+        store.compare_set(_GATE_KEY, "", _GATE_OPEN.decode())
+    store.wait([_GATE_KEY], timeout)
+    said = store.get(_GATE_KEY)
+    if said != _GATE_OPEN:
+        raise AsyncSaveError(said.decode(errors="replace"))
+
+
+def _watch_joining(joined_r: int, addr: str, port: int, why: str, limit: float) -> None:
+    """The trainer's side of :func:`_pass_gate`, in a thread while its writer starts: the
+    writer writes a byte to ``joined_r``'s pipe once it has joined its group; the pipe's end
+    without that byte means it exited (or was killed, or never started) before, and then the
+    gate of the other writers is closed with ``why`` (a no-op once it is open), so they fail
+    at once rather than after their timeout. Gives up after ``limit`` seconds (by then the
+    group has formed or the writers have timed out)."""
     import datetime
 
     import torch.distributed as dist
 
+    try:
+        ready, _, _ = select.select([joined_r], [], [], limit)
+        if not ready or os.read(joined_r, 1):
+            return  # joined (or still starting after limit: its own timeout has passed)
+        store = dist.TCPStore(addr, port, None, is_master=False, timeout=datetime.timedelta(seconds=30))
+        store.compare_set(_GATE_KEY, "", why)
+    except Exception as e:  # the group then forms or times out on its own
+        log.debug("could not tell the other writers that %s: %s", why, e)
+    finally:
+        os.close(joined_r)
+
+
+def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: float, parent_pid: int, node,
+                 joined_w: int = -1) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    if joined_w >= 0:
+        os.set_inheritable(joined_w, False)  # ours alone, as the pipe's other fds (see _writer_main.main)
     if node and "UNICKPT_NODE_ID" not in os.environ:
         os.environ["UNICKPT_NODE_ID"] = node if not node.isdigit() else f"node{node}"
     torch.set_num_threads(1)
@@ -1050,10 +1105,14 @@ def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: f
         # that nobody serves
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore(addr, port, None, is_master=False, timeout=timeout)
+        _pass_gate(store, world, timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     except Exception as e:
         _reply(conn, {"ok": False, "error": f"writer group setup failed: {e}"})
         return
+    if joined_w >= 0:  # tell our trainer's _watch_joining
+        os.write(joined_w, b"1")
+        os.close(joined_w)
     _reply(conn, _READY)  # awaited by Checkpointer.start(); skipped by a save's reader
     comm = Comm(None, timeout_s=timeout_s)
     while True:
