@@ -119,19 +119,34 @@ def order_key(dtype: str, name: str) -> tuple[int, str]:
     return (-itemsize(dtype), name)
 
 
+def _json_str(s: str) -> str:
+    """``json.dumps(s, ensure_ascii=False)``: which escapes only quotes, backslashes and
+    control characters, none of which a printable string holds but the first two."""
+    return f'"{s}"' if s.isprintable() and '"' not in s and "\\" not in s else json.dumps(s, ensure_ascii=False)
+
+
 def build_header(
     tensors: Iterable[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]
 ) -> tuple[bytes, list[TensorInfo]]:
     """Header bytes (length prefix included, padded to DATA_ALIGN) for tensors in the given order."""
     infos: list[TensorInfo] = []
-    header: dict[str, object] = {"__metadata__": dict(metadata)}
+    # json.dumps of {"__metadata__": ..., name: {"dtype", "shape", "data_offsets"}, ...},
+    # written piece by piece (a plan builds one header per file: thousands at scale)
+    text = ['{"__metadata__":', json.dumps(dict(metadata), separators=(",", ":"), ensure_ascii=False)]
     pos = 0
+    seen: set[str] = set()
     for name, dtype, shape in tensors:
+        if name in seen:
+            raise ValueError(f"tensor {name!r} twice in one file")
+        seen.add(name)
+        shape = tuple(int(d) for d in shape)
         n = math.prod(shape) * itemsize(dtype)
-        infos.append(TensorInfo(name, dtype, tuple(shape), pos, pos + n))
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + n]}
+        infos.append(TensorInfo(name, dtype, shape, pos, pos + n))
+        text.append(f',{_json_str(name)}:{{"dtype":{_json_str(dtype)},"shape":'
+                    f'[{",".join(map(str, shape))}],"data_offsets":[{pos},{pos + n}]}}')
         pos += n
-    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text.append("}")
+    raw = "".join(text).encode()
     pad = (-(8 + len(raw))) % DATA_ALIGN
     raw += b" " * pad
     return struct.pack("<Q", len(raw)) + raw, infos

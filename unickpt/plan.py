@@ -64,6 +64,16 @@ class TensorPlan:
     rules: list = field(default_factory=list)
     """``(unit, slot)`` of the rules whose members hold pieces of this tensor (lazy pieces:
     never materialised in the plan); empty once the tensor is planned from explicit pieces."""
+    numel: int = field(init=False)
+    itemsize: int = field(init=False)
+    nbytes: int = field(init=False)
+    """(numel, itemsize, nbytes: of the dtype and shape, which never change; kept, not
+    recomputed: planning reads them ~10 times per tensor)"""
+
+    def __post_init__(self) -> None:
+        self.numel = math.prod(self.shape)
+        self.itemsize = itemsize(self.dtype)
+        self.nbytes = self.numel * self.itemsize
 
     @property
     def pieces(self) -> list[tuple[int, Layout]]:
@@ -110,18 +120,6 @@ class TensorPlan:
     @property
     def key(self) -> tuple[str, str]:
         return (self.role, self.name)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def itemsize(self) -> int:
-        return itemsize(self.dtype)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.itemsize
 
     def sources(self) -> list[tuple[int, Layout]]:
         """Ranks whose data is written: the writer alone if it holds the whole tensor, else
