@@ -426,6 +426,22 @@ def test_overwrite_never_deletes_checkpoints_nested_deeper(tmp_path):
         assert cli("verify", p, "-q").returncode == 0, p
 
 
+def test_retention_keeps_an_old_step_that_holds_another_checkpoint(tmp_path, caplog):
+    """retain deletes old step checkpoints, superseded by newer ones; a checkpoint put inside
+    an old step's directory (an export, a 'best' copy) is superseded by nothing: that step is
+    kept, with a warning naming both, and the steps around it go as usual."""
+    for step in (1, 2, 3, 4):
+        unickpt.save(_state(), tmp_path / f"step-{step:08d}", step=step)
+    inner = tmp_path / "step-00000002" / "exports" / "best"
+    unickpt.save(_state(), inner, step=2)
+    with caplog.at_level("WARNING", logger="unickpt"):
+        gone = unickpt.retain(tmp_path, 1)
+    assert sorted(os.path.basename(p) for p in gone) == ["step-00000001", "step-00000003"]
+    assert "retention kept" in caplog.text and str(inner) in caplog.text, caplog.text
+    assert unickpt.read_manifest(inner)[1].step == 2 and unickpt.read_manifest(tmp_path / "step-00000002")[1].step == 2
+    assert unickpt.latest(tmp_path) == str(tmp_path / "step-00000004")
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_convert_checks_dcp_claims_before_allocating_or_creating(tmp_path):
     import pickle

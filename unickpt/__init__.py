@@ -59,7 +59,8 @@ def retain(root, keep: int, *, storage_options=None) -> list[str]:
     """Delete all but the newest ``keep`` committed ``step-*`` checkpoints under ``root``
     (only behind newer checkpoints whose manifests read and whose files are there: with
     ``{node}`` in ``root``, the files this node wrote or holds copies of; the newest is
-    never deleted).
+    never deleted; nor is an old step whose directory holds another committed checkpoint,
+    such as an export put inside it: it is kept, with a warning).
     Each is hidden atomically before its files go (object stores: its manifest, the commit
     marker, is deleted first), so a crash never leaves half of one visible. Returns the
     deleted paths."""

@@ -313,7 +313,8 @@ def retire(storage: Storage, path: str) -> None:
 
 def retain(storage: Storage, root: str, keep: int, node: str | None = None) -> list[str]:
     """Retire all but the newest ``keep`` committed ``step-*`` checkpoints under ``root``;
-    return the retired paths. ``node``: ``root`` is that node's directory of node-local
+    return the retired paths. An old step whose directory holds another committed
+    checkpoint (an export or copy put inside it) is kept, with a warning. ``node``: ``root`` is that node's directory of node-local
     checkpoints, which holds the files written on the node and their copies, not all."""
     if type(keep) is not int or keep < 1:
         raise InvalidArgumentError(f"keep must be an integer of at least 1, got {keep!r}")
@@ -335,6 +336,13 @@ def retain(storage: Storage, root: str, keep: int, node: str | None = None) -> l
             return []
     out = []
     for _, old in steps[:-keep]:
+        nested = committed_under(storage, old, below=True)
+        if nested is not None:  # not superseded by the newer steps: nothing here may delete it
+            from ._metrics import log
+
+            log.warning("retention kept %s: it holds another committed checkpoint, %s (move that one out "
+                        "to let %s go)", old, nested, old)
+            continue
         retire(storage, old)
         out.append(old)
     return out
