@@ -20,7 +20,7 @@ the trainer does, wherever they come from) before importing this module, then ca
 * ``target``: ``"module:function"`` of the writer loop (``unickpt.async_save:_writer_main``;
   a test may substitute one, resolved by name as ``multiprocessing`` resolves a target);
 * ``args``: its arguments after the connection (rank, world, address, port, timeout,
-  parent pid, node).
+  parent pid, node, the write end of its "joined" pipe, the group's gate name).
 """
 
 from __future__ import annotations

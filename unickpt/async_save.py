@@ -61,6 +61,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -475,7 +476,7 @@ class Checkpointer:
             self._rendezvous = None  # the last group's (its writers are stopped)
             try:
                 self._rendezvous = _serve_rendezvous(self.timeout_s)
-                mine = json.dumps([_rendezvous_addr(), self._rendezvous.port]).encode()
+                mine = json.dumps([_rendezvous_addr(), self._rendezvous.port, uuid.uuid4().hex]).encode()
             except (OSError, RuntimeError) as e:  # told to every rank (no port) rather than raised here alone
                 log.warning("cannot serve the writers' rendezvous: %s", e)
                 mine = b""
@@ -486,11 +487,12 @@ class Checkpointer:
             self._start_error = AsyncSaveError("the writer process could not be started: rank 0 could not serve "
                                                "the writers' rendezvous")
             return
-        addr, port = json.loads(said)
+        addr, port, gate = json.loads(said)  # gate: this group's name for its gate's keys
         joined_r, joined_w = os.pipe()
         try:
             self._proc, self._conn = _WriterProcess.start(
-                _writer_main, (comm.rank, comm.world, addr, int(port), self.timeout_s, os.getpid(), env_node, joined_w),
+                _writer_main, (comm.rank, comm.world, addr, int(port), self.timeout_s, os.getpid(), env_node, joined_w,
+                               gate),
                 pass_fds=(joined_w,))
         except (OSError, ValueError, AsyncSaveError) as e:
             self._start_error = AsyncSaveError(f"the writer process could not be started: {e}")
@@ -499,7 +501,8 @@ class Checkpointer:
         why = f"rank {comm.rank}'s writer " + (
             f"process could not be started ({self._start_error})" if self._start_error is not None else
             f"process (pid {self._proc.pid}) exited before it joined the writers' group")
-        threading.Thread(target=_watch_joining, args=(joined_r, addr, int(port), why, self.timeout_s + WRITER_BOOT_S),
+        threading.Thread(target=_watch_joining, args=(joined_r, addr, int(port), gate, why,
+                                                      self.timeout_s + WRITER_BOOT_S),
                          name="unickpt-writer-start", daemon=True).start()
 
     def start(self, state_dict: Mapping[str, Any] | None = None) -> None:
@@ -1032,27 +1035,33 @@ def _orphaned(parent_pid: int, segments: dict, wait: float = 2.0) -> None:
     _free_parent_segments(parent_pid, segments)
 
 
-#: keys of the writers' rendezvous store (:func:`_pass_gate`), apart from those of the group itself
-_ARRIVED_KEY, _GATE_KEY = "unickpt/writers/arrived", "unickpt/writers/gate"
 _GATE_OPEN = b"open"
 
 
-def _pass_gate(store, world: int, timeout) -> None:
+def _gate_keys(gate: str) -> tuple[str, str]:
+    """Keys of a writers' group's gate on its rendezvous store (:func:`_pass_gate`), apart
+    from the group's own; ``gate`` is the group's random name, so a late word meant for an
+    earlier group (whose store's port a new store may have taken) reaches no key here."""
+    return f"unickpt/writers/{gate}/arrived", f"unickpt/writers/{gate}/gate"
+
+
+def _pass_gate(store, world: int, gate: str, timeout) -> None:
     """Wait until every writer of the group has reached its rendezvous store, or one of them
     is known never to: the last to arrive opens the gate (``open``); the trainer of a writer
     that exits (or cannot start) before arriving closes it with the reason
     (:func:`_watch_joining`). ``compare_set`` on a missing key sets it, so the first word
     stands. Without it, the other writers would wait for the missing one in
     ``init_process_group`` until ``timeout``. Raises AsyncSaveError with the reason."""
-    if store.add(_ARRIVED_KEY, 1) >= world:
-        store.compare_set(_GATE_KEY, "", _GATE_OPEN.decode())
-    store.wait([_GATE_KEY], timeout)
-    said = store.get(_GATE_KEY)
+    arrived, key = _gate_keys(gate)
+    if store.add(arrived, 1) >= world:
+        store.compare_set(key, "", _GATE_OPEN.decode())
+    store.wait([key], timeout)
+    said = store.get(key)
     if said != _GATE_OPEN:
         raise AsyncSaveError(said.decode(errors="replace"))
 
 
-def _watch_joining(joined_r: int, addr: str, port: int, why: str, limit: float) -> None:
+def _watch_joining(joined_r: int, addr: str, port: int, gate: str, why: str, limit: float) -> None:
     """The trainer's side of :func:`_pass_gate`, in a thread while its writer starts: the
     writer writes a byte to ``joined_r``'s pipe once it has joined its group; the pipe's end
     without that byte means it exited (or was killed, or never started) before, and then the
@@ -1068,7 +1077,7 @@ def _watch_joining(joined_r: int, addr: str, port: int, why: str, limit: float) 
         if not ready or os.read(joined_r, 1):
             return  # joined (or still starting after limit: its own timeout has passed)
         store = dist.TCPStore(addr, port, None, is_master=False, timeout=datetime.timedelta(seconds=30))
-        store.compare_set(_GATE_KEY, "", why)
+        store.compare_set(_gate_keys(gate)[1], "", why)
     except Exception as e:  # the group then forms or times out on its own
         log.debug("could not tell the other writers that %s: %s", why, e)
     finally:
@@ -1076,7 +1085,7 @@ def _watch_joining(joined_r: int, addr: str, port: int, why: str, limit: float) 
 
 
 def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: float, parent_pid: int, node,
-                 joined_w: int = -1) -> None:
+                 joined_w: int = -1, gate: str = "") -> None:
     import datetime
 
     import torch.distributed as dist
@@ -1105,7 +1114,7 @@ def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: f
         # that nobody serves
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore(addr, port, None, is_master=False, timeout=timeout)
-        _pass_gate(store, world, timeout)
+        _pass_gate(store, world, gate, timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     except Exception as e:
         _reply(conn, {"ok": False, "error": f"writer group setup failed: {e}"})
