@@ -446,3 +446,123 @@ def test_tensor_parallel_objects_resume_in_one_plain_process(tmp_path):
         for k, v in st.items():
             assert torch.equal(got[i][k], torch.tensor(v)), (i, k)
     assert opt.param_groups[0]["lr"] == lr and sched.last_epoch == 3
+
+
+# -- key accounting: what a load cannot restore is reported, never dropped (attacker review 2026-11-28)
+
+
+def test_a_shorter_top_level_list_of_tensors_reports_the_saved_tensors_beyond_it(tmp_path):
+    unickpt.save({"bufs": [torch.ones(2), torch.ones(3), torch.ones(4)]}, tmp_path / "c")
+    with pytest.raises(UnexpectedTensorError, match="other/bufs.2"):
+        unickpt.load({"bufs": [torch.zeros(2), torch.zeros(3)]}, tmp_path / "c")
+    res = unickpt.load({"bufs": [torch.zeros(2), torch.zeros(3)]}, tmp_path / "c", strict=False)
+    assert res.unexpected == ["other/bufs.2"]
+
+
+def test_tuples_holding_tensors_get_their_other_values_back(tmp_path):
+    import collections
+
+    Pair = collections.namedtuple("Pair", "w n")
+    unickpt.save({"m": {"pair": (torch.ones(3), 5, {"a": 7}), "nt": Pair(torch.ones(2), 9)}, "x": (torch.ones(1), 3)},
+                 tmp_path / "c")
+    t = {"m": {"pair": (torch.zeros(3), 0, {"a": 0}), "nt": Pair(torch.zeros(2), 0)}, "x": (torch.zeros(1), 0)}
+    w, nw = t["m"]["pair"][0], t["m"]["nt"].w
+    res = unickpt.load(t, tmp_path / "c")
+    assert t["m"]["pair"][1:] == (5, {"a": 7}) and t["m"]["pair"][0] is w and torch.equal(w, torch.ones(3))
+    assert type(t["m"]["nt"]) is Pair and t["m"]["nt"].n == 9 and t["m"]["nt"].w is nw and torch.equal(nw, torch.ones(2))
+    assert t["x"][1] == 3 and torch.equal(t["x"][0], torch.ones(1))
+    assert (res.missing, res.unexpected, res.skipped) == ([], [], [])
+
+
+def test_keys_that_would_be_stored_under_one_name_are_refused(tmp_path):
+    with pytest.raises(StateDictError, match="both stored as '1'"):
+        unickpt.save({"t": {1: 5, "1": 6}}, tmp_path / "a")
+    with pytest.raises(StateDictError, match="must be a str or int"):  # True would come back as "True"
+        unickpt.save({"t": {True: 5}}, tmp_path / "b")
+    assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")
+
+
+def test_saved_values_the_target_has_no_place_for_are_listed_as_skipped(tmp_path):
+    unickpt.save({"model": {"w": torch.ones(2)}, "trainer": {"step": 5, "data_position": 123},
+                  "optimizer": {"lr": 0.1}, "epoch": 4, "seed": 1}, tmp_path / "c")
+    t = {"model": {"w": torch.zeros(2)}, "trainer": {"step": 0}, "epoch": 0}
+    res = unickpt.load(t, tmp_path / "c")  # roles the target does not name are not its business
+    assert t["trainer"] == {"step": 5} and t["epoch"] == 4
+    assert sorted(res.skipped) == ["seed: saved, not in the target", "trainer.data_position: saved, not in the target"]
+    res = unickpt.load({"model": {"w": torch.zeros(2)}}, tmp_path / "c")  # no top-level values of its own
+    assert res.skipped == []
+
+    class Loader:  # a stateful object gets what its state_dict() asks for; the rest is reported
+        def __init__(self):
+            self.s = {"epoch": 0}
+
+        def state_dict(self):
+            return dict(self.s)
+
+        def load_state_dict(self, sd):
+            self.s = dict(sd)
+
+    a = Loader()
+    a.s.update(epoch=3, resume_index=999)
+    unickpt.save({"loader": a}, tmp_path / "s")
+    b = Loader()
+    res = unickpt.load({"loader": b}, tmp_path / "s")
+    assert b.s == {"epoch": 3} and res.skipped == ["loader.resume_index: saved, not in the target"]
+
+
+def test_missing_lists_only_what_the_load_leaves_as_it_was(tmp_path):
+    unickpt.save({"t": {"x": 3}, "m": {"a": torch.ones(2)}}, tmp_path / "c")
+    t = {"t": {"x": {"a": 0}}, "m": {"a": torch.zeros(2), "pair": [torch.zeros(2), 5], "tup": (torch.zeros(1), 6)}}
+    res = unickpt.load(t, tmp_path / "c", strict=False)
+    assert t["t"] == {"x": 3}  # the saved value replaces the target's whole
+    assert sorted(res.missing) == ["m.pair.1", "m.tup.1", "m/pair.0", "m/tup.0"]
+
+
+def test_a_target_that_ties_what_the_checkpoint_stores_apart_reports_the_second_name(tmp_path):
+    unickpt.save({"model": {"emb": torch.ones(4), "head": torch.full((4,), 2.0)}}, tmp_path / "c")
+    w = torch.zeros(4)
+    res = unickpt.load({"model": {"emb": w, "head": w}}, tmp_path / "c")
+    assert torch.equal(w, torch.ones(4))
+    assert len(res.skipped) == 1 and res.skipped[0].startswith("model/head: the target ties it to model/emb")
+    tied = torch.ones(4)  # tied when saved too: nothing to report
+    unickpt.save({"model": {"emb": tied, "head": tied}}, tmp_path / "t")
+    assert unickpt.load({"model": {"emb": w, "head": w}}, tmp_path / "t").skipped == []
+
+
+def test_targets_that_cannot_hold_the_values_are_refused_before_reading(tmp_path):
+    unickpt.save({"m": {"a": torch.full((4,), 1.0), "b": torch.full((4,), 2.0)}}, tmp_path / "c")
+    with pytest.raises(StateDictError, match="m/a is on the meta device"):
+        unickpt.load({"m": {"a": torch.empty(4, device="meta"), "b": torch.zeros(4)}}, tmp_path / "c")
+    with pytest.raises(StateDictError, match="m/a is an expanded view"):
+        unickpt.load({"m": {"a": torch.zeros(1).expand(4), "b": torch.zeros(4)}}, tmp_path / "c")
+    buf = torch.zeros(6)
+    with pytest.raises(StateDictError, match="m/a and m/b share memory"):
+        unickpt.load({"m": {"a": buf[0:4], "b": buf[2:6]}}, tmp_path / "c")
+    assert torch.equal(buf, torch.zeros(6))
+    cols = torch.zeros(4, 2)  # interleaved column views share no element: fine
+    unickpt.save({"m": {"a": torch.ones(4), "b": torch.full((4,), 2.0)}}, tmp_path / "d")
+    unickpt.load({"m": {"a": cols[:, 0], "b": cols[:, 1]}}, tmp_path / "d")
+    assert torch.equal(cols, torch.tensor([[1.0, 2.0]] * 4))
+    w = torch.zeros(4)  # one view under two roles (an fp32 model that is its own master): fine
+    unickpt.save({"model": {"w": torch.ones(4)}, "master": {"w": torch.ones(4)}}, tmp_path / "e")
+    unickpt.load({"model": {"w": w}, "master": {"w": w}}, tmp_path / "e")
+    assert torch.equal(w, torch.ones(4))
+
+
+def test_drop_warns_when_an_fp32_master_differs_from_its_model_weight(tmp_path):
+    with pytest.warns(UserWarning, match=r"master='drop': 1 master tensor\(s\) are not equal"):
+        unickpt.save({"model": {"w": torch.ones(8)}, "master": {"w": torch.full((8,), 2.0)}}, tmp_path / "a",
+                     master="drop")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # equal: exact, no warning
+        unickpt.save({"model": {"w": torch.ones(8)}, "master": {"w": torch.ones(8)}}, tmp_path / "b", master="drop")
+
+
+def test_inference_leaves_out_per_rank_values_of_the_model_role(tmp_path):
+    unickpt.save({"model": {"w": torch.ones(4, 4), "seed": unickpt.per_rank(torch.tensor([7]))}}, tmp_path / "c")
+    out = unickpt.load_for_inference(tmp_path / "c")
+    assert sorted(out) == ["w"] and torch.equal(out["w"], torch.ones(4, 4))
+    with pytest.raises(TensorMissingError, match="per-rank values"):
+        unickpt.load_for_inference(tmp_path / "c", keys=["seed"])

@@ -266,14 +266,24 @@ def prepare(entries: list[Entry], comp: Compression, gather_json) -> tuple[list[
         )
     out, exceptions, dropped = [], {}, {}
     if comp.master == "drop":
+        differ = []  # masters of this rank that their model weight (same dtype, same piece) does not equal
         for e in entries:
             if e.role == "master" and e.name in chosen:
                 dropped[e.key] = (dtype_name(e.local.dtype), list(e.layout.shape), e.name)
+                m = models[e.name]
+                if m.local.dtype == e.local.dtype and m.layout == e.layout and not torch.equal(m.local, e.local):
+                    differ.append(e.name)
         # every rank must list every dropped tensor, also those it holds no piece of
-        agreed = gather_json({"d": [[k[0], k[1], *v] for k, v in dropped.items()]})
+        agreed = gather_json({"d": [[k[0], k[1], *v] for k, v in dropped.items()], "differ": differ})
         for x in agreed:
             for role, name, dt, shape, model in x["d"]:
                 dropped[(role, name)] = (dt, shape, model)
+        differ = sorted(set().union(*(set(x.get("differ") or ()) for x in agreed)))
+        if differ:
+            warnings.warn(
+                f"master='drop': {len(differ)} master tensor(s) are not equal to their model weights of the same "
+                f"dtype, and a load restores the model's values in their place: {differ[:5]} (master='full' or "
+                "'residual' keeps them)", stacklevel=3)
         return [e for e in entries if e.key not in dropped], tags, {}, dropped
     # residual: split locally; a failure must not skip the collective below (peers would hang)
     split: dict[str, tuple] = {}

@@ -10,6 +10,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from ._metrics import log
 from .errors import InvalidArgumentError, LayoutError, TensorMissingError
 from .format import torch_dtype
 from .layout import Layout, ShardedTensor
@@ -51,7 +52,8 @@ def load_for_inference(
         device: where the returned tensors live.
         tp_rank, tp_size: return this rank's tensor-parallel blocks, split by ``tp_dim``
             (default: Megatron rules for Llama names); replicated tensors come whole.
-        keys: names or shell-style patterns (``"model.layers.0.*"``) to load; default all.
+        keys: names or shell-style patterns (``"model.layers.0.*"``) to load; default all
+            (per-rank values saved with ``unickpt.per_rank`` are not weights: never returned).
         storage_options: for a URL ``path``, options of its file system (docs/storage.md).
 
     Works in one process whether or not torch.distributed is initialised (no collective).
@@ -64,15 +66,23 @@ def load_for_inference(
     # tied weights (aliases) are returned under every name, as the same tensor
     stored_name = {n: n for (r, n) in man.tensors if r == "model"}
     stored_name.update({n: t for (r, n), t in man.aliases.items() if r == "model"})
-    names = sorted(stored_name)
+    per_rank = sorted(n for n, t in stored_name.items() if ("model", t) in man.per_rank)
+    names = sorted(n for n in stored_name if n not in per_rank)
+    if per_rank:
+        log.info("load_for_inference %s: %d per-rank value(s) of the model role are not weights, not returned: %s",
+                 ckpt, len(per_rank), per_rank[:5])
     if not names:
-        raise TensorMissingError(f"{ckpt}: the checkpoint holds no model tensors")
+        raise TensorMissingError(f"{ckpt}: the checkpoint holds no model tensors" +
+                                 (f" (only per-rank values: {per_rank[:5]})" if per_rank else ""))
     if keys is not None:
         pats = list(keys)
         chosen = [n for n in names if any(n == p or fnmatch.fnmatchcase(n, p) for p in pats)]
         missing = [p for p in pats if not any(n == p or fnmatch.fnmatchcase(n, p) for n in names)]
         if missing:
-            raise TensorMissingError(f"{ckpt}: no model tensor matches {missing}")
+            hint = [p for p in missing if any(n == p or fnmatch.fnmatchcase(n, p) for n in per_rank)]
+            raise TensorMissingError(f"{ckpt}: no model tensor matches {missing}" + (
+                f" ({hint} name per-rank values, one per saving rank, which are not weights: load them with "
+                "unickpt.load into unickpt.per_rank targets)" if hint else ""))
         names = chosen
     # the files are checked (regular, of the recorded size, headers intact) before the shapes
     # the manifest claims are allocated

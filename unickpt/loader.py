@@ -29,6 +29,7 @@ from .errors import (
     FormatError,
     InvalidArgumentError,
     ShapeMismatchError,
+    StateDictError,
     TensorMissingError,
     UnexpectedTensorError,
     UnickptError,
@@ -264,7 +265,8 @@ def load(
         err = _changed(storage, ckpt, man) or ChecksumError(
             "checksum mismatch: " + "; ".join(f"tensor {n!r} in {f}" for f, n in bad), bad)
     comm.agree(err, "load (reading)" if verify != "full" else "load (checksums)")
-    apply_json_state(state_dict, man.state, comm.rank, comm.world, skipped)
+    apply_json_state(state_dict, man.state, comm.rank, comm.world, skipped,
+                     top_level=any(not isinstance(v, Mapping) for v in state_dict.values()))
     try:  # stateful objects take what was loaded (load_state_dict)
         finish()
     except Exception as e:
@@ -362,11 +364,11 @@ def _find(comm: Comm, storage, p: str, node_local: bool, same: Mapping[str, Any]
 
 def _roles(state_dict: Mapping[str, Any]) -> set[str]:
     """The roles a target state dict names: its top-level mappings, and ``other`` when it
-    has top-level tensors."""
-    from .state import OTHER_ROLE, _is_tensor_leaf
+    has top-level tensors (leaves, or in top-level lists and tuples)."""
+    from .state import OTHER_ROLE, _contains_tensor
 
     out = {k for k, v in state_dict.items() if isinstance(v, Mapping)}
-    if any(_is_tensor_leaf(v) for v in state_dict.values()):
+    if any(not isinstance(v, Mapping) and _contains_tensor(v) for v in state_dict.values()):
         out.add(OTHER_ROLE)
     return out
 
@@ -378,6 +380,7 @@ def _validate(entries: list[Entry], man: Manifest, ckpt: str, world: int = 1
     keep, missing, skipped = [], [], []
     covered: set[tuple[str, str]] = set()
     for e in entries:
+        _check_target(e)
         covered.update([e.key, *((e.role, a) for a in e.aliases)])
         key = e.key
         if key not in man.tensors and key in man.aliases:  # tied when saved: read the stored name
@@ -386,6 +389,11 @@ def _validate(entries: list[Entry], man: Manifest, ckpt: str, world: int = 1
         if stored is None:
             missing.append(f"{e.role}/{e.name}")
             continue
+        for a in e.aliases:  # tied in the target, stored apart: only the first name's values load
+            ak = (e.role, a)
+            if ak in man.tensors or man.aliases.get(ak, key[1]) != key[1]:
+                skipped.append(f"{e.role}/{a}: the target ties it to {e.role}/{e.name}, the checkpoint stores it "
+                               "on its own: its stored values were not loaded")
         if e.per_rank or key in man.per_rank:
             if not (e.per_rank and key in man.per_rank):
                 raise ShapeMismatchError(
@@ -406,7 +414,49 @@ def _validate(entries: list[Entry], man: Manifest, ckpt: str, world: int = 1
                 f"{ckpt}/{stored.file}: tensor {e.name!r} (role {e.role}) is stored as {stored.dtype}, the target is {tdt}"
             )
         keep.append(e if key == e.key else Entry(e.role, key[1], e.local, e.layout))
+    _check_overlaps(keep)
     return keep, missing, skipped, covered
+
+
+def _check_target(e: Entry) -> None:
+    """A target tensor must be memory a load can fill: not on the meta device (a copy into
+    it does nothing), not an expanded view (one element standing for several)."""
+    t = e.local
+    if t.device.type == "meta":
+        raise StateDictError(f"target {e.role}/{e.name} is on the meta device, which holds no values: materialize "
+                             "it first (e.g. module.to_empty(device='cpu'))")
+    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        raise StateDictError(f"target {e.role}/{e.name} is an expanded view (stride 0 in dimension "
+                             f"{[i for i, (st, n) in enumerate(zip(t.stride(), t.shape)) if st == 0 and n > 1][0]}): "
+                             "it cannot hold one value per element; pass a tensor of its own (.clone())")
+
+
+def _check_overlaps(entries: list[Entry]) -> None:
+    """Distinct targets that share memory would overwrite each other (and their checksums
+    would fail on an intact checkpoint): refused. Contiguous targets are checked exactly;
+    strided views of one buffer (column blocks) may interleave without sharing elements,
+    so they are left out. The same view under two roles is allowed (tie() folds it within
+    one role)."""
+    spans: dict[tuple, list[tuple[int, int, Entry]]] = {}
+    for e in entries:
+        t = e.local
+        if t.numel() == 0 or not t.is_contiguous():
+            continue
+        try:
+            base = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            continue
+        lo = base + t.storage_offset() * t.element_size()
+        spans.setdefault((t.device, base), []).append((lo, lo + t.numel() * t.element_size(), e))
+    for group in spans.values():
+        group.sort(key=lambda x: x[0])
+        for (a0, a1, ea), (b0, b1, eb) in zip(group, group[1:]):
+            if (a0, a1) == (b0, b1) and ea.local.dtype == eb.local.dtype:
+                continue  # one view under two roles (an fp32 model that is its own master): both load it
+            if b0 < a1:
+                raise StateDictError(f"targets {ea.role}/{ea.name} and {eb.role}/{eb.name} share memory "
+                                     f"({min(a1, b1) - b0} bytes): each needs its own (tied weights are one tensor "
+                                     "under two names, not overlapping views)")
 
 
 def _unexpected(comm: Comm, man: Manifest, covered: set[tuple[str, str]], roles: set[str]) -> list[str]:

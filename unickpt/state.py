@@ -191,11 +191,16 @@ def flatten(state_dict: Mapping[str, Any], rank: int = 0, world: int = 1) -> tup
             return {RANK_VALUE_KEY: _json_copy(value.value)}
         if isinstance(value, Mapping):
             out = {}
+            names: dict[str, Any] = {}  # stored key -> the key it came from
             for k, v in value.items():
-                if not isinstance(k, (str, int)):
+                if not isinstance(k, (str, int)) or isinstance(k, bool):
                     raise StateDictError(f"key {k!r} at {where!r} must be a str or int")
                 if k in _RESERVED:
                     raise StateDictError(f"{where!r}: the key {k!r} is reserved by unickpt")
+                if str(k) in names:  # (1 and "1": one stored name, one value lost)
+                    raise StateDictError(f"keys {names[str(k)]!r} and {k!r} at {where!r} are both stored as "
+                                         f"{str(k)!r}: rename one")
+                names[str(k)] = k
                 sub = walk(role, f"{prefix}.{k}" if prefix else str(k), v, f"{where}.{k}")
                 if sub is not _SKIP:
                     out[str(k)] = sub
@@ -260,12 +265,15 @@ def _contains_tensor(v: Any) -> bool:
 
 
 def apply_json_state(target: Any, saved: Any, rank: int = 0, world: int = 1,
-                     skipped: list[str] | None = None, where: str = "") -> None:
+                     skipped: list[str] | None = None, where: str = "", top_level: bool = False) -> None:
     """Write saved JSON leaves into ``target`` in place, where the target has the same path.
 
     A saved per-rank value (``{PER_RANK_KEY: [...]}``) gives this rank its own value when the
     world size is the one that saved; otherwise the target keeps its value and the path is
-    appended to ``skipped`` with the reason."""
+    appended to ``skipped`` with the reason. Saved values the target has no place for are
+    appended to ``skipped`` too: below the roles the target names, and at the top level
+    (``top_level``: the target has top-level values of its own) those outside any role. A
+    tuple that holds tensors (restored in place) is rebuilt around its restored values."""
     if isinstance(target, MutableMapping) and isinstance(saved, Mapping):
         items = []
         for k, v in saved.items():
@@ -274,8 +282,11 @@ def apply_json_state(target: Any, saved: Any, rank: int = 0, world: int = 1,
                 try:
                     ik = int(k)
                 except ValueError:
-                    continue
-                if ik not in target:
+                    ik = None
+                if ik is None or ik not in target:
+                    if skipped is not None and (where or (not isinstance(v, Mapping) and top_level)):
+                        skipped.append(f"{where}.{k}: saved, not in the target" if where else
+                                       f"{k}: saved, not in the target")
                     continue
                 key = ik
             items.append((key, k, v))
@@ -307,6 +318,10 @@ def apply_json_state(target: Any, saved: Any, rank: int = 0, world: int = 1,
                 cur.value = v
         elif isinstance(cur, (Mapping, MutableSequence)) and isinstance(v, (Mapping, list)) and not _is_leaf_list(cur):
             apply_json_state(cur, v, rank, world, skipped, path)
+        elif isinstance(cur, tuple) and isinstance(v, list) and _contains_tensor(cur):
+            items_ = list(cur)  # its tensors are loaded in place; its other values are rebuilt
+            apply_json_state(items_, v, rank, world, skipped, path)
+            target[key] = type(cur)(*items_) if hasattr(cur, "_fields") else type(cur)(items_)
         elif not _contains_tensor(cur):  # JSON has no tuples: the target's tuples stay tuples (betas)
             target[key] = tuple(v) if isinstance(cur, tuple) and isinstance(v, list) else v
 
@@ -339,12 +354,19 @@ def set_json_path(root: dict, path: tuple, value: Any, error: type[Exception] = 
     cur[last] = value
 
 
+_ABSENT = _Skip()  # (json_missing: the checkpoint holds nothing at this path)
+
+
 def json_missing(target: Any, saved: Any, where: str = "") -> list[str]:
     """Dotted paths of the target's JSON leaves (and :func:`per_rank` JSON values) that the
     saved JSON state does not hold: values a load leaves as they are."""
     out: list[str] = []
     if isinstance(target, PerRank) or _is_tensor_leaf(target):
         return out
+    if saved is not _ABSENT and not _contains_tensor(target) and not (
+            isinstance(target, Mapping) and isinstance(saved, Mapping)) and not (
+            isinstance(target, list) and isinstance(saved, list) and not _is_leaf_list(target)):
+        return out  # the saved value replaces it whole (apply_json_state)
     if isinstance(target, Mapping) and not (isinstance(saved, Mapping) and PER_RANK_KEY in saved):
         for k, v in target.items():
             path = f"{where}.{k}" if where else str(k)
@@ -353,11 +375,14 @@ def json_missing(target: Any, saved: Any, where: str = "") -> list[str]:
             if not isinstance(saved, Mapping) or str(k) not in saved:
                 if not _contains_tensor(v) and not (isinstance(v, (Mapping, list, tuple)) and not v):
                     out.append(path)
-                elif isinstance(v, Mapping):
-                    out += json_missing(v, {}, path)
+                elif isinstance(v, (Mapping, list, tuple)):
+                    out += json_missing(v, _ABSENT, path)
                 continue
             out += json_missing(v, saved[str(k)], path)
-    elif isinstance(target, list) and not _is_leaf_list(target) and isinstance(saved, list):
+    elif isinstance(target, (list, tuple)) and not _is_leaf_list(target) and (
+            isinstance(saved, list) or saved is _ABSENT):
+        if saved is _ABSENT:
+            saved = []
         for i, v in enumerate(target):
             path = f"{where}.{i}" if where else str(i)
             if i >= len(saved):
