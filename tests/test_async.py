@@ -230,3 +230,32 @@ def test_fifty_async_saves_do_not_grow_memory_or_leak(tmp_path):
         assert rss50 - rss10 < 32 << 20, (rss10, rss50)
         assert wrss50 - wrss10 < 32 << 20, (wrss10, wrss50)
         assert alive == [] and segs == []
+
+
+def _also_copy_fails(rank, world, root):
+    import pytest
+
+    from unickpt.errors import InvalidArgumentError
+
+    sd = {"model": {"w": torch.full((64, 8), float(rank))}}
+    a, b = os.path.join(root, "a"), os.path.join(root, "b")
+    with pytest.raises(InvalidArgumentError, match="twice"):  # before anything is staged or written
+        unickpt.save(sd, a, async_save=True, also=[a])
+    unickpt.save(sd, b, step=1)
+    h = unickpt.save(sd, a, step=2, async_save=True, also=[b])
+    with pytest.raises(AsyncSaveError) as e:
+        h.wait()
+    unickpt.async_save.shutdown()
+    return str(e.value), [r.path for r in h.results]
+
+
+def test_a_failed_also_copy_says_the_checkpoint_before_it_was_committed(tmp_path):
+    """also= copies are written after the first path: when one fails (here: a checkpoint is
+    already there), the error names it and says which paths were committed, and
+    handle.results keeps their results, rather than reporting the whole save as failed."""
+    root = str(tmp_path)
+    [(said, done)] = dist.run(_also_copy_fails, 1, root)
+    a, b = os.path.join(root, "a"), os.path.join(root, "b")
+    assert f"{a} committed; the copy at {b} failed: CheckpointExistsError" in said, said
+    assert done == [a]
+    assert unickpt.read_manifest(a)[1].step == 2 and unickpt.read_manifest(b)[1].step == 1

@@ -539,3 +539,12 @@ def test_the_package_is_typed():
     from importlib.resources import files
 
     assert files("unickpt").joinpath("py.typed").is_file()
+
+
+def test_python_dash_m_unickpt_is_the_command_line(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "unickpt", "inspect", str(tmp_path / "none")], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "CheckpointNotFoundError" in r.stderr and "Traceback" not in r.stderr, r.stderr

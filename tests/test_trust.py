@@ -359,15 +359,19 @@ def test_step_directories_that_are_links_are_not_checkpoints_of_the_root(tmp_pat
 # -- found by an attacker's review of the fixes ---------------------------------------------------
 
 
-@pytest.mark.parametrize("bad", ["dangling link", "garbage"])
+@pytest.mark.parametrize("bad", ["dangling link", "garbage", "truncated data file"])
 def test_retention_never_deletes_the_last_checkpoint_that_reads(tmp_path, bad):
     root = tmp_path / "root"
     unickpt.save({"model": {"w": torch.ones(2)}}, root / "step-00000001", step=1)
-    (root / "step-00000002").mkdir()
+    if bad == "truncated data file":  # committed, its manifest reads, one file is cut short
+        unickpt.save({"model": {"w": torch.ones(256)}}, root / "step-00000002", step=2)
+        os.truncate(root / "step-00000002" / "model-00001-of-00001.safetensors", 100)
+    else:
+        (root / "step-00000002").mkdir()
     if bad == "dangling link":  # not a regular file: not a commit at all
         os.symlink("/nonexistent", root / "step-00000002" / "unickpt.json")
         assert unickpt.latest(root).endswith("step-00000001")
-    else:  # a damaged manifest: committed by name, but it does not read
+    elif bad == "garbage":  # a damaged manifest: committed by name, but it does not read
         (root / "step-00000002" / "unickpt.json").write_text("{garbage")
     assert unickpt.retain(root, 1) == []
     t = {"model": {"w": torch.zeros(2)}}

@@ -917,7 +917,12 @@ class Checkpointer:
                 if isinstance(phases, list) and len(phases) == handle._n_entries:
                     self._phases = (handle._signature, phases)
             else:
-                handle._error = AsyncSaveError(f"save of {handle.path} failed: {msg.get('error')}")
+                done = msg.get("results")
+                if isinstance(done, list) and done:  # committed before an also= copy failed
+                    handle.results = [SaveResult(**r) for r in done]
+                    handle._error = AsyncSaveError(f"save of {handle.path}: {msg.get('error')}")
+                else:
+                    handle._error = AsyncSaveError(f"save of {handle.path} failed: {msg.get('error')}")
             return
 
 
@@ -1084,6 +1089,11 @@ def _watch_joining(joined_r: int, addr: str, port: int, gate: str, why: str, lim
         os.close(joined_r)
 
 
+def _result_json(r: SaveResult) -> dict:
+    return {"path": r.path, "step": r.step, "files": r.files, "bytes": r.bytes, "local_bytes": r.local_bytes,
+            "seconds": r.seconds, "phases": r.phases}
+
+
 def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: float, parent_pid: int, node,
                  joined_w: int = -1, gate: str = "") -> None:
     import datetime
@@ -1139,6 +1149,8 @@ def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: f
             except Exception as e:
                 _reply(conn, {"ok": False, "error": f"{type(e).__name__}: {e}"})
             break
+        results: list[SaveResult] = []  # committed by this command (also= copies after the first)
+        failed_at = cmd.get("path")
         try:
             comm.timeout_s = float(cmd.get("timeout_s") or timeout_s)
             seg = segments.get(cmd["shm"])
@@ -1167,11 +1179,11 @@ def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: f
                         phases[i] = p
 
             also = list(cmd.get("also") or ())  # e.g. the durable copy of a memory snapshot
-            results = []
             try:  # staging follows the page phases of the last checkpoint (the durable one, if any)
                 results.append(save_entries(comm, (entries, cmd["state"]), None, cmd["path"], opts, sender,
                                             None if also else planned, gate))
                 for i, other in enumerate(also):
+                    failed_at = other
                     results.append(save_entries(comm, (entries, cmd["state"]), None, other,
                                                 dataclasses.replace(opts, replicas=0), None,
                                                 planned if i == len(also) - 1 else None))
@@ -1183,11 +1195,15 @@ def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: f
                     _orphaned(parent_pid, segments)
             if not copied:
                 raise AsyncSaveError(f"rank {rank}: the trainer did not finish staging within {comm.timeout_s} s")
-            out = [{"path": r.path, "step": r.step, "files": r.files, "bytes": r.bytes, "local_bytes": r.local_bytes,
-                    "seconds": r.seconds, "phases": r.phases} for r in results]
-            _reply(conn, {"ok": True, "result": out[0], "results": out, "phases": phases})
+            _reply(conn, {"ok": True, "result": _result_json(results[0]), "results": [_result_json(r) for r in results],
+                          "phases": phases})
         except Exception as e:
-            _reply(conn, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+            said = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+            if results:  # committed before an also= copy failed: said, and their results kept
+                said["error"] = (f"{', '.join(r.path for r in results)} committed; the copy at {failed_at} failed: "
+                                 f"{said['error']}")
+                said["results"] = [_result_json(r) for r in results]
+            _reply(conn, said)
             break  # the writers' group may be broken: the parent restarts us
     try:
         if dist.is_initialized():

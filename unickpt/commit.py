@@ -45,7 +45,8 @@ import socket
 import time
 import uuid
 
-from .errors import CheckpointExistsError, CheckpointNotFoundError, InvalidArgumentError, StorageError, UnickptError
+from .errors import (CheckpointExistsError, CheckpointNotFoundError, FormatError, InvalidArgumentError, StorageError,
+                     UnickptError)
 from .manifest import INDEX_NAME, MANIFEST_NAME
 from .storage import MarkerStorage, Storage
 
@@ -329,6 +330,14 @@ def retain(storage: Storage, root: str, keep: int, node: str | None = None) -> l
             missing = [f for f in held if not storage.isfile(storage.join(kept, f))]
             if missing:
                 raise CheckpointNotFoundError(f"{storage.join(kept, missing[0])}: listed in the manifest, missing")
+            for f in held:  # of the size the manifest records (a truncated file does not load)
+                fe = man.files[f]
+                want = fe.stored_size if fe.stored_size >= 0 else fe.size
+                r = storage.open_reader(storage.join(kept, f))
+                size = r.size
+                r.close()
+                if size != want:
+                    raise FormatError(f"{storage.join(kept, f)}: {size} bytes, the manifest records {want}")
         except Exception as e:
             from ._metrics import log
 
