@@ -246,13 +246,17 @@ def _also_copy_fails(rank, world, root):
     with pytest.raises(AsyncSaveError) as e:
         h.wait()
     unickpt.async_save.shutdown()
+    from unickpt.errors import CheckpointExistsError
+
+    assert isinstance(e.value, CheckpointExistsError)  # the writer's error class too, as a sync save raises it
     return str(e.value), [r.path for r in h.results]
 
 
 def test_a_failed_also_copy_says_the_checkpoint_before_it_was_committed(tmp_path):
     """also= copies are written after the first path: when one fails (here: a checkpoint is
     already there), the error names it and says which paths were committed, and
-    handle.results keeps their results, rather than reporting the whole save as failed."""
+    handle.results keeps their results, rather than reporting the whole save as failed. The
+    error is an AsyncSaveError and a CheckpointExistsError."""
     root = str(tmp_path)
     [(said, done)] = dist.run(_also_copy_fails, 1, root)
     a, b = os.path.join(root, "a"), os.path.join(root, "b")

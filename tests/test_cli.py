@@ -146,6 +146,7 @@ ERROR_CASES = {
     "int out of range": (lambda f, ck, t: ["reshard", str(ck), str(t / "o"), "--zstd", "99"], "InvalidArgumentError"),
     "int below range": (lambda f, ck, t: ["reshard", str(ck), str(t / "o"), "--zstd", "0"], "InvalidArgumentError"),
     "zero size": (lambda f, ck, t: ["reshard", str(ck), str(t / "o"), "--max-file-size", "0"], "InvalidArgumentError"),
+    "empty size": (lambda f, ck, t: ["reshard", str(ck), str(t / "o"), "--max-file-size", ""], "InvalidArgumentError"),
     "missing config": (lambda f, ck, t: ["export", str(ck), str(t / "hf"), "--config", str(t / "none.json")],
                        "InvalidArgumentError"),
     "unknown role": (lambda f, ck, t: ["reshard", str(ck), str(t / "o"), "--drop-role", "nope"], "InvalidArgumentError"),

@@ -357,7 +357,7 @@ def _reshard(args):
     if args.drop_optimizer:
         _warn(args, "--drop-optimizer is deprecated; use --drop-role optimizer")
         drop.append("optimizer")
-    max_file = _size(args.max_file_size) if args.max_file_size else None
+    max_file = _size(args.max_file_size) if args.max_file_size is not None else None
     lo, hi = ZSTD_LEVELS
     if args.zstd is not None and not lo <= args.zstd <= hi:
         raise InvalidArgumentError(f"--zstd {args.zstd}: zstd must be a level from {lo} to {hi}")
