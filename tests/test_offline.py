@@ -149,3 +149,14 @@ def test_convert_from_dcp(tmp_path):
     assert torch.equal(t["model"]["b"], state["model"]["b"])
     r = cli("convert", "--from-dcp", str(tmp_path / "nothing"), str(tmp_path / "x"))
     assert r.returncode == 2 and not (tmp_path / "x").exists()
+
+
+def test_reshard_records_the_compression_it_applied(tmp_path):
+    """--master/--quant that apply to no tensor (no master role, no moments) are said, and the
+    manifest records the policy as applied (inspect showed 'master residual' on raw tensors)."""
+    unickpt.save({"model": {"w": torch.ones(4, 4)}}, tmp_path / "ck")
+    r = cli("reshard", tmp_path / "ck", tmp_path / "out", "--master", "residual", "--quant", "O1", "-q")
+    assert r.returncode == 0, r.stderr
+    assert "master='residual' applies to no tensor" in r.stderr and "quant='O1' applies to no tensor" in r.stderr
+    comp = unickpt.read_manifest(tmp_path / "out")[1].compression or {}
+    assert comp.get("master", "full") == "full" and comp.get("quant") in (None, "O0"), comp

@@ -10,6 +10,7 @@ intact until the new one is in place.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as _dt
 import math
 import os
@@ -262,6 +263,16 @@ def reshard_offline(
             elif master == "residual" and t.dtype == "F32" and m.dtype == "BF16":
                 tag = {"codec": "residual16", "model": t.name}
         entries.append((t.role, t.name, t.dtype, t.shape, tag))
+    applied = {tag["codec"] for *_, tag in entries if tag}
+    if master != "full" and not applied & {"residual16", "from_model"}:  # recorded as it was applied
+        log.warning("reshard %s: master=%r applies to no tensor (no master role, or no master of a model weight of "
+                    "its name and shape%s): masters are stored as they are", ckpt, master,
+                    ", bf16 for residual" if master == "residual" else "")
+        comp = dataclasses.replace(comp, master="full")
+    if quant in ("O1", "O2") and not applied & set(QUANT_CODECS):
+        log.warning("reshard %s: quant=%r applies to no tensor (no Adam moments, exp_avg/exp_avg_sq, in the "
+                    "optimizer role): stored as they are", ckpt, quant)
+        comp = dataclasses.replace(comp, quant="O0")
     readers: dict = {}  # every source file checked before anything of the claimed size is created
     open_files(src_storage, ckpt, man, {man.tensors[(t.role, t.name)].file for t in keep if t.codec != "from_model"}
                | {man.tensors[("model", t.args["model"])].file for t in keep if t.codec in ("residual16", "from_model")},
