@@ -284,7 +284,8 @@ def apply_json_state(target: Any, saved: Any, rank: int = 0, world: int = 1,
                 except ValueError:
                     ik = None
                 if ik is None or ik not in target:
-                    if skipped is not None and (where or (not isinstance(v, Mapping) and top_level)):
+                    value = not isinstance(v, Mapping) or PER_RANK_KEY in v  # (else a role's JSON)
+                    if skipped is not None and (where or (value and top_level)):
                         skipped.append(f"{where}.{k}: saved, not in the target" if where else
                                        f"{k}: saved, not in the target")
                     continue
