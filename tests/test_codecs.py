@@ -92,6 +92,22 @@ def test_non_finite_and_negative_are_refused_naming_the_element():
         encode_v(torch.tensor([1.0, 0.0, -1e-9]), 8, 2048, 1e-8)
 
 
+@pytest.mark.parametrize("bucket_bytes", [None, 4096])
+def test_a_save_refusing_a_moment_names_the_tensor_and_its_own_element(tmp_path, bucket_bytes):
+    """Saves encode moments bucket by bucket: the refused element is the tensor's, not the
+    bucket's, and the error names the tensor (found by an attacker's review)."""
+    import unickpt
+
+    m = torch.ones(300, 256)
+    m.view(-1)[70123] = float("nan")
+    sd = {"optimizer": {"state.0.exp_avg": m, "state.0.exp_avg_sq": torch.ones(300, 256)}}
+    kw = {"bucket_bytes": bucket_bytes} if bucket_bytes else {}
+    with pytest.raises(CodecError, match=r"tensor 'state.0.exp_avg' \(role optimizer\): non-finite value nan at "
+                                         r"element 70123;"):
+        unickpt.save(sd, tmp_path / "c", quant="O1", **kw)
+    assert not (tmp_path / "c").exists()
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_empty_and_scalar(bits):
     for t in (torch.zeros(0), torch.tensor([3.5])):

@@ -178,9 +178,11 @@ def _codes(codes: torch.Tensor, bits: int, base: int, a: int, b: int) -> torch.T
 # -- first moment: symmetric ----------------------------------------------------------------
 
 
-def encode_m(m: torch.Tensor, bits: int, group: int, what: str = "exp_avg") -> tuple[torch.Tensor, torch.Tensor]:
+def encode_m(m: torch.Tensor, bits: int, group: int, what: str = "exp_avg", base: int = 0
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Whole groups of ``m`` (flat fp32) -> (codes, per-group scale). Codes: int8 for 8 bits
-    (one per element), packed uint8 for 4 bits (offset by 8, two per byte)."""
+    (one per element), packed uint8 for 4 bits (offset by 8, two per byte). ``what`` and
+    ``base`` (the tensor element ``m`` starts at) name a refused element in errors."""
     m = m.reshape(-1).float()
     qmax = _qmax(bits)
     n = m.numel()
@@ -192,7 +194,7 @@ def encode_m(m: torch.Tensor, bits: int, group: int, what: str = "exp_avg") -> t
         g, off, g0 = _per_group(m[a:b], a, group, buf)
         s = torch.maximum(g.amax(dim=1), g.amin(dim=1).neg_()).abs_().div_(qmax)  # amax/amin keep NaN; abs: +0 for zero groups (max(0, -0) is either)
         if not bool(torch.isfinite(s).all()):
-            _check_finite(m[a:b], what, a)
+            _check_finite(m[a:b], what, base + a)
         scale[g0 : g0 + len(s)] = s
         inv = torch.where(s > 0, s.reciprocal(), torch.zeros_like(s))
         g.mul_(inv[:, None]).round_().clamp_(-qmax, qmax)
@@ -232,8 +234,9 @@ def decode_m(codes: torch.Tensor, scale: torch.Tensor, bits: int, group: int, st
 # -- second moment: asymmetric on r = 1 / (sqrt(v) + eps) -----------------------------------------
 
 
-def encode_v(v: torch.Tensor, bits: int, group: int, eps: float, what: str = "exp_avg_sq"):
-    """Whole groups of ``v`` -> (codes uint8 (packed for 4 bits), per-group min, per-group max) of r."""
+def encode_v(v: torch.Tensor, bits: int, group: int, eps: float, what: str = "exp_avg_sq", base: int = 0):
+    """Whole groups of ``v`` -> (codes uint8 (packed for 4 bits), per-group min, per-group max) of r
+    (``what``, ``base``: as :func:`encode_m`'s)."""
     v = v.reshape(-1).float()
     if not eps > 0:
         raise CodecError(f"{what}: eps must be > 0 to quantize 1/(sqrt(v)+eps), got {eps}")
@@ -252,9 +255,9 @@ def encode_v(v: torch.Tensor, bits: int, group: int, eps: float, what: str = "ex
             flat[k:] = flat[k - 1]
         vmin, vmax = g.amin(dim=1), g.amax(dim=1)
         if not bool(torch.isfinite(vmax).all()):
-            _check_finite(v[a:b], what, a)
+            _check_finite(v[a:b], what, base + a)
         if bool((vmin < 0).any()):
-            bad = int((v[a:b] < 0).nonzero()[0, 0]) + a
+            bad = int((v[a:b] < 0).nonzero()[0, 0]) + a + base
             raise CodecError(f"{what}: negative second moment at element {bad}")
         # r is decreasing in v: its group extremes are the transforms of v's, bit for bit
         lo = vmax.sqrt_().add_(eps).reciprocal_()

@@ -345,9 +345,10 @@ def _residual_local(master: Entry, model: Entry) -> tuple[torch.Tensor, np.ndarr
     return low, gi.astype(np.int64), res.exc_bits.cpu().numpy().astype(np.int32)
 
 
-def encode_chunk(tag: dict, x: torch.Tensor, start: int) -> list[tuple[str, int, torch.Tensor]]:
+def encode_chunk(tag: dict, x: torch.Tensor, start: int, what: str = "") -> list[tuple[str, int, torch.Tensor]]:
     """Encode elements ``[start, start+len(x))`` of a moment (``start`` on a group boundary,
-    the chunk whole groups or the tensor's end): ``(part, byte offset in part, bytes)``."""
+    the chunk whole groups or the tensor's end): ``(part, byte offset in part, bytes)``.
+    ``what``: the tensor, as errors name it."""
     codec, g = tag["codec"], tag["group"]
     bits = _bits(codec)
     if start % g:
@@ -355,11 +356,11 @@ def encode_chunk(tag: dict, x: torch.Tensor, start: int) -> list[tuple[str, int,
     x = x.reshape(-1).float()
     coff = start if bits == 8 else start // 2
     if codec.endswith("sym"):
-        codes, scale = _c.encode_m(x, bits, g)
+        codes, scale = _c.encode_m(x, bits, g, what or "exp_avg", start)
         scales = scale
         soff = (start // g) * 4
     else:
-        codes, lo, hi = _c.encode_v(x, bits, g, tag["eps"])
+        codes, lo, hi = _c.encode_v(x, bits, g, tag["eps"], what or "exp_avg_sq", start)
         scales = torch.stack([lo, hi], dim=1)
         soff = (start // g) * 8
     return [("codes", coff, codes.reshape(-1).view(torch.uint8)), ("scales", soff, scales.reshape(-1).view(torch.uint8))]

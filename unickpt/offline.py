@@ -14,6 +14,7 @@ import dataclasses
 import datetime as _dt
 import math
 import os
+import re
 import time
 from typing import Callable, Iterable
 
@@ -118,7 +119,7 @@ class _Writer:
             step = chunk_elems(tag, 1 << 24)  # bounded temporaries for huge tensors
             flat = x.reshape(-1)
             for a in range(0, flat.numel(), step):
-                for part, off, data in encode_chunk(tag, flat[a : a + step], a):
+                for part, off, data in encode_chunk(tag, flat[a : a + step], a, f"tensor {name!r} (role {role})"):
                     self._put(role, name, part, data, off)
         elif tag["codec"] == "residual16":
             res = split_master(x, model)
@@ -483,7 +484,8 @@ def _dcp_json_state(dcp_dir, meta, keys: list[str], paths: dict[str, tuple]) -> 
             try:
                 values[k] = torch.load(value, weights_only=True)
             except Exception as e:  # not loadable by the restricted unpickler: reported, not run
-                skipped[k] = f"refused by torch.load(weights_only=True) ({type(e).__name__}: {str(e)[:120]})"
+                said = re.sub(r"\x1b\[[0-9;]*[A-Za-z]|[\x00-\x1f\x7f]", " ", str(e))  # (torch's text has terminal colours)
+                skipped[k] = f"refused by torch.load(weights_only=True) ({type(e).__name__}: {said[:120]})"
 
     _dcp_load(dcp_dir, {k: None for k in keys}, SafeFileSystemReader(dcp_dir, metadata=meta),
               _WeightsOnly(flatten_state_dict=False, flatten_sharded_tensors=False), "its non-tensor entries")

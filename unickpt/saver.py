@@ -1005,7 +1005,7 @@ def _write_items(items, writers, hashers, files, checks) -> None:
             if view.data_ptr() % 8:
                 view = view.clone()
             x = view.view(torch_dtype(t.dtype))
-            for part, poff, data in encode_chunk(t.codec, x, start):
+            for part, poff, data in encode_chunk(t.codec, x, start, f"tensor {t.name!r} (role {t.role})"):
                 if data.numel() == 0:
                     continue
                 mv = memoryview(data.numpy())
