@@ -204,6 +204,7 @@ def test_unickpt_save_loads_through_dcp_on_one_plain_process_bit_exact(saved):
     assert _same({"model": msd, "optim": osd}, refs["ref2"]) == []
     set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
     assert opt.param_groups[0]["lr"] == 3e-3 and opt.param_groups[0]["weight_decay"] == 0.1
+    assert type(opt.param_groups[0]["betas"]) is tuple  # as DCP's own reader gives it (JSON stores a list)
     assert int(next(iter(opt.state.values()))["step"]) == 2
 
 

@@ -272,8 +272,13 @@ class StorageReader(_dcp_storage.StorageReader):
             if ri.type == LoadItemType.BYTE_IO:
                 if fqn not in self._json:
                     raise TensorMissingError(f"{ckpt}: no JSON value {fqn!r} in the manifest's state")
+                value = self._json[fqn]
+                cur = getattr(planner, "state_dict", None)  # (DefaultLoadPlanner's: the target's values)
+                cur = cur.get(ri.dest_index.fqn) if isinstance(cur, Mapping) else None
+                if type(cur) is tuple and isinstance(value, list):  # JSON has no tuples: the target's kind (betas)
+                    value = tuple(value)
                 buf = io.BytesIO()
-                torch.save(self._json[fqn], buf)  # a JSON value of the (checksummed) manifest
+                torch.save(value, buf)  # a JSON value of the (checksummed) manifest
                 buf.seek(0)
                 planner.load_bytes(ri, buf)
                 continue
