@@ -20,9 +20,11 @@ demo: $(STAMP)
 # tests leave a core idle ~40% of the time (process starts, waits for peers and timeouts),
 # so on CI's 2 cores the suite took 8:02 against 11:08-11:31 serially. TEST_WORKERS=0: serial.
 TEST_WORKERS ?= 2
+# more pytest options, e.g. `make test PYTEST_ARGS="--durations=30"` or `PYTEST_ARGS="tests/test_cli.py"`
+PYTEST_ARGS ?=
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope)
+	$(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope) $(PYTEST_ARGS)
 
 # `make bench`: every bench, ~2 GB state (bench/run_all.py); `make bench QUICK=1`: 0.25 GB, a few minutes
 bench: $(STAMP)
