@@ -263,3 +263,27 @@ def test_a_failed_also_copy_says_the_checkpoint_before_it_was_committed(tmp_path
     assert f"{a} committed; the copy at {b} failed: CheckpointExistsError" in said, said
     assert done == [a]
     assert unickpt.read_manifest(a)[1].step == 2 and unickpt.read_manifest(b)[1].step == 1
+
+
+def _staging_against_its_bound(rank, world, root):
+    from unickpt import async_save
+    from unickpt.state import flatten
+
+    sd = {"model": {f"w{i}": torch.ones(1000 + 37 * i) for i in range(40)}, "optimizer": {"x": torch.ones(3, 5)}}
+    unickpt.start_async_writer(sd)
+    unickpt.save(sd, os.path.join(root, "a"), async_save=True).wait()
+    unickpt.save(sd, os.path.join(root, "b"), async_save=True).wait()  # page phases from the writer's plan now
+    seg = async_save.checkpointer()._seg.size
+    entries = flatten(sd)[0]
+    bound = async_save.staging_bytes(entries)
+    async_save.shutdown()
+    return seg, bound, len(entries)
+
+
+def test_the_staging_a_memory_budget_counts_is_at_least_the_segment_made(tmp_path):
+    """The memory tier's budget counts each rank's staging as staging_bytes(): the segment
+    the checkpointer makes (10% headroom, whole pages, entries aligned) must fit in it
+    (found by an attacker's review: the budget counted the bytes staged only)."""
+    [(seg, bound, n)] = dist.run(_staging_against_its_bound, 1, str(tmp_path))
+    assert seg <= bound, (seg, bound)
+    assert bound <= seg + 1.1 * n * 4096 + 4096  # a page per entry at the most, not a blanket

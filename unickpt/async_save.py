@@ -309,6 +309,18 @@ class AsyncSave:
         return self._result
 
 
+def segment_bytes(size: int) -> int:
+    """Bytes of the staging segment made for a layout of ``size`` bytes (10% headroom, whole pages)."""
+    return max(ALIGN, -(-int(size * 1.1) // ALIGN) * ALIGN)
+
+
+def staging_bytes(entries: list[Entry]) -> int:
+    """The most shared memory a rank's staging takes for ``entries`` (a memory budget's share):
+    the segment for their bytes with every entry's alignment at its widest (a page phase)."""
+    size = sum(e.local.numel() * e.local.element_size() for e in entries) + len(entries) * (ALIGN - 1)
+    return segment_bytes(-(-size // 64) * 64)
+
+
 def _serve_rendezvous(timeout_s: float):
     """The writers' rendezvous, served by the trainer of the group's rank 0: a TCP store that
     listens on every interface, on a port the kernel picks at bind time and this process
@@ -775,12 +787,13 @@ class Checkpointer:
         return _Staged(rows, -(-pos // 64) * 64, signature)
 
     def _ensure_segment(self, size: int, fault_in: bool = False) -> None:
-        """A segment of at least ``size`` bytes (10% headroom when a new one is made).
-        ``fault_in``: also map every page of a new one into this process now (one write per
-        page), which the first copy into it would otherwise do (at set-up, not in a save)."""
+        """A segment of at least ``size`` bytes (10% headroom when a new one is made:
+        :func:`segment_bytes`). ``fault_in``: also map every page of a new one into this
+        process now (one write per page), which the first copy into it would otherwise do
+        (at set-up, not in a save)."""
         if self._seg is not None and self._seg.size >= size:
             return
-        new = max(ALIGN, -(-int(size * 1.1) // ALIGN) * ALIGN)
+        new = segment_bytes(size)
         seg = _Segment(f"{_shm_prefix()}{next(_SEGMENT_NUMBERS)}", new, create=True)
         if fault_in:
             seg.tensor[::mmap.PAGESIZE].zero_()

@@ -465,7 +465,7 @@ class Trainer:
         c = self.ckpt
         comm = Comm(None)
         entries, _ = flatten(self.state_dict(), comm.rank, comm.world)
-        local = sum(e.local.numel() * e.local.element_size() for e in entries)
+        local = _async_save.staging_bytes(entries)  # the segment, headroom and alignment included
         primary = sum(e.local.numel() * e.local.element_size() for e in entries if e.layout.replica == 0)
         me = {"node": node_id(), "pid": os.getpid(), "local": local, "primary": primary}
         everyone = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(me).encode(), "trainer (the memory budget)")]
@@ -514,7 +514,12 @@ class Trainer:
 
         comm = Comm(None)
         cands = memtier.candidates(comm, self.ckpt.memory_dir, self.ckpt.dir, self.ckpt.storage_options, self._mem_job)
-        self._durable_step = max((c.step for c in cands if c.tier == "durable"), default=-1)
+        failed: set[int] = set()  # durable steps that do not load: the durable tier is behind them
+
+        def durable_step() -> int:
+            return max((c.step for c in cands if c.tier == "durable" and c.step not in failed), default=-1)
+
+        self._durable_step = durable_step()
         last: Exception | None = None
         for cand in cands:
             avoid: list[str] = []
@@ -527,6 +532,9 @@ class Trainer:
                     last = e
                     if self.mesh.rank == 0:
                         log.warning("resume: %s step %d at %s does not load (%s)", cand.tier, cand.step, cand.path, e)
+                    if cand.tier == "durable":  # close() must not count on it
+                        failed.add(cand.step)
+                        self._durable_step = durable_step()
                     if cand.tier != "memory" or retried:
                         break
                     retried = True
