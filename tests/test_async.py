@@ -287,3 +287,15 @@ def test_the_staging_a_memory_budget_counts_is_at_least_the_segment_made(tmp_pat
     [(seg, bound, n)] = dist.run(_staging_against_its_bound, 1, str(tmp_path))
     assert seg <= bound, (seg, bound)
     assert bound <= seg + 1.1 * n * 4096 + 4096  # a page per entry at the most, not a blanket
+
+
+def test_a_writers_error_keeps_its_class_and_pickles():
+    import pickle
+
+    from unickpt.errors import CheckpointExistsError, StorageError, async_error
+
+    e = async_error("CheckpointExistsError", "save of x failed: CheckpointExistsError: x: already there")
+    for x in (e, pickle.loads(pickle.dumps(e))):  # (e.g. handed back by a process pool)
+        assert isinstance(x, AsyncSaveError) and isinstance(x, CheckpointExistsError) and str(x) == str(e)
+    assert isinstance(async_error("StorageError", "disk full"), StorageError)
+    assert type(async_error("NotAnError", "m")) is AsyncSaveError and type(async_error(None, "m")) is AsyncSaveError

@@ -69,7 +69,7 @@ import torch
 
 from ._metrics import log
 from ._writer_main import BOOT
-from .errors import AsyncSaveError, DistributedError, UnickptError
+from .errors import AsyncSaveError, DistributedError, UnickptError, async_error
 from .format import dtype_name, torch_dtype
 from .layout import Layout
 from .manifest import MANIFEST_NAME
@@ -933,32 +933,10 @@ class Checkpointer:
                 done = msg.get("results")
                 if isinstance(done, list) and done:  # committed before an also= copy failed
                     handle.results = [SaveResult(**r) for r in done]
-                    handle._error = _writer_error(msg.get("type"), f"save of {handle.path}: {msg.get('error')}")
+                    handle._error = async_error(msg.get("type"), f"save of {handle.path}: {msg.get('error')}")
                 else:
-                    handle._error = _writer_error(msg.get("type"), f"save of {handle.path} failed: {msg.get('error')}")
+                    handle._error = async_error(msg.get("type"), f"save of {handle.path} failed: {msg.get('error')}")
             return
-
-
-_AS_ASYNC: dict[type, type] = {}
-
-
-def _writer_error(kind, message: str) -> AsyncSaveError:
-    """The error a writer reported, as the trainer raises it: an AsyncSaveError that is also
-    an instance of the writer's error class when that is one of unickpt's (``except
-    CheckpointExistsError`` catches an async save's as it catches a sync save's)."""
-    from . import errors
-
-    cls = getattr(errors, kind, None) if isinstance(kind, str) else None
-    if not (isinstance(cls, type) and issubclass(cls, UnickptError)) or issubclass(cls, AsyncSaveError):
-        return AsyncSaveError(message)
-    both = _AS_ASYNC.get(cls)
-    if both is None:
-        both = _AS_ASYNC[cls] = type(f"Async{cls.__name__}", (AsyncSaveError, cls),
-                                     {"__module__": errors.__name__, "__qualname__": f"Async{cls.__name__}"})
-    try:
-        return both(message)
-    except TypeError:  # (a class whose constructor wants more than a message)
-        return AsyncSaveError(message)
 
 
 def _local(path) -> str | None:

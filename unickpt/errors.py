@@ -116,6 +116,30 @@ class InvalidArgumentError(UnickptError, ValueError):
     """An argument of a unickpt function is out of its range (the message says which)."""
 
 
+_ASYNC: dict[type, type] = {}
+
+
+def async_error(kind: str | None, message: str) -> AsyncSaveError:
+    """An asynchronous save's error as the trainer raises it, from what its writer reported
+    (``kind``: the writer's error class name): an :class:`AsyncSaveError` that is also an
+    instance of that class when it is one of these (``except CheckpointExistsError`` catches
+    an async save's as it catches a sync save's). Pickles by ``(kind, message)``."""
+    cls = globals().get(kind) if isinstance(kind, str) else None
+    if not (isinstance(cls, type) and issubclass(cls, UnickptError)) or issubclass(cls, AsyncSaveError):
+        return AsyncSaveError(message)
+    both = _ASYNC.get(cls)
+    if both is None:
+        name = f"Async{cls.__name__}"
+        both = _ASYNC[cls] = type(name, (AsyncSaveError, cls), {
+            "__module__": __name__, "__qualname__": name,
+            "__reduce__": lambda self, kind=kind: (async_error, (kind, str(self))),
+            "__str__": lambda self: str(self.args[0]) if self.args else ""})
+    try:
+        return both(message)
+    except TypeError:  # (a class whose constructor wants more than a message)
+        return AsyncSaveError(message)
+
+
 def as_typed(exc: BaseException) -> BaseException:
     """``exc`` itself if typed (or not an error of the storage); an :class:`OSError` becomes a
     :class:`StorageError` with the same errno, message and file name."""
