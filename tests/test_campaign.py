@@ -622,7 +622,10 @@ def _async_writer_disk_full(rank, world, root):
                      bucket_bytes=8192).wait(timeout=120)
         err = None
     except UnickptError as e:
-        err = (type(e).__name__, str(e))
+        from unickpt.errors import AsyncSaveError, DistributedError, StorageError
+
+        err = (type(e).__name__, str(e), isinstance(e, AsyncSaveError), isinstance(e, StorageError),
+               isinstance(e, DistributedError))
     waited = time.monotonic() - t0
     os.environ.pop("UNICKPT_TEST_FAULTS", None)
     import torch.distributed as tdist
@@ -636,8 +639,9 @@ def _async_writer_disk_full(rank, world, root):
 def test_disk_full_in_one_async_writer_fails_every_rank(tmp_path):
     out = dist.run(_async_writer_disk_full, 2, str(tmp_path), timeout=150)
     for r, (err, waited, listing, ok3, ok1) in enumerate(out):
-        assert err and err[0] == "AsyncSaveError" and "No space left on device" in err[1], err
+        assert err and err[2] and "No space left on device" in err[1], err  # AsyncSaveError on every rank
         assert (r == 1) == ("StorageError" in err[1].split(":")[1]), err  # the others learn it as rank 1's
+        assert err[3:] == ((True, False) if r == 1 else (False, True)), err  # and of its writer's own class
         assert waited < 30 and listing == ["step-00000001"] and ok3 and ok1
 
 
