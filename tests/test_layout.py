@@ -139,3 +139,22 @@ def test_windowed_copies_match_brute_force():
                         want[i * isz : (i + 1) * isz] = src[g * isz : (g + 1) * isz]
                 assert torch.equal(dst, want), (lay, isz, lo, hi)
     assert regular == 3, regular  # both paths were taken
+
+
+def test_partition_flat_gives_empty_tensors_to_one_rank(tmp_path):
+    """A 0-element tensor in a ZeRO buffer has no element to cut: one rank (the one whose range
+    is at its place) holds it as an empty piece, so a save stores it and a strict load of
+    another layout finds it (found by an attacker's review: it was left out)."""
+    import unickpt
+
+    shapes, names = [(4, 3), (0, 5), (2,)], ["a", "empty", "b"]
+    for world in (1, 2, 3, 7):
+        held = [[i for i, *_ in partition_flat(shapes, world, r, names=names)] for r in range(world)]
+        assert sum(h.count(1) for h in held) == 1, held
+    buf = torch.arange(14, dtype=torch.float32)
+    sd = {"model": {names[i]: unickpt.shard(buf[s:e], shapes[i], flat=(lay.flat[0], lay.flat[1]))
+                    for i, lay, s, e in partition_flat(shapes, 1, 0, names=names)}}
+    unickpt.save(sd, tmp_path / "c")
+    t = {"model": {"a": torch.zeros(4, 3), "empty": torch.zeros(0, 5), "b": torch.zeros(2)}}
+    unickpt.load(t, tmp_path / "c")
+    assert torch.equal(t["model"]["a"], buf[:12].view(4, 3)) and torch.equal(t["model"]["b"], buf[12:])

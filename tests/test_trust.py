@@ -541,3 +541,18 @@ def test_verify_flags_a_config_json_the_manifest_does_not_list(tmp_path):
     (p / "config.json").write_text('{"api_key": "x"}')
     r = cli("verify", p, "-q")
     assert r.returncode == 1 and "config.json" in r.stderr and "not part of the checkpoint" in r.stderr
+
+
+def test_a_damaged_model_weight_under_a_residual_master_is_named_as_the_damaged_file(tmp_path):
+    """A residual master is decoded from its model weight's bytes: when those are damaged, the
+    error and .bad name the model's file and tensor (the master's file is intact), once."""
+    w = torch.randn(64, 64)
+    unickpt.save({"model": {"w": w.bfloat16()}, "master": {"w": w}}, tmp_path / "c", master="residual")
+    _flip_tensor(tmp_path / "c", "w", 100)
+    _, man = unickpt.read_manifest(tmp_path / "c")
+    model_file = man.tensors[("model", "w")].file
+    for target in ({"master": {"w": torch.zeros(64, 64)}},
+                   {"model": {"w": torch.zeros(64, 64, dtype=torch.bfloat16)}, "master": {"w": torch.zeros(64, 64)}}):
+        with pytest.raises(ChecksumError) as e:
+            unickpt.load(target, tmp_path / "c")
+        assert e.value.bad == [(model_file, "w")] and model_file in str(e.value), (e.value, e.value.bad)

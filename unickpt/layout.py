@@ -325,6 +325,10 @@ def partition_flat(
             hint = None if unit is None else (unit, rank, i)
             lay = Layout(tuple(shape), offs, sizes, (s - t0, e - t0), rep, hint)
             out.append((i, lay, s - lo, e - lo))
+        elif n == 0 and rank == (min(t0 // part, world - 1) if part else 0):
+            # an empty block: held by the rank whose range is at its place (an explicit piece:
+            # the unit's rule gives pieces of elements only), so that it is saved and loaded
+            out.append((i, Layout(tuple(shape), offs, sizes, (0, 0), rep), t0 - lo, t0 - lo))
         t0 = t1
     return out
 

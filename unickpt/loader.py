@@ -261,6 +261,7 @@ def load(
             except Exception as e:
                 err = e
         comm.agree(err, "load (verifying)")
+    bad = list(dict.fromkeys(bad))  # (a model weight read for itself and for its master: once)
     if bad and err is None:  # (one agreement for the reads and their checksums, unless verify="full")
         err = _changed(storage, ckpt, man) or ChecksumError(
             "checksum mismatch: " + "; ".join(f"tensor {n!r} in {f}" for f, n in bad), bad)
@@ -637,10 +638,9 @@ def _read_all(entries, man: Manifest, storage, ckpt, verify, progress, rank=0, w
         for e in todo:
             st = man.tensors[e.key]
             if st.codec != "raw":
-                ok, n_checked = _read_coded(e, st, man, files, verify)
+                failed, n_checked = _read_coded(e, st, man, files, verify)
                 counts["verified"] += n_checked
-                if not ok:
-                    bad.append((st.file, st.name))
+                bad.extend(failed)
                 counts["bytes"] += e.layout.numel * e.local.element_size()
                 if progress is not None:
                     progress(counts["bytes"], total)
@@ -915,9 +915,12 @@ def _split_runs(runs: Runs, cap: int) -> tuple[np.ndarray, np.ndarray, np.ndarra
     return s, ln, lo
 
 
-def _read_coded(e: Entry, st: TensorEntry, man: Manifest, files: "_Files", verify) -> tuple[bool, int]:
+def _read_coded(e: Entry, st: TensorEntry, man: Manifest, files: "_Files", verify
+                ) -> tuple[list[tuple[str, str]], int]:
     """Decode this rank's runs of a coded tensor, window by window: the codes and scales (or
-    low halves and model weights) of each window are read, checked as they stream, decoded."""
+    low halves and model weights) of each window are read, checked as they stream, decoded.
+    Returns the ``(file, tensor)`` whose bytes failed their checks (the model weight's own,
+    for a master decoded from it) and the bytes checked."""
     from .compress import byte_ranges, decode_range
 
     local = e.local.detach()
@@ -973,8 +976,8 @@ def _read_coded(e: Entry, st: TensorEntry, man: Manifest, files: "_Files", verif
         i = j
     if not direct:
         local.copy_(out)
-    ok = all(c.ok for _, _, c in regions)
-    return ok, sum(c.checked for _, _, c in regions)
+    failed = sorted({(model.file, model.name) if p == "model" else (st.file, st.name) for p, _, c in regions if not c.ok})
+    return failed, sum(c.checked for _, _, c in regions)
 
 
 def read_whole(storage, ckpt: str, man: Manifest, role: str, name: str, readers: dict) -> torch.Tensor:
@@ -989,10 +992,12 @@ def read_whole(storage, ckpt: str, man: Manifest, role: str, name: str, readers:
         x = torch.empty(st.shape, dtype=torch_dtype(st.dtype))
         shim = _Files(storage, ckpt, man)
         shim.readers = readers
-        ok, _ = _read_coded(Entry(role, name, x, Layout.full(st.shape)), st, man, shim, "full")
-        if not ok:
-            raise ChecksumError(f"{ckpt}/{st.file}: tensor {name!r} (role {role}): stored bytes do not match their checksums",
-                                [(st.file, name)])
+        failed, _ = _read_coded(Entry(role, name, x, Layout.full(st.shape)), st, man, shim, "full")
+        if failed:
+            f, n = failed[0]
+            raise ChecksumError(f"{ckpt}/{f}: tensor {n!r} (role {'model' if f != st.file else role}"
+                                f"{', read to decode ' + repr(name) + ' of role ' + role if f != st.file else ''}): "
+                                "stored bytes do not match their checksums", failed)
         return x
     r = readers[st.file]
     x = torch.empty(st.shape, dtype=torch_dtype(st.dtype))
