@@ -118,3 +118,32 @@ def _trainer_and_fsdp2(rank, world, root):
 
 def test_trainer_layouts_and_fsdp2_reshard_both_ways(tmp_path):
     assert dist.run(_trainer_and_fsdp2, 2, str(tmp_path)) == [(True, True)] * 2
+
+
+def _dtensor_on_a_submesh(rank, world, root):
+    import pytest
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from unickpt.errors import LayoutError
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dt = distribute_tensor(torch.arange(15.0).view(5, 3), mesh["tp"], [Shard(0)])  # TP under DDP: 2 copies
+    with pytest.raises(LayoutError, match=r"ranks 0 and 2 hold the same block: data-parallel copies"):
+        unickpt.save({"model": {"w": dt}}, os.path.join(root, "a"))
+    _, off = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)  # the workaround
+    unickpt.save({"model": {"w": unickpt.shard(dt.to_local(), dt.shape, offsets=off, replica=mesh["dp"].get_local_rank())}},
+                 os.path.join(root, "b"))
+    t = {"model": {"w": distribute_tensor(torch.zeros(5, 3), mesh["tp"], [Shard(0)])}}
+    unickpt.load(t, os.path.join(root, "b"))
+    return torch.equal(t["model"]["w"].full_tensor(), torch.arange(15.0).view(5, 3))
+
+
+def test_dtensors_on_a_submesh_with_data_parallel_copies_say_how_to_save_them(tmp_path):
+    """DTensors on a TP sub-mesh under DDP: every data-parallel group holds a full set of the
+    same blocks, all replica 0 (a DTensor has no say about copies outside its mesh). The save
+    refuses it naming two ranks with the same block and the workaround, which saves and loads
+    (not automatic yet: docs/design.md)."""
+    assert dist.run(_dtensor_on_a_submesh, 4, str(tmp_path)) == [True] * 4
+    assert not os.path.exists(tmp_path / "a")

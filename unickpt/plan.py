@@ -361,10 +361,19 @@ def _check_tiling(t: TensorPlan) -> None:
     covered = int(lengths.sum())
     if len(starts) > 1 and np.any(starts[1:] < ends[:-1]):
         i = int(np.argmax(starts[1:] < ends[:-1]))
+        seen: dict[tuple, int] = {}
+        same = None  # two ranks holding the very same block: copies, not a tiling
+        for r, lay in src:
+            box = (lay.offsets, lay.sizes, lay.flat)
+            if box in seen and same is None:
+                same = (seen[box], r)
+            seen.setdefault(box, r)
         raise LayoutError(
             f"tensor {t.name!r} (role {t.role}): replica-0 shards overlap at element {int(starts[i + 1])}; "
-            "mark duplicate copies with replica > 0"
-        )
+            "mark duplicate copies with replica > 0" + (
+                f" (ranks {same[0]} and {same[1]} hold the same block: data-parallel copies, such as DTensors on a "
+                "tensor-parallel sub-mesh under DDP? describe them as unickpt.shard(t.to_local(), t.shape, "
+                "offsets=<the block's offsets>, replica=<the data-parallel rank>))" if same else ""))
     if covered != t.numel:
         raise LayoutError(
             f"tensor {t.name!r} (role {t.role}): replica-0 shards cover {covered} of {t.numel} elements "
