@@ -1091,8 +1091,9 @@ def _watch_joining(joined_r: int, addr: str, port: int, gate: str, why: str, lim
     import torch.distributed as dist
 
     try:
-        ready, _, _ = select.select([joined_r], [], [], limit)
-        if not ready or os.read(joined_r, 1):
+        waiting = select.poll()  # (not select(): a trainer may hold more than FD_SETSIZE descriptors)
+        waiting.register(joined_r, select.POLLIN | select.POLLHUP)
+        if not waiting.poll(limit * 1000) or os.read(joined_r, 1):
             return  # joined (or still starting after limit: its own timeout has passed)
         store = dist.TCPStore(addr, port, None, is_master=False, timeout=datetime.timedelta(seconds=30))
         store.compare_set(_gate_keys(gate)[1], "", why)

@@ -315,8 +315,9 @@ def retire(storage: Storage, path: str) -> None:
 def retain(storage: Storage, root: str, keep: int, node: str | None = None) -> list[str]:
     """Retire all but the newest ``keep`` committed ``step-*`` checkpoints under ``root``;
     return the retired paths. An old step whose directory holds another committed
-    checkpoint (an export or copy put inside it) is kept, with a warning. ``node``: ``root`` is that node's directory of node-local
-    checkpoints, which holds the files written on the node and their copies, not all."""
+    checkpoint (an export or copy put inside it) is kept, with a warning. ``node``: ``root``
+    is that node's directory of node-local checkpoints, which holds the files written on the
+    node and their copies, not all."""
     if type(keep) is not int or keep < 1:
         raise InvalidArgumentError(f"keep must be an integer of at least 1, got {keep!r}")
     steps = committed_steps(storage, root)

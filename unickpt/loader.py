@@ -995,9 +995,9 @@ def read_whole(storage, ckpt: str, man: Manifest, role: str, name: str, readers:
         failed, _ = _read_coded(Entry(role, name, x, Layout.full(st.shape)), st, man, shim, "full")
         if failed:
             f, n = failed[0]
-            raise ChecksumError(f"{ckpt}/{f}: tensor {n!r} (role {'model' if f != st.file else role}"
-                                f"{', read to decode ' + repr(name) + ' of role ' + role if f != st.file else ''}): "
-                                "stored bytes do not match their checksums", failed)
+            what = (f"tensor {n!r} (role {role})" if f == st.file else
+                    f"tensor {n!r} (role model, read to decode {name!r} of role {role})")
+            raise ChecksumError(f"{ckpt}/{f}: {what}: stored bytes do not match their checksums", failed)
         return x
     r = readers[st.file]
     x = torch.empty(st.shape, dtype=torch_dtype(st.dtype))
