@@ -45,8 +45,7 @@ import socket
 import time
 import uuid
 
-from .errors import (CheckpointExistsError, CheckpointNotFoundError, FormatError, InvalidArgumentError, StorageError,
-                     UnickptError)
+from .errors import CheckpointExistsError, CheckpointNotFoundError, InvalidArgumentError, StorageError, UnickptError
 from .manifest import INDEX_NAME, MANIFEST_NAME
 from .storage import MarkerStorage, Storage
 
@@ -90,7 +89,15 @@ def is_committed(storage: Storage, path: str) -> bool:
 
 def committed_under(storage: Storage, path: str, *, below: bool = False) -> str | None:
     """The first committed checkpoint at ``path`` or anywhere under it (``below``: under it
-    only), or None. Real directories only: links are not followed, as no reader follows them."""
+    only), or None. Real directories only: links are not followed, as no reader follows them.
+    Object stores: one recursive listing (a walk would list every prefix, one request each)."""
+    if not storage.caps.atomic_rename:
+        for key in sorted(m.key for m in storage.list_objects(path)):
+            if key == MANIFEST_NAME and not below:
+                return path
+            if key.endswith("/" + MANIFEST_NAME):
+                return storage.join(path, key[: -len(MANIFEST_NAME) - 1])
+        return None
     stack = [path]
     while stack:
         p = stack.pop()
@@ -238,7 +245,7 @@ def _token_of(name: str) -> str | None:
 def _referenced(storage: Storage, prefix: str) -> set[str] | None:
     """Names the committed manifest under ``prefix`` lists (empty: no manifest; None: a
     manifest that does not read, so nothing may be touched)."""
-    from .loader import read_manifest_bytes
+    from .loader import open_files, read_manifest_bytes
     from .manifest import Manifest
 
     if not storage.isfile(storage.join(prefix, MANIFEST_NAME)):
@@ -321,24 +328,17 @@ def retain(storage: Storage, root: str, keep: int, node: str | None = None) -> l
     if type(keep) is not int or keep < 1:
         raise InvalidArgumentError(f"keep must be an integer of at least 1, got {keep!r}")
     steps = committed_steps(storage, root)
-    from .loader import read_manifest_bytes
+    from .loader import open_files, read_manifest_bytes
     from .manifest import Manifest
 
     for _, kept in steps[-keep:]:  # delete older ones only behind checkpoints that read
         try:
             man = Manifest.from_json(read_manifest_bytes(storage, kept), kept)
             held = [f for f, fe in man.files.items() if node is None or fe.node == node or node in fe.replicas]
-            missing = [f for f in held if not storage.isfile(storage.join(kept, f))]
-            if missing:
-                raise CheckpointNotFoundError(f"{storage.join(kept, missing[0])}: listed in the manifest, missing")
-            for f in held:  # of the size the manifest records (a truncated file does not load)
-                fe = man.files[f]
-                want = fe.stored_size if fe.stored_size >= 0 else fe.size
-                r = storage.open_reader(storage.join(kept, f))
-                size = r.size
+            readers: dict = {}  # each a regular file of its recorded size, header intact, as a load opens it
+            open_files(storage, kept, man, held, readers)
+            for r in readers.values():
                 r.close()
-                if size != want:
-                    raise FormatError(f"{storage.join(kept, f)}: {size} bytes, the manifest records {want}")
         except Exception as e:
             from ._metrics import log
 

@@ -26,10 +26,9 @@ import torch
 
 from . import commit as _commit
 from ._metrics import gbps, human_bytes, log
-from .errors import (CheckpointNotFoundError, ChecksumError, FormatError, InvalidArgumentError,
-                     TensorMissingError)
-from .format import Hasher, build_header, dtype_name, order_key, torch_dtype
-from .loader import open_files, read_manifest, read_whole
+from .errors import FormatError, InvalidArgumentError, TensorMissingError
+from .format import build_header, dtype_name, order_key, torch_dtype
+from .loader import open_files, read_manifest, read_side_file, read_whole
 from .manifest import INDEX_NAME, _finite_float, _no_constant
 from .storage import storage_for
 
@@ -301,19 +300,15 @@ def _aux_json(storage, ckpt: str, man, name: str) -> dict | None:
 def _aux_bytes(storage, ckpt: str, man, name: str) -> bytes | None:
     """The bytes of :func:`_aux_json`'s file, checked (a JSON object)."""
     path = storage.join(ckpt, name)
-    listed = man.aux.get(name)
-    if not storage.exists(path):
-        if listed is not None:
-            raise CheckpointNotFoundError(f"{path}: listed in the manifest but missing")
+    if name in man.aux:
+        data = read_side_file(storage, ckpt, man, name, CONFIG_LIMIT)
+    elif not storage.exists(path):
         return None
-    data = storage.read_bytes(path, CONFIG_LIMIT)
-    if listed is not None:
-        if (len(data), Hasher.of(data)) != tuple(listed):
-            raise ChecksumError(f"{path}: does not match the size and checksum the manifest records", [(name, "")])
     elif man.format_version >= 2:
         raise FormatError(f"{path}: not part of the checkpoint (the manifest does not list it); pass it with "
                           f"save(..., extra_files={{'{name}': ...}}) or remove it")
     else:
+        data = storage.read_bytes(path, CONFIG_LIMIT)
         log.warning("%s: format %d checkpoints do not checksum %s; copied unverified", path, man.format_version, name)
     _parse_json(data, path)
     return data

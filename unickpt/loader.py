@@ -497,6 +497,19 @@ def _mismatch(ckpt: str, man: Manifest, missing: list[str], unexpected: list[str
                missing, unexpected)
 
 
+def read_side_file(storage: Storage, ckpt: str, man: Manifest, name: str, limit: int) -> bytes:
+    """A side file the manifest lists (``config.json``, ``save(extra_files=...)``): a regular
+    file inside the checkpoint of at most ``limit`` bytes, with the size and checksum the
+    manifest records (:class:`CheckpointNotFoundError`, :class:`ChecksumError` otherwise)."""
+    path = storage.join(ckpt, name)
+    if not storage.exists(path):
+        raise CheckpointNotFoundError(f"{path}: listed in the manifest but missing")
+    data = storage.read_bytes(path, limit)
+    if (len(data), Hasher.of(data)) != tuple(man.aux[name]):
+        raise ChecksumError(f"{path}: does not match the size and checksum the manifest records", [(name, "")])
+    return data
+
+
 def open_file(storage: Storage, ckpt: str, man: Manifest, fname: str) -> RandomReader:
     """A reader of the logical (safetensors) bytes of a checkpoint file, header checked."""
     fe = man.files[fname]

@@ -23,10 +23,9 @@ import torch
 from . import __version__
 from . import commit as _commit
 from ._metrics import gbps, human_bytes, log
-from .errors import (ChecksumError, CheckpointNotFoundError, FormatError, InvalidArgumentError, StateDictError,
-                     UnickptError)
+from .errors import FormatError, InvalidArgumentError, StateDictError, UnickptError
 from .format import Hasher, block_sums, build_header, dtype_name, itemsize, order_key, torch_dtype
-from .loader import open_files, read_manifest, read_whole
+from .loader import open_files, read_manifest, read_side_file, read_whole
 from .codecs import split_master
 from .compress import QUANT_CODECS, Compression, chunk_elems, encode_chunk, stored_parts, tag_for
 from .container import ZstdWriter
@@ -323,19 +322,13 @@ def _side_files(storage, ckpt: str, man: Manifest) -> dict[str, bytes]:
     (:class:`ChecksumError` otherwise). Format 1 recorded none: its side files are not
     copied, and a warning names them."""
     out = {}
-    for fname, (size, digest) in sorted(man.aux.items()):
+    for fname, (size, _) in sorted(man.aux.items()):
         if fname == INDEX_NAME:
             continue
-        path = storage.join(ckpt, fname)
         if not 0 <= size <= SIDE_FILE_LIMIT:
-            raise FormatError(f"{path}: the manifest records {size} bytes for it (side files: at most "
-                              f"{SIDE_FILE_LIMIT} bytes)")
-        if not storage.exists(path):
-            raise CheckpointNotFoundError(f"{path}: listed in the manifest but missing")
-        data = storage.read_bytes(path, size)
-        if len(data) != size or Hasher.of(data) != digest:
-            raise ChecksumError(f"{path}: does not match the size and checksum the manifest records", [(fname, "")])
-        out[fname] = data
+            raise FormatError(f"{storage.join(ckpt, fname)}: the manifest records {size} bytes for it (side files: "
+                              f"at most {SIDE_FILE_LIMIT} bytes)")
+        out[fname] = read_side_file(storage, ckpt, man, fname, size)
     if man.format_version < 2:
         old = [n for n in ("config.json", "generation_config.json") if storage.exists(storage.join(ckpt, n))]
         if old:
