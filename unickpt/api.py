@@ -148,13 +148,14 @@ def save(
             raise InvalidArgumentError(f"{os.fspath(path)}: replicas need node-local storage ({{node}} in the path)")
         if also and not async_save:
             raise InvalidArgumentError("also= needs async_save=True (the writer processes write every path)")
-        from .async_save import writer_path
+        if also:
+            from .async_save import writer_path
 
-        where = [writer_path(p) for p in (path, *also)]
-        twice = sorted({w for w in where if where.count(w) > 1})
-        if twice:
-            raise InvalidArgumentError(f"also= names {twice} twice (with the path itself): each copy needs a path "
-                                       "of its own")
+            where = [writer_path(p) for p in (path, *also)]
+            twice = sorted({w for w in where if where.count(w) > 1})
+            if twice:
+                raise InvalidArgumentError(f"also= names {twice} twice (with the path itself): each copy needs a "
+                                           "path of its own")
         _check_shared(path, storage_options, async_save, group)
         same = _call_args(path, opts, async_save=bool(async_save), also=[compared_path(p) for p in also])
     except Exception as e:  # agreed below: a rank alone with bad options must not strand the others

@@ -284,8 +284,8 @@ def apply_json_state(target: Any, saved: Any, rank: int = 0, world: int = 1,
                 except ValueError:
                     ik = None
                 if ik is None or ik not in target:
-                    value = not isinstance(v, Mapping) or PER_RANK_KEY in v  # (else a role's JSON)
-                    if skipped is not None and (where or (value and top_level)):
+                    outside_roles = not isinstance(v, Mapping) or PER_RANK_KEY in v  # (else a role's JSON)
+                    if skipped is not None and (where or (outside_roles and top_level)):
                         skipped.append(f"{where}.{k}: saved, not in the target" if where else
                                        f"{k}: saved, not in the target")
                     continue
@@ -320,9 +320,9 @@ def apply_json_state(target: Any, saved: Any, rank: int = 0, world: int = 1,
         elif isinstance(cur, (Mapping, MutableSequence)) and isinstance(v, (Mapping, list)) and not _is_leaf_list(cur):
             apply_json_state(cur, v, rank, world, skipped, path)
         elif isinstance(cur, tuple) and isinstance(v, list) and _contains_tensor(cur):
-            items_ = list(cur)  # its tensors are loaded in place; its other values are rebuilt
-            apply_json_state(items_, v, rank, world, skipped, path)
-            target[key] = type(cur)(*items_) if hasattr(cur, "_fields") else type(cur)(items_)
+            parts = list(cur)  # its tensors are loaded in place; its other values are rebuilt
+            apply_json_state(parts, v, rank, world, skipped, path)
+            target[key] = type(cur)(*parts) if hasattr(cur, "_fields") else type(cur)(parts)
         elif not _contains_tensor(cur):  # JSON has no tuples: the target's tuples stay tuples (betas)
             target[key] = tuple(v) if isinstance(cur, tuple) and isinstance(v, list) else v
 
