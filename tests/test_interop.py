@@ -124,26 +124,43 @@ def _dtensor_on_a_submesh(rank, world, root):
     import pytest
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from unickpt.errors import LayoutError
+    from unickpt.errors import LayoutError, StateDictError
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    dt = distribute_tensor(torch.arange(15.0).view(5, 3), mesh["tp"], [Shard(0)])  # TP under DDP: 2 copies
-    with pytest.raises(LayoutError, match=r"ranks 0 and 2 hold the same block: data-parallel copies"):
-        unickpt.save({"model": {"w": dt}}, os.path.join(root, "a"))
-    _, off = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)  # the workaround
-    unickpt.save({"model": {"w": unickpt.shard(dt.to_local(), dt.shape, offsets=off, replica=mesh["dp"].get_local_rank())}},
-                 os.path.join(root, "b"))
-    t = {"model": {"w": distribute_tensor(torch.zeros(5, 3), mesh["tp"], [Shard(0)])}}
-    unickpt.load(t, os.path.join(root, "b"))
-    return torch.equal(t["model"]["w"].full_tensor(), torch.arange(15.0).view(5, 3))
+    full = torch.arange(15.0).view(5, 3)
+    dt = distribute_tensor(full, mesh["tp"], [Shard(0)])  # TP under DDP: 2 copies, all replica 0
+    unickpt.save({"model": {"w": dt}, "optim": {"m": distribute_tensor(full * 2, mesh["tp"], [Shard(1)])}},
+                        os.path.join(root, "a"))
+    t = {"model": {"w": distribute_tensor(torch.zeros(5, 3), mesh["tp"], [Shard(1)])}}
+    unickpt.load(t, os.path.join(root, "a"))
+    ok_load = torch.equal(t["model"]["w"].full_tensor(), full)
+    plain = {"optim": {"m": torch.zeros(5, 3)}}
+    unickpt.load(plain, os.path.join(root, "a"), group=unickpt.transport.LOCAL)
+    ok_plain = torch.equal(plain["optim"]["m"], full * 2)
+
+    # copies that differ: refused on every rank, nothing committed
+    local = dt.to_local().clone()
+    if mesh["dp"].get_local_rank() == 1 and mesh["tp"].get_local_rank() == 0:
+        local[0, 0] = -1.0  # rank 2 differs from rank 0
+    bad = torch.distributed.tensor.DTensor.from_local(local, mesh["tp"], [Shard(0)], run_check=False, shape=dt.shape,
+                                                    stride=dt.stride())
+    with pytest.raises(StateDictError, match=r"ranks \[0, 2\] each hold the block at offsets \[0, 0\].*different values"):
+        unickpt.save({"model": {"w": bad}}, os.path.join(root, "b"))
+
+    # the whole tensor on one rank and a part of it on another, both as the saved copy: refused
+    piece = unickpt.shard(full, full.shape) if rank == 0 else unickpt.shard(full[:2], full.shape, offsets=(0, 0))
+    with pytest.raises(LayoutError, match=r"rank 0 holds it whole .* rank 1 holds a part of it"):
+        unickpt.save({"model": {"w": piece}}, os.path.join(root, "c"))
+    return ok_load, ok_plain
 
 
-def test_dtensors_on_a_submesh_with_data_parallel_copies_say_how_to_save_them(tmp_path):
+def test_dtensors_on_a_submesh_with_data_parallel_copies_save_one_copy_and_compare_the_others(tmp_path):
     """DTensors on a TP sub-mesh under DDP: every data-parallel group holds a full set of the
-    same blocks, all replica 0 (a DTensor has no say about copies outside its mesh). The save
-    refuses it naming two ranks with the same block and the workaround, which saves and loads
-    (not automatic yet: docs/design.md)."""
-    assert dist.run(_dtensor_on_a_submesh, 4, str(tmp_path)) == [True] * 4
-    assert not os.path.exists(tmp_path / "a")
+    same blocks, all replica 0 (a DTensor has no say about copies outside its mesh). The plan
+    saves the lowest rank's copy of each block and the save compares the others with it by
+    fingerprint, as for plain tensors: copies that differ are refused naming the ranks. A
+    whole tensor on one rank beside a part of it on another, both replica 0, is refused."""
+    out = dist.run(_dtensor_on_a_submesh, 4, str(tmp_path))
+    assert out == [(True, True)] * 4
+    assert not os.path.exists(tmp_path / "b") and not os.path.exists(tmp_path / "c")

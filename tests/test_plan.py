@@ -93,6 +93,27 @@ def test_gaps_and_overlaps_in_shards_are_refused():
         make_plan(overlap, bucket_bytes=4096)
 
 
+def test_the_same_block_on_several_ranks_is_saved_from_the_lowest_and_the_others_are_copies():
+    """DTensors on a TP sub-mesh under DDP: ranks 0 and 2 hold rows 0-1, ranks 1 and 3 rows
+    2-3, all as replica 0. The plan saves ranks 0 and 1's blocks, makes the others copies
+    (nothing of theirs travels) and records the groups for the save to compare."""
+    lay = lambda r0: Layout((4, 4), (r0, 0), (2, 4))  # noqa: E731
+    per_rank = [[_row("model", "w", "F32", lay(2 * (r % 2)))] for r in range(4)]
+    plan = make_plan(_summaries(per_rank), bucket_bytes=4096, shared_writes=False)
+    t = plan.tensors[("model", "w")]
+    assert t.copies == [((0, 0), (2, 4), None, [0, 2]), ((2, 0), (2, 4), None, [1, 3])]
+    assert [lay.replica for _, lay in t.explicit] == [0, 0, 1, 1]
+    assert [lay.replica for r in range(4) for _, lay in plan.explicit_of(r)] == [0, 0, 1, 1]
+    assert sorted(r for r, _ in t.sources()) == [0, 1]
+    for r in (2, 3):
+        assert not any(st.sends for st in plan.schedule(r))
+    # one rank holding the same block twice is no copy: still an overlap
+    twice = _summaries([[_row("model", "w", "F32", lay(0)), _row("model", "w", "F32", lay(0))],
+                        [_row("model", "w", "F32", lay(2))]])
+    with pytest.raises(LayoutError, match="overlap"):
+        make_plan(twice, bucket_bytes=4096)
+
+
 def test_ranks_disagreeing_on_shape_are_refused():
     s = _summaries([
         [_row("model", "w", "F32", Layout.full((4, 4)))],

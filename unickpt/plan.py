@@ -15,7 +15,7 @@ import contextlib
 import gc
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import xxhash
@@ -61,6 +61,10 @@ class TensorPlan:
     codec: dict | None = None  # codec tag (unickpt.compress); None: stored as is
     parts: dict[str, tuple[str, str, tuple[int, ...], int, int]] = field(default_factory=dict)
     """Quantized tensors: part -> (header key, dtype, shape, begin, end) in the file."""
+    copies: list = field(default_factory=list)
+    """Blocks that several ranks presented as the saved copy (replica 0) and the plan made
+    copies of (:func:`_mark_copies`): ``(offsets, sizes, flat, ranks)``, the first rank's
+    block saved; the save compares the others' values with it (``saver._check_replicas``)."""
     rules: list = field(default_factory=list)
     """``(unit, slot)`` of the rules whose members hold pieces of this tensor (lazy pieces:
     never materialised in the plan); empty once the tensor is planned from explicit pieces."""
@@ -309,11 +313,20 @@ def _make_plan(summaries, bucket_bytes, max_file_bytes, zstd, shared_writes, rul
                 t.full_holders.append(rank)
     claims = _read_claims(summaries, rules or {}, tensors)
     memo = _RuleMemo()
+    renamed: dict[int, dict[tuple[int, int], Layout]] = {}  # rank -> (id(tensor), id(old)) -> its copy
+    kept = []  # the replaced layouts, alive until held_by is updated (their ids are keys)
     for t in tensors.values():
         if t.rules:
             _settle(t, held_by, memo)
         if not t.full_holders:
-            _check_tiling(t)
+            for r, old, new in _check_tiling(t):
+                renamed.setdefault(r, {})[(id(t), id(old))] = new
+                kept.append(old)
+        elif not t.rules and len(t.explicit) > len(t.full_holders):
+            _check_whole(t)
+    for r, m in renamed.items():
+        held_by[r] = [(t, m.get((id(t), id(lay)), lay)) for t, lay in held_by[r]]
+    del kept
     _assign_writers(list(tensors.values()), world, memo)
     node_id = {n: i for i, n in enumerate(dict.fromkeys(nodes))}
     node_of = np.array([node_id[n] for n in nodes], np.int64)
@@ -344,41 +357,85 @@ def _tensor(tensors, role, name, dtype, shape, tag, rank) -> TensorPlan:
     return t
 
 
-def _check_tiling(t: TensorPlan) -> None:
-    if t.rules:
-        return  # _settle checked the rules tile it
-    src = [(r, lay) for r, lay in t.explicit if lay.replica == 0 and lay.numel > 0]
-    if not src and t.numel == 0:
-        return
-    singles = [lay.single_run() for _, lay in src]
-    runs = [lay.runs() for (_, lay), one in zip(src, singles) if one is None]
+def _sources_runs(t: TensorPlan) -> tuple[np.ndarray, np.ndarray, int | None]:
+    """Starts and lengths of the runs of ``t``'s explicit replica-0 pieces, by start, and
+    the first element two of them both hold (None: they do not overlap)."""
+    src = [lay for _, lay in t.explicit if lay.replica == 0 and lay.numel > 0]
+    singles = [lay.single_run() for lay in src]
+    runs = [lay.runs() for lay, one in zip(src, singles) if one is None]
     ones = np.array([one for one in singles if one is not None], np.int64).reshape(-1, 2)
     starts = np.concatenate([ones[:, 0], *(r.starts for r in runs)])
     lengths = np.concatenate([ones[:, 1], *(r.lengths for r in runs)])
     order = np.argsort(starts, kind="stable")
     starts, lengths = starts[order], lengths[order]
-    ends = starts + lengths
-    covered = int(lengths.sum())
-    if len(starts) > 1 and np.any(starts[1:] < ends[:-1]):
-        i = int(np.argmax(starts[1:] < ends[:-1]))
-        seen: dict[tuple, int] = {}
-        same = None  # two ranks holding the very same block: copies, not a tiling
-        for r, lay in src:
-            box = (lay.offsets, lay.sizes, lay.flat)
-            if box in seen and same is None:
-                same = (seen[box], r)
-            seen.setdefault(box, r)
+    over = starts[1:] < (starts + lengths)[:-1]
+    return starts, lengths, int(starts[1:][np.argmax(over)]) if over.any() else None
+
+
+def _mark_copies(t: TensorPlan) -> list[tuple[int, Layout, Layout]]:
+    """Replica-0 pieces of ``t`` that are the very same block on several ranks are copies,
+    not a tiling: DTensors on a tensor-parallel sub-mesh under DDP (a DTensor knows only its
+    own mesh, so every data-parallel group presents its blocks as replica 0). The lowest
+    rank's stays the saved copy; the others become replica 1, 2, ... Recorded in
+    :attr:`TensorPlan.copies`, so the save compares their values as it does for plain
+    tensors held whole by several ranks. Returns ``(rank, old layout, new layout)`` of each
+    piece remarked."""
+    groups: dict[tuple, list[int]] = {}  # block -> indices into t.explicit
+    for k, (_, lay) in enumerate(t.explicit):
+        if lay.replica == 0 and lay.numel > 0:
+            groups.setdefault((lay.offsets, lay.sizes, lay.flat), []).append(k)
+    out = []
+    for (offsets, sizes, flat), idx in groups.items():
+        if len(idx) < 2 or len({t.explicit[k][0] for k in idx}) < len(idx):
+            continue  # (one rank holding a block twice is no copy: left to the overlap error)
+        idx.sort(key=lambda k: t.explicit[k][0])
+        t.copies.append((offsets, sizes, flat, [t.explicit[k][0] for k in idx]))
+        for n, k in enumerate(idx[1:], 1):
+            r, old = t.explicit[k]
+            new = replace(old, replica=n)
+            t.explicit[k] = (r, new)
+            out.append((r, old, new))
+    return out
+
+
+def _check_whole(t: TensorPlan) -> None:
+    """A tensor some rank holds whole as the saved copy (replica 0) must have no other
+    replica-0 piece that is only part of it: two sources for the same elements, and the one
+    not written would be dropped unchecked. (Whole copies are compared by the save.)"""
+    whole = [r for r, lay in t.explicit if lay.replica == 0 and lay.is_full]
+    part = [r for r, lay in t.explicit if lay.replica == 0 and 0 < lay.numel < t.numel]
+    if whole and part:
         raise LayoutError(
-            f"tensor {t.name!r} (role {t.role}): replica-0 shards overlap at element {int(starts[i + 1])}; "
-            "mark duplicate copies with replica > 0" + (
-                f" (ranks {same[0]} and {same[1]} hold the same block: data-parallel copies, such as DTensors on a "
-                "tensor-parallel sub-mesh under DDP? describe them as unickpt.shard(t.to_local(), t.shape, "
-                "offsets=<the block's offsets>, replica=<the data-parallel rank>))" if same else ""))
+            f"tensor {t.name!r} (role {t.role}): rank {whole[0]} holds it whole as the saved copy (replica 0) and "
+            f"rank {part[0]} holds a part of it also as replica 0; mark the part a copy (replica > 0) or save the "
+            "whole tensor from one place")
+
+
+def _check_tiling(t: TensorPlan) -> list[tuple[int, Layout, Layout]]:
+    """Check ``t``'s explicit replica-0 pieces tile it exactly, once copies of one block are
+    marked (:func:`_mark_copies`, whose result this returns)."""
+    if t.rules:
+        return []  # _settle checked the rules tile it
+    src = [(r, lay) for r, lay in t.explicit if lay.replica == 0 and lay.numel > 0]
+    if not src and t.numel == 0:
+        return []
+    _, lengths, at = _sources_runs(t)
+    marked = []
+    if at is not None:
+        marked = _mark_copies(t)
+        if marked:
+            _, lengths, at = _sources_runs(t)
+    if at is not None:
+        raise LayoutError(
+            f"tensor {t.name!r} (role {t.role}): replica-0 shards overlap at element {at} without being the same "
+            "block; every element needs exactly one replica-0 owner (mark copies with replica > 0)")
+    covered = int(lengths.sum())
     if covered != t.numel:
         raise LayoutError(
             f"tensor {t.name!r} (role {t.role}): replica-0 shards cover {covered} of {t.numel} elements "
             f"(ranks {sorted({r for r, _ in src})}); every element needs exactly one replica-0 owner"
         )
+    return marked
 
 
 def _assign_writers(tensors: list[TensorPlan], world: int, memo: "_RuleMemo | None" = None) -> None:

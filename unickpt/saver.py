@@ -551,23 +551,32 @@ def _fingerprint(t: torch.Tensor) -> int:
 
 
 def _check_replicas(comm: Comm, plan: SavePlan, entries: list[Entry], staged: "StagedBytes | None" = None) -> None:
-    """Plain tensors are one value for all ranks: refuse a save where ranks hold different
-    values under one name (one rank's copy would be stored, which one changing from run to
-    run). Compares a fingerprint of every tensor that several ranks hold whole as copy 0,
-    with one all-reduce; the error is raised on every rank."""
-    keys = sorted(k for k, t in plan.tensors.items() if len(t.full_holders) > 1 and t.numel
-                  and sum(1 for _, lay in t.full_pieces() if lay.replica == 0) > 1)
-    if not keys or comm.world == 1:
-        return
-    by_key = {e.key: e for e in entries}
+    """Refuse a save where ranks that each present a block as the saved copy (replica 0)
+    hold different values in it: one rank's copy would be stored, which one changing from
+    run to run. Such blocks are plain tensors (full on every rank) and the blocks the plan
+    made copies of (:attr:`~unickpt.plan.TensorPlan.copies`: DTensors on a sub-mesh under
+    DDP). A fingerprint of each, with one all-reduce; the error is raised on every rank.
+    Copies marked ``replica > 0`` by their layout are the caller's word and not compared."""
+    groups = [(k, None, None) for k, t in plan.tensors.items() if len(t.full_holders) > 1 and t.numel
+              and sum(1 for _, lay in t.full_pieces() if lay.replica == 0) > 1]
+    groups += [(k, (offsets, sizes, flat), ranks) for k, t in plan.tensors.items() for offsets, sizes, flat, ranks in t.copies]
+    if not groups or comm.world == 1:
+        return  # (in plan order: the same on every rank)
+    by_key: dict[tuple[str, str], list[Entry]] = {}
+    for e in entries:
+        by_key.setdefault(e.key, []).append(e)
     hi = 1 << 62
-    vals = torch.full((len(keys),), hi, dtype=torch.int64)
-    neg = torch.full((len(keys),), hi, dtype=torch.int64)  # -max over holders, computed as min(-v)
+    vals = torch.full((len(groups),), hi, dtype=torch.int64)
+    neg = torch.full((len(groups),), hi, dtype=torch.int64)  # -max over holders, computed as min(-v)
     err: BaseException | None = None
     try:
-        for i, k in enumerate(keys):
-            e = by_key.get(k)
-            if e is not None and e.layout.replica == 0 and e.layout.is_full:
+        for i, (k, box, ranks) in enumerate(groups):
+            if box is None:
+                mine = [e for e in by_key.get(k, ()) if e.layout.replica == 0 and e.layout.is_full]
+            else:  # (the plan marked all but the first a copy; the entry keeps the rank's own word)
+                mine = [e for e in by_key.get(k, ()) if comm.rank in ranks
+                        and (e.layout.offsets, e.layout.sizes, e.layout.flat) == box]
+            for e in mine[:1]:
                 if staged is not None:
                     staged.wait(e.key, e.local.numel() * e.local.element_size())
                 vals[i] = _fingerprint(e.local)
@@ -579,16 +588,22 @@ def _check_replicas(comm: Comm, plan: SavePlan, entries: list[Entry], staged: "S
         comm.agree(err, "save (staging)")
     elif err is not None:
         raise err
-    n = len(keys)
-    differ = [keys[i] for i in range(n) if int(lo[i]) != -int(lo[n + i])]
+    n = len(groups)
+    differ = [groups[i] for i in range(n) if int(lo[i]) != -int(lo[n + i])]
     if differ:
-        role, name = differ[0]
-        more = f" (and {len(differ) - 1} more: {[f'{r}/{m}' for r, m in differ[1:4]]})" if len(differ) > 1 else ""
+        (role, name), box, ranks = differ[0]
+        more = f" (and {len(differ) - 1} more: {[f'{r}/{m}' for (r, m), _, _ in differ[1:4]]})" if len(differ) > 1 else ""
+        if box is None:
+            raise StateDictError(
+                f"tensor {name!r} (role {role}) is a plain tensor with different values on different ranks{more}: a "
+                "plain tensor is saved once for all ranks. Wrap values that differ per rank (RNG states, data positions) "
+                "in unickpt.per_rank(...), describe shards with unickpt.shard(...) or a DTensor, or make the ranks agree "
+                "(broadcast) before saving")
         raise StateDictError(
-            f"tensor {name!r} (role {role}) is a plain tensor with different values on different ranks{more}: a "
-            "plain tensor is saved once for all ranks. Wrap values that differ per rank (RNG states, data positions) "
-            "in unickpt.per_rank(...), describe shards with unickpt.shard(...) or a DTensor, or make the ranks agree "
-            "(broadcast) before saving")
+            f"tensor {name!r} (role {role}): ranks {ranks} each hold the block at offsets {list(box[0])} "
+            f"(sizes {list(box[1])}{f', flat range {list(box[2])}' if box[2] else ''}) as the saved copy (replica 0), "
+            f"with different values{more}: one copy is saved for all of them. Make the copies agree before saving, "
+            "or describe blocks that are not copies with their own offsets")
 
 
 def _gather_json(comm: Comm, obj, what: str) -> list:
