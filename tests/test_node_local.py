@@ -122,6 +122,12 @@ def test_one_node_after_gathering_the_files(saved, tmp_path, world, layout):
                 shutil.copy(os.path.join(src1, f), dst)
     out = dist.run(_load, world, root, ["all"] * world, layout)
     assert not any(x for o in out for x in o)  # everything local: no exchange
+    if world == 2:  # the offline tools work on the gathered directory (docs/format.md)
+        from tests.clirun import cli
+
+        ck = os.path.join(root, "all", "ck-o1")
+        assert cli("verify", ck).returncode == 0
+        assert cli("reshard", ck, os.path.join(root, "re"), "--drop-role", "optimizer", "-q").returncode == 0
 
 
 def _load_missing(rank, world, root):
