@@ -468,9 +468,12 @@ def test_progress_is_periodic_lines_on_stderr_off_a_terminal_and_quiet_silences_
     assert lines[-1].startswith("unickpt verify: 100% ")
     r = cli("reshard", str(p), str(tmp_path / "re"), "--json")
     assert r.returncode == 0 and "unickpt reshard: 100% " in r.stderr and _json(r)["ok"]
-    for argv in (["verify", str(p), "-q"], ["reshard", str(p), str(tmp_path / "re2"), "--quiet"]):
+    for argv in (["verify", str(p), "-q"], ["reshard", str(p), str(tmp_path / "re2"), "--quiet"],
+                 ["-q", "verify", str(p)], ["--quiet", "reshard", str(p), str(tmp_path / "re3")]):  # either side
         r = cli(*argv)
         assert r.returncode == 0 and r.stderr == "", r.stderr
+    r = cli("--json", "-q", "verify", str(p))
+    assert r.returncode == 0 and r.stderr == "" and _json(r)["ok"]
 
 
 def test_progress_is_a_tqdm_bar_on_a_terminal(monkeypatch, capsys):

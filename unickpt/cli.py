@@ -427,6 +427,8 @@ def _parser() -> _Parser:
                    help="options of the fsspec file system of s3://, gs://... paths, as a JSON object (e.g. "
                         "'{\"client\": \"s3fs\"}'); default: $UNICKPT_STORAGE_OPTIONS, credentials from the standard "
                         "AWS environment")
+    for flags, dest in ((("--json",), "g_json"), (("-q", "--quiet"), "g_quiet"), (("--debug",), "g_debug")):
+        p.add_argument(*flags, dest=dest, action="store_true", help=argparse.SUPPRESS)  # also before the command
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     pi = sub.add_parser("inspect", parents=[common], help="describe a checkpoint")
     pi.add_argument("path", help="checkpoint directory, or a root of step-* checkpoints (newest)")
@@ -514,6 +516,7 @@ def _run(argv: list[str]) -> tuple[int, dict, str]:
     """Parse and run one command; typed results, or an exception."""
     _start_up()
     args = _parser().parse_args(argv)
+    args.json, args.quiet, args.debug = args.json or args.g_json, args.quiet or args.g_quiet, args.debug or args.g_debug
     if args.storage_options is not None:
         try:
             opts = json.loads(args.storage_options)
