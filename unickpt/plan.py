@@ -293,6 +293,14 @@ def _gc_paused():
         yield
     finally:
         if was:
+            if gc.get_freeze_count() == 0:
+                # the plan's objects would all be in the youngest generation, whose next
+                # collection (at the first allocation) walks every one of them, then again in
+                # the middle one: they live as long as the cached plan, so put them straight
+                # into the oldest (freeze + unfreeze moves lists, walks nothing). Skipped when
+                # the process froze objects itself: unfreeze would thaw those too.
+                gc.freeze()
+                gc.unfreeze()
             gc.enable()
 
 
@@ -683,17 +691,22 @@ class _RuleMemo:
     has the same key, so each is computed once per model, not once per tensor."""
 
     def __init__(self) -> None:
-        self._done: dict[tuple, object] = {}
-        self._keys: dict[int, tuple] = {}  # id(tensor) -> its rule key (tensors outlive the memo)
+        self._done: dict[tuple[str, int], object] = {}
+        self._keys: dict[int, int] = {}  # id(tensor) -> the number of its rule key (tensors outlive the memo)
+        self._numbers: dict[tuple, int] = {}  # rule key -> its number (a key is hashed once per tensor)
 
     def get(self, t: TensorPlan, what: str, compute):
         rk = self._keys.get(id(t))
         if rk is None:
-            rk = self._keys[id(t)] = tuple((id(u.body), id(u.members), j) for u, j in t.rules)
-        key = (what, rk)
-        if key not in self._done:
-            self._done[key] = compute(t)
-        return self._done[key]
+            key = tuple([(id(u.body), id(u.members), j) for u, j in t.rules])
+            rk = self._keys[id(t)] = self._numbers.setdefault(key, len(self._numbers))
+        done = self._done.get((what, rk), _NOT_YET)
+        if done is _NOT_YET:
+            done = self._done[(what, rk)] = compute(t)
+        return done
+
+
+_NOT_YET = object()
 
 
 def _rule_sources(t: TensorPlan) -> tuple[np.ndarray, int]:
