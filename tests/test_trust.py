@@ -379,6 +379,27 @@ def test_retention_never_deletes_the_last_checkpoint_that_reads(tmp_path, bad):
     assert torch.equal(t["model"]["w"], torch.ones(2))
 
 
+def test_a_damaged_newest_step_fails_its_load_naming_the_older_ones(tmp_path):
+    """load(root) loads the newest committed step or fails: it does not fall back by itself
+    (the trainer's resume does); the error's note names the older committed steps."""
+    root = tmp_path / "root"
+    for step in (1, 2, 3):
+        unickpt.save({"model": {"w": torch.full((256,), float(step))}}, root / f"step-{step:08d}", step=step)
+    f = root / "step-00000003" / "model-00001-of-00001.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 1
+    f.write_bytes(bytes(data))
+    t = {"model": {"w": torch.zeros(256)}}
+    with pytest.raises(ChecksumError) as ei:
+        unickpt.load(t, root)
+    assert ei.value.__notes__ == ["step-00000003 is the newest committed checkpoint under " + str(root) +
+                                  "; older committed ones: step-00000002, step-00000001 (load one by its path)"]
+    with pytest.raises(ChecksumError) as ei:  # named directly: no note
+        unickpt.load(t, root / "step-00000003")
+    assert not getattr(ei.value, "__notes__", None)
+    assert unickpt.load(t, root / "step-00000002").step == 2 and torch.equal(t["model"]["w"], torch.full((256,), 2.0))
+
+
 def test_export_never_replaces_a_checkpoint_or_its_root(ck, tmp_path):
     root = tmp_path / "root"
     unickpt.save(_state(), root / "step-00000005", step=5)

@@ -138,7 +138,8 @@ def load(
     """Fill ``state_dict`` in place from the checkpoint at ``path``; collective over ``group``.
 
     ``path`` is a checkpoint directory, or a root holding ``step-*`` checkpoints (the newest
-    committed one is used). With ``{node}`` in the path (node-local storage), each rank reads
+    committed one is used; a damaged one fails the load, with a note on the error naming the
+    older committed ones: the load never falls back by itself). With ``{node}`` in the path (node-local storage), each rank reads
     what its node's directory holds and receives the rest from ranks that hold it. Each target value may be a plain tensor (filled whole), a
     :class:`~unickpt.ShardedTensor` or a ``DTensor``; the layout may differ in every way from
     the one that saved (world size, ZeRO ranges, TP blocks, placements). JSON leaves of the
@@ -178,6 +179,35 @@ def load(
         CheckpointNotFoundError, TensorMissingError, UnexpectedTensorError, ShapeMismatchError,
         DtypeMismatchError (before any target is written), ChecksumError, FormatError.
     """
+    try:
+        return _load(state_dict, path, group=group, verify=verify, strict=strict, progress=progress,
+                     bucket_bytes=bucket_bytes, timeout_s=timeout_s, storage_options=storage_options,
+                     avoid_local=avoid_local)
+    except (ChecksumError, FormatError) as e:
+        _note_older_steps(e, path, storage_options)
+        raise
+
+
+def _note_older_steps(e: BaseException, path, storage_options) -> None:
+    """A damaged checkpoint that ``path`` resolved to as the newest under a root: add a note
+    naming the older committed ones, which a load does not fall back to by itself (it loads
+    what it was asked for, or fails; the trainer's resume falls back)."""
+    try:
+        storage, p = storage_for(path, storage_options)
+        ckpt = _commit.resolve(storage, p)
+        if ckpt == p:
+            return
+        older = [storage.basename(c) for _, c in _commit.committed_steps(storage, p) if c != ckpt]
+    except Exception:  # (a note only: the load's own error is what matters)
+        return
+    if older:
+        e.add_note(f"{storage.basename(ckpt)} is the newest committed checkpoint under {os.fspath(path)}; older "
+                   f"committed ones: {', '.join(older[-3:][::-1])}{' ...' if len(older) > 3 else ''} (load one by "
+                   "its path)")
+
+
+def _load(state_dict, path, *, group, verify, strict, progress, bucket_bytes, timeout_s, storage_options,
+          avoid_local) -> LoadResult:
     if verify not in ("auto", "full", "none"):
         raise InvalidArgumentError(f"verify must be 'auto', 'full' or 'none', got {verify!r}")
     if type(bucket_bytes) is not int or bucket_bytes < 1:
