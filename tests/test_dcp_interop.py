@@ -245,6 +245,16 @@ def test_a_compressed_checkpoint_through_the_reader_equals_unickpt_load(tmp_path
     assert torch.equal(via_dcp["master"]["w"], state["master"]["w"])  # residual masters are bit-exact
 
 
+def test_the_reader_gives_tuples_back_where_the_target_holds_them_as_dcp_does(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    saved = {"w": torch.ones(1), "meta": {"pairs": [(1, 2), (3, 4)], "nest": ((1, 2), [3]), "betas": (0.9, 0.99)}}
+    unickpt.save(saved, tmp_path / "c")
+    t = {"w": torch.zeros(1), "meta": {"pairs": [(0, 0), (0, 0)], "nest": ((0, 0), [0]), "betas": (0.0, 0.0)}}
+    dcp.load(t, storage_reader=udcp.StorageReader(tmp_path / "c"))
+    assert t["meta"] == saved["meta"] and type(t["meta"]["pairs"][0]) is tuple and type(t["meta"]["nest"][1]) is list
+
+
 def test_a_damaged_byte_fails_the_dcp_load_naming_the_tensor_and_file(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException

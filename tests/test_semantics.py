@@ -474,6 +474,27 @@ def test_tuples_holding_tensors_get_their_other_values_back(tmp_path):
     assert (res.missing, res.unexpected, res.skipped) == ([], [], [])
 
 
+def test_tuples_without_tensors_come_back_as_the_targets_kinds(tmp_path):
+    """JSON stores tuples as lists; a load gives back the target's kinds: tuples, namedtuples
+    and tuples inside lists and dicts (a list stays a list)."""
+    import collections
+
+    Pt = collections.namedtuple("Pt", "x y")
+    saved = {"w": torch.ones(1), "meta": {"betas": (0.9, 0.99), "pt": Pt(1, 2), "pairs": [(1, 2), (3, 4)],
+                                          "nest": {"t": ((1, 2), [3])}, "l": [5, 6], "odd": (1, 2, 3)}}
+    unickpt.save(saved, tmp_path / "c")
+    t = {"w": torch.zeros(1), "meta": {"betas": (0.0, 0.0), "pt": Pt(0, 0), "pairs": [(0, 0), (0, 0)],
+                                       "nest": {"t": ((0, 0), [0])}, "l": [0, 0], "odd": (0,)}}
+    unickpt.load(t, tmp_path / "c")
+    m = t["meta"]
+    assert m["betas"] == (0.9, 0.99) and type(m["betas"]) is tuple
+    assert type(m["pt"]) is Pt and m["pt"] == Pt(1, 2)
+    assert m["pairs"] == [(1, 2), (3, 4)] and all(type(p) is tuple for p in m["pairs"])
+    assert m["nest"]["t"] == ((1, 2), [3]) and type(m["nest"]["t"][1]) is list
+    assert m["l"] == [5, 6] and type(m["l"]) is list
+    assert m["odd"] == (1, 2, 3)  # another length: still a tuple
+
+
 def test_keys_that_would_be_stored_under_one_name_are_refused(tmp_path):
     with pytest.raises(StateDictError, match="both stored as '1'"):
         unickpt.save({"t": {1: 5, "1": 6}}, tmp_path / "a")

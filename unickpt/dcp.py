@@ -66,7 +66,7 @@ from .format import torch_dtype
 from .layout import Layout
 from .manifest import MANIFEST_NAME, Manifest, name_problem
 from .saver import DEFAULT_BUCKET, SaveOptions, SaveResult, save_entries
-from .state import _ROLE, OTHER_ROLE, Entry, _is_json, set_json_path, tie
+from .state import _ROLE, OTHER_ROLE, Entry, _is_json, like_target, set_json_path, tie
 from .storage import per_node, storage_for
 from .transport import Comm
 
@@ -275,8 +275,7 @@ class StorageReader(_dcp_storage.StorageReader):
                 value = self._json[fqn]
                 cur = getattr(planner, "state_dict", None)  # (DefaultLoadPlanner's: the target's values)
                 cur = cur.get(ri.dest_index.fqn) if isinstance(cur, Mapping) else None
-                if type(cur) is tuple and isinstance(value, list):  # JSON has no tuples: the target's kind (betas)
-                    value = tuple(value)
+                value = like_target(cur, value)  # JSON has no tuples: the target's kinds (betas)
                 buf = io.BytesIO()
                 torch.save(value, buf)  # a JSON value of the (checksummed) manifest
                 buf.seek(0)

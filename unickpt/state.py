@@ -324,7 +324,29 @@ def apply_json_state(target: Any, saved: Any, rank: int = 0, world: int = 1,
             apply_json_state(parts, v, rank, world, skipped, path)
             target[key] = type(cur)(*parts) if hasattr(cur, "_fields") else type(cur)(parts)
         elif not _contains_tensor(cur):  # JSON has no tuples: the target's tuples stay tuples (betas)
-            target[key] = tuple(v) if isinstance(cur, tuple) and isinstance(v, list) else v
+            target[key] = like_target(cur, v)
+
+
+def like_target(cur: Any, v: Any) -> Any:
+    """JSON value ``v`` in the kinds of the target's value ``cur`` it replaces: JSON has no
+    tuples, so a list stands where the target holds a tuple (``betas``), a namedtuple, or
+    tuples nested in lists and dicts; each becomes the target's kind again. Elsewhere ``v``
+    as it is."""
+    if isinstance(v, list) and isinstance(cur, (tuple, list)) and len(cur) == len(v):
+        items = [like_target(c, x) for c, x in zip(cur, v)]
+        if not isinstance(cur, tuple):
+            return items
+        if hasattr(cur, "_fields"):  # a namedtuple
+            return type(cur)(*items)
+        try:
+            return type(cur)(items)
+        except Exception:  # a tuple subclass that will not take them: a tuple
+            return tuple(items)
+    if isinstance(v, list) and isinstance(cur, tuple):  # another length: still a tuple
+        return tuple(v)
+    if isinstance(v, dict) and isinstance(cur, Mapping):
+        return {k: like_target(cur.get(k), x) for k, x in v.items()}
+    return v
 
 
 def set_json_path(root: dict, path: tuple, value: Any, error: type[Exception] = StateDictError) -> None:
