@@ -145,8 +145,20 @@ def _dtensor_on_a_submesh(rank, world, root):
         local[0, 0] = -1.0  # rank 2 differs from rank 0
     bad = torch.distributed.tensor.DTensor.from_local(local, mesh["tp"], [Shard(0)], run_check=False, shape=dt.shape,
                                                     stride=dt.stride())
-    with pytest.raises(StateDictError, match=r"ranks \[0, 2\] each hold the block at offsets \[0, 0\].*different values"):
+    with pytest.raises(StateDictError, match=r"block at offsets \[0, 0\].*different values: rank 0 holds one value, rank 2 another"):
         unickpt.save({"model": {"w": bad}}, os.path.join(root, "b"))
+
+    # compared as given, not as encoded: residual masters keep only their low 16 bits
+    big = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    master = big.clone()
+    if rank == 2:
+        master.view(torch.int32)[0, 0] ^= 1 << 20  # another upper half, the same low 16 bits
+    sd = {"model": {"w": distribute_tensor(big.bfloat16(), mesh["tp"], [Shard(0)])},
+          "master": {"w": torch.distributed.tensor.DTensor.from_local(
+              master[32 * mesh["tp"].get_local_rank():][:32], mesh["tp"], [Shard(0)], run_check=False,
+              shape=(64, 64), stride=(64, 1))}}
+    with pytest.raises(StateDictError, match=r"tensor 'w' \(role master\).*rank 0 holds one value, rank 2 another"):
+        unickpt.save(sd, os.path.join(root, "d"), master="residual")
 
     # the whole tensor on one rank and a part of it on another, both as the saved copy: refused
     piece = unickpt.shard(full, full.shape) if rank == 0 else unickpt.shard(full[:2], full.shape, offsets=(0, 0))
@@ -163,4 +175,4 @@ def test_dtensors_on_a_submesh_with_data_parallel_copies_save_one_copy_and_compa
     whole tensor on one rank beside a part of it on another, both replica 0, is refused."""
     out = dist.run(_dtensor_on_a_submesh, 4, str(tmp_path))
     assert out == [(True, True)] * 4
-    assert not os.path.exists(tmp_path / "b") and not os.path.exists(tmp_path / "c")
+    assert not any(os.path.exists(tmp_path / d) for d in "bcd")

@@ -107,6 +107,13 @@ def test_the_same_block_on_several_ranks_is_saved_from_the_lowest_and_the_others
     assert sorted(r for r, _ in t.sources()) == [0, 1]
     for r in (2, 3):
         assert not any(st.sends for st in plan.schedule(r))
+    # a whole copy marked replica 1 does not exempt the replica-0 parts: they must tile, copies recorded
+    whole = [_row("model", "w", "F32", Layout((4, 4), (0, 0), (4, 4), None, 1))]
+    parts = lambda rep3: _summaries([whole, [_row("model", "w", "F32", lay(0))], [_row("model", "w", "F32", lay(0))],  # noqa: E731
+                                     [_row("model", "w", "F32", Layout((4, 4), (2, 0), (2, 4), None, rep3))]])
+    with pytest.raises(LayoutError, match="cover 8 of 16"):
+        make_plan(parts(1), bucket_bytes=4096)
+    assert make_plan(parts(0), bucket_bytes=4096).tensors[("model", "w")].copies == [((0, 0), (2, 4), None, [1, 2])]
     # one rank holding the same block twice is no copy: still an overlap
     twice = _summaries([[_row("model", "w", "F32", lay(0)), _row("model", "w", "F32", lay(0))],
                         [_row("model", "w", "F32", lay(2))]])

@@ -332,7 +332,7 @@ def test_per_rank_values_and_divergent_plain_tensors_on_two_ranks(tmp_path):
     rngs = [o[0] for o in out]
     assert rngs[0] != rngs[1]
     for _, refused, refused_async, exists in out:
-        assert refused and "'seed'" in refused and "unickpt.per_rank" in refused
+        assert refused and "'seed'" in refused and "unickpt.per_rank" in refused and "rank 0 holds one value, rank 1 another" in refused
         assert refused_async and "'noise'" in refused_async
         assert not exists
     back = dist.run(_per_rank_load, 2, root)

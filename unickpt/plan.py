@@ -326,12 +326,10 @@ def _make_plan(summaries, bucket_bytes, max_file_bytes, zstd, shared_writes, rul
     for t in tensors.values():
         if t.rules:
             _settle(t, held_by, memo)
-        if not t.full_holders:
+        if not t.full_holders or (not t.rules and len(t.explicit) > len(t.full_holders) and _parts_to_tile(t)):
             for r, old, new in _check_tiling(t):
                 renamed.setdefault(r, {})[(id(t), id(old))] = new
                 kept.append(old)
-        elif not t.rules and len(t.explicit) > len(t.full_holders):
-            _check_whole(t)
     for r, m in renamed.items():
         held_by[r] = [(t, m.get((id(t), id(lay)), lay)) for t, lay in held_by[r]]
     del kept
@@ -406,10 +404,12 @@ def _mark_copies(t: TensorPlan) -> list[tuple[int, Layout, Layout]]:
     return out
 
 
-def _check_whole(t: TensorPlan) -> None:
-    """A tensor some rank holds whole as the saved copy (replica 0) must have no other
-    replica-0 piece that is only part of it: two sources for the same elements, and the one
-    not written would be dropped unchecked. (Whole copies are compared by the save.)"""
+def _parts_to_tile(t: TensorPlan) -> bool:
+    """A tensor some rank holds whole, and other ranks hold parts of as the saved copy
+    (replica 0): True when those parts must tile it (no whole copy is replica 0; the rank
+    writing it whole writes the same values: copies, but the saved copies are the parts, so
+    they are checked and compared as when nobody holds it whole). A whole replica-0 copy
+    beside a replica-0 part is two sources for the same elements: refused."""
     whole = [r for r, lay in t.explicit if lay.replica == 0 and lay.is_full]
     part = [r for r, lay in t.explicit if lay.replica == 0 and 0 < lay.numel < t.numel]
     if whole and part:
@@ -417,6 +417,7 @@ def _check_whole(t: TensorPlan) -> None:
             f"tensor {t.name!r} (role {t.role}): rank {whole[0]} holds it whole as the saved copy (replica 0) and "
             f"rank {part[0]} holds a part of it also as replica 0; mark the part a copy (replica > 0) or save the "
             "whole tensor from one place")
+    return bool(part)
 
 
 def _check_tiling(t: TensorPlan) -> list[tuple[int, Layout, Layout]]:

@@ -237,6 +237,7 @@ def save_entries(
             except Exception as e:
                 err = e
             comm.agree(err, "save (staging)")
+        given = entries  # (the values as given: replicated copies are compared in these, not in their encoding)
         try:  # collectives inside come before anything that can fail (see compress.prepare)
             entries, tags, exceptions, dropped = prepare(entries, comp, lambda o: _gather_json(comm, o, "save (compression)"))
             dtypes = [dtype_name(e.local.dtype) for e in entries]
@@ -257,7 +258,7 @@ def save_entries(
         except Exception as e:
             err = e
         comm.agree(err, "save (tied weights)")
-        _check_replicas(comm, plan, entries, staged)
+        _check_replicas(comm, plan, given, staged)
         if opts.replicas:  # copies on peer nodes: possible here? (before anything is written)
             from .replicate import problem
 
@@ -589,21 +590,32 @@ def _check_replicas(comm: Comm, plan: SavePlan, entries: list[Entry], staged: "S
     elif err is not None:
         raise err
     n = len(groups)
-    differ = [groups[i] for i in range(n) if int(lo[i]) != -int(lo[n + i])]
+    differ = [i for i in range(n) if int(lo[i]) != -int(lo[n + i])]
     if differ:
-        (role, name), box, ranks = differ[0]
-        more = f" (and {len(differ) - 1} more: {[f'{r}/{m}' for (r, m), _, _ in differ[1:4]]})" if len(differ) > 1 else ""
+        i = differ[0]
+        (role, name), box, _ = groups[i]
+        # which rank holds which value (every rank is here: the all-reduce above decided it)
+        fps = [int(x) for x in comm.all_gather_bytes(str(int(vals[i])).encode(), "save (naming the differing copies)")]
+        by_value: dict[int, list[int]] = {}
+        for r, fp in enumerate(fps):
+            if fp != hi:
+                by_value.setdefault(fp, []).append(r)
+        sides = ", ".join(f"{f'ranks {rs} hold' if len(rs) > 1 else f'rank {rs[0]} holds'} one value" if k == 0 else
+                          f"{f'ranks {rs}' if len(rs) > 1 else f'rank {rs[0]}'} another"
+                          for k, rs in enumerate(sorted(by_value.values())))
+        more = f" ({len(differ) - 1} more differ: {[f'{groups[j][0][0]}/{groups[j][0][1]}' for j in differ[1:4]]})" \
+            if len(differ) > 1 else ""
         if box is None:
             raise StateDictError(
-                f"tensor {name!r} (role {role}) is a plain tensor with different values on different ranks{more}: a "
-                "plain tensor is saved once for all ranks. Wrap values that differ per rank (RNG states, data positions) "
-                "in unickpt.per_rank(...), describe shards with unickpt.shard(...) or a DTensor, or make the ranks agree "
-                "(broadcast) before saving")
+                f"tensor {name!r} (role {role}) is held whole as the saved copy by several ranks (a plain tensor, or a "
+                f"DTensor replicated over its mesh) with different values: {sides}{more}. It is saved once for all "
+                "ranks. Wrap values that differ per rank (RNG states, data positions) in unickpt.per_rank(...), "
+                "describe shards with unickpt.shard(...) or a DTensor, or make the ranks agree (broadcast) before saving")
         raise StateDictError(
-            f"tensor {name!r} (role {role}): ranks {ranks} each hold the block at offsets {list(box[0])} "
-            f"(sizes {list(box[1])}{f', flat range {list(box[2])}' if box[2] else ''}) as the saved copy (replica 0), "
-            f"with different values{more}: one copy is saved for all of them. Make the copies agree before saving, "
-            "or describe blocks that are not copies with their own offsets")
+            f"tensor {name!r} (role {role}): the block at offsets {list(box[0])} (sizes {list(box[1])}"
+            f"{f', flat range {list(box[2])}' if box[2] else ''}) is held as the saved copy (replica 0) by several "
+            f"ranks with different values: {sides}{more}. One copy is saved for all of them. Make the copies agree "
+            "before saving, or describe blocks that are not copies with their own offsets")
 
 
 def _gather_json(comm: Comm, obj, what: str) -> list:
