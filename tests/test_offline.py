@@ -160,3 +160,46 @@ def test_reshard_records_the_compression_it_applied(tmp_path):
     assert "master='residual' applies to no tensor" in r.stderr and "quant='O1' applies to no tensor" in r.stderr
     comp = unickpt.read_manifest(tmp_path / "out")[1].compression or {}
     assert comp.get("master", "full") == "full" and comp.get("quant") in (None, "O0"), comp
+
+
+def _two_rank_save(rank, world, root):
+    unickpt.save({"model": {"w": torch.ones(4)}, "rng": unickpt.per_rank(torch.full((3,), float(rank))),
+                  "pos": unickpt.per_rank({"i": rank})}, os.path.join(root, "src"))
+
+
+def _two_rank_load(rank, world, root):
+    t = {"model": {"w": torch.zeros(4)}, "rng": unickpt.per_rank(torch.zeros(3)), "pos": unickpt.per_rank(None)}
+    res = unickpt.load(t, os.path.join(root, "dst"))
+    return t["rng"].value.tolist(), t["pos"].value, res.skipped
+
+
+def test_reshard_of_a_multi_rank_save_keeps_each_ranks_values(tmp_path):
+    """Per-rank tensors hold one row per saving rank: the reshard keeps the saving world size
+    (it once wrote 1, and the copy's manifest did not read). The manifest is read back before
+    the commit, so a copy that would not load is never committed."""
+    from tests import dist
+
+    dist.run(_two_rank_save, 2, str(tmp_path))
+    r = cli("reshard", tmp_path / "src", tmp_path / "dst", "--zstd", "3", "-q")
+    assert r.returncode == 0, r.stderr
+    assert dist.run(_two_rank_load, 2, str(tmp_path)) == [([float(r)] * 3, {"i": r}, []) for r in range(2)]
+    assert cli("verify", tmp_path / "dst", "-q").returncode == 0
+
+
+def test_a_copy_whose_manifest_would_not_read_is_not_committed(tmp_path, monkeypatch):
+    from unickpt.errors import FormatError
+    from unickpt.manifest import Manifest
+    from unickpt.offline import reshard_offline
+
+    unickpt.save({"model": {"w": torch.ones(4)}}, tmp_path / "src")
+    real = Manifest.from_json
+
+    def refuse(data, where):
+        if "dst" in str(where):
+            raise FormatError(f"{where}: refused by the test")
+        return real(data, where)
+
+    monkeypatch.setattr(Manifest, "from_json", staticmethod(refuse))
+    with pytest.raises(FormatError, match="refused by the test"):
+        reshard_offline(tmp_path / "src", tmp_path / "dst")
+    assert not os.path.exists(tmp_path / "dst") and os.listdir(tmp_path) == ["src"]

@@ -29,7 +29,7 @@ from .loader import open_files, read_manifest, read_side_file, read_whole
 from .codecs import split_master
 from .compress import QUANT_CODECS, Compression, chunk_elems, encode_chunk, stored_parts, tag_for
 from .container import ZstdWriter
-from .manifest import INDEX_NAME, FileEntry, name_problem, Manifest, Part, TensorEntry
+from .manifest import INDEX_NAME, MANIFEST_NAME, FileEntry, name_problem, Manifest, Part, TensorEntry
 from .storage import storage_for
 from .transport import node_id
 
@@ -126,9 +126,12 @@ class _Writer:
             self.args[(role, name)] = {"exceptions": [res.exc_index.tolist(), res.exc_bits.tolist()]}
 
     def commit(self, *, step, state, extra, strategy: dict, compression: dict | None = None,
-               aliases: dict | None = None, per_rank: set | None = None, aux: dict[str, bytes] | None = None) -> str:
+               aliases: dict | None = None, per_rank: set | None = None, aux: dict[str, bytes] | None = None,
+               world_size: int = 1) -> str:
         """``aliases``, ``per_rank``: as the manifest records them; ``aux``: side files (name ->
-        bytes, checked already) written beside the data and listed in the manifest."""
+        bytes, checked already) written beside the data and listed in the manifest;
+        ``world_size``: of the save that made the values (per-rank tensors hold a row per rank
+        of it). The manifest is read back as a load reads it before anything is committed."""
         framed = {}
         for fname, w in self.writers.items():
             frags = w.close()
@@ -154,7 +157,7 @@ class _Writer:
                 files[n] = FileEntry(n, role, node_id(), 0, size, len(header), header_xxh3=Hasher.of(header))
         man = Manifest(
             step=step, files=files, tensors=tensors, state=state, extra=extra,
-            saved_by={"world_size": 1, "nodes": [node_id()], "strategy": strategy, "unickpt_version": __version__,
+            saved_by={"world_size": world_size, "nodes": [node_id()], "strategy": strategy, "unickpt_version": __version__,
                       "torch_version": torch.__version__.split("+")[0]},
             created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             compression=compression or {}, aliases=dict(aliases or {}), per_rank=set(per_rank or ()),
@@ -166,7 +169,9 @@ class _Writer:
         for fname, data in sorted(side.items()):
             self.txn.put(fname, data)
         man.aux = {fname: (len(data), Hasher.of(data)) for fname, data in side.items()}
-        self.txn.commit(man.to_json())
+        blob = man.to_json()
+        Manifest.from_json(blob, self.storage.join(self.final, MANIFEST_NAME))  # what a load will check, first
+        self.txn.commit(blob)
         self.storage.close()
         return self.final
 
@@ -298,7 +303,8 @@ def reshard_offline(
         path = w.commit(step=man.step, state=state, extra=man.extra, strategy=strategy,
                         compression=comp.to_json() if comp.active else None,
                         aliases={k: v for k, v in man.aliases.items() if k[0] not in drop},
-                        per_rank={k for k in man.per_rank if k[0] not in drop}, aux=aux)
+                        per_rank={k for k in man.per_rank if k[0] not in drop}, aux=aux,
+                        world_size=int(man.saved_by.get("world_size", 1)))
     except BaseException:
         w.abort()
         raise
