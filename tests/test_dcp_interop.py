@@ -289,14 +289,15 @@ def test_convert_from_dcp_keeps_json_state_and_lists_what_it_skips(tmp_path):
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     _train(model, opt, 1)
     msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd, "when": datetime.date(2026, 1, 1), "loss": float("nan"), "epoch": 3},
-             checkpoint_id=str(tmp_path / "dcp"))
+    dcp.save({"model": msd, "optim": osd, "when": datetime.date(2026, 1, 1), "loss": float("nan"), "epoch": 3,
+              "tags": {1, 2}}, checkpoint_id=str(tmp_path / "dcp"))
     res = convert_from_dcp(tmp_path / "dcp", tmp_path / "uni")
-    assert [s.split(":")[0] for s in res["skipped"]] == ["loss", "when"], res["skipped"]
-    assert "weights_only" in res["skipped"][1] and "not a JSON value" in res["skipped"][0]
+    assert [s.split(":")[0] for s in res["skipped"]] == ["tags", "when"], res["skipped"]
+    assert "weights_only" in res["skipped"][1] and "a set, not a JSON value" in res["skipped"][0]
     assert all(c >= " " for s in res["skipped"] for c in s), res["skipped"]  # torch's colour codes left out
     _, man = unickpt.read_manifest(tmp_path / "uni")
     assert man.state["epoch"] == 3 and man.extra["skipped_non_tensors"] == res["skipped"]
+    assert man.state["loss"] == {"__unickpt_float__": "nan"}  # (NaN kept, encoded: docs/format.md)
     model2 = llama(5)
     opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5)
     _train(model2, opt2, 1, seed=9)

@@ -495,6 +495,50 @@ def test_tuples_without_tensors_come_back_as_the_targets_kinds(tmp_path):
     assert m["odd"] == (1, 2, 3)  # another length: still a tuple
 
 
+def test_infinities_and_nan_in_json_state_round_trip_reduce_lr_on_plateau_included(tmp_path):
+    """Strict JSON has no NaN or infinity; ReduceLROnPlateau's state holds inf from the start
+    (best, mode_worse). They are stored as {"__unickpt_float__": "inf"} and come back as
+    floats, through unickpt.load and the DCP reader, per-rank values included."""
+    import math
+
+    import torch.distributed.checkpoint as dcp
+
+    from unickpt import dcp as udcp
+
+    def job():
+        model = torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return model, opt, torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0)
+
+    model, opt, sched = job()
+    sd = {"model": model, "optim": opt, "sched": sched,
+          "meta": {"lo": -math.inf, "n": math.nan, "l": [math.inf, 1.0], "t": (math.inf,)},
+          "pos": unickpt.per_rank({"best": math.inf})}
+    unickpt.save(sd, tmp_path / "a")  # best is still inf
+    sched.step(2.0), sched.step(3.0)  # best 2.0, the lr cut once
+    unickpt.save(sd, tmp_path / "b")
+    for path, ref in (("a", {"best": math.inf}), ("b", sched.state_dict())):
+        m2, o2, s2 = job()
+        t = {"model": m2, "optim": o2, "sched": s2, "meta": {"lo": 0.0, "n": 0.0, "l": [0.0, 0.0], "t": (0.0,)},
+             "pos": unickpt.per_rank(None)}
+        res = unickpt.load(t, tmp_path / path)
+        assert (res.missing, res.skipped) == ([], [])
+        assert all(s2.state_dict()[k] == v for k, v in ref.items()), (s2.state_dict(), ref)
+        m = t["meta"]
+        assert m["lo"] == -math.inf and math.isnan(m["n"]) and m["l"] == [math.inf, 1.0] and m["t"] == (math.inf,)
+        assert t["pos"].value == {"best": math.inf}
+    assert s2.state_dict() == sched.state_dict() and o2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    via = {"meta": {"lo": 0.0, "n": 0.0, "l": [0.0, 0.0], "t": (0.0,)}}
+    dcp.load(via, storage_reader=udcp.StorageReader(tmp_path / "b"))
+    assert via["meta"]["lo"] == -math.inf and math.isnan(via["meta"]["n"]) and via["meta"]["t"] == (math.inf,)
+    dcp.save({"w": torch.ones(1), "meta": {"x": math.inf}}, storage_writer=udcp.StorageWriter(tmp_path / "c"))
+    back = {"w": torch.zeros(1), "meta": {"x": 0.0}}
+    unickpt.load(back, tmp_path / "c")
+    assert back["meta"]["x"] == math.inf
+    with pytest.raises(StateDictError, match="reserved"):
+        unickpt.save({"meta": {"__unickpt_float__": "inf"}}, tmp_path / "d")
+
+
 def test_keys_that_would_be_stored_under_one_name_are_refused(tmp_path):
     with pytest.raises(StateDictError, match="both stored as '1'"):
         unickpt.save({"t": {1: 5, "1": 6}}, tmp_path / "a")

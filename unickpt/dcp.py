@@ -66,7 +66,7 @@ from .format import torch_dtype
 from .layout import Layout
 from .manifest import MANIFEST_NAME, Manifest, name_problem
 from .saver import DEFAULT_BUCKET, SaveOptions, SaveResult, save_entries
-from .state import _ROLE, OTHER_ROLE, Entry, _is_json, like_target, set_json_path, tie
+from .state import _ROLE, FLOAT_KEY, OTHER_ROLE, Entry, is_state_value, like_target, set_json_path, tie, to_json
 from .storage import per_node, storage_for
 from .transport import Comm
 
@@ -91,7 +91,7 @@ def _fqn(role: str, name: str) -> str:
 def _json_leaves(value: Any, path: tuple, out: dict[str, tuple[tuple, Any]]) -> None:
     """The leaves DCP's flattening (``_traverse.traverse_state_dict``) makes of a JSON value:
     mappings are walked, lists only when they hold a mapping or a list that is walked."""
-    if isinstance(value, Mapping):
+    if isinstance(value, Mapping) and not _float(value):
         for k, v in value.items():
             _json_leaves(v, path + (str(k),), out)
     elif isinstance(value, list) and not _terminal(value):
@@ -102,7 +102,13 @@ def _json_leaves(value: Any, path: tuple, out: dict[str, tuple[tuple, Any]]) -> 
 
 
 def _terminal(value: list) -> bool:
-    return not any(isinstance(x, Mapping) or (isinstance(x, list) and not _terminal(x)) for x in value)
+    return not any((isinstance(x, Mapping) and not _float(x)) or (isinstance(x, list) and not _terminal(x))
+                   for x in value)
+
+
+def _float(value: Any) -> bool:
+    """A float strict JSON cannot hold, as the manifest stores it (a leaf: a float to DCP)."""
+    return isinstance(value, Mapping) and len(value) == 1 and FLOAT_KEY in value
 
 
 def _done(value: Any) -> Future:
@@ -472,11 +478,11 @@ class StorageWriter(_dcp_storage.StorageWriter):
             path = tuple(mappings.get(fqn, (fqn,)))
             if item.type == WriteItemType.BYTE_IO:
                 obj = planner.lookup_object(item.index)
-                if not _is_json(obj):
+                if not is_state_value(obj):
                     raise StateDictError(
                         f"{fqn!r} holds a {type(obj).__name__}, which unickpt cannot store: use tensors or JSON values "
                         "(None, bool, int, float, str, lists and dicts of them); nothing is pickled")
-                v = json.loads(json.dumps(obj, allow_nan=False))  # tuples -> lists, as in the manifest
+                v = to_json(obj)  # tuples -> lists, infinities encoded, as in the manifest
                 values.append([list(path), v])
                 results.append(WriteResult(index=item.index, size_in_bytes=len(json.dumps(v)),
                                            storage_data={"state": list(path)}))

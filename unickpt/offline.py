@@ -470,7 +470,7 @@ def _dcp_json_state(dcp_dir, meta, keys: list[str], paths: dict[str, tuple]) -> 
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     from .dcp_safe import SafeFileSystemReader
-    from .state import _is_json, set_json_path
+    from .state import is_state_value, set_json_path, to_json
 
     if not keys:
         return {}, []
@@ -491,21 +491,14 @@ def _dcp_json_state(dcp_dir, meta, keys: list[str], paths: dict[str, tuple]) -> 
     state: dict = {}
     for k in sorted(values):
         v = values[k]
-        if not _is_json(v):
+        if not is_state_value(v):
             skipped[k] = f"a {type(v).__name__}, not a JSON value"
             continue
         try:
-            set_json_path(state, paths[k], _json_copy(v), FormatError)
+            set_json_path(state, paths[k], to_json(v), FormatError)
         except FormatError as e:
             skipped[k] = str(e)
     return state, [f"{k}: {skipped[k]}" for k in sorted(skipped)]
-
-
-def _json_copy(v):
-    """A plain-JSON copy (tuples become lists), as the manifest stores it."""
-    import json
-
-    return json.loads(json.dumps(v, allow_nan=False))
 
 
 DCP_RATIO = 1 << 15  # most raw bytes one stored byte may claim under a compressing transform

@@ -42,7 +42,11 @@ stands for a :func:`per_rank` JSON value."""
 RANK_VALUE_KEY = "__unickpt_rank_value__"
 """``{RANK_VALUE_KEY: value}``: one rank's :func:`per_rank` JSON value before the save gathers
 every rank's (never in a manifest)."""
-_RESERVED = (PER_RANK_KEY, RANK_VALUE_KEY)
+FLOAT_KEY = "__unickpt_float__"
+"""``{FLOAT_KEY: "inf" | "-inf" | "nan"}`` stands for a float that strict JSON cannot hold
+(``ReduceLROnPlateau``'s ``best`` starts at ``inf``): :func:`to_json`, :func:`from_json`."""
+_RESERVED = (PER_RANK_KEY, RANK_VALUE_KEY, FLOAT_KEY)
+_FLOAT_NAMES = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
 
 class PerRank:
@@ -55,7 +59,7 @@ class PerRank:
     def __init__(self, value: Any) -> None:
         if isinstance(value, PerRank):
             value = value.value
-        if not (isinstance(value, torch.Tensor) and not _is_dtensor(value)) and not _is_json(value):
+        if not (isinstance(value, torch.Tensor) and not _is_dtensor(value)) and not is_state_value(value):
             raise StateDictError(
                 f"per_rank() takes a plain tensor or a JSON value (None, bool, int, float, str, lists and dicts of "
                 f"them), got {type(value).__name__}")
@@ -111,14 +115,44 @@ def _is_tensor_leaf(v: Any) -> bool:
         isinstance(v, PerRank) and isinstance(v.value, torch.Tensor))
 
 
-def _is_json(v: Any) -> bool:
+def _is_json(v: Any, finite: bool = True) -> bool:
+    """A JSON value: None, bool, int, float, str, lists, tuples and str-keyed dicts of them;
+    ``finite``: no NaN or infinity (strict JSON; state values take them: :func:`to_json`)."""
     if isinstance(v, _JSON_SCALARS):
-        return not (isinstance(v, float) and not math.isfinite(v))  # strict JSON: no NaN/inf
+        return not (finite and isinstance(v, float) and not math.isfinite(v))
     if isinstance(v, (list, tuple)):
-        return all(_is_json(x) for x in v)
+        return all(_is_json(x, finite) for x in v)
     if isinstance(v, Mapping):
-        return all(isinstance(k, str) and _is_json(x) for k, x in v.items())
+        return all(isinstance(k, str) and _is_json(x, finite) for k, x in v.items())
     return False
+
+
+def is_state_value(v: Any) -> bool:
+    """A value the JSON state holds: JSON, NaN and infinities included."""
+    return _is_json(v, finite=False)
+
+
+def to_json(v: Any) -> Any:
+    """A state value as the manifest stores it: tuples become lists, keys strings, and floats
+    that strict JSON cannot hold ``{FLOAT_KEY: "inf" | "-inf" | "nan"}``."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return {FLOAT_KEY: "nan" if v != v else ("inf" if v > 0 else "-inf")}
+    if isinstance(v, (list, tuple)):
+        return [to_json(x) for x in v]
+    if isinstance(v, Mapping):
+        return {str(k): to_json(x) for k, x in v.items()}
+    return v
+
+
+def from_json(v: Any) -> Any:
+    """:func:`to_json` undone (tuples stay lists: :func:`like_target` gives them back)."""
+    if isinstance(v, dict):
+        if len(v) == 1 and v.get(FLOAT_KEY) in _FLOAT_NAMES:
+            return _FLOAT_NAMES[v[FLOAT_KEY]]
+        return {k: from_json(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [from_json(x) for x in v]
+    return v
 
 
 def _memory_id(local: torch.Tensor, layout: Layout) -> tuple | None:
@@ -188,7 +222,7 @@ def flatten(state_dict: Mapping[str, Any], rank: int = 0, world: int = 1) -> tup
             add(role, prefix, value, where)
             return _SKIP
         if isinstance(value, PerRank):  # a JSON value (tensors are leaves, above)
-            return {RANK_VALUE_KEY: _json_copy(value.value)}
+            return {RANK_VALUE_KEY: to_json(value.value)}
         if isinstance(value, Mapping):
             out = {}
             names: dict[str, Any] = {}  # stored key -> the key it came from
@@ -212,8 +246,8 @@ def flatten(state_dict: Mapping[str, Any], rank: int = 0, world: int = 1) -> tup
             if all(sub is _SKIP for sub in subs):
                 return _SKIP
             return [None if sub is _SKIP else sub for sub in subs]
-        if _is_json(value):
-            return list(value) if isinstance(value, tuple) else value
+        if is_state_value(value):
+            return to_json(value)
         raise StateDictError(
             f"{where!r} holds a {type(value).__name__}, which unickpt cannot store: use tensors or "
             "JSON values (None, bool, int, float, str, lists and dicts of them)"
@@ -244,14 +278,6 @@ class _Skip:
 
 
 _SKIP = _Skip()
-
-
-def _json_copy(v: Any) -> Any:
-    if isinstance(v, (list, tuple)):
-        return [_json_copy(x) for x in v]
-    if isinstance(v, Mapping):
-        return {str(k): _json_copy(x) for k, x in v.items()}
-    return v
 
 
 def _contains_tensor(v: Any) -> bool:
@@ -311,12 +337,12 @@ def apply_json_state(target: Any, saved: Any, rank: int = 0, world: int = 1,
                 continue
             if isinstance(cur, PerRank):
                 if not isinstance(cur.value, torch.Tensor):
-                    cur.value = values[rank]
+                    cur.value = like_target(cur.value, values[rank])
             elif not _contains_tensor(cur):
-                target[key] = values[rank]
+                target[key] = like_target(cur, values[rank])
         elif isinstance(cur, PerRank):  # saved as one value for all ranks: that value
             if not isinstance(cur.value, torch.Tensor):
-                cur.value = v
+                cur.value = like_target(cur.value, v)
         elif isinstance(cur, (Mapping, MutableSequence)) and isinstance(v, (Mapping, list)) and not _is_leaf_list(cur):
             apply_json_state(cur, v, rank, world, skipped, path)
         elif isinstance(cur, tuple) and isinstance(v, list) and _contains_tensor(cur):
@@ -330,8 +356,10 @@ def apply_json_state(target: Any, saved: Any, rank: int = 0, world: int = 1,
 def like_target(cur: Any, v: Any) -> Any:
     """JSON value ``v`` in the kinds of the target's value ``cur`` it replaces: JSON has no
     tuples, so a list stands where the target holds a tuple (``betas``), a namedtuple, or
-    tuples nested in lists and dicts; each becomes the target's kind again. Elsewhere ``v``
-    as it is."""
+    tuples nested in lists and dicts; each becomes the target's kind again. Floats that
+    JSON cannot hold come back (:func:`from_json`). Elsewhere ``v`` as it is."""
+    if isinstance(v, dict) and len(v) == 1 and v.get(FLOAT_KEY) in _FLOAT_NAMES:
+        return _FLOAT_NAMES[v[FLOAT_KEY]]
     if isinstance(v, list) and isinstance(cur, (tuple, list)) and len(cur) == len(v):
         items = [like_target(c, x) for c, x in zip(cur, v)]
         if not isinstance(cur, tuple):
@@ -343,10 +371,10 @@ def like_target(cur: Any, v: Any) -> Any:
         except Exception:  # a tuple subclass that will not take them: a tuple
             return tuple(items)
     if isinstance(v, list) and isinstance(cur, tuple):  # another length: still a tuple
-        return tuple(v)
+        return tuple(from_json(v))
     if isinstance(v, dict) and isinstance(cur, Mapping):
         return {k: like_target(cur.get(k), x) for k, x in v.items()}
-    return v
+    return from_json(v)
 
 
 def set_json_path(root: dict, path: tuple, value: Any, error: type[Exception] = StateDictError) -> None:
