@@ -1,5 +1,6 @@
 """Offline tools: `unickpt reshard` and `unickpt convert --from-dcp`, streaming and atomic."""
 
+import json
 import os
 
 import pytest
@@ -158,6 +159,10 @@ def test_reshard_records_the_compression_it_applied(tmp_path):
     r = cli("reshard", tmp_path / "ck", tmp_path / "out", "--master", "residual", "--quant", "O1", "-q")
     assert r.returncode == 0, r.stderr
     assert "master='residual' applies to no tensor" in r.stderr and "quant='O1' applies to no tensor" in r.stderr
+    assert r.stderr.count("unickpt reshard: warning: ") == 2, r.stderr  # once each, as the command's own
+    r = cli("reshard", tmp_path / "ck", tmp_path / "out2", "--master", "residual", "--json")
+    said = json.loads(r.stdout)["warnings"]
+    assert len(said) == 1 and "master='residual' applies to no tensor" in said[0], said
     comp = unickpt.read_manifest(tmp_path / "out")[1].compression or {}
     assert comp.get("master", "full") == "full" and comp.get("quant") in (None, "O0"), comp
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -116,6 +117,22 @@ def _warn(args, text: str) -> None:
     """A warning line on stderr, also listed in the ``--json`` object."""
     print(f"unickpt {args.cmd}: warning: {text}", file=sys.stderr)
     args.warnings.append(text)
+
+
+class _Said(logging.Handler):
+    """The library's WARNING records during a command, said as the command's own warnings
+    (:func:`_warn`): a line on stderr and an entry of ``warnings`` in the ``--json`` object.
+    (Without a handler of its own, Python's last resort printed them, and --json left them out.)"""
+
+    def __init__(self, args) -> None:
+        super().__init__(logging.WARNING)
+        self.args = args
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            _warn(self.args, _safe(record.getMessage()))
+        except Exception:
+            self.handleError(record)
 
 
 # --- commands: each returns (exit code, result for --json, text for stdout) -----------------
@@ -526,7 +543,13 @@ def _run(argv: list[str]) -> tuple[int, dict, str]:
             raise UsageError("--storage-options: expected a JSON object such as '{\"client\": \"s3fs\"}'")
         os.environ["UNICKPT_STORAGE_OPTIONS"] = args.storage_options
     args.warnings = []
-    rc, res, text = args.fn(args)
+    said = _Said(args)  # the library's warnings (logged) are the command's: on stderr and in --json
+    lib = logging.getLogger("unickpt")
+    lib.addHandler(said)
+    try:
+        rc, res, text = args.fn(args)
+    finally:
+        lib.removeHandler(said)
     if args.warnings:
         res = dict(res, warnings=args.warnings)
     return rc, res, text
