@@ -176,3 +176,51 @@ def test_dtensors_on_a_submesh_with_data_parallel_copies_save_one_copy_and_compa
     out = dist.run(_dtensor_on_a_submesh, 4, str(tmp_path))
     assert out == [(True, True)] * 4
     assert not any(os.path.exists(tmp_path / d) for d in "bcd")
+
+
+def _fsdp_over_tp(rank, world, root):
+    """FSDP2 over tensor parallelism on a (dp 2, tp 2) mesh: its DTensors' dp placement is
+    _StridedShard (FSDP's shard of each TP shard)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from tests.hf_models import llama
+
+    def build(seed):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        m = llama(seed)
+        for layer in m.model.layers:
+            parallelize_module(layer, mesh["tp"], {
+                "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()})
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(m, mesh=mesh["dp"])
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+    model, opt = build(0)
+    x = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(1))
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    strided = sum("_StridedShard" in str(p.placements) for p in model.parameters())
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    unickpt.save({"model": model, "optim": opt}, os.path.join(root, "2d"))
+    m2, o2 = build(1)
+    m2(input_ids=x, labels=x).loss.backward()
+    o2.step()  # (state to load into)
+    unickpt.load({"model": m2, "optim": o2}, os.path.join(root, "2d"))
+    same = all(torch.equal(v.full_tensor(), full[k]) for k, v in m2.state_dict().items())
+    moments = all(torch.equal(o2.state[p]["exp_avg"].full_tensor(), opt.state[q]["exp_avg"].full_tensor())
+                  for p, q in zip(m2.parameters(), model.parameters()))
+    plain = llama(2)  # one plain process (each rank on its own)
+    unickpt.load({"model": plain}, os.path.join(root, "2d"), strict=False, group=unickpt.transport.LOCAL)
+    one = all(torch.equal(v, full[k]) for k, v in plain.state_dict().items())
+    return strided, same, moments, one
+
+
+def test_fsdp2_over_tensor_parallelism_saves_and_loads_in_any_layout(tmp_path):
+    """FSDP2 x TP (torchtitan's 2-D layout): _StridedShard placements are boxes of the full
+    tensor, saved and loaded like any DTensor, back into 2-D and into one plain process."""
+    out = dist.run(_fsdp_over_tp, 4, str(tmp_path))
+    assert all(o[0] > 0 and o[1:] == (True, True, True) for o in out), out

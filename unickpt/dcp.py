@@ -58,6 +58,7 @@ from .errors import (
     ChecksumError,
     FormatError,
     InvalidArgumentError,
+    NotSupportedError,
     ShapeMismatchError,
     StateDictError,
     TensorMissingError,
@@ -185,7 +186,7 @@ class StorageReader(_dcp_storage.StorageReader):
         for (role, name), st in sorted(man.tensors.items()):
             fqn = _fqn(role, name)
             if fqn in keys:
-                raise NotImplementedError(
+                raise NotSupportedError(
                     f"{ckpt}: tensors {name!r} of role {role} and {keys[fqn][1]!r} of role {keys[fqn][0]} both have the "
                     f"DCP key {fqn!r}; load this checkpoint with unickpt.load")
             keys[fqn] = (role, name)
@@ -199,7 +200,7 @@ class StorageReader(_dcp_storage.StorageReader):
         for (role, name), stored in sorted(man.aliases.items()):  # tied weights: every name reads the stored one
             fqn = _fqn(role, name)
             if fqn in keys:
-                raise NotImplementedError(
+                raise NotSupportedError(
                     f"{ckpt}: the tied name {name!r} of role {role} and the tensor {keys[fqn][1]!r} of role "
                     f"{keys[fqn][0]} both have the DCP key {fqn!r}; load this checkpoint with unickpt.load")
             keys[fqn] = (role, stored)
@@ -210,7 +211,7 @@ class StorageReader(_dcp_storage.StorageReader):
             _json_leaves(v, (k,), leaves)
         for fqn, (path, value) in leaves.items():
             if fqn in sdm:
-                raise NotImplementedError(f"{ckpt}: the DCP key {fqn!r} names both a tensor and a JSON value of the "
+                raise NotSupportedError(f"{ckpt}: the DCP key {fqn!r} names both a tensor and a JSON value of the "
                                           "manifest's state; load this checkpoint with unickpt.load")
             sdm[fqn] = BytesStorageMetadata()
             paths[fqn] = path
@@ -495,7 +496,7 @@ class StorageWriter(_dcp_storage.StorageWriter):
             if why:
                 raise StateDictError(f"{fqn!r}: cannot store a tensor under this name: {why}")
             if (role, name) in seen:
-                raise NotImplementedError(
+                raise NotSupportedError(
                     f"{fqn!r}: this rank holds several chunks of tensor {name!r} (role {role}) ({seen[(role, name)]} and "
                     f"{list(item.index.offset or ())}); unickpt.dcp takes one chunk per tensor and rank")
             td = item.tensor_data

@@ -24,6 +24,7 @@ __all__ = [
     "CheckpointChangedError",
     "InvalidArgumentError",
     "MemoryBudgetError",
+    "NotSupportedError",
 ]
 
 
@@ -114,6 +115,11 @@ class MemoryBudgetError(UnickptError, MemoryError):
 
 class InvalidArgumentError(UnickptError, ValueError):
     """An argument of a unickpt function is out of its range (the message says which)."""
+
+
+class NotSupportedError(UnickptError, NotImplementedError):
+    """Something unickpt does not do (yet): the message says what and, where there is one,
+    the way around it (docs/design.md lists what is not supported)."""
 
 
 _ASYNC: dict[type, type] = {}

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .errors import LayoutError
+from .errors import LayoutError, NotSupportedError
 
 __all__ = ["Layout", "ShardedTensor", "shard", "partition_flat", "FlatUnit", "layout_of", "Runs", "intersect"]
 
@@ -373,13 +373,17 @@ def _dtensor_layout(dt) -> tuple[torch.Tensor, Layout]:
 
     mesh = dt.device_mesh
     placements = tuple(dt.placements)
+    strided = False
     for p in placements:
         if type(p) is not Shard and not isinstance(p, Replicate):
             if "Partial" in type(p).__name__:
                 raise LayoutError(f"DTensor with a Partial placement cannot be saved; reduce it first ({placements})")
-            raise NotImplementedError(
-                f"DTensor placement {p!r} is not supported yet (FSDP2+TP strided shards come with DTensor interop)"
-            )
+            if type(p).__name__ == "_StridedShard" and hasattr(p, "_split_tensor"):
+                strided = True  # FSDP2 over TP: shards of shards, see _strided_box
+                continue
+            raise NotSupportedError(f"DTensor placement {p!r} is not supported ({placements})")
+    if strided:
+        return _strided_layout(dt)
     shape = tuple(dt.shape)
     local = dt.to_local()
     coord = mesh.get_coordinate()
@@ -398,3 +402,42 @@ def _dtensor_layout(dt) -> tuple[torch.Tensor, Layout]:
         mesh_shape = tuple(int(mesh.size(m)) for m in range(mesh.ndim))
         hint = ("grid", mesh_shape, pl, int(np.ravel_multi_index(tuple(int(c) for c in coord), mesh_shape)))
     return local, Layout(shape, tuple(offsets), tuple(local_shape), None, replica, hint)
+
+
+def _strided_layout(dt) -> tuple[torch.Tensor, Layout]:
+    """A DTensor with ``_StridedShard`` placements (FSDP2 over tensor parallelism: FSDP's
+    shard of each TP shard). The rows of a sharded dimension a rank holds are found by
+    splitting that dimension's indices as the placements do, left to right (each placement's
+    own split, the order torch's ``compute_local_shape_and_global_offset`` applies them): a
+    box when every dimension's rows are one contiguous, increasing range (FSDP2 x TP:
+    always), else :class:`NotSupportedError` (the local tensor is no box of the full one)."""
+    from torch.distributed.tensor import Replicate
+
+    mesh = dt.device_mesh
+    placements = tuple(dt.placements)
+    shape = tuple(dt.shape)
+    local = dt.to_local()
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return local, Layout(shape, (0,) * len(shape), (0,) * len(shape), None, 1)
+    offsets, sizes = [0] * len(shape), list(shape)
+    for d in sorted({p.dim for p in placements if not isinstance(p, Replicate)}):
+        idx = torch.arange(shape[d])
+        for m, p in enumerate(placements):
+            if not isinstance(p, Replicate) and p.dim == d:
+                parts = p._split_tensor(idx, mesh.size(m), with_padding=False)[0]
+                idx = parts[coord[m]] if coord[m] < len(parts) else idx[:0]
+        n = idx.numel()
+        if n and not torch.equal(idx, torch.arange(int(idx[0]), int(idx[0]) + n)):
+            raise NotSupportedError(
+                f"DTensor placements {placements} give this rank rows {idx[:8].tolist()}... of dimension {d}, not one "
+                "contiguous range: such a local tensor is no box of the full tensor")
+        offsets[d], sizes[d] = (int(idx[0]) if n else 0), n
+    if tuple(sizes) != tuple(local.shape):
+        raise LayoutError(f"DTensor placements {placements}: the local tensor has shape {list(local.shape)}, the "
+                          f"placements give {sizes}")
+    replica = 0
+    for m, p in enumerate(placements):
+        if isinstance(p, Replicate):
+            replica = replica * mesh.size(m) + coord[m]
+    return local, Layout(shape, tuple(offsets), tuple(sizes), None, replica)
