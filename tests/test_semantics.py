@@ -316,6 +316,17 @@ def _per_rank_save(rank, world, root):
         refused_async = None
     except unickpt.errors.UnickptError as e:
         refused_async = str(e)
+    # a state dict only rank 0 fills (get_state_dict(full_state_dict=True, cpu_offload=True)): named as such
+    full = {"model": {"w": torch.ones(2)}, "optim": {"param_groups": [{"lr": 0.1}]}} if rank == 0 else \
+        {"model": {}, "optim": {}}
+    try:
+        unickpt.save(full, os.path.join(root, "full"))
+        refused_full = None
+    except StateDictError as e:
+        refused_full = str(e)
+    assert refused_full and "rank 0 holds the JSON value 'optim' and rank 1 does not" in refused_full, refused_full
+    if rank == 0:  # the way it says
+        unickpt.save(full, os.path.join(root, "full"), group="local")
     return torch.get_rng_state().tolist(), refused, refused_async, os.path.exists(os.path.join(root, "bad"))
 
 

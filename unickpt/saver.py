@@ -453,7 +453,14 @@ def _gather_rank_state(comm: Comm, entries: list[Entry], json_state: dict[str, A
     everyone = _gather_json(comm, {"al": mine_al, "pr": mine_pr, "v": values, "h": digest}, "save (per-rank values)")
     if len({x["h"] for x in everyone}) > 1:  # JSON values differ between ranks: find one to name
         states = _gather_json(comm, common, "save (per-rank values differ)")
-        path, r = _first_difference(states)
+        path, r, absent = _first_difference(states)
+        if absent is not None:  # one rank holds a value the other has no place for: structure, not values
+            has = 0 if absent == r else r
+            raise StateDictError(
+                f"rank {has} holds the JSON value {path!r} and rank {absent} does not: every rank passes the same "
+                "structure, with its own pieces of the tensors. A state dict only rank 0 fills (get_state_dict with "
+                "full_state_dict=True and cpu_offload=True gives the others {}) is saved by rank 0 alone: "
+                "unickpt.save(..., group=\"local\") there; or save the sharded state dict from every rank")
         raise StateDictError(
             f"the JSON value {path!r} differs between ranks (rank 0 and rank {r}): JSON values are saved once for all "
             "ranks. Wrap values that differ per rank (data positions, per-rank counters) in unickpt.per_rank(...), or "
@@ -489,12 +496,16 @@ def _gather_rank_state(comm: Comm, entries: list[Entry], json_state: dict[str, A
     return aliases, per_rank_keys, json_state
 
 
-def _first_difference(states: list) -> tuple[str, int]:
-    """The first path (dotted) where a rank's JSON state differs from rank 0's, and that rank."""
+def _first_difference(states: list) -> tuple[str, int, int | None]:
+    """The first path (dotted) where a rank's JSON state differs from rank 0's, that rank,
+    and the rank whose state lacks the path (None: both hold a value there)."""
+    absent: list[int | None] = [None]
+
     def diff(a, b, where: str) -> str | None:
         if isinstance(a, dict) and isinstance(b, dict):
             for k in sorted(set(a) | set(b)):
                 if k not in a or k not in b:
+                    absent[0] = 0 if k not in a else -1
                     return f"{where}.{k}" if where else k
                 d = diff(a[k], b[k], f"{where}.{k}" if where else k)
                 if d is not None:
@@ -511,8 +522,8 @@ def _first_difference(states: list) -> tuple[str, int]:
     for r, st in enumerate(states[1:], 1):
         d = diff(states[0], st, "")
         if d is not None:
-            return d, r
-    return "<state>", 1
+            return d, r, (r if absent[0] == -1 else absent[0])
+    return "<state>", 1, None
 
 
 def _rank_values(obj: Any, visit=None, replace=None) -> Any:
