@@ -474,6 +474,10 @@ def test_progress_is_periodic_lines_on_stderr_off_a_terminal_and_quiet_silences_
         assert r.returncode == 0 and r.stderr == "", r.stderr
     r = cli("--json", "-q", "verify", str(p))
     assert r.returncode == 0 and r.stderr == "" and _json(r)["ok"]
+    r = cli("verify", str(p), "--jso")  # no abbreviations: main answers in JSON only for --json itself
+    assert r.returncode == 2 and "unrecognized arguments: --jso" in r.stderr and r.stdout == ""
+    r = cli("--json", "reshard", str(p), str(tmp_path / "re4"), "--drop-optimizer", "--zstd", "99")
+    assert r.returncode == 2 and _json(r)["warnings"] == ["--drop-optimizer is deprecated; use --drop-role optimizer"]
 
 
 def test_progress_is_a_tqdm_bar_on_a_terminal(monkeypatch, capsys):

@@ -216,7 +216,20 @@ def _fsdp_over_tp(rank, world, root):
     plain = llama(2)  # one plain process (each rank on its own)
     unickpt.load({"model": plain}, os.path.join(root, "2d"), strict=False, group=unickpt.transport.LOCAL)
     one = all(torch.equal(v, full[k]) for k, v in plain.state_dict().items())
-    return strided, same, moments, one
+
+    # strided on dimension 1: RowwiseParallel (Shard(1)) under fully_shard(shard_placement_fn=Shard(1))
+    from torch.distributed.tensor import Shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(3)
+    lin = parallelize_module(torch.nn.Linear(8, 8, bias=False), mesh["tp"], RowwiseParallel())
+    fully_shard(lin, mesh=mesh["dp"], shard_placement_fn=lambda p: Shard(1))
+    w = lin.weight
+    unickpt.save({"lin": lin}, os.path.join(root, "dim1"))
+    back = torch.nn.Linear(8, 8, bias=False)
+    unickpt.load({"lin": back}, os.path.join(root, "dim1"), group=unickpt.transport.LOCAL)
+    dim1 = "_StridedShard(dim=1" in str(w.placements) and torch.equal(back.weight.detach(), w.full_tensor())
+    return strided, same, moments, one and dim1
 
 
 def test_fsdp2_over_tensor_parallelism_saves_and_loads_in_any_layout(tmp_path):

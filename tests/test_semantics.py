@@ -12,6 +12,7 @@ import xxhash
 from safetensors import safe_open
 
 import unickpt
+from tests.clirun import cli
 from tests import dist
 from tests.hf_models import fsdp, llama
 from unickpt.errors import ShapeMismatchError, StateDictError, TensorMissingError, UnexpectedTensorError
@@ -327,6 +328,15 @@ def _per_rank_save(rank, world, root):
     assert refused_full and "rank 0 holds the JSON value 'optim' and rank 1 does not" in refused_full, refused_full
     if rank == 0:  # the way it says
         unickpt.save(full, os.path.join(root, "full"), group="local")
+    said = []
+    for state in ({"o": {"param_groups": [{"lr": 1}] * (rank + 1)}},  # another number of items
+                  {"trainer": {"v": float("inf") if rank == 0 else float("nan")}}):  # NaN/inf named as values
+        try:
+            unickpt.save(state, os.path.join(root, "shape"))
+        except StateDictError as e:
+            said.append(str(e))
+    assert "the JSON list 'o.param_groups' holds 1 item(s) on rank 0 and 2 on rank 1" in said[0], said
+    assert "the JSON value 'trainer.v' differs between ranks" in said[1], said
     return torch.get_rng_state().tolist(), refused, refused_async, os.path.exists(os.path.join(root, "bad"))
 
 
@@ -548,6 +558,40 @@ def test_infinities_and_nan_in_json_state_round_trip_reduce_lr_on_plateau_includ
     assert back["meta"]["x"] == math.inf
     with pytest.raises(StateDictError, match="reserved"):
         unickpt.save({"meta": {"__unickpt_float__": "inf"}}, tmp_path / "d")
+
+
+@pytest.mark.parametrize("bad", [[1], {"a": 1}, {"__unickpt_float__": "inf"}, "INF", 1, None, "extra"])
+def test_a_crafted_float_code_in_the_manifest_is_a_format_error(tmp_path, bad):
+    """{"__unickpt_float__": ...} is reserved for "inf", "-inf", "nan" alone: anything else in
+    a manifest is refused when it is read (load, inspect, verify, reshard), typed."""
+    import json
+
+    from tests.crafted import seal
+    from unickpt.errors import FormatError
+
+    unickpt.save({"w": torch.ones(1), "meta": {"x": float("inf"), "l": [1.0]}}, tmp_path / "c")
+    m = tmp_path / "c" / "unickpt.json"
+    obj = json.loads(m.read_bytes())
+    obj["state"]["meta"]["l"] = [{"__unickpt_float__": bad} if bad != "extra" else {"__unickpt_float__": "inf", "b": 1}]
+    m.write_bytes(seal(obj))
+    with pytest.raises(FormatError, match="reserved for"):
+        unickpt.load({"w": torch.zeros(1), "meta": {"x": 0.0, "l": [0.0]}}, tmp_path / "c")
+    r = cli("verify", tmp_path / "c", "-q")
+    assert r.returncode == 2 and "reserved for" in r.stderr, r.stderr
+
+
+def test_reserved_keys_are_refused_anywhere_and_infinities_replace_what_the_target_holds(tmp_path):
+    import math
+
+    for bad in ({"l": [{"__unickpt_float__": "inf"}]}, {"t": ({"__unickpt_per_rank__": [1]},)},
+                {"p": unickpt.per_rank({"__unickpt_float__": "inf"})}):
+        with pytest.raises(StateDictError, match="reserved"):
+            unickpt.save({"meta": bad}, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+    unickpt.save({"trainer": {"d": math.inf, "ld": math.inf}}, tmp_path / "c")
+    t = {"trainer": {"d": {"a": 1}, "ld": [{"a": 1}]}}
+    res = unickpt.load(t, tmp_path / "c")  # a saved value replaces the target's whole, as 5.0 would
+    assert t["trainer"] == {"d": math.inf, "ld": math.inf} and (res.missing, res.skipped) == ([], [])
 
 
 def test_keys_that_would_be_stored_under_one_name_are_refused(tmp_path):

@@ -398,6 +398,10 @@ def test_a_damaged_newest_step_fails_its_load_naming_the_older_ones(tmp_path):
         unickpt.load(t, root / "step-00000003")
     assert not getattr(ei.value, "__notes__", None)
     assert unickpt.load(t, root / "step-00000002").step == 2 and torch.equal(t["model"]["w"], torch.full((256,), 2.0))
+    f.unlink()  # a data file gone: the same note
+    with pytest.raises(unickpt.errors.CheckpointNotFoundError) as ei:
+        unickpt.load(t, root)
+    assert "older committed ones: step-00000002, step-00000001" in ei.value.__notes__[0]
 
 
 def test_export_never_replaces_a_checkpoint_or_its_root(ck, tmp_path):

@@ -48,7 +48,13 @@ class UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that raises :class:`UsageError` instead of printing usage and exiting."""
+    """argparse that raises :class:`UsageError` instead of printing usage and exiting, and
+    takes no abbreviated options (``--jso`` would be ``--json`` to argparse but not to
+    :func:`main`, which looks for ``--json`` to answer errors in JSON)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # type: ignore[override]
         raise UsageError(f"{message} (see {self.prog} --help)")
@@ -529,7 +535,7 @@ def _cli_wording(message: str) -> str:
         "pass overwrite=True", "pass --overwrite")
 
 
-def _run(argv: list[str]) -> tuple[int, dict, str]:
+def _run(argv: list[str], said: list[str] | None = None) -> tuple[int, dict, str]:
     """Parse and run one command; typed results, or an exception."""
     _start_up()
     args = _parser().parse_args(argv)
@@ -542,14 +548,14 @@ def _run(argv: list[str]) -> tuple[int, dict, str]:
         if not isinstance(opts, dict):
             raise UsageError("--storage-options: expected a JSON object such as '{\"client\": \"s3fs\"}'")
         os.environ["UNICKPT_STORAGE_OPTIONS"] = args.storage_options
-    args.warnings = []
-    said = _Said(args)  # the library's warnings (logged) are the command's: on stderr and in --json
+    args.warnings = said if said is not None else []
+    handler = _Said(args)  # the library's warnings (logged) are the command's: on stderr and in --json
     lib = logging.getLogger("unickpt")
-    lib.addHandler(said)
+    lib.addHandler(handler)
     try:
         rc, res, text = args.fn(args)
     finally:
-        lib.removeHandler(said)
+        lib.removeHandler(handler)
     if args.warnings:
         res = dict(res, warnings=args.warnings)
     return rc, res, text
@@ -573,8 +579,9 @@ def main(argv: list[str] | None = None) -> int:
     as_json = "--json" in argv
     debug = "--debug" in argv or os.environ.get("UNICKPT_DEBUG", "") not in ("", "0")
     prefix = f"unickpt {cmd}" if cmd else "unickpt"
+    said: list[str] = []  # the command's warnings, also when it fails
     try:
-        rc, res, text = _run(argv)
+        rc, res, text = _run(argv, said)
     except KeyboardInterrupt:
         rc, error, line = ERROR, {"type": "KeyboardInterrupt", "message": "interrupted"}, "interrupted (Ctrl-C)"
     except UsageError as e:
@@ -599,7 +606,8 @@ def main(argv: list[str] | None = None) -> int:
         return rc
     print(f"{prefix}: {_safe(line)}", file=sys.stderr)
     if as_json:
-        _out(json.dumps({"command": cmd, "ok": False, "exit_code": rc, "error": error}, indent=2))
+        _out(json.dumps({"command": cmd, "ok": False, "exit_code": rc, "error": error,
+                         **({"warnings": said} if said else {})}, indent=2))
     return rc
 
 

@@ -67,7 +67,7 @@ from .format import torch_dtype
 from .layout import Layout
 from .manifest import MANIFEST_NAME, Manifest, name_problem
 from .saver import DEFAULT_BUCKET, SaveOptions, SaveResult, save_entries
-from .state import _ROLE, FLOAT_KEY, OTHER_ROLE, Entry, is_state_value, like_target, set_json_path, tie, to_json
+from .state import _ROLE, OTHER_ROLE, Entry, from_json, is_state_value, like_target, set_json_path, tie, to_json
 from .storage import per_node, storage_for
 from .transport import Comm
 
@@ -92,7 +92,7 @@ def _fqn(role: str, name: str) -> str:
 def _json_leaves(value: Any, path: tuple, out: dict[str, tuple[tuple, Any]]) -> None:
     """The leaves DCP's flattening (``_traverse.traverse_state_dict``) makes of a JSON value:
     mappings are walked, lists only when they hold a mapping or a list that is walked."""
-    if isinstance(value, Mapping) and not _float(value):
+    if isinstance(value, Mapping):
         for k, v in value.items():
             _json_leaves(v, path + (str(k),), out)
     elif isinstance(value, list) and not _terminal(value):
@@ -103,13 +103,7 @@ def _json_leaves(value: Any, path: tuple, out: dict[str, tuple[tuple, Any]]) -> 
 
 
 def _terminal(value: list) -> bool:
-    return not any((isinstance(x, Mapping) and not _float(x)) or (isinstance(x, list) and not _terminal(x))
-                   for x in value)
-
-
-def _float(value: Any) -> bool:
-    """A float strict JSON cannot hold, as the manifest stores it (a leaf: a float to DCP)."""
-    return isinstance(value, Mapping) and len(value) == 1 and FLOAT_KEY in value
+    return not any(isinstance(x, Mapping) or (isinstance(x, list) and not _terminal(x)) for x in value)
 
 
 def _done(value: Any) -> Future:
@@ -207,7 +201,7 @@ class StorageReader(_dcp_storage.StorageReader):
             sdm[fqn] = sdm[_fqn(role, stored)]
             paths[fqn] = (name,) if role == OTHER_ROLE else (role, name)
         leaves: dict[str, tuple[tuple, Any]] = {}
-        for k, v in man.state.items():
+        for k, v in from_json(man.state).items():  # (NaN and infinities as floats: leaves)
             _json_leaves(v, (k,), leaves)
         for fqn, (path, value) in leaves.items():
             if fqn in sdm:
@@ -483,7 +477,7 @@ class StorageWriter(_dcp_storage.StorageWriter):
                     raise StateDictError(
                         f"{fqn!r} holds a {type(obj).__name__}, which unickpt cannot store: use tensors or JSON values "
                         "(None, bool, int, float, str, lists and dicts of them); nothing is pickled")
-                v = to_json(obj)  # tuples -> lists, infinities encoded, as in the manifest
+                v = to_json(obj, fqn)  # tuples -> lists, infinities encoded, as in the manifest
                 values.append([list(path), v])
                 results.append(WriteResult(index=item.index, size_in_bytes=len(json.dumps(v)),
                                            storage_data={"state": list(path)}))

@@ -422,11 +422,12 @@ def _strided_layout(dt) -> tuple[torch.Tensor, Layout]:
         return local, Layout(shape, (0,) * len(shape), (0,) * len(shape), None, 1)
     offsets, sizes = [0] * len(shape), list(shape)
     for d in sorted({p.dim for p in placements if not isinstance(p, Replicate)}):
-        idx = torch.arange(shape[d])
+        idx = torch.arange(shape[d]).reshape((1,) * d + (-1,))  # the indices along dimension d (split on d)
         for m, p in enumerate(placements):
             if not isinstance(p, Replicate) and p.dim == d:
                 parts = p._split_tensor(idx, mesh.size(m), with_padding=False)[0]
-                idx = parts[coord[m]] if coord[m] < len(parts) else idx[:0]
+                idx = parts[coord[m]] if coord[m] < len(parts) else idx.narrow(d, 0, 0)
+        idx = idx.reshape(-1)
         n = idx.numel()
         if n and not torch.equal(idx, torch.arange(int(idx[0]), int(idx[0]) + n)):
             raise NotSupportedError(

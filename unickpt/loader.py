@@ -38,7 +38,7 @@ from .format import Hasher, dtype_name, parse_header, read_header, torch_dtype
 from .layout import Layout, Runs
 from .manifest import MANIFEST_NAME, Manifest, TensorEntry, data_file_name, manifest_cap
 from .noderead import SharedJob, bounds, eligible, read_shared, touched
-from .state import Entry, apply_json_state, flatten, json_missing
+from .state import Entry, apply_json_state, flatten, from_json, json_missing
 from .stateful import for_load, is_stateful
 from .storage import RandomReader, Storage, compared_path, join_path, per_node, storage_for
 from .transport import Comm
@@ -183,7 +183,7 @@ def load(
         return _load(state_dict, path, group=group, verify=verify, strict=strict, progress=progress,
                      bucket_bytes=bucket_bytes, timeout_s=timeout_s, storage_options=storage_options,
                      avoid_local=avoid_local)
-    except (ChecksumError, FormatError) as e:
+    except (ChecksumError, FormatError, CheckpointNotFoundError) as e:  # (not found: a file the manifest lists)
         _note_older_steps(e, path, storage_options)
         raise
 
@@ -235,10 +235,11 @@ def _load(state_dict, path, *, group, verify, strict, progress, bucket_bytes, ti
         finish = None
         try:
             objects = {k for k, v in state_dict.items() if is_stateful(v)} if isinstance(state_dict, Mapping) else set()
-            state_dict, finish = for_load(state_dict, {r for r, _ in man.tensors}, man.state)
+            saved_state = from_json(man.state)  # (NaN and infinities as floats)
+            state_dict, finish = for_load(state_dict, {r for r, _ in man.tensors}, saved_state)
             entries, _ = flatten(state_dict, comm.rank, comm.world)
             entries, missing, skipped, covered = _validate(entries, man, ckpt, comm.world)
-            missing += json_missing(state_dict, man.state)  # JSON values the checkpoint does not hold
+            missing += json_missing(state_dict, saved_state)  # JSON values the checkpoint does not hold
             roles = _roles(state_dict)
         except Exception as e:
             err = e
@@ -296,7 +297,7 @@ def _load(state_dict, path, *, group, verify, strict, progress, bucket_bytes, ti
         err = _changed(storage, ckpt, man) or ChecksumError(
             "checksum mismatch: " + "; ".join(f"tensor {n!r} in {f}" for f, n in bad), bad)
     comm.agree(err, "load (reading)" if verify != "full" else "load (checksums)")
-    apply_json_state(state_dict, man.state, comm.rank, comm.world, skipped,
+    apply_json_state(state_dict, saved_state, comm.rank, comm.world, skipped,
                      top_level=any(not isinstance(v, Mapping) for v in state_dict.values()))
     try:  # stateful objects take what was loaded (load_state_dict)
         finish()

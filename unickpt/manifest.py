@@ -563,22 +563,35 @@ def _parse(obj: Any, where: str) -> Manifest:
     )
 
 
-def _check_rank_values(obj, world, where: str, depth: int = 0) -> None:
-    """Per-rank JSON values (``{"__unickpt_per_rank__": [...]}``) hold one value per saving rank."""
-    from .state import PER_RANK_KEY
+def _check_rank_values(obj, world, where: str, depth: int = 0, in_rank: bool = False) -> None:
+    """Per-rank JSON values (``{"__unickpt_per_rank__": [...]}``) hold one value per saving
+    rank; floats JSON cannot hold are ``{"__unickpt_float__": "inf" | "-inf" | "nan"}``
+    alone; no other use of the reserved keys."""
+    from .state import FLOAT_KEY, FLOAT_NAMES, PER_RANK_KEY, RANK_VALUE_KEY
 
     if isinstance(obj, dict):
+        if FLOAT_KEY in obj:
+            v = obj[FLOAT_KEY]
+            if len(obj) != 1 or not isinstance(v, str) or v not in FLOAT_NAMES:
+                raise FormatError(f"{where}: the key {FLOAT_KEY!r} is reserved for {{{FLOAT_KEY!r}: 'inf' | '-inf' | "
+                                  "'nan'}} alone")
+            return
+        if RANK_VALUE_KEY in obj or (in_rank and PER_RANK_KEY in obj):
+            raise FormatError(f"{where}: the key {RANK_VALUE_KEY if RANK_VALUE_KEY in obj else PER_RANK_KEY!r} is "
+                              "reserved by unickpt")
         if PER_RANK_KEY in obj:
             v = obj[PER_RANK_KEY]
             if len(obj) != 1 or not isinstance(v, list) or (type(world) is int and len(v) != world):
                 raise FormatError(f"{where}: a per-rank value must be {{{PER_RANK_KEY!r}: [one value per saving rank "
                                   f"({world})]}}")
+            for i, x in enumerate(v):
+                _check_rank_values(x, world, f"{where}.rank{i}", depth + 1, True)
             return
         for k, x in obj.items():
-            _check_rank_values(x, world, f"{where}.{k}", depth + 1)
+            _check_rank_values(x, world, f"{where}.{k}", depth + 1, in_rank)
     elif isinstance(obj, list):
         for i, x in enumerate(obj):
-            _check_rank_values(x, world, f"{where}.{i}", depth + 1)
+            _check_rank_values(x, world, f"{where}.{i}", depth + 1, in_rank)
 
 
 def _str_list(v) -> bool:

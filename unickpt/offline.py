@@ -495,8 +495,8 @@ def _dcp_json_state(dcp_dir, meta, keys: list[str], paths: dict[str, tuple]) -> 
             skipped[k] = f"a {type(v).__name__}, not a JSON value"
             continue
         try:
-            set_json_path(state, paths[k], to_json(v), FormatError)
-        except FormatError as e:
+            set_json_path(state, paths[k], to_json(v, k), FormatError)
+        except (FormatError, StateDictError) as e:  # (StateDictError: a key unickpt reserves)
             skipped[k] = str(e)
     return state, [f"{k}: {skipped[k]}" for k in sorted(skipped)]
 

@@ -34,7 +34,7 @@ from .container import ZstdWriter
 from .compress import EXCEPTION_WARN, Compression, encode_chunk, prepare
 from .manifest import INDEX_NAME, MANIFEST_NAME, FileEntry, Manifest, Part, TensorEntry
 from .plan import LocalSummary, SavePlan, Step, assemble, extents_of, make_plan, summarize
-from .state import PER_RANK_KEY, RANK_VALUE_KEY, Entry, _is_json, flatten
+from .state import PER_RANK_KEY, RANK_VALUE_KEY, Entry, _is_json, flatten, from_json
 from .storage import Storage, per_node, storage_for
 from .transport import Comm, node_id, resolve_timeout
 
@@ -453,7 +453,12 @@ def _gather_rank_state(comm: Comm, entries: list[Entry], json_state: dict[str, A
     everyone = _gather_json(comm, {"al": mine_al, "pr": mine_pr, "v": values, "h": digest}, "save (per-rank values)")
     if len({x["h"] for x in everyone}) > 1:  # JSON values differ between ranks: find one to name
         states = _gather_json(comm, common, "save (per-rank values differ)")
-        path, r, absent = _first_difference(states)
+        path, r, absent, lens = _first_difference([from_json(x) for x in states])
+        if lens is not None:
+            raise StateDictError(
+                f"the JSON list {path!r} holds {lens[0]} item(s) on rank 0 and {lens[1]} on rank {r}: JSON values are "
+                "saved once for all ranks, so every rank passes the same structure (the same number of param_groups, "
+                "say); wrap values that differ per rank in unickpt.per_rank(...)")
         if absent is not None:  # one rank holds a value the other has no place for: structure, not values
             has = 0 if absent == r else r
             raise StateDictError(
@@ -496,34 +501,41 @@ def _gather_rank_state(comm: Comm, entries: list[Entry], json_state: dict[str, A
     return aliases, per_rank_keys, json_state
 
 
-def _first_difference(states: list) -> tuple[str, int, int | None]:
+def _first_difference(states: list) -> tuple[str, int, int | None, tuple[int, int] | None]:
     """The first path (dotted) where a rank's JSON state differs from rank 0's, that rank,
-    and the rank whose state lacks the path (None: both hold a value there)."""
-    absent: list[int | None] = [None]
+    the rank whose state lacks the path (None: both hold something there), and the lengths
+    of two lists that differ in length there (None: not that)."""
+    found: dict = {}
 
     def diff(a, b, where: str) -> str | None:
         if isinstance(a, dict) and isinstance(b, dict):
             for k in sorted(set(a) | set(b)):
                 if k not in a or k not in b:
-                    absent[0] = 0 if k not in a else -1
+                    found["absent"] = 0 if k not in a else -1
                     return f"{where}.{k}" if where else k
                 d = diff(a[k], b[k], f"{where}.{k}" if where else k)
                 if d is not None:
                     return d
             return None
-        if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        if isinstance(a, list) and isinstance(b, list):
+            if len(a) != len(b):
+                found["lens"] = (len(a), len(b))
+                return where or "<state>"
             for i, (x, y) in enumerate(zip(a, b)):
                 d = diff(x, y, f"{where}.{i}" if where else str(i))
                 if d is not None:
                     return d
             return None
-        return None if a == b and type(a) is type(b) else (where or "<state>")
+        same = (a == b or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)) and type(a) is type(b)
+        return None if same else (where or "<state>")
 
     for r, st in enumerate(states[1:], 1):
+        found.clear()
         d = diff(states[0], st, "")
         if d is not None:
-            return d, r, (r if absent[0] == -1 else absent[0])
-    return "<state>", 1, None
+            absent = found.get("absent")
+            return d, r, (r if absent == -1 else absent), found.get("lens")
+    return "<state>", 1, None, None
 
 
 def _rank_values(obj: Any, visit=None, replace=None) -> Any:

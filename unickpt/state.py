@@ -46,7 +46,7 @@ FLOAT_KEY = "__unickpt_float__"
 """``{FLOAT_KEY: "inf" | "-inf" | "nan"}`` stands for a float that strict JSON cannot hold
 (``ReduceLROnPlateau``'s ``best`` starts at ``inf``): :func:`to_json`, :func:`from_json`."""
 _RESERVED = (PER_RANK_KEY, RANK_VALUE_KEY, FLOAT_KEY)
-_FLOAT_NAMES = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+FLOAT_NAMES = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
 
 class PerRank:
@@ -132,23 +132,33 @@ def is_state_value(v: Any) -> bool:
     return _is_json(v, finite=False)
 
 
-def to_json(v: Any) -> Any:
+def to_json(v: Any, where: str = "") -> Any:
     """A state value as the manifest stores it: tuples become lists, keys strings, and floats
-    that strict JSON cannot hold ``{FLOAT_KEY: "inf" | "-inf" | "nan"}``."""
+    that strict JSON cannot hold ``{FLOAT_KEY: "inf" | "-inf" | "nan"}``. A key unickpt
+    reserves, anywhere in it, is a :class:`StateDictError` (it would read back as something
+    else)."""
     if isinstance(v, float) and not math.isfinite(v):
         return {FLOAT_KEY: "nan" if v != v else ("inf" if v > 0 else "-inf")}
     if isinstance(v, (list, tuple)):
-        return [to_json(x) for x in v]
+        return [to_json(x, f"{where}.{i}" if where else str(i)) for i, x in enumerate(v)]
     if isinstance(v, Mapping):
-        return {str(k): to_json(x) for k, x in v.items()}
+        for k in v:
+            if k in _RESERVED:
+                raise StateDictError(f"{where!r}: the key {k!r} is reserved by unickpt")
+        return {str(k): to_json(x, f"{where}.{k}" if where else str(k)) for k, x in v.items()}
     return v
 
 
+def _float_code(v: Any) -> bool:
+    return isinstance(v, dict) and len(v) == 1 and isinstance(v.get(FLOAT_KEY), str) and v[FLOAT_KEY] in FLOAT_NAMES
+
+
 def from_json(v: Any) -> Any:
-    """:func:`to_json` undone (tuples stay lists: :func:`like_target` gives them back)."""
+    """:func:`to_json` undone on a state the manifest checked (tuples stay lists:
+    :func:`like_target` gives them back)."""
     if isinstance(v, dict):
-        if len(v) == 1 and v.get(FLOAT_KEY) in _FLOAT_NAMES:
-            return _FLOAT_NAMES[v[FLOAT_KEY]]
+        if _float_code(v):
+            return FLOAT_NAMES[v[FLOAT_KEY]]
         return {k: from_json(x) for k, x in v.items()}
     if isinstance(v, list):
         return [from_json(x) for x in v]
@@ -222,7 +232,7 @@ def flatten(state_dict: Mapping[str, Any], rank: int = 0, world: int = 1) -> tup
             add(role, prefix, value, where)
             return _SKIP
         if isinstance(value, PerRank):  # a JSON value (tensors are leaves, above)
-            return {RANK_VALUE_KEY: to_json(value.value)}
+            return {RANK_VALUE_KEY: to_json(value.value, where)}
         if isinstance(value, Mapping):
             out = {}
             names: dict[str, Any] = {}  # stored key -> the key it came from
@@ -247,7 +257,7 @@ def flatten(state_dict: Mapping[str, Any], rank: int = 0, world: int = 1) -> tup
                 return _SKIP
             return [None if sub is _SKIP else sub for sub in subs]
         if is_state_value(value):
-            return to_json(value)
+            return to_json(value, where)
         raise StateDictError(
             f"{where!r} holds a {type(value).__name__}, which unickpt cannot store: use tensors or "
             "JSON values (None, bool, int, float, str, lists and dicts of them)"
@@ -358,8 +368,8 @@ def like_target(cur: Any, v: Any) -> Any:
     tuples, so a list stands where the target holds a tuple (``betas``), a namedtuple, or
     tuples nested in lists and dicts; each becomes the target's kind again. Floats that
     JSON cannot hold come back (:func:`from_json`). Elsewhere ``v`` as it is."""
-    if isinstance(v, dict) and len(v) == 1 and v.get(FLOAT_KEY) in _FLOAT_NAMES:
-        return _FLOAT_NAMES[v[FLOAT_KEY]]
+    if _float_code(v):
+        return FLOAT_NAMES[v[FLOAT_KEY]]
     if isinstance(v, list) and isinstance(cur, (tuple, list)) and len(cur) == len(v):
         items = [like_target(c, x) for c, x in zip(cur, v)]
         if not isinstance(cur, tuple):
