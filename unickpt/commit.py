@@ -245,7 +245,7 @@ def _token_of(name: str) -> str | None:
 def _referenced(storage: Storage, prefix: str) -> set[str] | None:
     """Names the committed manifest under ``prefix`` lists (empty: no manifest; None: a
     manifest that does not read, so nothing may be touched)."""
-    from .loader import open_files, read_manifest_bytes
+    from .loader import read_manifest_bytes
     from .manifest import Manifest
 
     if not storage.isfile(storage.join(prefix, MANIFEST_NAME)):

@@ -379,47 +379,46 @@ def _dtensor_layout(dt) -> tuple[torch.Tensor, Layout]:
             if "Partial" in type(p).__name__:
                 raise LayoutError(f"DTensor with a Partial placement cannot be saved; reduce it first ({placements})")
             if type(p).__name__ == "_StridedShard" and hasattr(p, "_split_tensor"):
-                strided = True  # FSDP2 over TP: shards of shards, see _strided_box
+                strided = True  # FSDP2 over TP: shards of shards (_strided_box)
                 continue
             raise NotSupportedError(f"DTensor placement {p!r} is not supported ({placements})")
-    if strided:
-        return _strided_layout(dt)
     shape = tuple(dt.shape)
     local = dt.to_local()
     coord = mesh.get_coordinate()
     if coord is None:  # this rank is not part of the mesh: holds nothing
         return local, Layout(shape, (0,) * len(shape), (0,) * len(shape), None, 1)
-    local_shape, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+    if strided:
+        local_shape, offsets = _strided_box(shape, mesh, placements, coord)
+        if tuple(local_shape) != tuple(local.shape):
+            raise LayoutError(f"DTensor placements {placements}: the local tensor has shape {list(local.shape)}, the "
+                              f"placements give {list(local_shape)}")
+    else:
+        local_shape, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
     replica = 0
     for dim, p in enumerate(placements):
         if isinstance(p, Replicate):
             replica = replica * mesh.size(dim) + coord[dim]
     # the grid rule (plan.py): each tensor dim sharded by one mesh dim at most, torch.chunk sizes
+    # (strided shards: explicit pieces, no rule)
     pl = tuple(p.dim if type(p) is Shard else -1 for p in placements)
     sharded = [p.dim for p in placements if type(p) is Shard]
     hint = None
-    if len(sharded) == len(set(sharded)) and all(0 <= d < len(shape) for d in sharded):
+    if not strided and len(sharded) == len(set(sharded)) and all(0 <= d < len(shape) for d in sharded):
         mesh_shape = tuple(int(mesh.size(m)) for m in range(mesh.ndim))
         hint = ("grid", mesh_shape, pl, int(np.ravel_multi_index(tuple(int(c) for c in coord), mesh_shape)))
     return local, Layout(shape, tuple(offsets), tuple(local_shape), None, replica, hint)
 
 
-def _strided_layout(dt) -> tuple[torch.Tensor, Layout]:
-    """A DTensor with ``_StridedShard`` placements (FSDP2 over tensor parallelism: FSDP's
-    shard of each TP shard). The rows of a sharded dimension a rank holds are found by
-    splitting that dimension's indices as the placements do, left to right (each placement's
-    own split, the order torch's ``compute_local_shape_and_global_offset`` applies them): a
-    box when every dimension's rows are one contiguous, increasing range (FSDP2 x TP:
-    always), else :class:`NotSupportedError` (the local tensor is no box of the full one)."""
+def _strided_box(shape: tuple, mesh, placements: tuple, coord) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(sizes, offsets)`` of this rank's piece of a DTensor with ``_StridedShard``
+    placements (FSDP2 over tensor parallelism: FSDP's shard of each TP shard). The rows of
+    each sharded dimension are found by splitting that dimension's indices as the placements
+    do, left to right (each placement's own split, the order torch's
+    ``compute_local_shape_and_global_offset`` applies them): a box when every dimension's
+    rows are one contiguous, increasing range (FSDP2 x TP: always), else
+    :class:`NotSupportedError` (the local tensor is no box of the full one)."""
     from torch.distributed.tensor import Replicate
 
-    mesh = dt.device_mesh
-    placements = tuple(dt.placements)
-    shape = tuple(dt.shape)
-    local = dt.to_local()
-    coord = mesh.get_coordinate()
-    if coord is None:
-        return local, Layout(shape, (0,) * len(shape), (0,) * len(shape), None, 1)
     offsets, sizes = [0] * len(shape), list(shape)
     for d in sorted({p.dim for p in placements if not isinstance(p, Replicate)}):
         idx = torch.arange(shape[d]).reshape((1,) * d + (-1,))  # the indices along dimension d (split on d)
@@ -434,11 +433,4 @@ def _strided_layout(dt) -> tuple[torch.Tensor, Layout]:
                 f"DTensor placements {placements} give this rank rows {idx[:8].tolist()}... of dimension {d}, not one "
                 "contiguous range: such a local tensor is no box of the full tensor")
         offsets[d], sizes[d] = (int(idx[0]) if n else 0), n
-    if tuple(sizes) != tuple(local.shape):
-        raise LayoutError(f"DTensor placements {placements}: the local tensor has shape {list(local.shape)}, the "
-                          f"placements give {sizes}")
-    replica = 0
-    for m, p in enumerate(placements):
-        if isinstance(p, Replicate):
-            replica = replica * mesh.size(m) + coord[m]
-    return local, Layout(shape, tuple(offsets), tuple(sizes), None, replica)
+    return tuple(sizes), tuple(offsets)

@@ -202,6 +202,7 @@ class SavePlan:
     claims: list[list[tuple["UnitSet", int]]] | None = None
     """Per rank, its rule claims ``(set, index)``: its other pieces, computed on demand."""
     _schedules: dict[int, list[Step]] = field(default_factory=dict)
+    _replica_groups: list | None = None  # saver._replica_groups, once per (cached) plan
 
     @property
     def n_steps(self) -> int:

@@ -581,11 +581,9 @@ def _check_replicas(comm: Comm, plan: SavePlan, entries: list[Entry], staged: "S
     made copies of (:attr:`~unickpt.plan.TensorPlan.copies`: DTensors on a sub-mesh under
     DDP). A fingerprint of each, with one all-reduce; the error is raised on every rank.
     Copies marked ``replica > 0`` by their layout are the caller's word and not compared."""
-    groups = [(k, None, None) for k, t in plan.tensors.items() if len(t.full_holders) > 1 and t.numel
-              and sum(1 for _, lay in t.full_pieces() if lay.replica == 0) > 1]
-    groups += [(k, (offsets, sizes, flat), ranks) for k, t in plan.tensors.items() for offsets, sizes, flat, ranks in t.copies]
+    groups = _replica_groups(plan)
     if not groups or comm.world == 1:
-        return  # (in plan order: the same on every rank)
+        return
     by_key: dict[tuple[str, str], list[Entry]] = {}
     for e in entries:
         by_key.setdefault(e.key, []).append(e)
@@ -639,6 +637,20 @@ def _check_replicas(comm: Comm, plan: SavePlan, entries: list[Entry], staged: "S
             f"{f', flat range {list(box[2])}' if box[2] else ''}) is held as the saved copy (replica 0) by several "
             f"ranks with different values: {sides}{more}. One copy is saved for all of them. Make the copies agree "
             "before saving, or describe blocks that are not copies with their own offsets")
+
+
+def _replica_groups(plan: SavePlan) -> list[tuple[tuple[str, str], tuple | None, list[int] | None]]:
+    """What :func:`_check_replicas` compares, in plan order (the same on every rank):
+    ``(key, None, None)`` for a tensor several ranks hold whole as replica 0, ``(key, (offsets,
+    sizes, flat), ranks)`` for each block the plan made copies of. Computed once per plan (a
+    cached plan serves every save of a training run)."""
+    if plan._replica_groups is None:
+        groups = [(k, None, None) for k, t in plan.tensors.items() if len(t.full_holders) > 1 and t.numel
+                  and sum(1 for _, lay in t.full_pieces() if lay.replica == 0) > 1]
+        groups += [(k, (offsets, sizes, flat), ranks) for k, t in plan.tensors.items()
+                   for offsets, sizes, flat, ranks in t.copies]
+        plan._replica_groups = groups
+    return plan._replica_groups
 
 
 def _gather_json(comm: Comm, obj, what: str) -> list:

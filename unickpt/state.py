@@ -364,12 +364,10 @@ def apply_json_state(target: Any, saved: Any, rank: int = 0, world: int = 1,
 
 
 def like_target(cur: Any, v: Any) -> Any:
-    """JSON value ``v`` in the kinds of the target's value ``cur`` it replaces: JSON has no
-    tuples, so a list stands where the target holds a tuple (``betas``), a namedtuple, or
-    tuples nested in lists and dicts; each becomes the target's kind again. Floats that
-    JSON cannot hold come back (:func:`from_json`). Elsewhere ``v`` as it is."""
-    if _float_code(v):
-        return FLOAT_NAMES[v[FLOAT_KEY]]
+    """JSON value ``v`` (decoded: :func:`from_json`) in the kinds of the target's value
+    ``cur`` it replaces: JSON has no tuples, so a list stands where the target holds a tuple
+    (``betas``), a namedtuple, or tuples nested in lists and dicts; each becomes the target's
+    kind again. Elsewhere ``v`` as it is."""
     if isinstance(v, list) and isinstance(cur, (tuple, list)) and len(cur) == len(v):
         items = [like_target(c, x) for c, x in zip(cur, v)]
         if not isinstance(cur, tuple):
@@ -381,10 +379,10 @@ def like_target(cur: Any, v: Any) -> Any:
         except Exception:  # a tuple subclass that will not take them: a tuple
             return tuple(items)
     if isinstance(v, list) and isinstance(cur, tuple):  # another length: still a tuple
-        return tuple(from_json(v))
+        return tuple(v)
     if isinstance(v, dict) and isinstance(cur, Mapping):
         return {k: like_target(cur.get(k), x) for k, x in v.items()}
-    return from_json(v)
+    return v
 
 
 def set_json_path(root: dict, path: tuple, value: Any, error: type[Exception] = StateDictError) -> None:
