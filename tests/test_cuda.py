@@ -99,7 +99,16 @@ def _gloo_two_ranks_on_one_gpu(rank, world, root):
     other = unickpt.partition_flat([(100, 100)], world, 1 - rank)[0][1]
     target = torch.zeros(other.numel, device="cuda")
     unickpt.load({"model": {"w": unickpt.ShardedTensor(target, other)}}, os.path.join(root, "g"))
-    return bool(torch.equal(target.cpu(), full.reshape(-1)[other.flat[0] : other.flat[1]]))
+    # a plain tensor held whole on the host by rank 0 and on the GPU by rank 1: the copies are
+    # compared with one fingerprint (equal: saved; different: refused on both ranks)
+    b = full[0].clone() if rank == 0 else full[0].cuda()
+    unickpt.save({"model": {"b": b}}, os.path.join(root, "mixed"))
+    try:
+        unickpt.save({"model": {"b": b + rank}}, os.path.join(root, "mixed2"))
+        refused = False
+    except unickpt.errors.StateDictError:
+        refused = True
+    return bool(torch.equal(target.cpu(), full.reshape(-1)[other.flat[0] : other.flat[1]])) and refused
 
 
 def test_two_ranks_with_device_pieces(tmp_path):

@@ -337,6 +337,25 @@ def _per_rank_save(rank, world, root):
             said.append(str(e))
     assert "the JSON list 'o.param_groups' holds 1 item(s) on rank 0 and 2 on rank 1" in said[0], said
     assert "the JSON value 'trainer.v' differs between ranks" in said[1], said
+    # a tensor one rank holds on the host and another on an accelerator (simulated: rank 1
+    # fingerprints it as it would on a device, a weighted sum instead of xxh3): equal values
+    # save, different ones are still refused
+    from unickpt import saver
+
+    was = saver._on_device
+    if rank == 1:
+        saver._on_device = lambda t: True
+    try:
+        unickpt.save({"model": {"w": torch.arange(4096.0)}}, os.path.join(root, "mixed"))
+        try:
+            unickpt.save({"model": {"w": torch.arange(4096.0) + (rank == 1)}}, os.path.join(root, "mixed2"))
+            mixed_refused = None
+        except StateDictError as e:
+            mixed_refused = str(e)
+    finally:
+        saver._on_device = was
+    assert mixed_refused and "rank 0 holds one value, rank 1 another" in mixed_refused, mixed_refused
+    assert not os.path.exists(os.path.join(root, "mixed2"))
     return torch.get_rng_state().tolist(), refused, refused_async, os.path.exists(os.path.join(root, "bad"))
 
 

@@ -552,10 +552,17 @@ def _rank_values(obj: Any, visit=None, replace=None) -> Any:
     return obj
 
 
-def _fingerprint(t: torch.Tensor) -> int:
-    """A 62-bit fingerprint of a tensor's bytes: xxh3 on the host; on an accelerator a
-    position-weighted sum computed there (no copy of the tensor to the host)."""
-    if t.device.type == "cpu":
+def _on_device(t: torch.Tensor) -> bool:
+    """Whether :func:`_fingerprint` takes ``t``'s fingerprint where it is, as a weighted sum
+    (a tensor on an accelerator) rather than with xxh3 on the host."""
+    return t.device.type != "cpu"
+
+
+def _fingerprint(t: torch.Tensor, weighted: bool = False) -> int:
+    """A 62-bit fingerprint of a tensor's bytes: xxh3 on the host; on an accelerator (or with
+    ``weighted``, on the host too) a position-weighted sum computed where the tensor is (no
+    copy of it to the host). The two differ: compare fingerprints of one kind only."""
+    if not weighted and not _on_device(t):
         import xxhash
 
         return xxhash.xxh3_64_intdigest(as_bytes(t.detach().contiguous()).numpy()) & ((1 << 62) - 1)
@@ -580,7 +587,12 @@ def _check_replicas(comm: Comm, plan: SavePlan, entries: list[Entry], staged: "S
     run to run. Such blocks are plain tensors (full on every rank) and the blocks the plan
     made copies of (:attr:`~unickpt.plan.TensorPlan.copies`: DTensors on a sub-mesh under
     DDP). A fingerprint of each, with one all-reduce; the error is raised on every rank.
-    Copies marked ``replica > 0`` by their layout are the caller's word and not compared."""
+    Copies marked ``replica > 0`` by their layout are the caller's word and not compared.
+
+    Each holder fingerprints its block where it lies (:func:`_fingerprint`: xxh3 on the host,
+    a weighted sum on an accelerator). The same all-reduce tells whether the holders of a block
+    have it on the host and on accelerators both; only those blocks take a second round, every
+    holder using the weighted sum."""
     groups = _replica_groups(plan)
     if not groups or comm.world == 1:
         return
@@ -588,30 +600,54 @@ def _check_replicas(comm: Comm, plan: SavePlan, entries: list[Entry], staged: "S
     for e in entries:
         by_key.setdefault(e.key, []).append(e)
     hi = 1 << 62
-    vals = torch.full((len(groups),), hi, dtype=torch.int64)
-    neg = torch.full((len(groups),), hi, dtype=torch.int64)  # -max over holders, computed as min(-v)
+    n = len(groups)
+    # per group: the fingerprint, its negation (max over holders as min(-v)), the device kind
+    # (0 host, 1 accelerator) and its negation; hi for ranks that do not hold the block
+    words = torch.full((4, n), hi, dtype=torch.int64)
+    mine: dict[int, Entry] = {}
     err: BaseException | None = None
     try:
         for i, (k, box, ranks) in enumerate(groups):
             if box is None:
-                mine = [e for e in by_key.get(k, ()) if e.layout.replica == 0 and e.layout.is_full]
+                held = [e for e in by_key.get(k, ()) if e.layout.replica == 0 and e.layout.is_full]
             else:  # (the plan marked all but the first a copy; the entry keeps the rank's own word)
-                mine = [e for e in by_key.get(k, ()) if comm.rank in ranks
+                held = [e for e in by_key.get(k, ()) if comm.rank in ranks
                         and (e.layout.offsets, e.layout.sizes, e.layout.flat) == box]
-            for e in mine[:1]:
+            for e in held[:1]:
                 if staged is not None:
                     staged.wait(e.key, e.local.numel() * e.local.element_size())
-                vals[i] = _fingerprint(e.local)
-                neg[i] = -vals[i]
+                mine[i] = e
+                dev = int(_on_device(e.local))
+                v = _fingerprint(e.local, weighted=bool(dev))
+                words[:, i] = torch.tensor([v, -v, dev, -dev])
     except Exception as ex:  # (staging failed) after the collective, on every rank
         err = ex
-    lo, _ = comm.min_max(torch.cat([vals, neg]), "save (comparing replicated tensors)")
+    lo, _ = comm.min_max(words.reshape(-1), "save (comparing replicated tensors)")
     if staged is not None:
         comm.agree(err, "save (staging)")
     elif err is not None:
         raise err
-    n = len(groups)
-    differ = [i for i in range(n) if int(lo[i]) != -int(lo[n + i])]
+    lo = lo.reshape(4, n)
+    vals = words[0]
+    mixed = [i for i in range(n) if int(lo[2, i]) != -int(lo[3, i])]  # held on the host and on accelerators
+    same = [int(lo[0, i]) == -int(lo[1, i]) for i in range(n)]
+    if mixed:  # (the same list on every rank: it comes from the all-reduce)
+        again = torch.full((2, len(mixed)), hi, dtype=torch.int64)
+        try:
+            for j, i in enumerate(mixed):
+                if i in mine:
+                    v = _fingerprint(mine[i].local, weighted=True)
+                    again[:, j] = torch.tensor([v, -v])
+        except Exception as ex:
+            err = ex
+        lo2, _ = comm.min_max(again.reshape(-1), "save (comparing replicated tensors on host and accelerators)")
+        if err is not None:
+            raise err
+        lo2 = lo2.reshape(2, len(mixed))
+        for j, i in enumerate(mixed):
+            same[i] = int(lo2[0, j]) == -int(lo2[1, j])
+            vals[i] = again[0, j]
+    differ = [i for i in range(n) if not same[i]]
     if differ:
         i = differ[0]
         (role, name), box, _ = groups[i]
