@@ -151,6 +151,9 @@ ERROR_CASES = {
                        "InvalidArgumentError"),
     "unknown role": (lambda f, ck, t: ["reshard", str(ck), str(t / "o"), "--drop-role", "nope"], "InvalidArgumentError"),
     "storage options not an object": (lambda f, ck, t: ["--storage-options", "[1]", "verify", str(ck)], "UsageError"),
+    "storage options after the command": (lambda f, ck, t: ["verify", str(ck), "--storage-options", "{x"], "UsageError"),
+    "storage options twice": (lambda f, ck, t: ["--storage-options", "{}", "verify", "--storage-options", '{"a": 1}',
+                                                str(ck)], "UsageError"),
     "missing argument": (lambda f, ck, t: ["export", str(ck)], "UsageError"),
     "unknown command": (lambda f, ck, t: ["frobnicate", str(ck)], "UsageError"),
 }
@@ -471,6 +474,9 @@ def test_progress_is_periodic_lines_on_stderr_off_a_terminal_and_quiet_silences_
     for argv in (["verify", str(p), "-q"], ["reshard", str(p), str(tmp_path / "re2"), "--quiet"],
                  ["-q", "verify", str(p)], ["--quiet", "reshard", str(p), str(tmp_path / "re3")]):  # either side
         r = cli(*argv)
+        assert r.returncode == 0 and r.stderr == "", r.stderr
+    for argv in (["verify", str(p), "-q", "--storage-options", "{}"], ["--storage-options", "{}", "-q", "verify", str(p)]):
+        r = cli(*argv)  # storage options either side too (a local path takes none)
         assert r.returncode == 0 and r.stderr == "", r.stderr
     r = cli("--json", "-q", "verify", str(p))
     assert r.returncode == 0 and r.stderr == "" and _json(r)["ok"]

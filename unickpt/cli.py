@@ -443,6 +443,9 @@ def _parser() -> _Parser:
     common.add_argument("-q", "--quiet", action="store_true", help="no progress bar or progress lines")
     common.add_argument("--debug", action="store_true", help="show the traceback of an internal error "
                         "(also UNICKPT_DEBUG=1)")
+    common.add_argument("--storage-options", metavar="JSON", dest="c_storage_options",
+                        help="options of the fsspec file system of s3://, gs://... paths, as a JSON object (e.g. "
+                             "'{\"client\": \"s3fs\"}'); default: $UNICKPT_STORAGE_OPTIONS")
     p = _Parser(prog="unickpt", description="Unified distributed checkpoints.",
                 epilog="exit codes: 0 done, 1 verification failed, 2 error (one line on stderr), 3 internal error")
     p.add_argument("--version", action="version", version=f"unickpt {__version__}")
@@ -540,6 +543,11 @@ def _run(argv: list[str], said: list[str] | None = None) -> tuple[int, dict, str
     _start_up()
     args = _parser().parse_args(argv)
     args.json, args.quiet, args.debug = args.json or args.g_json, args.quiet or args.g_quiet, args.debug or args.g_debug
+    if args.storage_options is not None and args.c_storage_options is not None \
+            and args.storage_options != args.c_storage_options:
+        raise UsageError("--storage-options given twice (before and after the command) with different values")
+    if args.c_storage_options is not None:  # (after the command)
+        args.storage_options = args.c_storage_options
     if args.storage_options is not None:
         try:
             opts = json.loads(args.storage_options)
