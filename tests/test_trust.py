@@ -568,6 +568,27 @@ def test_verify_flags_a_config_json_the_manifest_does_not_list(tmp_path):
     assert r.returncode == 1 and "config.json" in r.stderr and "not part of the checkpoint" in r.stderr
 
 
+def test_verify_names_entries_the_manifest_does_not_list_without_failing(tmp_path):
+    """A stray safetensors file (or anything else) in a checkpoint is never read, so the
+    checkpoint verifies; the command says which entries are not part of it."""
+    import json
+
+    p = tmp_path / "ck"
+    unickpt.save({"model": {"w": torch.ones(2)}}, p)
+    (p / "model-00002-of-00002.safetensors").write_bytes(b"x" * 64)
+    (p / "notes").mkdir()
+    r = cli("verify", p, "-q")
+    assert r.returncode == 0 and r.stdout.startswith("ok: 1 tensors"), r
+    assert "2 entries of" in r.stderr and "model-00002-of-00002.safetensors, notes" in r.stderr, r.stderr
+    r = cli("verify", p, "-q", "--json")
+    obj = json.loads(r.stdout)
+    assert obj["ok"] and obj["unlisted"] == ["model-00002-of-00002.safetensors", "notes"]
+    assert len(obj["warnings"]) == 1 and "not part of the checkpoint" in obj["warnings"][0]
+    got = {"model": {"w": torch.zeros(2)}}
+    unickpt.load(got, p)
+    assert torch.equal(got["model"]["w"], torch.ones(2))
+
+
 def test_a_damaged_model_weight_under_a_residual_master_is_named_as_the_damaged_file(tmp_path):
     """A residual master is decoded from its model weight's bytes: when those are damaged, the
     error and .bad name the model's file and tensor (the master's file is intact), once."""

@@ -255,6 +255,12 @@ def _verify(args):
         print(f"unickpt verify: {_safe(summary)}", file=sys.stderr)
         res["error"] = {"type": "ChecksumError", "message": summary}
         return FAILED, res, ""
+    stray = _unlisted(ckpt, man)
+    if stray:
+        res["unlisted"] = stray
+        _warn(args, f"{len(stray)} entr{'y' if len(stray) == 1 else 'ies'} of {_safe(ckpt)} not part of the checkpoint "
+                    f"(its manifest does not list them, and no load reads them): "
+                    f"{', '.join(_safe(n) for n in stray[:8])}{', ...' if len(stray) > 8 else ''}")
     extra = f" and {len(man.aux)} other files" if man.aux else ""
     note = "" if man.format_version >= 2 else " (format 1: the manifest, headers and other files carry no checksum)"
     of_node = "" if node is None else f" of node {node}"
@@ -262,6 +268,24 @@ def _verify(args):
             if elsewhere else "")
     return OK, res, (f"ok: {len(here)} tensors in {len(files_here)} files{of_node}{extra} match their checksums{note} "
                      f"({human_bytes(nbytes)} in {secs:.2f} s, {gbps(nbytes, secs):.2f} GB/s){rest}")
+
+
+def _unlisted(ckpt: str, man) -> list[str]:
+    """Entries of the checkpoint directory that its manifest does not list (a stray
+    ``*.safetensors`` copied in, an editor's backup...): never read, but a folder that looks
+    like more than the checkpoint is worth a word. Empty where the store cannot list."""
+    from .manifest import MANIFEST_NAME
+    from .storage import storage_for
+
+    storage, _ = storage_for(ckpt)
+    try:
+        names = storage.listdir(ckpt)
+    except (OSError, UnickptError):
+        return []
+    finally:
+        storage.close()
+    known = set(man.files) | set(man.aux) | {MANIFEST_NAME}
+    return sorted(n for n in names if n not in known)
 
 
 def _absent(ckpt: str, names: set[str]) -> set[str]:
