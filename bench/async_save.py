@@ -26,9 +26,13 @@ Floors (measured in the same run):
   unickpt async       ``unickpt.save(..., async_save=True)``: the call (flatten, back-pressure
                       check, copy into the shared-memory staging buffer, command to the writer).
   unickpt background  ``background_staging=True``: the call returns at once, the copy runs in a
-                      thread; the loop runs a compute phase (matmuls calibrated to ~the memcpy
-                      floor) and calls ``h.wait_staged()`` right before the simulated optimizer
-                      step. Blocking = call + wait_staged; the call alone is shown too.
+                      thread; the loop runs a compute phase (matmuls calibrated to ``--phase-x``
+                      times the memcpy floor, default 3: the copy shares the cores with the
+                      compute, and on 2 cores runs at about half its speed beside it; a phase
+                      of one memcpy ended before the copy in some runs, which then measured the
+                      copy, not the overlap) and calls ``h.wait_staged()`` right before the
+                      simulated optimizer step. Blocking = call + wait_staged; the call alone
+                      is shown too.
   dcp async           ``dcp.async_save`` with the process checkpointer and
                       ``DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=
                       True, use_async_staging=True, use_non_blocking_copy=False))`` (pinned memory
@@ -247,8 +251,9 @@ def rank_job(rank: int, world: int, cfg: dict) -> dict:
     t = time.perf_counter()
     compute.run(100)
     unit = agree_max((time.perf_counter() - t) / 100)
-    n_phase, n_loop = max(1, round(copy_s / unit)), max(1, round(cfg["loop_seconds"] / unit))
-    log(f"calibrated: matmul {unit * 1e3:.2f} ms; compute phase {n_phase} matmuls (~memcpy {copy_s:.3f} s), "
+    n_phase, n_loop = max(1, round(cfg["phase_x"] * copy_s / unit)), max(1, round(cfg["loop_seconds"] / unit))
+    log(f"calibrated: matmul {unit * 1e3:.2f} ms; compute phase {n_phase} matmuls (~{cfg['phase_x']:g}x memcpy "
+        f"{copy_s:.3f} s), "
         f"loop {n_loop} matmuls", rank)
     # the first save, twice (each with a new writer and staging): its writer and staging made
     # by the save itself, then by start_async_writer(state) before a set-up of n_loop matmuls
@@ -437,14 +442,14 @@ def print_report(s: dict, cfg: dict) -> None:
 
 
 def measure(gb: float = 2.0, ranks: int = 2, repeats: int = 3, loop_seconds: float = 3.0, parent: str | None = None,
-            timeout: float = 1800) -> dict:
+            timeout: float = 1800, phase_x: float = 3.0) -> dict:
     """Run the whole bench; returns {"config", "summary", "targets", "raw"} (bench/run_all.py
     calls this). Scratch files in a new directory under ``parent`` (default bench/out/data)."""
     hidden, layers, shapes = model_shapes(gb)
     total = 3 * sum(math.prod(s) * 4 for _, s in shapes)
     parent = os.path.abspath(parent or os.path.join(OUT, "data"))
     data = scratch(parent, "async")
-    cfg = {"gb": gb, "ranks": ranks, "repeats": repeats, "loop_seconds": loop_seconds,
+    cfg = {"gb": gb, "ranks": ranks, "repeats": repeats, "loop_seconds": loop_seconds, "phase_x": phase_x,
            "dir": parent, "data": data, "shapes": shapes,
            "model": {"hidden": hidden, "layers": layers, "tensors": 3 * len(shapes), "total_bytes": total},
            "torch": torch.__version__, "unickpt": unickpt.__version__, "cpus": os.cpu_count()}
@@ -463,12 +468,14 @@ def main() -> int:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--loop-seconds", type=float, default=3.0, help="compute loop length alone (default 3)")
+    ap.add_argument("--phase-x", type=float, default=3.0,
+                    help="compute phase of the background-staging rounds, in memcpy floors (default 3)")
     ap.add_argument("--dir", default=os.path.join(OUT, "data"),
                     help="scratch directory for the files (default bench/out/data; keep it on the real disk)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds before the rank job is killed")
     ap.add_argument("--json", default=os.path.join(OUT, "async_save.json"))
     args = ap.parse_args()
-    out = measure(args.gb, args.ranks, args.repeats, args.loop_seconds, args.dir, args.timeout)
+    out = measure(args.gb, args.ranks, args.repeats, args.loop_seconds, args.dir, args.timeout, args.phase_x)
     print_report(out["summary"], out["config"])
     print(f"raw numbers: {write_json(args.json, out)}")
     return 0
