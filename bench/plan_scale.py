@@ -13,7 +13,11 @@ depends on counts, not bytes) under three layouts of ``W`` simulated ranks, 8 pe
   columns, norms replicated with replica = TP rank), then each TP rank's blocks of a layer
   flattened and cut into W/8 equal ranges over its data-parallel group;
 * ``dtensor2d``: a (W/8, 8) mesh, ``(Shard(0), Shard(1))`` boxes (1-D tensors:
-  ``(Shard(0), Replicate())``), computed as ``_dtensor_layout`` does (torch.chunk sizes).
+  ``(Shard(0), Replicate())``), computed as ``_dtensor_layout`` does (torch.chunk sizes);
+* ``fsdp2tp``: torchtitan's FSDP2 over TP on the same mesh: column-parallel matrices
+  (q/k/v/gate/up, embedding, head) as ``(_StridedShard(0), Shard(0))``, FSDP's cut inside each
+  TP block (the grid rule with the mesh dimensions cut in order (1, 0)), row-parallel ones
+  (o/down) as ``(Shard(0), Shard(1))``, norms ``(Shard(0), Replicate())``.
 
 Layouts carry their rule hints (``partition_flat(..., names=, boxes=)``, the DTensor grid),
 so each rank's summary is a few rule claims (``plan.summarize``); ``--explicit`` plans from
@@ -101,6 +105,21 @@ def tp_box(shape, split, tp_rank):
     return tuple(offs), tuple(sizes), 0
 
 
+def grid_box(shape, mesh, pl, coord, order=None) -> tuple[tuple, tuple, int]:
+    """``(offsets, sizes, replica)`` of a DTensor's piece: torch.chunk cuts by each mesh
+    dimension in ``order`` (default: mesh order), each inside the range the earlier ones left."""
+    offs, sizes, replica = [0] * len(shape), list(shape), 0
+    for m, d in enumerate(pl):
+        if d < 0:
+            replica = replica * mesh[m] + coord[m]
+    for m in order if order is not None else range(len(mesh)):
+        d = pl[m]
+        if d >= 0:
+            o, z = _chunk(sizes[d], mesh[m], coord[m])
+            offs[d], sizes[d] = offs[d] + o, z
+    return tuple(offs), tuple(sizes), replica
+
+
 def rank_layouts(layout: str, tensors, world: int, rank: int) -> list[tuple[str, Layout]]:
     out = []
     if layout == "zero3":
@@ -114,20 +133,20 @@ def rank_layouts(layout: str, tensors, world: int, rank: int) -> list[tuple[str,
             for i, lay, _, _ in partition_flat([s for _, s, _ in unit], world // TP, dp, boxes=boxes,
                                                names=[n for n, _, _ in unit]):
                 out.append((unit[i][0], lay))
-    elif layout == "dtensor2d":
+    elif layout in ("dtensor2d", "fsdp2tp"):
         mesh = (world // TP, TP)
         coord = divmod(rank, TP)
-        for name, shape, _ in tensors:
-            pl = (0, 1) if len(shape) > 1 else (0, -1)  # (Shard(0), Shard(1)); 1-D: (Shard(0), Replicate())
-            offs, sizes, replica = [0] * len(shape), list(shape), 0
-            for m, d in enumerate(pl):
-                if d >= 0:
-                    o, s = _chunk(shape[d], mesh[m], coord[m])
-                    offs[d], sizes[d] = o, s
-                else:
-                    replica = replica * mesh[m] + coord[m]
-            hint = ("grid", mesh, pl, coord[0] * mesh[1] + coord[1])  # as _dtensor_layout gives it
-            out.append((name, Layout(shape, tuple(offs), tuple(sizes), None, replica, hint)))
+        for name, shape, split in tensors:
+            order = None
+            if len(shape) == 1:
+                pl = (0, -1)  # (Shard(0), Replicate())
+            elif layout == "fsdp2tp" and split == "row":
+                pl, order = (0, 0), (1, 0)  # ColwiseParallel under fully_shard: (_StridedShard(0), Shard(0))
+            else:
+                pl = (0, 1)  # (Shard(0), Shard(1))
+            offs, sizes, replica = grid_box(shape, mesh, pl, coord, order)
+            hint = ("grid", mesh, pl, coord[0] * mesh[1] + coord[1], order)  # as _dtensor_layout gives it
+            out.append((name, Layout(shape, offs, sizes, None, replica, hint)))
     else:
         raise ValueError(layout)
     return out
@@ -335,7 +354,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="1,000 ranks only")
     ap.add_argument("--layers", type=int, default=1000)
-    ap.add_argument("--layouts", default="zero3,tp8-zero,dtensor2d")
+    ap.add_argument("--layouts", default="zero3,tp8-zero,dtensor2d,fsdp2tp")
     ap.add_argument("--worlds", default=None, help="comma-separated world sizes (default 1000,10000)")
     ap.add_argument("--max-pieces", type=float, default=1.5e6, help="pieces simulated at most (else extrapolated)")
     ap.add_argument("--bucket-mib", type=int, default=256)

@@ -70,7 +70,7 @@ def plan_quick(max_pieces: float = 1.5e6) -> list[dict]:
     from bench import plan_scale as ps
 
     rows = []
-    for layout in ("zero3", "tp8-zero", "dtensor2d"):
+    for layout in ("zero3", "tp8-zero", "dtensor2d", "fsdp2tp"):
         buf = io.StringIO()
         t0 = time.perf_counter()
         with contextlib.redirect_stdout(buf):  # the planner as saves run it: rule summaries

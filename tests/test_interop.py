@@ -204,6 +204,15 @@ def _fsdp_over_tp(rank, world, root):
     model(input_ids=x, labels=x).loss.backward()
     opt.step()
     strided = sum("_StridedShard" in str(p.placements) for p in model.parameters())
+    # every DTensor, strided ones included, is described by its grid rule: no explicit rows
+    # (each would be one row per rank and tensor in every rank's plan)
+    from unickpt.format import dtype_name
+    from unickpt.plan import summarize
+    from unickpt.state import flatten
+
+    entries, _ = flatten({"model": model.state_dict()}, rank, world)
+    rows = len(summarize(entries, [dtype_name(e.local.dtype) for e in entries], "n0").rows)
+    strided = strided if rows == 0 else -rows
     full = {k: v.full_tensor() for k, v in model.state_dict().items()}
     unickpt.save({"model": model, "optim": opt}, os.path.join(root, "2d"))
     m2, o2 = build(1)

@@ -1,4 +1,5 @@
-"""The planner at 10,000 simulated ranks: ZeRO-3 units, TP 8 x ZeRO, DTensor 2-D. Checks the
+"""The planner at 10,000 simulated ranks: ZeRO-3 units, TP 8 x ZeRO, FSDP2 over TP (DTensor
+2-D: ``(_StridedShard(0), Shard(0))`` and ``(Shard(0), Shard(1))`` grids). Checks the
 plan, not its speed (bench/plan_scale.py measures): every element has exactly one source,
 each sampled rank's schedule moves exactly its pieces, every written segment is filled
 exactly once, files and offsets are consistent; the plan from rule summaries (layouts
@@ -66,24 +67,42 @@ def _layouts(kind, rank):
             for i, lay, _, _ in partition_flat([s for _, s, _ in unit], WORLD // TP, dp, boxes=boxes,
                                                names=[n for n, _, _ in unit]):
                 out.append((unit[i][0], lay))
-    else:  # dtensor2d: (WORLD/8, 8) mesh, (Shard(0), Shard(1)); 1-D: (Shard(0), Replicate())
+    else:  # fsdp2tp: (WORLD/8, 8) mesh; column-parallel matrices (_StridedShard(0), Shard(0)): FSDP's
+        # cut inside each TP block; row-parallel ones (Shard(0), Shard(1)); 1-D (Shard(0), Replicate())
         mesh, coord = (WORLD // TP, TP), divmod(rank, TP)
-        for name, shape, _ in tensors:
-            out.append((name, grid_layout(shape, mesh, (0, 1) if len(shape) > 1 else (0, -1), coord)))
+        for name, shape, split in tensors:
+            if len(shape) == 1:
+                out.append((name, grid_layout(shape, mesh, (0, -1), coord)))
+            elif split == "row":
+                out.append((name, grid_layout(shape, mesh, (0, 0), coord, order=(1, 0))))
+            else:
+                out.append((name, grid_layout(shape, mesh, (0, 1), coord)))
     return out
 
 
-def grid_layout(shape, mesh, pl, coord):
-    """A DTensor's layout as ``unickpt.layout._dtensor_layout`` computes it, with its hint
-    (``pl``: the tensor dim each mesh dim shards, -1: replicated)."""
+def grid_box(shape, mesh, pl, coord, order=None):
+    """``(offsets, sizes, replica)``: torch.chunk cuts by each mesh dim in ``order`` (default
+    mesh order), each inside the range the earlier ones left."""
     offs, sizes, replica = [0] * len(shape), list(shape), 0
     for m, d in enumerate(pl):
         if d < 0:
             replica = replica * mesh[m] + coord[m]
-        else:
-            offs[d], sizes[d] = _chunk(shape[d], mesh[m], coord[m])
-    return Layout(tuple(shape), tuple(offs), tuple(sizes), None, replica,
-                  ("grid", tuple(mesh), tuple(pl), int(np.ravel_multi_index(tuple(coord), mesh))))
+    for m in order if order is not None else range(len(mesh)):
+        if pl[m] >= 0:
+            o, z = _chunk(sizes[pl[m]], mesh[m], coord[m])
+            offs[pl[m]], sizes[pl[m]] = offs[pl[m]] + o, z
+    return tuple(offs), tuple(sizes), replica
+
+
+def grid_layout(shape, mesh, pl, coord, order=None, hint_order="same"):
+    """A DTensor's layout as ``unickpt.layout._dtensor_layout`` computes it, with its hint
+    (``pl``: the tensor dim each mesh dim shards, -1: replicated; ``order``: the order of the
+    cuts, as FSDP2's _StridedShard gives it). ``hint_order``: the order the hint says, when
+    it differs from the box's (a rank whose real box is not the rule's piece)."""
+    offs, sizes, replica = grid_box(shape, mesh, pl, coord, order)
+    hint = ("grid", tuple(mesh), tuple(pl), int(np.ravel_multi_index(tuple(coord), mesh)),
+            order if hint_order == "same" else hint_order)
+    return Layout(tuple(shape), offs, sizes, None, replica, hint)
 
 
 def _entries(pairs):
@@ -114,7 +133,7 @@ def _tiles(starts, lengths, total) -> bool:
     return int(n.sum()) == total and (len(s) == 0 or (s[0] == 0 and np.array_equal(s[1:], (s + n)[:-1])))
 
 
-@pytest.fixture(scope="module", params=["zero3", "tp8-zero", "dtensor2d"])
+@pytest.fixture(scope="module", params=["zero3", "tp8-zero", "fsdp2tp"])
 def plan(request):
     summaries, rules = _summaries(request.param)
     assert sum(len(s["t"]) for s in summaries) == 0  # every piece described by a rule
@@ -123,7 +142,7 @@ def plan(request):
     return plan
 
 
-@pytest.mark.parametrize("kind", ["zero3", "tp8-zero", "dtensor2d"])
+@pytest.mark.parametrize("kind", ["zero3", "tp8-zero", "fsdp2tp"])
 def test_rule_plan_equals_explicit_plan_at_10000_ranks(kind):
     per_rank = [[("model", n, lay) for n, lay in _layouts(kind, r)] for r in range(WORLD)]
     node = lambda r: f"n{r // 8}"  # noqa: E731
@@ -195,10 +214,13 @@ def _random_case(rng: random.Random):
         for k in range(rng.randint(1, 3)):
             sh = tuple(rng.randint(0 if rng.random() < 0.1 else 1, 7) for _ in range(rng.randint(1, 3)))
             pl = tuple(rng.choice([-1] + list(range(len(sh)))) for _ in mesh)
-            if len({d for d in pl if d >= 0}) < sum(d >= 0 for d in pl):
-                pl = (pl[0], -1)
+            # cut in mesh order (Shard) or the other way (FSDP2's _StridedShard over TP); one dim
+            # may be cut by both; sometimes the hint says the other order than the boxes follow
+            # (uneven strided cuts): ranks whose box is not the rule's piece send rows
+            order = rng.choice([None, (1, 0)])
+            said = rng.choice(["same", "same", (1, 0) if order is None else None])
             for r in range(W):
-                per_rank[r].append(("optim", f"g{k}", grid_layout(sh, mesh, pl, divmod(r, mesh[1]))))
+                per_rank[r].append(("optim", f"g{k}", grid_layout(sh, mesh, pl, divmod(r, mesh[1]), order, said)))
     for k in range(rng.randint(0, 2)):
         sh = (rng.randint(1, 5), 3)
         holders = [r for r in range(W) if rng.random() < 0.7] or [0]

@@ -398,14 +398,22 @@ def _dtensor_layout(dt) -> tuple[torch.Tensor, Layout]:
     for dim, p in enumerate(placements):
         if isinstance(p, Replicate):
             replica = replica * mesh.size(dim) + coord[dim]
-    # the grid rule (plan.py): each tensor dim sharded by one mesh dim at most, torch.chunk sizes
-    # (strided shards: explicit pieces, no rule)
-    pl = tuple(p.dim if type(p) is Shard else -1 for p in placements)
-    sharded = [p.dim for p in placements if type(p) is Shard]
+    # the grid rule (plan.py, rules.GridGeo): torch.chunk cuts, one mesh dimension after another,
+    # each inside the range the earlier ones left: in mesh order for Shard placements; FSDP2's
+    # _StridedShard cuts inside the blocks of the Shard placements after it, so it comes after
+    # them (reversed among themselves). The plan claims the rule only where this rank's own box
+    # is the rule's piece (plan.summarize), so an order that does not fit (uneven strided cuts)
+    # costs explicit pieces, never a wrong box.
+    pl = tuple(-1 if isinstance(p, Replicate) else p.dim for p in placements)
     hint = None
-    if not strided and len(sharded) == len(set(sharded)) and all(0 <= d < len(shape) for d in sharded):
+    if all(isinstance(p, Replicate) or 0 <= p.dim < len(shape) for p in placements):
         mesh_shape = tuple(int(mesh.size(m)) for m in range(mesh.ndim))
-        hint = ("grid", mesh_shape, pl, int(np.ravel_multi_index(tuple(int(c) for c in coord), mesh_shape)))
+        order = None
+        if strided:
+            order = (tuple(m for m, p in enumerate(placements) if type(p) is Shard)
+                     + tuple(m for m, p in enumerate(placements) if type(p) is not Shard and not isinstance(p, Replicate))[::-1]
+                     + tuple(m for m, p in enumerate(placements) if isinstance(p, Replicate)))
+        hint = ("grid", mesh_shape, pl, int(np.ravel_multi_index(tuple(int(c) for c in coord), mesh_shape)), order)
     return local, Layout(shape, tuple(offsets), tuple(local_shape), None, replica, hint)
 
 

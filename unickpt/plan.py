@@ -854,9 +854,11 @@ def _summarize(entries: list[Entry], dtypes: list[str], node: str, tags: dict) -
         h = e.layout.hint
         if isinstance(h, tuple) and len(h) == 3 and isinstance(h[0], FlatUnit) and not e.per_rank:
             flat.setdefault((h[0], h[1], e.role, dt, json.dumps(tags.get(e.key))), []).append(k)
-        elif isinstance(h, tuple) and len(h) == 4 and h[0] == "grid" and not e.per_rank and math.prod(e.layout.shape) > 0:
+        elif isinstance(h, tuple) and len(h) in (4, 5) and h[0] == "grid" and not e.per_rank and math.prod(e.layout.shape) > 0:
             body = {"k": "grid", "n": math.prod(h[1]), "mesh": list(h[1]), "pl": list(h[2]),
                     "t": [[e.name, list(e.layout.shape)]], "role": e.role, "dtype": dt, "tag": tags.get(e.key)}
+            if len(h) == 5 and h[4] is not None:  # the mesh dimensions cut in another order (FSDP2 over TP)
+                body["order"] = list(h[4])
             grid[k] = (body, int(h[3]))
         else:
             explicit.append(k)
@@ -873,7 +875,7 @@ def _summarize(entries: list[Entry], dtypes: list[str], node: str, tags: dict) -
     pieces: dict[tuple, Layout | None] = {}
     texts: dict[tuple, tuple[str, str] | None] = {}
     for k, (body, index) in grid.items():
-        geo = (tuple(body["mesh"]), repr(body["pl"]), tuple(body["t"][0][1]))
+        geo = (tuple(body["mesh"]), repr((body["pl"], body.get("order"))), tuple(body["t"][0][1]))
         if geo + (index,) not in pieces:  # (a grid rule has one tensor: its piece, if any)
             pieces[geo + (index,)] = next(iter((_pieces_at(body, index) or {}).values()), None)
         want = pieces[geo + (index,)]

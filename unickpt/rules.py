@@ -68,12 +68,16 @@ class Unit:
             self.slots = [(names[0], tuple(sh), None, None, 0)]
             if math.prod(body["mesh"]) != self.n or len(body["pl"]) != len(body["mesh"]):
                 raise LayoutError(f"grid rule of {names[0]!r}: mesh {body['mesh']} does not have {self.n} members")
+            if "order" in body and sorted(body["order"]) != list(range(len(body["mesh"]))):
+                raise LayoutError(f"grid rule of {names[0]!r}: order {body['order']} is not an order of the mesh's "
+                                  f"{len(body['mesh'])} dimensions")
         else:
             raise LayoutError(f"unknown layout rule {self.kind!r}")
 
     def _grid(self) -> "GridGeo":
         if self.geo is None:
-            self.geo = _grid_geo(self.slots[0][1], tuple(self.body["mesh"]), tuple(self.body["pl"]))
+            self.geo = _grid_geo(self.slots[0][1], tuple(self.body["mesh"]), tuple(self.body["pl"]),
+                                 tuple(self.body["order"]) if "order" in self.body else None)
         return self.geo
 
     @property
@@ -318,18 +322,26 @@ class GridGeo:
     __slots__ = ("shape", "offs", "sizes", "held", "rep", "runs", "full", "top", "top_at", "full_at", "n_src",
                  "src_runs", "_src", "_levels")
 
-    def __init__(self, shape: tuple, mesh: tuple, pl: tuple) -> None:
+    def __init__(self, shape: tuple, mesh: tuple, pl: tuple, order: tuple | None = None) -> None:
+        """``pl``: the tensor dimension each mesh dimension shards (-1: replicates);
+        ``order``: the order in which the mesh dimensions cut (default: mesh order, as DTensor
+        ``Shard`` placements do). Each cut is torch.chunk of the range the earlier ones left,
+        so a tensor dimension may be cut by several mesh dimensions (FSDP2 over TP, whose
+        ``_StridedShard`` cuts inside the TP block: order ``(1, 0)``)."""
         nd = len(shape)
         offs = [np.zeros(mesh, np.int64) for _ in range(nd)]
         sizes = [np.full(mesh, shape[d], np.int64) for d in range(nd)]
         rep = np.zeros(mesh, np.int64)
+        coords = [np.arange(mesh[m], dtype=np.int64).reshape([-1 if k == m else 1 for k in range(len(mesh))])
+                  for m in range(len(mesh))]
         for m, d in enumerate(pl):
-            c = np.arange(mesh[m], dtype=np.int64).reshape([-1 if k == m else 1 for k in range(len(mesh))])
             if d < 0:
-                rep = rep * mesh[m] + c
-            else:
-                o, z = _chunk(shape[d], mesh[m], c)
-                offs[d] = np.broadcast_to(o, mesh).copy()
+                rep = rep * mesh[m] + coords[m]
+        for m in (order if order is not None else range(len(mesh))):
+            d = pl[m]
+            if d >= 0:
+                o, z = _chunk(sizes[d], mesh[m], coords[m])
+                offs[d] = np.broadcast_to(offs[d] + o, mesh).copy()
                 sizes[d] = np.broadcast_to(z, mesh).copy()
         held = np.ones(mesh, np.int64)
         for z in sizes:
@@ -396,9 +408,9 @@ class GridGeo:
 _GEO: dict = {}
 
 
-def _grid_geo(shape, mesh, pl) -> GridGeo:
+def _grid_geo(shape, mesh, pl, order=None) -> GridGeo:
     """Cached by geometry (tensors of one shape on one mesh share it)."""
-    return _cached(_GEO, (shape, mesh, pl), lambda: GridGeo(shape, mesh, pl))
+    return _cached(_GEO, (shape, mesh, pl, order), lambda: GridGeo(shape, mesh, pl, order))
 
 
 def boxes_tile(shape, boxes) -> bool:
