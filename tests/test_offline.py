@@ -122,6 +122,9 @@ def test_reshard_keeps_what_loads_tied_weights_per_rank_values_and_side_files(tm
     assert r.returncode == 0, r.stderr
     _, m = unickpt.read_manifest(tmp_path / "m")
     assert not m.aliases and not m.per_rank and {role for role, _ in m.tensors} == {"optimizer"}
+    unickpt.save({"model": {"w": w}, "trainer": {"lr": 0.1}, "step": 5}, tmp_path / "js")
+    r = cli("reshard", tmp_path / "js", tmp_path / "x", "--drop-role", "step", "-q")  # a JSON value, no role
+    assert r.returncode == 2 and "the checkpoint has roles model, trainer" in r.stderr, r.stderr
 
     (tmp_path / "src" / "config.json").write_text(cfg.replace("4", "5"))
     r = cli("reshard", tmp_path / "src", tmp_path / "bad", "-q")

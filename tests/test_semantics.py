@@ -330,13 +330,15 @@ def _per_rank_save(rank, world, root):
         unickpt.save(full, os.path.join(root, "full"), group="local")
     said = []
     for state in ({"o": {"param_groups": [{"lr": 1}] * (rank + 1)}},  # another number of items
-                  {"trainer": {"v": float("inf") if rank == 0 else float("nan")}}):  # NaN/inf named as values
+                  {"trainer": {"v": float("inf") if rank == 0 else float("nan")}},  # NaN/inf named as values
+                  {"trainer": {"z": 0.0 if rank == 0 else -0.0}}):  # stored differently: named too
         try:
             unickpt.save(state, os.path.join(root, "shape"))
         except StateDictError as e:
             said.append(str(e))
     assert "the JSON list 'o.param_groups' holds 1 item(s) on rank 0 and 2 on rank 1" in said[0], said
     assert "the JSON value 'trainer.v' differs between ranks" in said[1], said
+    assert "the JSON value 'trainer.z' differs between ranks" in said[2], said
     # a tensor one rank holds on the host and another on an accelerator (simulated: rank 1
     # fingerprints it as it would on a device, a weighted sum instead of xxh3): equal values
     # save, different ones are still refused
@@ -611,6 +613,77 @@ def test_reserved_keys_are_refused_anywhere_and_infinities_replace_what_the_targ
     t = {"trainer": {"d": {"a": 1}, "ld": [{"a": 1}]}}
     res = unickpt.load(t, tmp_path / "c")  # a saved value replaces the target's whole, as 5.0 would
     assert t["trainer"] == {"d": math.inf, "ld": math.inf} and (res.missing, res.skipped) == ([], [])
+
+
+def test_json_state_a_manifest_cannot_hold_is_refused_before_writing_and_dense_state_loads(tmp_path):
+    """What a save commits, a load parses: dense JSON state (a list of small lists, brackets in
+    strings) saves and loads; state beyond what a manifest may hold, top-level reserved keys,
+    text that is not valid Unicode, integers a JSON reader cannot read and nesting deeper than
+    MAX_DEPTH are StateDictErrors before anything is written (they once committed checkpoints
+    no load could read, or failed untyped)."""
+    from unickpt.state import MAX_DEPTH
+
+    dense = {"model": {"w": torch.ones(2)}, "data": {"seen": [[0, i % 10] for i in range(3000)],
+                                                     "text": str([[i % 3] for i in range(2000)])}}
+    unickpt.save(dense, tmp_path / "dense", extra={"template": "{x}{y}" * 1000})
+    back = {"model": {"w": torch.zeros(2)}, "data": {"seen": [], "text": ""}}
+    res = unickpt.load(back, tmp_path / "dense")
+    assert back["data"] == dense["data"] and res.extra["template"] == "{x}{y}" * 1000
+    assert cli("verify", tmp_path / "dense", "-q").returncode == 0
+    deep = 0
+    for _ in range(MAX_DEPTH - 3):
+        deep = [deep]
+    unickpt.save({"trainer": {"x": deep}}, tmp_path / "deep")  # (as deep as allowed: loads)
+    got = {"trainer": {"x": None}}
+    unickpt.load(got, tmp_path / "deep")
+    assert got["trainer"]["x"] == deep
+    too_deep = [deep] * 1
+    for _ in range(5):
+        too_deep = [too_deep]
+    cases = {
+        "too dense": ({"data": {"seen": [[0] for _ in range(600_000)]}}, {}, "more than a checkpoint's manifest"),
+        "top-level reserved": ({"__unickpt_float__": "inf", "step": 5}, {}, "top-level key '__unickpt_float__' is reserved"),
+        "top-level rank value": ({"__unickpt_rank_value__": 1}, {}, "is reserved"),
+        "surrogate value": ({"trainer": {"name": "bad\udc80"}}, {}, "not valid Unicode"),
+        "surrogate key": ({"trainer": {"k\udc80": 1}}, {}, "not valid Unicode"),
+        "surrogate tensor name": ({"model": {"w\udc80": torch.ones(1)}}, {}, "not valid Unicode"),
+        "surrogate in extra": ({"w": torch.ones(1)}, {"extra": {"n": "x\udc80"}}, "not valid Unicode"),
+        "huge int": ({"trainer": {"x": 10 ** 5000}}, {}, "too large to store as JSON"),
+        "too deep": ({"trainer": {"x": too_deep}}, {}, f"nested deeper than {MAX_DEPTH} levels"),
+        "too deep extra": ({"w": torch.ones(1)}, {"extra": {"x": too_deep}}, f"nested deeper than {MAX_DEPTH}"),
+    }
+    for name, (state, kw, msg) in cases.items():
+        with pytest.raises(StateDictError, match=msg):
+            unickpt.save(state, tmp_path / "bad", **kw)
+        assert not (tmp_path / "bad").exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".")], name
+
+
+@pytest.mark.parametrize("case", ["state null", "state a list", "state a float code", "state too deep",
+                                  "extra too deep"])
+def test_a_manifest_with_state_no_save_writes_is_a_format_error(tmp_path, case):
+    import json
+
+    from tests.crafted import seal, seal_text
+    from unickpt.errors import FormatError
+
+    unickpt.save({"w": torch.ones(1), "trainer": {"x": 1}}, tmp_path / "c")
+    m = tmp_path / "c" / "unickpt.json"
+    obj = json.loads(m.read_bytes())
+    text = None
+    if case == "state null":
+        obj["state"] = None
+    elif case == "state a list":
+        obj["state"] = []
+    elif case == "state a float code":
+        obj["state"] = {"__unickpt_float__": "inf"}
+    else:  # nested deeper than any save writes, padded to pass the density bound, deeper than
+        where = "state" if case == "state too deep" else "extra"  # the recursive readers go
+        obj[where]["x"] = "@@"
+        obj["extra"]["pad"] = " " * 20_000
+        text = json.dumps(obj, separators=(",", ":")).replace('"@@"', "[" * 700 + "0" + "]" * 700)
+    m.write_bytes(seal(obj) if text is None else seal_text(text))
+    with pytest.raises(FormatError, match="must be objects|reserved|nested deeper"):
+        unickpt.load({"w": torch.zeros(1), "trainer": {"x": 0}}, tmp_path / "c")
 
 
 def test_keys_that_would_be_stored_under_one_name_are_refused(tmp_path):

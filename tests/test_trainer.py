@@ -168,7 +168,7 @@ def test_checkpoint_of_another_model_is_refused_naming_the_tensor(matrix_root):
         assert untouched  # validated before any byte was read
 
 
-def test_retention_keeps_the_newest_and_bad_compression_options_are_refused(tmp_path):
+def test_retention_keeps_the_newest_and_bad_compression_options_are_refused(tmp_path, caplog):
     import unickpt
     from unickpt.train import LlamaConfig, TextData, Trainer, UnifiedCheckpoint
 
@@ -192,6 +192,21 @@ def test_retention_keeps_the_newest_and_bad_compression_options_are_refused(tmp_
     saves = [r for r in recs if r.get("event") == "save"]
     assert len(saves) == 4 and all({"blocking_s", "total_s", "bytes"} <= r.keys() for r in saves)
     assert [r for r in recs if r.get("event") == "eval"][-1]["step"] == 4
+    # a damaged newest step: resume="auto" says why and resumes from the one before it
+    d = tmp_path / "step-00000004"
+    f = d / sorted(x for x in os.listdir(d) if x.startswith("model-"))[0]
+    os.chmod(f, 0o644)
+    b = bytearray(f.read_bytes())
+    b[-9] ^= 0x10
+    f.write_bytes(bytes(b))
+    with caplog.at_level("WARNING", logger="unickpt"):
+        t2 = Trainer(
+            LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=4),
+            TextData(seq_len=16, max_bytes=1 << 18),
+            checkpoint=UnifiedCheckpoint(dir=str(tmp_path), every=0), global_batch=4, micro_batch=4, resume="auto")
+    assert t2.step == 3
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "durable step 4" in said and "checksum" in said.lower() and "trying the next candidate" in said, said
     with pytest.raises(ValueError, match="quant must be"):
         UnifiedCheckpoint(dir=str(tmp_path), quant="O3")
     with pytest.raises(ValueError, match="master must be"):

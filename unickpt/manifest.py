@@ -54,6 +54,10 @@ def name_problem(name: str) -> str | None:
         return f"{name!r} contains '{RESERVED}', which unickpt reserves for the parts of coded tensors"
     if _BAD_NAME.search(name):
         return f"{name!r} contains control characters"
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return f"{name!r} is not valid Unicode text (it holds a lone surrogate)"
     if len(name) > NAME_LIMIT:
         return f"a name of {len(name)} characters is longer than the {NAME_LIMIT} allowed"
     return None
@@ -225,6 +229,10 @@ class Manifest:
                 pr.setdefault(role, []).append(name)
             obj["per_rank"] = pr
         body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+        why = density_problem(body)
+        if why:  # (saves check their JSON state before writing; this is the last word)
+            raise FormatError(f"the manifest would hold {why}, more than a reader parses: store dense JSON state "
+                              "(long lists of small lists) in a tensor")
         return body[:-1] + b',"' + DIGEST_KEY.encode() + b'":"' + xxhash.xxh3_128_hexdigest(body).encode() + b'"}'
 
     @property
@@ -251,9 +259,9 @@ class Manifest:
 
     @staticmethod
     def from_json(data: bytes, where: str) -> "Manifest":
-        containers = data.count(b"{") + data.count(b"[")
-        if containers > len(data) // 8 + 64:  # bounds parse memory (~15x the text at most)
-            raise FormatError(f"{where}: {containers} JSON objects/arrays in {len(data)} bytes: not a manifest")
+        why = density_problem(data)  # bounds parse memory
+        if why:
+            raise FormatError(f"{where}: {why}: not a manifest")
         m = _DIGEST_TAIL.search(data)
         digest_ok = m is not None and xxhash.xxh3_128_hexdigest(data[: m.start()] + b"}") == m.group(1).decode()
         if m is not None and not digest_ok:  # damaged: refused before it costs a parse
@@ -287,6 +295,22 @@ def data_file_name(name: str) -> bool:
     on object stores ``role-NNNNN-of-NNNNN.TOKEN.safetensors``, TOKEN 16 hex digits naming the
     write, see :meth:`unickpt.commit.Transaction.file_name`)."""
     return bool(_FILE.fullmatch(name))
+
+
+DENSE_ALLOWANCE = 1 << 20
+"""JSON objects and arrays a manifest may hold however densely packed (its parse then takes
+~100 MiB at most); beyond it, at most one per 8 bytes of text (parse memory ~15x the text)."""
+
+
+def density_problem(data: bytes, allowance: int = DENSE_ALLOWANCE) -> str | None:
+    """Why ``data`` (JSON text) holds too many objects and arrays for its size to be parsed
+    within the bound above, or None. Brackets inside strings count too (a cheap, conservative
+    count before any parse); saves check their JSON state with the same count
+    (:func:`unickpt.saver.save_entries`), so what a save commits a load parses."""
+    containers = data.count(b"{") + data.count(b"[")
+    if containers > max(len(data) // 8 + 64, allowance):
+        return f"{containers} JSON objects/arrays (or brackets in strings) in {len(data)} bytes"
+    return None
 
 
 def manifest_cap(checkpoint_bytes: int) -> int:
@@ -500,11 +524,17 @@ def _parse(obj: Any, where: str) -> Manifest:
             if m is None or m.codec != "raw" or m.shape != t.shape or (t.codec == "residual16" and m.dtype != "BF16"):
                 raise FormatError(f"{w}: codec {t.codec} needs a raw model tensor {t.args.get('model')!r} of the same shape"
                                   f"{' in BF16' if t.codec == 'residual16' else ''}")
-    state = obj.get("state") or {}
-    extra = obj.get("extra") or {}
-    saved_by = obj.get("saved_by") or {}
+    state, extra, saved_by = obj.get("state", {}), obj.get("extra", {}), obj.get("saved_by", {})
     if not isinstance(state, dict) or not isinstance(extra, dict) or not isinstance(saved_by, dict):
         raise FormatError(f"{where}: 'state', 'extra' and 'saved_by' must be objects")
+    from .state import _RESERVED, MAX_DEPTH
+
+    for name, v in (("state", state), ("extra", extra), ("saved_by", saved_by)):
+        if _deeper_than(v, MAX_DEPTH + 8):  # (per-rank values add levels) before any recursive walk
+            raise FormatError(f"{where}: '{name}' is nested deeper than {MAX_DEPTH + 8} levels")
+    bad = sorted(k for k in state if k in _RESERVED)
+    if bad:
+        raise FormatError(f"{where}: state: the top-level key {bad[0]!r} is reserved by unickpt")
     _typed_fields(saved_by, _SAVED_BY, f"{where}: saved_by")
     compression = obj.get("compression") or {}
     if not isinstance(compression, dict):
@@ -561,6 +591,19 @@ def _parse(obj: Any, where: str) -> Manifest:
         aliases=aliases,
         per_rank=per_rank,
     )
+
+
+def _deeper_than(v, limit: int) -> bool:
+    """Whether JSON value ``v`` nests lists and dicts more than ``limit`` levels (without
+    recursion: a hostile manifest may nest as deep as the JSON parser goes)."""
+    stack = [(v, 0)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, (dict, list)):
+            if d >= limit:
+                return True
+            stack.extend((y, d + 1) for y in (x.values() if isinstance(x, dict) else x))
+    return False
 
 
 def _check_rank_values(obj, world, where: str, depth: int = 0, in_rank: bool = False) -> None:

@@ -347,7 +347,8 @@ def _roles_to_drop(ckpt: str, man: Manifest, drop_roles: Iterable[str]) -> set[s
     """``drop_roles`` as a set, each a role of the checkpoint (tensors or JSON state), leaving
     some tensors; InvalidArgumentError otherwise."""
     drop = {drop_roles} if isinstance(drop_roles, str) else set(drop_roles)
-    have = {t.role for t in man.tensors.values()} | set(man.state)
+    have = {t.role for t in man.tensors.values()} | {k for k, v in man.state.items() if isinstance(v, dict)}  # (a
+    # top-level JSON value that is no dict, a run's "step" say, is no role)
     unknown = sorted(drop - have)
     if unknown:
         raise InvalidArgumentError(f"{ckpt}: cannot drop role {', '.join(map(repr, unknown))}: the checkpoint has "

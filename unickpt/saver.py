@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import operator
 import re
 import struct
@@ -32,9 +33,9 @@ from .errors import DistributedError, InvalidArgumentError, StateDictError, Unic
 from .format import BlockHasher, Hasher, block_sums, dtype_name, torch_dtype
 from .container import ZstdWriter
 from .compress import EXCEPTION_WARN, Compression, encode_chunk, prepare
-from .manifest import INDEX_NAME, MANIFEST_NAME, FileEntry, Manifest, Part, TensorEntry
+from .manifest import DENSE_ALLOWANCE, INDEX_NAME, MANIFEST_NAME, FileEntry, Manifest, Part, TensorEntry, density_problem
 from .plan import LocalSummary, SavePlan, Step, assemble, extents_of, make_plan, summarize
-from .state import PER_RANK_KEY, RANK_VALUE_KEY, Entry, _is_json, flatten, from_json
+from .state import PER_RANK_KEY, RANK_VALUE_KEY, Entry, _is_json, flatten, from_json, to_json
 from .storage import Storage, per_node, storage_for
 from .transport import Comm, node_id, resolve_timeout
 
@@ -107,6 +108,7 @@ class SaveOptions:
             if v is not None:
                 if not isinstance(v, Mapping) or not _is_json(v):
                     raise StateDictError(f"{name} must be a JSON-serialisable dict {what}".rstrip())
+                to_json(v, name)  # (its checks: text, integers, nesting, reserved keys)
                 put(name, _json_copy(v))
         if self.extra_files is not None:
             if not isinstance(self.extra_files, Mapping):
@@ -230,6 +232,7 @@ def save_entries(
         # tied weights and per-rank values: every rank's, in one exchange (also when a rank's
         # state dict failed above: the others already raised, this one too)
         aliases, per_rank_keys, json_state = _gather_rank_state(comm, entries, json_state)
+        _check_density(json_state, opts)  # (the same on every rank: no agreement needed)
         tags, exceptions, dropped = {}, {}, {}
         if staged is not None and comp.master != "full":  # the master policy reads the bytes
             try:  # agreed on its own: a rank whose copy failed must not skip prepare's all-gather
@@ -440,6 +443,19 @@ def _agree_plan(comm: Comm, summary: LocalSummary, bucket_bytes: int, max_file_b
     return plan
 
 
+def _check_density(json_state: dict[str, Any], opts: SaveOptions) -> None:
+    """Refuse JSON state (with ``extra`` and ``strategy``) that its manifest could not hold:
+    more objects and arrays than a manifest reader parses for its size
+    (:func:`unickpt.manifest.density_problem`), before anything is written. Half the
+    allowance, leaving the other half to the manifest's own entries."""
+    text = json.dumps([json_state, opts.extra, opts.strategy], separators=(",", ":"), ensure_ascii=False).encode()
+    why = density_problem(text, DENSE_ALLOWANCE // 2)
+    if why:
+        raise StateDictError(f"the JSON state holds {why}: more than a checkpoint's manifest may hold for its size "
+                             "(it bounds what loads parse). Store long lists of small lists or dicts (seen sample ids, "
+                             "token counts...) in a tensor")
+
+
 def _gather_rank_state(comm: Comm, entries: list[Entry], json_state: dict[str, Any]):
     """Every rank's tied-weight aliases and per-rank keys (merged), and the JSON state with
     each :func:`~unickpt.per_rank` value replaced by the list of every rank's value. One
@@ -526,7 +542,10 @@ def _first_difference(states: list) -> tuple[str, int, int | None, tuple[int, in
                 if d is not None:
                     return d
             return None
-        same = (a == b or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)) and type(a) is type(b)
+        if isinstance(a, float) and isinstance(b, float):  # as stored: NaN is NaN, -0.0 is not 0.0
+            same = (a == b and math.copysign(1, a) == math.copysign(1, b)) or (a != a and b != b)
+        else:
+            same = a == b and type(a) is type(b)
         return None if same else (where or "<state>")
 
     for r, st in enumerate(states[1:], 1):

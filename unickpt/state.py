@@ -47,6 +47,12 @@ FLOAT_KEY = "__unickpt_float__"
 (``ReduceLROnPlateau``'s ``best`` starts at ``inf``): :func:`to_json`, :func:`from_json`."""
 _RESERVED = (PER_RANK_KEY, RANK_VALUE_KEY, FLOAT_KEY)
 FLOAT_NAMES = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
+MAX_DEPTH = 100
+"""Levels of nesting a state dict may have (roles, dicts, lists): saves refuse deeper ones
+and manifests are refused with a few levels more (per-rank values add two), so the
+recursive code on both sides stays far from Python's recursion limit."""
+_MAX_INT_BITS = 13_000
+"""Larger integers (about 3,900 digits) are refused: Python's JSON reader stops at 4,300 digits."""
 
 
 class PerRank:
@@ -115,16 +121,36 @@ def _is_tensor_leaf(v: Any) -> bool:
         isinstance(v, PerRank) and isinstance(v.value, torch.Tensor))
 
 
-def _is_json(v: Any, finite: bool = True) -> bool:
+def _is_json(v: Any, finite: bool = True, depth: int = 0) -> bool:
     """A JSON value: None, bool, int, float, str, lists, tuples and str-keyed dicts of them;
-    ``finite``: no NaN or infinity (strict JSON; state values take them: :func:`to_json`)."""
+    ``finite``: no NaN or infinity (strict JSON; state values take them: :func:`to_json`).
+    Deeper than :data:`MAX_DEPTH` it answers True without looking further: :func:`to_json`
+    (which every stored value goes through) then refuses it by name."""
     if isinstance(v, _JSON_SCALARS):
         return not (finite and isinstance(v, float) and not math.isfinite(v))
+    if depth > MAX_DEPTH:
+        return isinstance(v, (list, tuple, Mapping))
     if isinstance(v, (list, tuple)):
-        return all(_is_json(x, finite) for x in v)
+        return all(_is_json(x, finite, depth + 1) for x in v)
     if isinstance(v, Mapping):
-        return all(isinstance(k, str) and _is_json(x, finite) for k, x in v.items())
+        return all(isinstance(k, str) and _is_json(x, finite, depth + 1) for k, x in v.items())
     return False
+
+
+def _short(where: str) -> str:
+    """A path for a message: its start and end when long (a deep one repeats itself)."""
+    return where if len(where) <= 80 else f"{where[:40]}...{where[-30:]}"
+
+
+def _text_problem(v: str) -> str | None:
+    """Why ``v`` cannot be stored as JSON text, or None."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        return (f"the string {v[:40]!r}{'...' if len(v) > 40 else ''} is not valid Unicode text (it holds a lone "
+                "surrogate, as os.listdir gives for file names that are not UTF-8): store os.fsencode(...) bytes "
+                "in a tensor, or decode them with errors='replace'")
+    return None
 
 
 def is_state_value(v: Any) -> bool:
@@ -132,20 +158,36 @@ def is_state_value(v: Any) -> bool:
     return _is_json(v, finite=False)
 
 
-def to_json(v: Any, where: str = "") -> Any:
+def to_json(v: Any, where: str = "", depth: int = 0) -> Any:
     """A state value as the manifest stores it: tuples become lists, keys strings, and floats
-    that strict JSON cannot hold ``{FLOAT_KEY: "inf" | "-inf" | "nan"}``. A key unickpt
-    reserves, anywhere in it, is a :class:`StateDictError` (it would read back as something
-    else)."""
+    that strict JSON cannot hold ``{FLOAT_KEY: "inf" | "-inf" | "nan"}``. A
+    :class:`StateDictError` names what cannot be stored: a key unickpt reserves, anywhere in it
+    (it would read back as something else), text that is not valid Unicode, an integer too
+    large for a JSON reader, nesting deeper than :data:`MAX_DEPTH` (``depth``: the levels
+    above ``v``)."""
     if isinstance(v, float) and not math.isfinite(v):
         return {FLOAT_KEY: "nan" if v != v else ("inf" if v > 0 else "-inf")}
+    if isinstance(v, str):
+        why = _text_problem(v)
+        if why:
+            raise StateDictError(f"{where!r}: {why}")
+        return v
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > _MAX_INT_BITS:
+        raise StateDictError(f"{where!r}: an integer of {v.bit_length()} bits is too large to store as JSON "
+                             f"(at most {_MAX_INT_BITS}); store it as a string or in a tensor")
+    if isinstance(v, (list, tuple, Mapping)) and depth >= MAX_DEPTH:
+        raise StateDictError(f"{_short(where)!r}: nested deeper than {MAX_DEPTH} levels (lists and dicts in the state "
+                                 "dict)")
     if isinstance(v, (list, tuple)):
-        return [to_json(x, f"{where}.{i}" if where else str(i)) for i, x in enumerate(v)]
+        return [to_json(x, f"{where}.{i}" if where else str(i), depth + 1) for i, x in enumerate(v)]
     if isinstance(v, Mapping):
         for k in v:
             if k in _RESERVED:
                 raise StateDictError(f"{where!r}: the key {k!r} is reserved by unickpt")
-        return {str(k): to_json(x, f"{where}.{k}" if where else str(k)) for k, x in v.items()}
+            why = _text_problem(k) if isinstance(k, str) else None
+            if why:
+                raise StateDictError(f"{where!r}: a key: {why}")
+        return {str(k): to_json(x, f"{where}.{k}" if where else str(k), depth + 1) for k, x in v.items()}
     return v
 
 
@@ -226,13 +268,17 @@ def flatten(state_dict: Mapping[str, Any], rank: int = 0, world: int = 1) -> tup
         local, layout = layout_of(value)
         entries.append(Entry(role, name, local, layout))
 
-    def walk(role: str, prefix: str, value: Any, where: str) -> Any:
-        """Collect tensors below ``value``; return its JSON-only skeleton (or _SKIP)."""
+    def walk(role: str, prefix: str, value: Any, where: str, depth: int) -> Any:
+        """Collect tensors below ``value`` (``depth`` levels below the state dict); return its
+        JSON-only skeleton (or _SKIP)."""
         if _is_tensor_leaf(value):
             add(role, prefix, value, where)
             return _SKIP
         if isinstance(value, PerRank):  # a JSON value (tensors are leaves, above)
-            return {RANK_VALUE_KEY: to_json(value.value, where)}
+            return {RANK_VALUE_KEY: to_json(value.value, where, depth)}
+        if isinstance(value, (Mapping, list, tuple)) and depth >= MAX_DEPTH:
+            raise StateDictError(f"{_short(where)!r}: nested deeper than {MAX_DEPTH} levels (lists and dicts in the state "
+                                 "dict)")
         if isinstance(value, Mapping):
             out = {}
             names: dict[str, Any] = {}  # stored key -> the key it came from
@@ -241,23 +287,27 @@ def flatten(state_dict: Mapping[str, Any], rank: int = 0, world: int = 1) -> tup
                     raise StateDictError(f"key {k!r} at {where!r} must be a str or int")
                 if k in _RESERVED:
                     raise StateDictError(f"{where!r}: the key {k!r} is reserved by unickpt")
+                why = _text_problem(k) if isinstance(k, str) else None
+                if why:
+                    raise StateDictError(f"{where!r}: a key: {why}")
                 if str(k) in names:  # (1 and "1": one stored name, one value lost)
                     raise StateDictError(f"keys {names[str(k)]!r} and {k!r} at {where!r} are both stored as "
                                          f"{str(k)!r}: rename one")
                 names[str(k)] = k
-                sub = walk(role, f"{prefix}.{k}" if prefix else str(k), v, f"{where}.{k}")
+                sub = walk(role, f"{prefix}.{k}" if prefix else str(k), v, f"{where}.{k}", depth + 1)
                 if sub is not _SKIP:
                     out[str(k)] = sub
             return out if out else _SKIP
         if isinstance(value, (list, tuple)) and any(_contains_tensor(x) for x in value):
             # tensors under their index; the JSON rest keeps the list's shape (an optimizer's
             # param_groups with a tensor lr), None standing for elements that are all tensors
-            subs = [walk(role, f"{prefix}.{i}" if prefix else str(i), v, f"{where}.{i}") for i, v in enumerate(value)]
+            subs = [walk(role, f"{prefix}.{i}" if prefix else str(i), v, f"{where}.{i}", depth + 1)
+                    for i, v in enumerate(value)]
             if all(sub is _SKIP for sub in subs):
                 return _SKIP
             return [None if sub is _SKIP else sub for sub in subs]
         if is_state_value(value):
-            return to_json(value, where)
+            return to_json(value, where, depth)
         raise StateDictError(
             f"{where!r} holds a {type(value).__name__}, which unickpt cannot store: use tensors or "
             "JSON values (None, bool, int, float, str, lists and dicts of them)"
@@ -266,18 +316,23 @@ def flatten(state_dict: Mapping[str, Any], rank: int = 0, world: int = 1) -> tup
     for k, v in state_dict.items():
         if not isinstance(k, str):
             raise StateDictError(f"top-level key {k!r} must be a str")
+        if k in _RESERVED:
+            raise StateDictError(f"the top-level key {k!r} is reserved by unickpt")
+        why = _text_problem(k)
+        if why:
+            raise StateDictError(f"a top-level key: {why}")
         if isinstance(v, Mapping):
             if not _ROLE.match(k):
                 raise StateDictError(
                     f"top-level key {k!r} names a role (file prefix): use lowercase letters, digits, '_' "
                     "(at most 32, starting with a letter)"
                 )
-            sub = walk(k, "", v, k)
+            sub = walk(k, "", v, k, 1)
         elif _is_tensor_leaf(v):
             add(OTHER_ROLE, k, v, k)
             sub = _SKIP
         else:
-            sub = walk(OTHER_ROLE, k, v, k)
+            sub = walk(OTHER_ROLE, k, v, k, 1)
         if sub is not _SKIP:
             json_state[k] = sub
     return tie(entries), json_state
@@ -290,13 +345,17 @@ class _Skip:
 _SKIP = _Skip()
 
 
-def _contains_tensor(v: Any) -> bool:
+def _contains_tensor(v: Any, depth: int = 0) -> bool:
+    """Whether a tensor lies below ``v``; not looked for deeper than :data:`MAX_DEPTH` (the
+    walk refuses such nesting by name)."""
     if _is_tensor_leaf(v):
         return True
+    if depth > MAX_DEPTH:
+        return False
     if isinstance(v, Mapping):
-        return any(_contains_tensor(x) for x in v.values())
+        return any(_contains_tensor(x, depth + 1) for x in v.values())
     if isinstance(v, (list, tuple)):
-        return any(_contains_tensor(x) for x in v)
+        return any(_contains_tensor(x, depth + 1) for x in v)
     return False
 
 

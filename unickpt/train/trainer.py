@@ -187,6 +187,7 @@ class Trainer:
         self._resumed_from: int | None = None  # checkpoints of later steps belong to an abandoned run
         self._dir_rank = self._manages_directory(checkpoint.dir) if checkpoint is not None else False
         self._mem_rank = False
+        self._mem_job: str | None = None  # (the memory tier's job id, when it is on)
         if checkpoint is not None:
             self._sweep(checkpoint.dir)
             if checkpoint.memory_dir is not None:
@@ -195,11 +196,8 @@ class Trainer:
                 # the writer's start (seconds) and the staging (seconds per GB) now, not in the
                 # first save; after the memory budget check, which counts the staging
                 unickpt.start_async_writer(self.state_dict())
-        if resume == "auto" and checkpoint is not None and checkpoint.memory_dir is not None:
+        if resume == "auto" and checkpoint is not None:  # newest first; a step that does not load is logged and skipped
             self._resume_from_tiers()
-        elif resume == "auto" and checkpoint is not None and self._any_rank(
-                unickpt.latest(checkpoint.dir, storage_options=checkpoint.storage_options) is not None):
-            self.load(checkpoint.dir)
 
     # -- setup ------------------------------------------------------------------------------
 
@@ -507,8 +505,9 @@ class Trainer:
         return d if is_url(d) else os.path.abspath(d)
 
     def _resume_from_tiers(self) -> None:
-        """Resume from the newest step complete in either tier (memory first at equal steps);
-        a candidate that fails to load (damaged, incomplete) is logged and the next one tried."""
+        """Resume from the newest step complete in either tier (memory first at equal steps;
+        without a memory tier, the durable steps); a candidate that fails to load (damaged,
+        incomplete) is logged and the next one tried."""
         from unickpt import memtier
         from unickpt.transport import Comm
 
