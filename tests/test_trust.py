@@ -188,7 +188,7 @@ def test_a_fifo_anywhere_never_blocks(ck, tmp_path, which):
 
 def test_manifest_memory_and_size_bombs_are_refused(ck, tmp_path):
     man = json.loads((ck / "unickpt.json").read_bytes())
-    man["extra"] = {"x": [{}] * 200_000}  # 26x its size in memory once parsed
+    man["extra"] = {"x": [{}] * 300_000}  # beyond the allowance, and 26x its size in memory once parsed
     (ck / "unickpt.json").write_bytes(seal(man))
     with pytest.raises(FormatError, match="objects/arrays"):
         unickpt.read_manifest(ck)

@@ -297,9 +297,9 @@ def data_file_name(name: str) -> bool:
     return bool(_FILE.fullmatch(name))
 
 
-DENSE_ALLOWANCE = 1 << 20
-"""JSON objects and arrays a manifest may hold however densely packed (its parse then takes
-~100 MiB at most); beyond it, at most one per 8 bytes of text (parse memory ~15x the text)."""
+DENSE_ALLOWANCE = 1 << 18
+"""JSON objects and arrays a manifest may hold however densely packed (parse memory ~45x the
+text, ~35 MiB at most); beyond it, at most one per 8 bytes of text (~15x the text)."""
 
 
 def density_problem(data: bytes, allowance: int = DENSE_ALLOWANCE) -> str | None:
@@ -527,11 +527,8 @@ def _parse(obj: Any, where: str) -> Manifest:
     state, extra, saved_by = obj.get("state", {}), obj.get("extra", {}), obj.get("saved_by", {})
     if not isinstance(state, dict) or not isinstance(extra, dict) or not isinstance(saved_by, dict):
         raise FormatError(f"{where}: 'state', 'extra' and 'saved_by' must be objects")
-    from .state import _RESERVED, MAX_DEPTH
+    from .state import _RESERVED
 
-    for name, v in (("state", state), ("extra", extra), ("saved_by", saved_by)):
-        if _deeper_than(v, MAX_DEPTH + 8):  # (per-rank values add levels) before any recursive walk
-            raise FormatError(f"{where}: '{name}' is nested deeper than {MAX_DEPTH + 8} levels")
     bad = sorted(k for k in state if k in _RESERVED)
     if bad:
         raise FormatError(f"{where}: state: the top-level key {bad[0]!r} is reserved by unickpt")
@@ -593,25 +590,18 @@ def _parse(obj: Any, where: str) -> Manifest:
     )
 
 
-def _deeper_than(v, limit: int) -> bool:
-    """Whether JSON value ``v`` nests lists and dicts more than ``limit`` levels (without
-    recursion: a hostile manifest may nest as deep as the JSON parser goes)."""
-    stack = [(v, 0)]
-    while stack:
-        x, d = stack.pop()
-        if isinstance(x, (dict, list)):
-            if d >= limit:
-                return True
-            stack.extend((y, d + 1) for y in (x.values() if isinstance(x, dict) else x))
-    return False
-
-
 def _check_rank_values(obj, world, where: str, depth: int = 0, in_rank: bool = False) -> None:
     """Per-rank JSON values (``{"__unickpt_per_rank__": [...]}``) hold one value per saving
     rank; floats JSON cannot hold are ``{"__unickpt_float__": "inf" | "-inf" | "nan"}``
-    alone; no other use of the reserved keys."""
-    from .state import FLOAT_KEY, FLOAT_NAMES, PER_RANK_KEY, RANK_VALUE_KEY
+    alone; no other use of the reserved keys; nesting no deeper than saves write
+    (:data:`~unickpt.state.MAX_DEPTH` and the two levels of a per-rank value, with room to
+    spare), before the loader's recursive code walks it (a hostile manifest may nest as
+    deep as the JSON parser goes)."""
+    from .state import FLOAT_KEY, FLOAT_NAMES, MAX_DEPTH, PER_RANK_KEY, RANK_VALUE_KEY
 
+    if depth > MAX_DEPTH + 8 and isinstance(obj, (dict, list)):
+        raise FormatError(f"{where if len(where) < 160 else where[:120] + '...'}: nested deeper than {MAX_DEPTH + 8} "
+                          "levels")
     if isinstance(obj, dict):
         if FLOAT_KEY in obj:
             v = obj[FLOAT_KEY]

@@ -29,7 +29,7 @@ from . import commit as _commit
 from ._metrics import human_bytes, log
 from .errors import MemoryBudgetError, StorageError, UnickptError
 from .manifest import MANIFEST_NAME, Manifest, data_file_name
-from .storage import expand_node, per_node, storage_for
+from .storage import expand_node, join_path, per_node, storage_for
 from .transport import Comm, node_id
 
 __all__ = ["Candidate", "Budget", "plan_budget", "check_budget", "candidates", "claim", "clean", "OWNER_FILE", "JOB_KEY"]
@@ -155,21 +155,21 @@ def candidates(comm: Comm, memory_dir: str | None, durable_dir: str | None, stor
     load verifies them)."""
     err = None
     mine: dict = {}
-    durable: list = []
+    steps: list[int] = []  # durable steps this rank sees (a node-local durable_dir: its node's)
     try:
         if memory_dir is not None:
             mine = _step_report(memory_dir)
-        if durable_dir is not None and comm.rank == 0:
+        if durable_dir is not None and (comm.rank == 0 or per_node(durable_dir)):
             storage, root = storage_for(durable_dir, storage_options)
             if storage.isdir(root):
-                durable = [[s, p] for s, p in _commit.committed_steps(storage, root)]
+                steps = [s for s, _ in _commit.committed_steps(storage, root)]
     except (UnickptError, OSError) as e:
         err = e
     comm.agree(err, "resume (listing checkpoints)")
-    reports = [json.loads(b) for b in comm.all_gather_bytes(json.dumps({"node": node_id(), "steps": mine}).encode(),
-                                                          "resume (snapshots in memory)")]
-    durable = json.loads(comm.broadcast_bytes(json.dumps(durable).encode() if comm.rank == 0 else None,
-                                               what="resume (durable checkpoints)"))
+    reports = [json.loads(b) for b in comm.all_gather_bytes(
+        json.dumps({"node": node_id(), "steps": mine, "durable": steps}).encode(), "resume (checkpoints to resume from)")]
+    # a durable step as the caller names it ({node} kept: the load finds the node that holds it)
+    durable = [[s, join_path(durable_dir, _commit.step_dirname(s))] for s in sorted({s for r in reports for s in r["durable"]})]
     by_step: dict[int, list[dict]] = {}
     seen_nodes = set()
     for r in reports:
