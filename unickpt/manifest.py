@@ -559,7 +559,7 @@ def _parse(obj: Any, where: str) -> Manifest:
                                   f"store and point to one it stores (got {str(target)[:80]!r})")
             aliases[(role, name)] = target
     world = saved_by.get("world_size")
-    _check_rank_values(state, world, f"{where}: state")
+    _check_state_values(state, world, f"{where}: state")
     per_rank: set[tuple[str, str]] = set()
     raw_pr = obj.get("per_rank") or {}
     if not isinstance(raw_pr, dict):
@@ -590,7 +590,7 @@ def _parse(obj: Any, where: str) -> Manifest:
     )
 
 
-def _check_rank_values(obj, world, where: str, depth: int = 0, in_rank: bool = False) -> None:
+def _check_state_values(obj, world, where: str, depth: int = 0, in_rank: bool = False) -> None:
     """Per-rank JSON values (``{"__unickpt_per_rank__": [...]}``) hold one value per saving
     rank; floats JSON cannot hold are ``{"__unickpt_float__": "inf" | "-inf" | "nan"}``
     alone; no other use of the reserved keys; nesting no deeper than saves write
@@ -618,13 +618,13 @@ def _check_rank_values(obj, world, where: str, depth: int = 0, in_rank: bool = F
                 raise FormatError(f"{where}: a per-rank value must be {{{PER_RANK_KEY!r}: [one value per saving rank "
                                   f"({world})]}}")
             for i, x in enumerate(v):
-                _check_rank_values(x, world, f"{where}.rank{i}", depth + 1, True)
+                _check_state_values(x, world, f"{where}.rank{i}", depth + 1, True)
             return
         for k, x in obj.items():
-            _check_rank_values(x, world, f"{where}.{k}", depth + 1, in_rank)
+            _check_state_values(x, world, f"{where}.{k}", depth + 1, in_rank)
     elif isinstance(obj, list):
         for i, x in enumerate(obj):
-            _check_rank_values(x, world, f"{where}.{i}", depth + 1, in_rank)
+            _check_state_values(x, world, f"{where}.{i}", depth + 1, in_rank)
 
 
 def _str_list(v) -> bool:
