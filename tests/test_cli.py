@@ -152,6 +152,8 @@ ERROR_CASES = {
     "unknown role": (lambda f, ck, t: ["reshard", str(ck), str(t / "o"), "--drop-role", "nope"], "InvalidArgumentError"),
     "storage options not an object": (lambda f, ck, t: ["--storage-options", "[1]", "verify", str(ck)], "UsageError"),
     "storage options after the command": (lambda f, ck, t: ["verify", str(ck), "--storage-options", "{x"], "UsageError"),
+    "storage options nested deep": (lambda f, ck, t: ["verify", str(ck), "--storage-options", "[" * 100_000], "UsageError"),
+    "storage options NaN": (lambda f, ck, t: ["verify", str(ck), "--storage-options", '{"a": NaN}'], "UsageError"),
     "storage options twice": (lambda f, ck, t: ["--storage-options", "{}", "verify", "--storage-options", '{"a": 1}',
                                                 str(ck)], "UsageError"),
     "missing argument": (lambda f, ck, t: ["export", str(ck)], "UsageError"),

@@ -649,6 +649,12 @@ def test_json_state_a_manifest_cannot_hold_is_refused_before_writing_and_dense_s
         "surrogate tensor name": ({"model": {"w\udc80": torch.ones(1)}}, {}, "not valid Unicode"),
         "surrogate in extra": ({"w": torch.ones(1)}, {"extra": {"n": "x\udc80"}}, "not valid Unicode"),
         "huge int": ({"trainer": {"x": 10 ** 5000}}, {}, "too large to store as JSON"),
+        "huge int key": ({"trainer": {10 ** 5000: 1}}, {}, "integer key of 16610 bits"),
+        "huge step": ({"w": torch.ones(1)}, {"step": 10 ** 5000}, "step must be an int"),
+        "surrogate in an extra file": ({"w": torch.ones(1)}, {"extra_files": {"notes.txt": "caf\udce9"}},
+                                       "not valid Unicode"),
+        "bracket tensor names": ({"model": {"[" * 4000 + str(i): torch.ones(1) for i in range(70)}}, {},
+                                 "tensor names hold"),
         "too deep": ({"trainer": {"x": too_deep}}, {}, f"nested deeper than {MAX_DEPTH} levels"),
         "too deep extra": ({"w": torch.ones(1)}, {"extra": {"x": too_deep}}, f"nested deeper than {MAX_DEPTH}"),
     }

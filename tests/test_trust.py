@@ -404,6 +404,28 @@ def test_a_damaged_newest_step_fails_its_load_naming_the_older_ones(tmp_path):
     assert "older committed ones: step-00000002, step-00000001" in ei.value.__notes__[0]
 
 
+def test_a_step_directory_must_hold_its_step_or_it_is_neither_loaded_nor_kept_as_the_newest(tmp_path):
+    """A copy of an older step under a newer step's name once passed for the newest: load(root)
+    took it and retention deleted the real newest behind it. Names other than step_dirname's
+    (step-13, other digits) are no step; a step-* name whose manifest says another step is
+    refused by load(root) and stops retention."""
+    import shutil
+
+    root = tmp_path / "root"
+    for step in (2, 4):
+        unickpt.save({"model": {"w": torch.full((4,), float(step))}}, root / f"step-{step:08d}", step=step)
+    shutil.copytree(root / "step-00000002", root / "step-13")
+    shutil.copytree(root / "step-00000002", root / "step-\u0661\u0663")  # Arabic-Indic digits
+    assert unickpt.latest(root).endswith("step-00000004")
+    t = {"model": {"w": torch.zeros(4)}}
+    assert unickpt.load(t, root).step == 4 and t["model"]["w"][0] == 4
+    shutil.copytree(root / "step-00000002", root / "step-00000013")  # the name of a newer step
+    with pytest.raises(FormatError, match="named step 13, but its manifest says step 2"):
+        unickpt.load(t, root)
+    assert unickpt.retain(root, 1) == []  # nothing deleted behind it
+    assert (root / "step-00000004").is_dir() and (root / "step-00000002").is_dir()
+
+
 def test_export_never_replaces_a_checkpoint_or_its_root(ck, tmp_path):
     root = tmp_path / "root"
     unickpt.save(_state(), root / "step-00000005", step=5)
@@ -587,6 +609,13 @@ def test_verify_names_entries_the_manifest_does_not_list_without_failing(tmp_pat
     got = {"model": {"w": torch.zeros(2)}}
     unickpt.load(got, p)
     assert torch.equal(got["model"]["w"], torch.ones(2))
+    f = p / "model-00001-of-00001.safetensors"  # damaged too: the unlisted entries are still named
+    b = bytearray(f.read_bytes())
+    b[-1] ^= 1
+    f.write_bytes(bytes(b))
+    r = cli("verify", p, "-q", "--json")
+    obj = json.loads(r.stdout)
+    assert r.returncode == 1 and obj["unlisted"] == ["model-00002-of-00002.safetensors", "notes"] and obj["bad"]
 
 
 def test_a_damaged_model_weight_under_a_residual_master_is_named_as_the_damaged_file(tmp_path):

@@ -239,6 +239,12 @@ def _verify(args):
                            "bad": [{"file": f, "tensor": n, "reason": why} for f, n, why in bad]}
     if node is not None:
         res["node"], res["elsewhere"] = node, elsewhere
+    stray = _unlisted(ckpt, man, {f for f, _, _ in bad})
+    if stray:
+        res["unlisted"] = stray
+        _warn(args, f"{len(stray)} entr{'y' if len(stray) == 1 else 'ies'} of {_safe(ckpt)} not part of the checkpoint "
+                    f"(its manifest does not list them, and no load reads them): "
+                    f"{', '.join(_safe(n) for n in stray[:8])}{', ...' if len(stray) > 8 else ''}")
     if bad:
         tensors = {(f, n) for f, n, _ in bad if n}
         others = sorted({f for f, n, _ in bad if not n})
@@ -255,12 +261,6 @@ def _verify(args):
         print(f"unickpt verify: {_safe(summary)}", file=sys.stderr)
         res["error"] = {"type": "ChecksumError", "message": summary}
         return FAILED, res, ""
-    stray = _unlisted(ckpt, man)
-    if stray:
-        res["unlisted"] = stray
-        _warn(args, f"{len(stray)} entr{'y' if len(stray) == 1 else 'ies'} of {_safe(ckpt)} not part of the checkpoint "
-                    f"(its manifest does not list them, and no load reads them): "
-                    f"{', '.join(_safe(n) for n in stray[:8])}{', ...' if len(stray) > 8 else ''}")
     extra = f" and {len(man.aux)} other files" if man.aux else ""
     note = "" if man.format_version >= 2 else " (format 1: the manifest, headers and other files carry no checksum)"
     of_node = "" if node is None else f" of node {node}"
@@ -270,10 +270,11 @@ def _verify(args):
                      f"({human_bytes(nbytes)} in {secs:.2f} s, {gbps(nbytes, secs):.2f} GB/s){rest}")
 
 
-def _unlisted(ckpt: str, man) -> list[str]:
+def _unlisted(ckpt: str, man, reported: set[str] = frozenset()) -> list[str]:
     """Entries of the checkpoint directory that its manifest does not list (a stray
     ``*.safetensors`` copied in, an editor's backup...): never read, but a folder that looks
-    like more than the checkpoint is worth a word. Empty where the store cannot list."""
+    like more than the checkpoint is worth a word. Not those ``reported`` already (an
+    unlisted config.json fails the check). Empty where the store cannot list."""
     from .manifest import MANIFEST_NAME
     from .storage import storage_for
 
@@ -284,7 +285,7 @@ def _unlisted(ckpt: str, man) -> list[str]:
         return []
     finally:
         storage.close()
-    known = set(man.files) | set(man.aux) | {MANIFEST_NAME}
+    known = set(man.files) | set(man.aux) | {MANIFEST_NAME} | set(reported)
     return sorted(n for n in names if n not in known)
 
 
@@ -573,10 +574,13 @@ def _run(argv: list[str], said: list[str] | None = None) -> tuple[int, dict, str
     if args.c_storage_options is not None:  # (after the command)
         args.storage_options = args.c_storage_options
     if args.storage_options is not None:
+        def no_constant(name):
+            raise ValueError(f"{name} is not JSON")
+
         try:
-            opts = json.loads(args.storage_options)
-        except ValueError as e:
-            raise UsageError(f"--storage-options: not JSON ({e})") from None
+            opts = json.loads(args.storage_options, parse_constant=no_constant)
+        except (ValueError, RecursionError) as e:
+            raise UsageError(f"--storage-options: not JSON ({str(e)[:200]})") from None
         if not isinstance(opts, dict):
             raise UsageError("--storage-options: expected a JSON object such as '{\"client\": \"s3fs\"}'")
         os.environ["UNICKPT_STORAGE_OPTIONS"] = args.storage_options

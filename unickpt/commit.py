@@ -45,13 +45,13 @@ import socket
 import time
 import uuid
 
-from .errors import CheckpointExistsError, CheckpointNotFoundError, InvalidArgumentError, StorageError, UnickptError
+from .errors import CheckpointExistsError, CheckpointNotFoundError, FormatError, InvalidArgumentError, StorageError, UnickptError
 from .manifest import INDEX_NAME, MANIFEST_NAME
 from .storage import MarkerStorage, Storage
 
 __all__ = ["Transaction", "step_dirname", "is_committed", "committed_steps", "resolve", "sweep_stale"]
 
-_STEP = re.compile(r"^step-(\d+)$")
+_STEP = re.compile(r"^step-([0-9]{8,})$")  # as step_dirname writes it (ASCII digits; checked below)
 _TMP = re.compile(r"^\.(.+)\.(tmp|old|del)-([0-9a-f]{8,32})$")
 OWNER = ".owner"
 NO_OWNER_GRACE = 60.0
@@ -113,11 +113,26 @@ def committed_steps(storage: Storage, root: str) -> list[tuple[int, str]]:
     out = []
     for name in storage.listdir(root):
         m = _STEP.match(name)
-        if m:
+        if m and name == step_dirname(int(m.group(1))):  # (step-013 or step-0000000013 is no step's name)
             p = storage.join(root, name)
             if is_committed(storage, p):
                 out.append((int(m.group(1)), p))
     return sorted(out)
+
+
+def step_of_name(name: str) -> int | None:
+    """The step a checkpoint directory's name gives (``step-00000012``: 12), or None."""
+    m = _STEP.match(name)
+    return int(m.group(1)) if m and name == step_dirname(int(m.group(1))) else None
+
+
+def check_step_name(path: str, named: int, saved: int | None) -> None:
+    """A checkpoint found by its ``step-*`` name under a root must hold that step (a copy of
+    an older step put under a newer name would pass for the newest: loads would take it and
+    retention delete the real newest behind it): FormatError otherwise."""
+    if saved is not None and saved != named:
+        raise FormatError(f"{path}: named step {named}, but its manifest says step {saved} (a copy or a rename?): "
+                          "not taken as step {named}".replace("{named}", str(named)))
 
 
 def resolve(storage: Storage, path: str) -> str:
@@ -331,9 +346,10 @@ def retain(storage: Storage, root: str, keep: int, node: str | None = None) -> l
     from .loader import open_files, read_manifest_bytes
     from .manifest import Manifest
 
-    for _, kept in steps[-keep:]:  # delete older ones only behind checkpoints that read
+    for step, kept in steps[-keep:]:  # delete older ones only behind checkpoints that read
         try:
             man = Manifest.from_json(read_manifest_bytes(storage, kept), kept)
+            check_step_name(kept, step, man.step)
             held = [f for f, fe in man.files.items() if node is None or fe.node == node or node in fe.replicas]
             readers: dict = {}  # each a regular file of its recorded size, header intact, as a load opens it
             open_files(storage, kept, man, held, readers)

@@ -97,7 +97,10 @@ def read_manifest(path: str | os.PathLike, *, group=None,
     storage, p = storage_for(path, storage_options)
     ckpt = _commit.resolve(storage, p)
     mpath = storage.join(ckpt, MANIFEST_NAME)
-    return ckpt, Manifest.from_json(read_manifest_bytes(storage, ckpt), mpath)
+    man = Manifest.from_json(read_manifest_bytes(storage, ckpt), mpath)
+    if ckpt != p:  # found by its step-* name under a root
+        _commit.check_step_name(ckpt, _commit.step_of_name(storage.basename(ckpt)), man.step)
+    return ckpt, man
 
 
 def read_manifest_bytes(storage: Storage, ckpt: str) -> bytes:
@@ -380,6 +383,8 @@ def _find(comm: Comm, storage, p: str, node_local: bool, same: Mapping[str, Any]
     where = storage.join(ckpt, MANIFEST_NAME) + ("" if comm.rank == src else f" (the copy read by rank {src})")
     try:
         man = Manifest.from_json(mbytes, where)
+        if rel:  # found by its step-* name under a root
+            _commit.check_step_name(ckpt, _commit.step_of_name(rel), man.step)
         if node_local and comm.rank != src:  # every node's copy of this checkpoint must be the same manifest
             try:
                 here = own if found and storage.join(ckpt, MANIFEST_NAME) == own_path else read_manifest_bytes(storage, ckpt)

@@ -854,7 +854,9 @@ def _summarize(entries: list[Entry], dtypes: list[str], node: str, tags: dict) -
         h = e.layout.hint
         if isinstance(h, tuple) and len(h) == 3 and isinstance(h[0], FlatUnit) and not e.per_rank:
             flat.setdefault((h[0], h[1], e.role, dt, json.dumps(tags.get(e.key))), []).append(k)
-        elif isinstance(h, tuple) and len(h) in (4, 5) and h[0] == "grid" and not e.per_rank and math.prod(e.layout.shape) > 0:
+        elif (isinstance(h, tuple) and len(h) in (4, 5) and h[0] == "grid" and not e.per_rank and math.prod(e.layout.shape) > 0
+              and isinstance(h[1], (tuple, list)) and all(type(x) is int and x > 0 for x in h[1])
+              and isinstance(h[2], (tuple, list)) and type(h[3]) is int):  # (a malformed hint: explicit rows)
             body = {"k": "grid", "n": math.prod(h[1]), "mesh": list(h[1]), "pl": list(h[2]),
                     "t": [[e.name, list(e.layout.shape)]], "role": e.role, "dtype": dt, "tag": tags.get(e.key)}
             if len(h) == 5 and h[4] is not None:  # the mesh dimensions cut in another order (FSDP2 over TP)

@@ -66,11 +66,19 @@ class Unit:
         elif self.kind == "grid":
             (sh,) = body["t"][0]
             self.slots = [(names[0], tuple(sh), None, None, 0)]
-            if math.prod(body["mesh"]) != self.n or len(body["pl"]) != len(body["mesh"]):
-                raise LayoutError(f"grid rule of {names[0]!r}: mesh {body['mesh']} does not have {self.n} members")
-            if "order" in body and sorted(body["order"]) != list(range(len(body["mesh"]))):
-                raise LayoutError(f"grid rule of {names[0]!r}: order {body['order']} is not an order of the mesh's "
-                                  f"{len(body['mesh'])} dimensions")
+            mesh, pl, order = body.get("mesh"), body.get("pl"), body.get("order", None)
+
+            def ints(v, lo: int, hi: int | None = None) -> bool:
+                return isinstance(v, (list, tuple)) and all(type(x) is int and lo <= x and (hi is None or x < hi)
+                                                            for x in v)
+
+            if not (ints(mesh, 1) and ints(pl, -1, len(sh)) and ints(sh, 0) and len(pl) == len(mesh)):
+                raise LayoutError(f"grid rule of {names[0]!r}: malformed (mesh {mesh!r}, placements {pl!r}, shape {sh!r})")
+            if math.prod(mesh) != self.n:
+                raise LayoutError(f"grid rule of {names[0]!r}: mesh {mesh} does not have {self.n} members")
+            if order is not None and not (ints(order, 0) and sorted(order) == list(range(len(mesh)))):
+                raise LayoutError(f"grid rule of {names[0]!r}: order {order!r} is not an order of the mesh's "
+                                  f"{len(mesh)} dimensions")
         else:
             raise LayoutError(f"unknown layout rule {self.kind!r}")
 

@@ -101,8 +101,9 @@ class SaveOptions:
 
     def __post_init__(self) -> None:
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
-        if self.step is not None and type(self.step) is not int:
-            raise StateDictError(f"step must be an int or None, got {type(self.step).__name__} {self.step!r}")
+        if self.step is not None and (type(self.step) is not int or not -(1 << 63) <= self.step < 1 << 63):
+            raise StateDictError(f"step must be an int (64-bit) or None, got {type(self.step).__name__} "
+                                 f"{str(self.step)[:40] if type(self.step) is not int else f'of {self.step.bit_length()} bits'}")
         for name, what in (("extra", "(None, bool, int, float, str, lists, dicts)"), ("strategy", "")):
             v = getattr(self, name)
             if v is not None:
@@ -120,6 +121,7 @@ class SaveOptions:
                         f"extra file {n!r}: use a bare name like 'config.json' (not a manifest, index or "
                         ".safetensors name) with str content"
                     )
+                to_json(text, f"extra file {n}")  # (text that is valid Unicode)
             put("extra_files", dict(self.extra_files))
         if type(self.overwrite) is not bool:
             raise InvalidArgumentError(f"overwrite must be True or False, got {self.overwrite!r}")
@@ -232,7 +234,6 @@ def save_entries(
         # tied weights and per-rank values: every rank's, in one exchange (also when a rank's
         # state dict failed above: the others already raised, this one too)
         aliases, per_rank_keys, json_state = _gather_rank_state(comm, entries, json_state)
-        _check_density(json_state, opts)  # (the same on every rank: no agreement needed)
         tags, exceptions, dropped = {}, {}, {}
         if staged is not None and comp.master != "full":  # the master policy reads the bytes
             try:  # agreed on its own: a rank whose copy failed must not skip prepare's all-gather
@@ -258,9 +259,10 @@ def save_entries(
                 raise StateDictError(
                     f"tensor {name!r} (role {role}) is tied to {aliases[clash[0]]!r} (the same memory) on some ranks "
                     "and a tensor of its own on others: every rank must pass the same state dict structure")
+            _check_density(json_state, opts, [n for _, n in plan.tensors] + [n for _, n in aliases])
         except Exception as e:
             err = e
-        comm.agree(err, "save (tied weights)")
+        comm.agree(err, "save (tied weights, the manifest's size)")
         _check_replicas(comm, plan, given, staged)
         if opts.replicas:  # copies on peer nodes: possible here? (before anything is written)
             from .replicate import problem
@@ -443,17 +445,19 @@ def _agree_plan(comm: Comm, summary: LocalSummary, bucket_bytes: int, max_file_b
     return plan
 
 
-def _check_density(json_state: dict[str, Any], opts: SaveOptions) -> None:
-    """Refuse JSON state (with ``extra`` and ``strategy``) that its manifest could not hold:
-    more objects and arrays than a manifest reader parses for its size
-    (:func:`unickpt.manifest.density_problem`), before anything is written. Half the
-    allowance, leaving the other half to the manifest's own entries."""
-    text = json.dumps([json_state, opts.extra, opts.strategy], separators=(",", ":"), ensure_ascii=False).encode()
+def _check_density(json_state: dict[str, Any], opts: SaveOptions, names: list[str]) -> None:
+    """Refuse JSON state (with ``extra``, ``strategy`` and the tensor names, which the
+    manifest writes more than once) that its manifest could not hold: more objects and arrays
+    than a manifest reader parses for its size (:func:`unickpt.manifest.density_problem`),
+    before anything is written. Half the allowance, leaving the other half to the manifest's
+    own entries (the same on every rank: the plan and the gathered state are)."""
+    text = json.dumps([json_state, opts.extra, opts.strategy, names, names, names], separators=(",", ":"),
+                      ensure_ascii=False).encode()
     why = density_problem(text, DENSE_ALLOWANCE // 2)
     if why:
-        raise StateDictError(f"the JSON state holds {why}: more than a checkpoint's manifest may hold for its size "
-                             "(it bounds what loads parse). Store long lists of small lists or dicts (seen sample ids, "
-                             "token counts...) in a tensor")
+        raise StateDictError(f"the JSON state and tensor names hold {why}: more than a checkpoint's manifest may hold "
+                             "for its size (it bounds what loads parse). Store long lists of small lists or dicts (seen "
+                             "sample ids, token counts...) in a tensor")
 
 
 def _gather_rank_state(comm: Comm, entries: list[Entry], json_state: dict[str, Any]):

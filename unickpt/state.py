@@ -182,6 +182,8 @@ def to_json(v: Any, where: str = "", depth: int = 0) -> Any:
         return [to_json(x, f"{where}.{i}" if where else str(i), depth + 1) for i, x in enumerate(v)]
     if isinstance(v, Mapping):
         for k in v:
+            if isinstance(k, int) and k.bit_length() > _MAX_INT_BITS:
+                raise StateDictError(f"{where!r}: an integer key of {k.bit_length()} bits is too large to store")
             if k in _RESERVED:
                 raise StateDictError(f"{where!r}: the key {k!r} is reserved by unickpt")
             why = _text_problem(k) if isinstance(k, str) else None
@@ -285,6 +287,8 @@ def flatten(state_dict: Mapping[str, Any], rank: int = 0, world: int = 1) -> tup
             for k, v in value.items():
                 if not isinstance(k, (str, int)) or isinstance(k, bool):
                     raise StateDictError(f"key {k!r} at {where!r} must be a str or int")
+                if isinstance(k, int) and k.bit_length() > _MAX_INT_BITS:
+                    raise StateDictError(f"{where!r}: an integer key of {k.bit_length()} bits is too large to store")
                 if k in _RESERVED:
                     raise StateDictError(f"{where!r}: the key {k!r} is reserved by unickpt")
                 why = _text_problem(k) if isinstance(k, str) else None
