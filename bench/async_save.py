@@ -103,7 +103,10 @@ OPS = {
     "loop_alone": ("work",),
     "loop_dcp": ("call", "work", "staged_wait", "blocking", "durable"),
 }
-TARGETS = {"blocking": 1.0, "blocking_bg": 0.5, "durable": 1.15, "durable_bg": 1.15, "slowdown": 0.7}
+TARGETS = {"blocking": 1.0, "blocking_bg": 0.5, "durable": 1.15, "slowdown": 0.7}
+# (durable_bg, the durable time with staging behind the compute phase, is printed for
+# information: it runs from the call, through a compute phase sized to outlast the copy, with
+# the writer sharing the cores with that compute; #13's durable target is the in-call row)
 
 
 # -- helpers ---------------------------------------------------------------------------
@@ -408,7 +411,7 @@ def print_report(s: dict, cfg: dict) -> None:
     print(f"\n{'(b) durable + committed, s':<46}{'median':>8}{'x floor':>10}{'x DCP':>8}  target (vs floor)")
     print(f"  {'write O_DIRECT + fsync floor':<44}{d['disk_floor']:>8.3f}{1:>10.2f}")
     for label, op, key in (("unickpt async", "unickpt_async", "durable"),
-                           ("unickpt background staging", "unickpt_bg", "durable_bg"),
+                           ("unickpt background staging (info)", "unickpt_bg", None),
                            ("dcp async", "dcp_async", None), ("dcp background", "dcp_bg", None)):
         v, ref = med(op, "durable"), med("dcp_bg" if op.endswith("bg") else "dcp_async", "durable")
         tgt = verdict(key, d["checks"][key]) if key else ""

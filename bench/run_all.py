@@ -150,7 +150,9 @@ def table(res: dict) -> list[list[str]]:
         row("DCP", "async save durable + committed", ref, total / ref / 1e9, ref / d["disk_floor"], 1.0)
         v, ref = med("unickpt_bg", "durable"), med("dcp_bg", "durable")
         row("unickpt", "async durable, staging behind compute", v, total / v / 1e9, v / d["disk_floor"], v / ref,
-            f"streamed staging; target <= 1.15x floor: {'met' if d['checks']['durable_bg'] <= 1.15 else 'MISSED'}")
+            f"streamed staging, the writer beside {med('unickpt_bg', 'work'):.3f} s of compute on the same cores "
+            f"(from the call, so never below the phase); {d['checks']['durable_bg']:.2f}x floor, for information: "
+            "#13's durable target is the row above")
         row("DCP", "async durable, staging behind compute", ref, total / ref / 1e9, ref / d["disk_floor"], 1.0)
         f = a["first_save"]
         row("unickpt", "first async save durable, writer + staging made by it", f["lazy"]["durable"], None,
