@@ -15,6 +15,13 @@ from unickpt.errors import DistributedError, InvalidArgumentError, StateDictErro
 from unickpt.saver import SaveOptions
 
 # bad keyword -> the typed error unickpt.save raises for it, with or without async_save
+
+def _deep(n):
+    v = 0
+    for _ in range(n):
+        v = [v]
+    return v
+
 BAD = {
     "step-str": (dict(step="3"), StateDictError),
     "step-bool": (dict(step=True), StateDictError),
@@ -36,6 +43,7 @@ BAD = {
     "direct-io": (dict(direct_io=1), InvalidArgumentError),
     "timeout": (dict(timeout_s=-1), InvalidArgumentError),
     "storage-options": (dict(storage_options={"client": object()}), InvalidArgumentError),
+    "storage-options-deep": (dict(storage_options={"a": _deep(150)}), InvalidArgumentError),
 }
 
 

@@ -234,7 +234,8 @@ def test_a_malformed_grid_hint_is_no_rule():
     out of range, a float order) is planned from its explicit row; the rule is never built."""
     lay = lambda hint: Layout((6, 4), (0, 0), (6, 4), None, 0, hint)  # noqa: E731  (the whole tensor)
     for hint in (("grid", (-1, 2), (0, 1), 0), ("grid", (2, 2), (0, 7), 0), ("grid", (2.0, 1), (0, -1), 0),
-                 ("grid", (1, 1), (0, 1), 0, (1.0, 0.0)), ("grid", (1, 1), (0, 1), "0", None)):
+                 ("grid", (1, 1), (0, 1), 0, (1.0, 0.0)), ("grid", (1, 1), (0, 1), "0", None),
+                 ("grid", (1, 1), (0, 1), 0, 5), ("grid", (10 ** 6, 10 ** 6), (0, -1), 0)):
         s = summarize(_entries([("model", "w", lay(hint))]), ["BF16"], "n0")
         assert len(s.rows) == 1 and not s.claims, hint
         plan = make_plan([{"node": "n0", "t": s.rows}], bucket_bytes=4096)

@@ -348,7 +348,8 @@ def _per_rank_save(rank, world, root):
     if rank == 1:
         saver._on_device = lambda t: True
     try:
-        unickpt.save({"model": {"w": torch.arange(4096.0)}}, os.path.join(root, "mixed"))
+        unickpt.save({"model": {"w": torch.arange(4096.0), "b": torch.arange(4097.0).bfloat16()[1:]}},
+                     os.path.join(root, "mixed"))  # (b: a view at an odd offset, fingerprinted aligned)
         try:
             unickpt.save({"model": {"w": torch.arange(4096.0) + (rank == 1)}}, os.path.join(root, "mixed2"))
             mixed_refused = None

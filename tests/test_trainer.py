@@ -199,6 +199,9 @@ def test_retention_keeps_the_newest_and_bad_compression_options_are_refused(tmp_
     b = bytearray(f.read_bytes())
     b[-9] ^= 0x10
     f.write_bytes(bytes(b))
+    import shutil
+
+    shutil.copytree(tmp_path / "step-00000003", tmp_path / "step-00000009")  # step 3 under a newer name
     with caplog.at_level("WARNING", logger="unickpt"):
         t2 = Trainer(
             LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=4),
@@ -207,6 +210,7 @@ def test_retention_keeps_the_newest_and_bad_compression_options_are_refused(tmp_
     assert t2.step == 3
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "durable step 4" in said and "checksum" in said.lower() and "trying the next candidate" in said, said
+    assert "named step 9, but its manifest says step 3" in said, said
     with pytest.raises(ValueError, match="quant must be"):
         UnifiedCheckpoint(dir=str(tmp_path), quant="O3")
     with pytest.raises(ValueError, match="master must be"):

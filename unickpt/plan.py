@@ -25,7 +25,7 @@ from .errors import LayoutError
 from .format import build_header, itemsize, order_key
 from .compress import QUANT_CODECS, stored_parts
 from .layout import FlatUnit, Layout, Runs, intersect
-from .rules import FlatGeo, Unit, UnitSet, boxes_tile
+from .rules import MAX_GRID_MEMBERS, FlatGeo, Unit, UnitSet, boxes_tile
 from .state import Entry
 
 __all__ = ["encode_summary", "decode_summary", "summary_digest", "summarize", "assemble", "LocalSummary", "make_plan",
@@ -856,7 +856,8 @@ def _summarize(entries: list[Entry], dtypes: list[str], node: str, tags: dict) -
             flat.setdefault((h[0], h[1], e.role, dt, json.dumps(tags.get(e.key))), []).append(k)
         elif (isinstance(h, tuple) and len(h) in (4, 5) and h[0] == "grid" and not e.per_rank and math.prod(e.layout.shape) > 0
               and isinstance(h[1], (tuple, list)) and all(type(x) is int and x > 0 for x in h[1])
-              and isinstance(h[2], (tuple, list)) and type(h[3]) is int):  # (a malformed hint: explicit rows)
+              and math.prod(h[1]) <= MAX_GRID_MEMBERS and isinstance(h[2], (tuple, list)) and type(h[3]) is int
+              and (len(h) == 4 or h[4] is None or isinstance(h[4], (tuple, list)))):  # (malformed: explicit rows)
             body = {"k": "grid", "n": math.prod(h[1]), "mesh": list(h[1]), "pl": list(h[2]),
                     "t": [[e.name, list(e.layout.shape)]], "role": e.role, "dtype": dt, "tag": tags.get(e.key)}
             if len(h) == 5 and h[4] is not None:  # the mesh dimensions cut in another order (FSDP2 over TP)

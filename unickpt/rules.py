@@ -18,7 +18,12 @@ import numpy as np
 from .errors import LayoutError
 from .layout import Layout, _box_runs, _run_span
 
-__all__ = ["Unit", "UnitSet", "FlatGeo", "GridGeo", "boxes_tile"]
+__all__ = ["Unit", "UnitSet", "FlatGeo", "GridGeo", "boxes_tile", "MAX_GRID_MEMBERS"]
+
+
+MAX_GRID_MEMBERS = 1 << 22
+"""Members a grid rule may have (a mesh of 4 million ranks): its geometry holds a few int64
+arrays of that many entries; a hint claiming a larger mesh is no rule."""
 
 
 def _chunk(n: int, parts: int, i):
@@ -74,8 +79,9 @@ class Unit:
 
             if not (ints(mesh, 1) and ints(pl, -1, len(sh)) and ints(sh, 0) and len(pl) == len(mesh)):
                 raise LayoutError(f"grid rule of {names[0]!r}: malformed (mesh {mesh!r}, placements {pl!r}, shape {sh!r})")
-            if math.prod(mesh) != self.n:
-                raise LayoutError(f"grid rule of {names[0]!r}: mesh {mesh} does not have {self.n} members")
+            if math.prod(mesh) != self.n or self.n > MAX_GRID_MEMBERS:
+                raise LayoutError(f"grid rule of {names[0]!r}: mesh {mesh} does not have {self.n} members (at most "
+                                  f"{MAX_GRID_MEMBERS})")
             if order is not None and not (ints(order, 0) and sorted(order) == list(range(len(mesh)))):
                 raise LayoutError(f"grid rule of {names[0]!r}: order {order!r} is not an order of the mesh's "
                                   f"{len(mesh)} dimensions")

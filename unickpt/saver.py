@@ -149,6 +149,10 @@ class SaveOptions:
                 raise InvalidArgumentError(
                     "storage_options must be a dict with str keys and JSON values (str, numbers, bools, lists, "
                     "dicts): they travel to the asynchronous writer process as JSON")
+            try:  # (nesting, text, huge integers: an argument's problem, not the state's)
+                to_json(self.storage_options, "storage_options")
+            except StateDictError as e:
+                raise InvalidArgumentError(str(e)) from None
             put("storage_options", _json_copy(self.storage_options))
 
     @classmethod
@@ -592,6 +596,8 @@ def _fingerprint(t: torch.Tensor, weighted: bool = False) -> int:
     x = t.detach().contiguous().view(-1)
     b = x.view(torch.uint8)
     if b.numel() % 4 == 0:
+        if b.storage_offset() % 4:  # (a view at an odd offset: the same bytes, aligned)
+            b = b.clone()
         words = b.view(torch.int32)
     else:
         words = b
@@ -646,10 +652,7 @@ def _check_replicas(comm: Comm, plan: SavePlan, entries: list[Entry], staged: "S
     except Exception as ex:  # (staging failed) after the collective, on every rank
         err = ex
     lo, _ = comm.min_max(words.reshape(-1), "save (comparing replicated tensors)")
-    if staged is not None:
-        comm.agree(err, "save (staging)")
-    elif err is not None:
-        raise err
+    comm.agree(err, "save (staging)" if staged is not None else "save (comparing replicated tensors)")
     lo = lo.reshape(4, n)
     vals = words[0]
     mixed = [i for i in range(n) if int(lo[2, i]) != -int(lo[3, i])]  # held on the host and on accelerators
@@ -664,8 +667,7 @@ def _check_replicas(comm: Comm, plan: SavePlan, entries: list[Entry], staged: "S
         except Exception as ex:
             err = ex
         lo2, _ = comm.min_max(again.reshape(-1), "save (comparing replicated tensors on host and accelerators)")
-        if err is not None:
-            raise err
+        comm.agree(err, "save (comparing replicated tensors on host and accelerators)")
         lo2 = lo2.reshape(2, len(mixed))
         for j, i in enumerate(mixed):
             same[i] = int(lo2[0, j]) == -int(lo2[1, j])
