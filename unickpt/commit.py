@@ -45,7 +45,8 @@ import socket
 import time
 import uuid
 
-from .errors import CheckpointExistsError, CheckpointNotFoundError, FormatError, InvalidArgumentError, StorageError, UnickptError
+from .errors import (CheckpointExistsError, CheckpointNotFoundError, FormatError, InvalidArgumentError, StorageError,
+                     UnickptError)
 from .manifest import INDEX_NAME, MANIFEST_NAME
 from .storage import MarkerStorage, Storage
 
@@ -132,7 +133,7 @@ def check_step_name(path: str, named: int, saved: int | None) -> None:
     retention delete the real newest behind it): FormatError otherwise."""
     if saved is not None and saved != named:
         raise FormatError(f"{path}: named step {named}, but its manifest says step {saved} (a copy or a rename?): "
-                          "not taken as step {named}".replace("{named}", str(named)))
+                          f"not taken as step {named}")
 
 
 def resolve(storage: Storage, path: str) -> str:
