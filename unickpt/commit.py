@@ -113,25 +113,27 @@ def committed_steps(storage: Storage, root: str) -> list[tuple[int, str]]:
     (links are not followed: a checkpoint is a real directory under its root)."""
     out = []
     for name in storage.listdir(root):
-        m = _STEP.match(name)
-        if m and name == step_dirname(int(m.group(1))):  # (step-013 or step-0000000013 is no step's name)
+        step = _step_of_name(name)  # (step-013 or step-0000000013 is no step's name)
+        if step is not None:
             p = storage.join(root, name)
             if is_committed(storage, p):
-                out.append((int(m.group(1)), p))
+                out.append((step, p))
     return sorted(out)
 
 
-def step_of_name(name: str) -> int | None:
+def _step_of_name(name: str) -> int | None:
     """The step a checkpoint directory's name gives (``step-00000012``: 12), or None."""
     m = _STEP.match(name)
     return int(m.group(1)) if m and name == step_dirname(int(m.group(1))) else None
 
 
-def check_step_name(path: str, named: int, saved: int | None) -> None:
-    """A checkpoint found by its ``step-*`` name under a root must hold that step (a copy of
-    an older step put under a newer name would pass for the newest: loads would take it and
-    retention delete the real newest behind it): FormatError otherwise."""
-    if saved is not None and saved != named:
+def check_step_name(path: str, saved: int | None) -> None:
+    """A checkpoint found by its ``step-*`` name (under a root, or as a resume candidate)
+    must hold that step (a copy of an older step put under a newer name would pass for the
+    newest: loads would take it and retention delete the real newest behind it):
+    FormatError otherwise. Directories with other names, and manifests without a step, pass."""
+    named = _step_of_name(os.path.basename(os.fspath(path).rstrip("/")))
+    if named is not None and saved is not None and saved != named:
         raise FormatError(f"{path}: named step {named}, but its manifest says step {saved} (a copy or a rename?): "
                           f"not taken as step {named}")
 
@@ -347,10 +349,10 @@ def retain(storage: Storage, root: str, keep: int, node: str | None = None) -> l
     from .loader import open_files, read_manifest_bytes
     from .manifest import Manifest
 
-    for step, kept in steps[-keep:]:  # delete older ones only behind checkpoints that read
+    for _, kept in steps[-keep:]:  # delete older ones only behind checkpoints that read
         try:
             man = Manifest.from_json(read_manifest_bytes(storage, kept), kept)
-            check_step_name(kept, step, man.step)
+            check_step_name(kept, man.step)
             held = [f for f, fe in man.files.items() if node is None or fe.node == node or node in fe.replicas]
             readers: dict = {}  # each a regular file of its recorded size, header intact, as a load opens it
             open_files(storage, kept, man, held, readers)

@@ -99,7 +99,7 @@ def read_manifest(path: str | os.PathLike, *, group=None,
     mpath = storage.join(ckpt, MANIFEST_NAME)
     man = Manifest.from_json(read_manifest_bytes(storage, ckpt), mpath)
     if ckpt != p:  # found by its step-* name under a root
-        _commit.check_step_name(ckpt, _commit.step_of_name(storage.basename(ckpt)), man.step)
+        _commit.check_step_name(ckpt, man.step)
     return ckpt, man
 
 
@@ -384,7 +384,7 @@ def _find(comm: Comm, storage, p: str, node_local: bool, same: Mapping[str, Any]
     try:
         man = Manifest.from_json(mbytes, where)
         if rel:  # found by its step-* name under a root
-            _commit.check_step_name(ckpt, _commit.step_of_name(rel), man.step)
+            _commit.check_step_name(ckpt, man.step)
         if node_local and comm.rank != src:  # every node's copy of this checkpoint must be the same manifest
             try:
                 here = own if found and storage.join(ckpt, MANIFEST_NAME) == own_path else read_manifest_bytes(storage, ckpt)

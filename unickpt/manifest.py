@@ -302,14 +302,16 @@ DENSE_ALLOWANCE = 1 << 18
 text, ~35 MiB at most); beyond it, at most one per 8 bytes of text (~15x the text)."""
 
 
-def density_problem(data: bytes, allowance: int = DENSE_ALLOWANCE) -> str | None:
+def density_problem(data: bytes, allowance: int = DENSE_ALLOWANCE, more: tuple[int, int] = (0, 0)) -> str | None:
     """Why ``data`` (JSON text) holds too many objects and arrays for its size to be parsed
     within the bound above, or None. Brackets inside strings count too (a cheap, conservative
     count before any parse); saves check their JSON state with the same count
-    (:func:`unickpt.saver.save_entries`), so what a save commits a load parses."""
-    containers = data.count(b"{") + data.count(b"[")
-    if containers > max(len(data) // 8 + 64, allowance):
-        return f"{containers} JSON objects/arrays (or brackets in strings) in {len(data)} bytes"
+    (:func:`unickpt.saver.save_entries`), so what a save commits a load parses. ``more``:
+    ``(brackets, bytes)`` of text counted elsewhere, to be added."""
+    containers = data.count(b"{") + data.count(b"[") + more[0]
+    size = len(data) + more[1]
+    if containers > max(size // 8 + 64, allowance):
+        return f"{containers} JSON objects/arrays (or brackets in strings) in {size} bytes"
     return None
 
 

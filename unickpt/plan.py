@@ -15,6 +15,7 @@ import contextlib
 import gc
 import json
 import math
+import operator
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -25,7 +26,7 @@ from .errors import LayoutError
 from .format import build_header, itemsize, order_key
 from .compress import QUANT_CODECS, stored_parts
 from .layout import FlatUnit, Layout, Runs, intersect
-from .rules import MAX_GRID_MEMBERS, FlatGeo, Unit, UnitSet, boxes_tile
+from .rules import FlatGeo, Unit, UnitSet, boxes_tile
 from .state import Entry
 
 __all__ = ["encode_summary", "decode_summary", "summary_digest", "summarize", "assemble", "LocalSummary", "make_plan",
@@ -854,15 +855,15 @@ def _summarize(entries: list[Entry], dtypes: list[str], node: str, tags: dict) -
         h = e.layout.hint
         if isinstance(h, tuple) and len(h) == 3 and isinstance(h[0], FlatUnit) and not e.per_rank:
             flat.setdefault((h[0], h[1], e.role, dt, json.dumps(tags.get(e.key))), []).append(k)
-        elif (isinstance(h, tuple) and len(h) in (4, 5) and h[0] == "grid" and not e.per_rank and math.prod(e.layout.shape) > 0
-              and isinstance(h[1], (tuple, list)) and all(type(x) is int and x > 0 for x in h[1])
-              and math.prod(h[1]) <= MAX_GRID_MEMBERS and isinstance(h[2], (tuple, list)) and type(h[3]) is int
-              and (len(h) == 4 or h[4] is None or isinstance(h[4], (tuple, list)))):  # (malformed: explicit rows)
-            body = {"k": "grid", "n": math.prod(h[1]), "mesh": list(h[1]), "pl": list(h[2]),
-                    "t": [[e.name, list(e.layout.shape)]], "role": e.role, "dtype": dt, "tag": tags.get(e.key)}
-            if len(h) == 5 and h[4] is not None:  # the mesh dimensions cut in another order (FSDP2 over TP)
-                body["order"] = list(h[4])
-            grid[k] = (body, int(h[3]))
+        elif isinstance(h, tuple) and len(h) in (4, 5) and h[0] == "grid" and not e.per_rank and math.prod(e.layout.shape) > 0:
+            try:  # (a hint that is no sequence of the right kinds is no rule: explicit rows; Unit checks the rest)
+                body = {"k": "grid", "n": math.prod(h[1]), "mesh": list(h[1]), "pl": list(h[2]),
+                        "t": [[e.name, list(e.layout.shape)]], "role": e.role, "dtype": dt, "tag": tags.get(e.key)}
+                if len(h) == 5 and h[4] is not None:  # the mesh dimensions cut in another order (FSDP2 over TP)
+                    body["order"] = list(h[4])
+                grid[k] = (body, operator.index(h[3]))
+            except TypeError:
+                explicit.append(k)
         else:
             explicit.append(k)
     by_index: dict[int, list[tuple[str, dict, list[int]]]] = {}

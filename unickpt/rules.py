@@ -26,6 +26,11 @@ MAX_GRID_MEMBERS = 1 << 22
 arrays of that many entries; a hint claiming a larger mesh is no rule."""
 
 
+def _ints(v, lo: int, hi: int | None = None) -> bool:
+    """``v`` is a list or tuple of ints in ``[lo, hi)`` (a rule body from a peer, or a hint)."""
+    return isinstance(v, (list, tuple)) and all(type(x) is int and lo <= x and (hi is None or x < hi) for x in v)
+
+
 def _chunk(n: int, parts: int, i):
     """torch.chunk / DTensor Shard sizes: ``(offset, size)`` of part ``i`` (arrays work)."""
     c = -(-n // parts) if parts else 0
@@ -72,17 +77,12 @@ class Unit:
             (sh,) = body["t"][0]
             self.slots = [(names[0], tuple(sh), None, None, 0)]
             mesh, pl, order = body.get("mesh"), body.get("pl"), body.get("order", None)
-
-            def ints(v, lo: int, hi: int | None = None) -> bool:
-                return isinstance(v, (list, tuple)) and all(type(x) is int and lo <= x and (hi is None or x < hi)
-                                                            for x in v)
-
-            if not (ints(mesh, 1) and ints(pl, -1, len(sh)) and ints(sh, 0) and len(pl) == len(mesh)):
+            if not (_ints(mesh, 1) and _ints(pl, -1, len(sh)) and _ints(sh, 0) and len(pl) == len(mesh)):
                 raise LayoutError(f"grid rule of {names[0]!r}: malformed (mesh {mesh!r}, placements {pl!r}, shape {sh!r})")
             if math.prod(mesh) != self.n or self.n > MAX_GRID_MEMBERS:
                 raise LayoutError(f"grid rule of {names[0]!r}: mesh {mesh} does not have {self.n} members (at most "
                                   f"{MAX_GRID_MEMBERS})")
-            if order is not None and not (ints(order, 0) and sorted(order) == list(range(len(mesh)))):
+            if order is not None and not (_ints(order, 0) and sorted(order) == list(range(len(mesh)))):
                 raise LayoutError(f"grid rule of {names[0]!r}: order {order!r} is not an order of the mesh's "
                                   f"{len(mesh)} dimensions")
         else:

@@ -101,16 +101,16 @@ class SaveOptions:
 
     def __post_init__(self) -> None:
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
-        if self.step is not None and (type(self.step) is not int or not -(1 << 63) <= self.step < 1 << 63):
-            raise StateDictError(f"step must be an int (64-bit) or None, got {type(self.step).__name__} "
-                                 f"{str(self.step)[:40] if type(self.step) is not int else f'of {self.step.bit_length()} bits'}")
+        if self.step is not None and type(self.step) is not int:
+            raise StateDictError(f"step must be an int or None, got {type(self.step).__name__} {self.step!r}")
+        if self.step is not None and not -(1 << 63) <= self.step < 1 << 63:
+            raise StateDictError(f"step must be an int (64-bit) or None, got an int of {self.step.bit_length()} bits")
         for name, what in (("extra", "(None, bool, int, float, str, lists, dicts)"), ("strategy", "")):
             v = getattr(self, name)
             if v is not None:
                 if not isinstance(v, Mapping) or not _is_json(v):
                     raise StateDictError(f"{name} must be a JSON-serialisable dict {what}".rstrip())
-                to_json(v, name)  # (its checks: text, integers, nesting, reserved keys)
-                put(name, _json_copy(v))
+                put(name, to_json(v, name))  # a private copy, checked (text, integers, nesting, reserved keys)
         if self.extra_files is not None:
             if not isinstance(self.extra_files, Mapping):
                 raise StateDictError(f"extra_files must be a dict of name -> text, got {type(self.extra_files).__name__}")
@@ -149,11 +149,10 @@ class SaveOptions:
                 raise InvalidArgumentError(
                     "storage_options must be a dict with str keys and JSON values (str, numbers, bools, lists, "
                     "dicts): they travel to the asynchronous writer process as JSON")
-            try:  # (nesting, text, huge integers: an argument's problem, not the state's)
-                to_json(self.storage_options, "storage_options")
+            try:  # a private copy, checked (nesting, text, huge integers: an argument's problem, not the state's)
+                put("storage_options", to_json(self.storage_options, "storage_options"))
             except StateDictError as e:
                 raise InvalidArgumentError(str(e)) from None
-            put("storage_options", _json_copy(self.storage_options))
 
     @classmethod
     def of(cls, *, quant: str | None = None, master: str | None = None, zstd: int | None = None,
@@ -193,12 +192,6 @@ def _whole(name: str, v: Any, lo: int) -> int:
         if n is not None and n >= lo:
             return n
     raise InvalidArgumentError(f"{name} must be an integer of at least {lo}, got {v!r}")
-
-
-def _json_copy(v: Mapping[str, Any]) -> dict[str, Any]:
-    """A private, plain-JSON copy of an already checked value (tuples become lists, as in
-    the manifest)."""
-    return json.loads(json.dumps(v, allow_nan=False))
 
 
 def save_entries(
@@ -455,9 +448,9 @@ def _check_density(json_state: dict[str, Any], opts: SaveOptions, names: list[st
     than a manifest reader parses for its size (:func:`unickpt.manifest.density_problem`),
     before anything is written. Half the allowance, leaving the other half to the manifest's
     own entries (the same on every rank: the plan and the gathered state are)."""
-    text = json.dumps([json_state, opts.extra, opts.strategy, names, names, names], separators=(",", ":"),
-                      ensure_ascii=False).encode()
-    why = density_problem(text, DENSE_ALLOWANCE // 2)
+    text = json.dumps([json_state, opts.extra, opts.strategy], separators=(",", ":"), ensure_ascii=False).encode()
+    brackets = sum(n.count("{") + n.count("[") for n in names)
+    why = density_problem(text, DENSE_ALLOWANCE // 2, (brackets * 3, sum(len(n) + 3 for n in names) * 3))
     if why:
         raise StateDictError(f"the JSON state and tensor names hold {why}: more than a checkpoint's manifest may hold "
                              "for its size (it bounds what loads parse). Store long lists of small lists or dicts (seen "

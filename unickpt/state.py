@@ -182,15 +182,21 @@ def to_json(v: Any, where: str = "", depth: int = 0) -> Any:
         return [to_json(x, f"{where}.{i}" if where else str(i), depth + 1) for i, x in enumerate(v)]
     if isinstance(v, Mapping):
         for k in v:
-            if isinstance(k, int) and k.bit_length() > _MAX_INT_BITS:
-                raise StateDictError(f"{where!r}: an integer key of {k.bit_length()} bits is too large to store")
-            if k in _RESERVED:
-                raise StateDictError(f"{where!r}: the key {k!r} is reserved by unickpt")
-            why = _text_problem(k) if isinstance(k, str) else None
-            if why:
-                raise StateDictError(f"{where!r}: a key: {why}")
+            _check_key(k, where)
         return {str(k): to_json(x, f"{where}.{k}" if where else str(k), depth + 1) for k, x in v.items()}
     return v
+
+
+def _check_key(k: Any, where: str) -> None:
+    """A key of a mapping at ``where`` that the manifest cannot store as it is (a reserved
+    key, text that is not valid Unicode, an integer too large to write): StateDictError."""
+    if isinstance(k, int) and k.bit_length() > _MAX_INT_BITS:
+        raise StateDictError(f"{where!r}: an integer key of {k.bit_length()} bits is too large to store")
+    if k in _RESERVED:
+        raise StateDictError(f"{where!r}: the key {k!r} is reserved by unickpt")
+    why = _text_problem(k) if isinstance(k, str) else None
+    if why:
+        raise StateDictError(f"{where!r}: a key: {why}")
 
 
 def _float_code(v: Any) -> bool:
@@ -287,13 +293,7 @@ def flatten(state_dict: Mapping[str, Any], rank: int = 0, world: int = 1) -> tup
             for k, v in value.items():
                 if not isinstance(k, (str, int)) or isinstance(k, bool):
                     raise StateDictError(f"key {k!r} at {where!r} must be a str or int")
-                if isinstance(k, int) and k.bit_length() > _MAX_INT_BITS:
-                    raise StateDictError(f"{where!r}: an integer key of {k.bit_length()} bits is too large to store")
-                if k in _RESERVED:
-                    raise StateDictError(f"{where!r}: the key {k!r} is reserved by unickpt")
-                why = _text_problem(k) if isinstance(k, str) else None
-                if why:
-                    raise StateDictError(f"{where!r}: a key: {why}")
+                _check_key(k, where)
                 if str(k) in names:  # (1 and "1": one stored name, one value lost)
                     raise StateDictError(f"keys {names[str(k)]!r} and {k!r} at {where!r} are both stored as "
                                          f"{str(k)!r}: rename one")
