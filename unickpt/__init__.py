@@ -44,18 +44,20 @@ if TYPE_CHECKING:
     from .state import PerRank, per_rank
 
 
-def sweep(root, *, storage_options=None) -> list[str]:
+def sweep(root, *, storage_options=None, timeout_s: float | None = None) -> list[str]:
     """Remove what interrupted saves left under ``root`` (temporary directories; on object
     stores, the objects of writes whose owner is gone) and return what was removed. Safe
-    while other saves run: only provably abandoned writes are touched."""
+    while other saves run: only provably abandoned writes are touched. The root's commit
+    lock is waited for at most 0.8 x ``timeout_s`` (default ``UNICKPT_TIMEOUT_S``, else
+    600 s): :class:`~unickpt.errors.LockTimeoutError` beyond."""
     from .commit import sweep_stale
     from .storage import storage_for
 
     storage, p = storage_for(root, storage_options)
-    return sweep_stale(storage, p)
+    return sweep_stale(storage, p, timeout_s=timeout_s)
 
 
-def retain(root, keep: int, *, storage_options=None) -> list[str]:
+def retain(root, keep: int, *, storage_options=None, timeout_s: float | None = None) -> list[str]:
     """Delete all but the newest ``keep`` committed ``step-*`` checkpoints under ``root``
     (only behind newer checkpoints whose manifests read and whose files are there: with
     ``{node}`` in ``root``, the files this node wrote or holds copies of; the newest is
@@ -63,23 +65,26 @@ def retain(root, keep: int, *, storage_options=None) -> list[str]:
     such as an export put inside it: it is kept, with a warning).
     Each is hidden atomically before its files go (object stores: its manifest, the commit
     marker, is deleted first), so a crash never leaves half of one visible. Returns the
-    deleted paths."""
+    deleted paths. ``timeout_s`` bounds the wait for the root's commit lock, as for :func:`sweep`."""
     from .commit import retain as _retain
     from .storage import per_node, storage_for
     from .transport import node_id
 
     storage, p = storage_for(root, storage_options)
-    return _retain(storage, p, keep, node_id() if per_node(root) else None)
+    return _retain(storage, p, keep, node_id() if per_node(root) else None, timeout_s=timeout_s)
 
 
 def latest(root, *, storage_options=None) -> str | None:
-    """Path (or URL) of the newest committed ``step-*`` checkpoint under ``root``, or None."""
-    from .commit import committed_steps
+    """Path (or URL) of the newest committed ``step-*`` checkpoint under ``root``, or None.
+    Checked as ``load(root)`` checks it: a newest step whose manifest does not read, or says
+    another step than its name (a copy of an older step under a newer name), raises a
+    :class:`~unickpt.errors.FormatError` (or the error that reading it met) naming it and
+    the older steps, never returns a step other than the one its name says."""
+    from .catalog import newest
     from .storage import storage_for
 
     storage, p = storage_for(root, storage_options)
-    steps = committed_steps(storage, p)
-    return steps[-1][1] if steps else None
+    return newest(storage, p)
 
 
 def __getattr__(name: str):

@@ -13,6 +13,7 @@ import os
 from typing import Any, Mapping, Sequence
 
 from .async_save import checkpointer
+from .catalog import check_destination
 from .compress import Compression
 from .errors import InvalidArgumentError
 from .format import Hasher
@@ -144,6 +145,8 @@ def save(
             compression=compression, timeout_s=timeout_s, storage_options=storage_options, replicas=replicas,
         )
         also = tuple(also)
+        for p in (path, *also):
+            check_destination(p, opts.step)
         if replicas and not per_node(path):  # (the count of nodes is checked with the plan)
             raise InvalidArgumentError(f"{os.fspath(path)}: replicas need node-local storage ({{node}} in the path)")
         if also and not async_save:

@@ -2,7 +2,7 @@
 
 Per rank, one :class:`Checkpointer` owns
 
-* a **staging buffer**: a shared-memory segment (``/dev/shm/unickpt-<pid>-<n>``) allocated
+* a **staging buffer**: a shared-memory segment (``/dev/shm/unickpt-stage-<pid>-<token>``, :mod:`unickpt.shm`) allocated
   once and reused, grown when the state grows; registered as pinned memory with CUDA
   (``cudaHostRegister``) when CUDA is available, so device-to-host copies run at full speed;
 * a **persistent writer process** (started on first use as a fresh interpreter running
@@ -47,8 +47,6 @@ import atexit
 import collections
 import contextlib
 import dataclasses
-import glob
-import itertools
 import json
 import mmap
 import multiprocessing.connection as mpc
@@ -67,6 +65,7 @@ from typing import Any, Mapping
 
 import torch
 
+from . import shm
 from ._metrics import log
 from ._writer_main import BOOT
 from .errors import AsyncSaveError, DistributedError, UnickptError, async_error
@@ -81,7 +80,7 @@ from .transport import Comm, resolve_timeout
 
 __all__ = ["AsyncSave", "Checkpointer", "checkpointer", "shutdown"]
 
-SHM_DIR = "/dev/shm"
+SHM_DIR = shm.SHM_DIR
 ALIGN = 4096
 PROGRESS_INTERVAL = 0.1  # seconds between a writer's progress reports (plus the final one)
 STAGE_CHUNK = 32 << 20  # the trainer tells its writer how far the copy has got every ~this many bytes
@@ -89,30 +88,12 @@ READY_SLICE = 0.1  # seconds start() waits for its own writer between two all-ga
 WRITER_BOOT_S = 60.0  # start() allows a writer this long to start its interpreter, beyond timeout_s for its group
 _READY = {"op": "ready"}  # a writer's first message once it has joined the writers' group
 _READY_RAW = json.dumps(_READY).encode()  # the same, as _reply sends it
-_SEGMENT_NUMBERS = itertools.count(1)  # staging segments of this process (every checkpointer's): unique names
-
-
-def _shm_prefix(pid: int | None = None) -> str:
-    return f"unickpt-{pid if pid is not None else os.getpid()}-"
 
 
 def sweep_segments() -> list[str]:
-    """Unlink staging segments left by processes that no longer exist (killed trainers)."""
-    removed = []
-    for p in glob.glob(os.path.join(SHM_DIR, "unickpt-*-*")):
-        try:
-            pid = int(os.path.basename(p).split("-")[1])
-            if os.stat(p).st_uid != os.getuid():
-                continue  # another user's: not ours to judge
-        except (IndexError, ValueError, OSError):
-            continue
-        if pid != os.getpid() and not _alive(pid):
-            try:
-                os.unlink(p)
-                removed.append(p)
-            except OSError:
-                pass
-    return removed
+    """Unlink staging segments (and node-read buffers) of this user that no live process
+    holds (:func:`unickpt.shm.sweep`: by the kernel's lock, not by pid)."""
+    return shm.sweep(SHM_DIR)
 
 
 def _alive(pid: int) -> bool:
@@ -125,13 +106,26 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _new_segment(size: int) -> "_Segment":
+    """A staging segment under a new name (:func:`unickpt.shm.new_name`; a name taken by
+    anyone, a dead process of the same pid or another user, is never reused)."""
+    for _ in range(7):
+        try:
+            return _Segment(shm.new_name("stage"), size, create=True)
+        except FileExistsError:
+            continue
+    return _Segment(shm.new_name("stage"), size, create=True)
+
+
 class _Segment:
-    """A named shared-memory segment, mapped in this process."""
+    """A named shared-memory segment (:mod:`unickpt.shm`), mapped in this process. The
+    creator keeps the descriptor that holds the segment's lock until :meth:`close`."""
 
     def __init__(self, name: str, size: int, create: bool) -> None:
         self.name, self.size = name, size
         path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, (os.O_RDWR | os.O_CREAT | os.O_EXCL) if create else os.O_RDWR, 0o600)
+        self._fd = -1
+        fd = shm.create(path) if create else shm.open_existing(path, size)
         try:
             if create:
                 try:  # reserve the pages now: a full tmpfs would otherwise SIGBUS the copy
@@ -145,9 +139,14 @@ class _Segment:
                         f"({e.strerror}); enlarge {SHM_DIR} or save synchronously"
                     ) from e
             self.mm = mmap.mmap(fd, size)
-        finally:
+        except BaseException:
             if fd >= 0:
                 os.close(fd)
+            raise
+        if create:
+            self._fd = fd  # holds the lock: the segment is alive while this process is
+        else:
+            os.close(fd)
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.pinned = False
 
@@ -172,6 +171,9 @@ class _Segment:
                 os.unlink(os.path.join(SHM_DIR, self.name))
             except FileNotFoundError:
                 pass
+        if self._fd >= 0:
+            os.close(self._fd)  # (releases the lock)
+            self._fd = -1
 
 
 @dataclass
@@ -794,7 +796,7 @@ class Checkpointer:
         if self._seg is not None and self._seg.size >= size:
             return
         new = segment_bytes(size)
-        seg = _Segment(f"{_shm_prefix()}{next(_SEGMENT_NUMBERS)}", new, create=True)
+        seg = _new_segment(new)
         if fault_in:
             seg.tensor[::mmap.PAGESIZE].zero_()
         seg.pin()
@@ -1024,14 +1026,14 @@ def _parent_gone(parent_pid: int) -> bool:
 
 def _free_parent_segments(parent_pid: int, segments: dict) -> None:
     """The parent is gone: unlink its staging segments (those this writer maps, and any
-    other it created: they are named after its pid), so no shared memory outlives the job."""
-    names = {seg.name for seg in list(segments.values()) if getattr(seg, "name", None)}
-    names |= {os.path.basename(p) for p in glob.glob(os.path.join(SHM_DIR, f"{_shm_prefix(parent_pid)}*"))}
-    for name in names:
+    other it created, which no process holds now: :func:`sweep_segments`), so no shared
+    memory outlives the job."""
+    for name in {seg.name for seg in list(segments.values()) if getattr(seg, "name", None)}:
         try:
             os.unlink(os.path.join(SHM_DIR, name))
         except OSError:
             pass
+    sweep_segments()
 
 
 def _watch_parent(parent_pid: int, segments: dict) -> None:

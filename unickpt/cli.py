@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from . import __version__
 from ._metrics import gbps, human_bytes
-from .errors import CheckpointExistsError, CheckpointNotFoundError, FormatError, InvalidArgumentError, UnickptError
+from .errors import (CheckpointExistsError, CheckpointNotFoundError, FormatError, InvalidArgumentError, StorageError,
+                     UnickptError)
 
 if TYPE_CHECKING:
     from .manifest import Manifest
@@ -228,7 +229,9 @@ def _verify(args):
     nodes = sorted({f.node for f in man.files.values()} | {n for f in man.files.values() for n in f.replicas})
     if node is not None and node not in nodes:
         raise InvalidArgumentError(f"--node {node!r}: the checkpoint's files were written on node(s) {nodes}")
-    bad = _with_progress("verify", args, lambda progress: verify_checkpoint(ckpt, man, progress, node=node))
+    unchecked: list[tuple[str, str, str]] = []
+    bad = _with_progress("verify", args, lambda progress: verify_checkpoint(ckpt, man, progress, node=node,
+                                                                             unchecked=unchecked))
     secs = time.perf_counter() - t0
     here = [t for t in man.tensors.values() if _on_node(man.files[t.file], node)]
     files_here = [f for f in man.files.values() if _on_node(f, node)]
@@ -236,7 +239,9 @@ def _verify(args):
     nbytes = sum(t.nbytes for t in here)
     res: dict[str, Any] = {"path": ckpt, "tensors": len(here), "files": len(files_here), "other_files": len(man.aux),
                            "bytes": nbytes, "seconds": secs, "gbps": gbps(nbytes, secs),
-                           "bad": [{"file": f, "tensor": n, "reason": why} for f, n, why in bad]}
+                           "bad": [{"file": f, "tensor": n, "reason": why} for f, n, why in bad],
+                           "unchecked": [{"file": f, "tensor": n, "reason": why} for f, n, why in unchecked],
+                           "verdict": "damaged" if bad else ("could not check" if unchecked else "intact")}
     if node is not None:
         res["node"], res["elsewhere"] = node, elsewhere
     stray = _unlisted(ckpt, man, {f for f, _, _ in bad})
@@ -258,9 +263,22 @@ def _verify(args):
                 print(f"note: the missing files were written on node(s) {sorted({man.files[f].node for f in gone})}; on "
                       "node-local storage each node's directory holds its own files only: `unickpt verify PATH --node "
                       "ID` checks one node's", file=sys.stderr)
+        if unchecked:
+            summary += f"; {len({f for f, _, _ in unchecked})} file(s) could not be read, so were not checked"
         print(f"unickpt verify: {_safe(summary)}", file=sys.stderr)
         res["error"] = {"type": "ChecksumError", "message": summary}
         return FAILED, res, ""
+    if unchecked:  # nothing found damaged, but not everything could be checked: no verdict
+        files = sorted({f for f, _, _ in unchecked})
+        summary = (f"could not check {len(files)} file(s) ({', '.join(files[:4])}{' ...' if len(files) > 4 else ''}): "
+                   f"{unchecked[0][2]}; the rest match their checksums")
+        if not args.json:
+            for f, n, why in unchecked:
+                print(f"UNCHECKED  {_safe(f)}: {'tensor ' + repr(_safe(n)) + ': ' if n else ''}{_safe(why)}",
+                      file=sys.stderr)
+        print(f"unickpt verify: {_safe(summary)}", file=sys.stderr)
+        res["error"] = {"type": "StorageError", "message": summary}
+        return ERROR, res, ""
     extra = f" and {len(man.aux)} other files" if man.aux else ""
     note = "" if man.format_version >= 2 else " (format 1: the manifest, headers and other files carry no checksum)"
     of_node = "" if node is None else f" of node {node}"
@@ -305,12 +323,22 @@ def _on_node(f, node: str | None) -> bool:
     return node is None or f.node == node or node in f.replicas
 
 
-def verify_checkpoint(ckpt: str, man: Manifest, progress: Progress = None, node: str | None = None
-                      ) -> list[tuple[str, str, str]]:
-    """Check every stored tensor against its checksum; return ``(file, tensor, reason)``.
-    ``progress(done, total)`` is called with the bytes checked so far. ``node``: the
-    directory is that node's of a node-local checkpoint; only the files it holds (written
-    there, or replicated to it) are checked."""
+def verify_checkpoint(ckpt: str, man: Manifest, progress: Progress = None, node: str | None = None,
+                      unchecked: list | None = None) -> list[tuple[str, str, str]]:
+    """Check every stored tensor against its checksum; return ``(file, tensor, reason)`` of
+    what is damaged (missing, malformed, or bytes that do not match). ``progress(done,
+    total)`` is called with the bytes checked so far. ``node``: the directory is that node's
+    of a node-local checkpoint; only the files it holds (written there, or replicated to it)
+    are checked. ``unchecked``: where a file cannot be read (permission denied, EIO: a
+    :class:`~unickpt.errors.StorageError`, which says nothing of the bytes) its tensors go
+    there as ``(file, tensor, reason)`` and the check goes on; without it, that error raises."""
+
+    def cannot_read(e: BaseException, fname: str, names: list[str]) -> bool:
+        if unchecked is None or not isinstance(e, StorageError) or isinstance(e, CheckpointNotFoundError):
+            return False
+        unchecked.extend((fname, n, f"could not be read: {e}") for n in names)
+        return True
+
     import torch
 
     from .format import Hasher
@@ -331,12 +359,19 @@ def verify_checkpoint(ckpt: str, man: Manifest, progress: Progress = None, node:
         try:
             reader = open_file(storage, ckpt, man, fname)
         except UnickptError as e:
-            bad += [(fname, t.name, str(e)) for t in ts]
+            if not cannot_read(e, fname, [t.name for t in ts]):
+                bad += [(fname, t.name, str(e)) for t in ts]
             continue
         try:
             base = man.files[fname].data_start
-            for t in ts:
-                for part, b, e in check_stored(reader, base, t, buf):
+            for i, t in enumerate(ts):
+                try:
+                    found = list(check_stored(reader, base, t, buf))
+                except StorageError as e:
+                    if cannot_read(e, fname, [x.name for x in ts[i:]]):
+                        break
+                    raise
+                for part, b, e in found:
                     what = f"part {part!r}" if part else "the tensor"
                     bad.append((fname, t.name, f"bytes [{b}, {e}) of {what} do not match their checksum"))
                 done += t.nbytes
@@ -352,7 +387,8 @@ def verify_checkpoint(ckpt: str, man: Manifest, progress: Progress = None, node:
         try:
             data = storage.read_bytes(storage.join(ckpt, name), max(size, 0))
         except UnickptError as e:
-            bad.append((name, "", str(e)))
+            if not cannot_read(e, name, [""]):
+                bad.append((name, "", str(e)))
             continue
         if len(data) != size or Hasher.of(data) != digest:
             bad.append((name, "", "does not match the size and checksum the manifest records"))
@@ -573,17 +609,19 @@ def _run(argv: list[str], said: list[str] | None = None) -> tuple[int, dict, str
         raise UsageError("--storage-options given twice (before and after the command) with different values")
     if args.c_storage_options is not None:  # (after the command)
         args.storage_options = args.c_storage_options
-    if args.storage_options is not None:
-        def no_constant(name):
-            raise ValueError(f"{name} is not JSON")
+    from .objstore import parse_options
 
+    if args.storage_options is not None:
         try:
-            opts = json.loads(args.storage_options, parse_constant=no_constant)
-        except (ValueError, RecursionError) as e:
-            raise UsageError(f"--storage-options: not JSON ({str(e)[:200]})") from None
-        if not isinstance(opts, dict):
-            raise UsageError("--storage-options: expected a JSON object such as '{\"client\": \"s3fs\"}'")
+            parse_options(args.storage_options, "--storage-options")
+        except InvalidArgumentError as e:
+            raise UsageError(str(e)) from None
         os.environ["UNICKPT_STORAGE_OPTIONS"] = args.storage_options
+    elif os.environ.get("UNICKPT_STORAGE_OPTIONS"):  # (from the environment: checked as the option is)
+        try:
+            parse_options(os.environ["UNICKPT_STORAGE_OPTIONS"], "UNICKPT_STORAGE_OPTIONS")
+        except InvalidArgumentError as e:
+            raise UsageError(str(e)) from None
     args.warnings = said if said is not None else []
     handler = _Said(args)  # the library's warnings (logged) are the command's: on stderr and in --json
     lib = logging.getLogger("unickpt")

@@ -25,9 +25,8 @@ call                   who          what holds when it returns
 ``abort()``            coordinator  the temporary is removed (never the destination)
 =====================  ===========  ====================================================
 
-A directory is a *committed* checkpoint iff its name is final and it holds ``unickpt.json``.
-"Latest" is found by scanning ``step-*`` directories, never through a pointer file that
-could run ahead of durable data.
+A directory is a *committed* checkpoint iff its name is final and it holds ``unickpt.json``
+(:mod:`unickpt.catalog` lists them and picks the newest).
 
 Sweeping (:func:`sweep_stale`, under the same lock as commits) removes a temporary only when
 its owner is provably gone: the owner record names a process of this host that no longer
@@ -41,18 +40,19 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import time
 import uuid
 
-from .errors import (CheckpointExistsError, CheckpointNotFoundError, FormatError, InvalidArgumentError, StorageError,
+from .errors import (CheckpointExistsError, CheckpointNotFoundError, InvalidArgumentError, StorageError,
                      UnickptError)
+from . import liveness
+from .catalog import check_destination, committed_steps, committed_under, is_committed, open_checkpoint, read_manifest_bytes
 from .manifest import INDEX_NAME, MANIFEST_NAME
+from .liveness import record_alive
 from .storage import MarkerStorage, Storage
 
-__all__ = ["Transaction", "step_dirname", "is_committed", "committed_steps", "resolve", "sweep_stale"]
+__all__ = ["Transaction", "sweep_stale", "retain", "retire"]
 
-_STEP = re.compile(r"^step-([0-9]{8,})$")  # as step_dirname writes it (ASCII digits; checked below)
 _TMP = re.compile(r"^\.(.+)\.(tmp|old|del)-([0-9a-f]{8,32})$")
 OWNER = ".owner"
 NO_OWNER_GRACE = 60.0
@@ -61,10 +61,6 @@ creating it and recording itself, on another host whose lock this one does not s
 STALE_AFTER = 6 * 3600.0
 """Seconds without change after which a temporary whose owner cannot be checked (another
 host, or no owner record) counts as abandoned."""
-
-
-def step_dirname(step: int) -> str:
-    return f"step-{step:08d}"
 
 
 def new_token() -> str:
@@ -79,105 +75,6 @@ def _aside_name(final_name: str, token: str) -> str:
     return f".{final_name}.old-{token}"
 
 
-def is_committed(storage: Storage, path: str) -> bool:
-    """``path`` is a directory holding a manifest that is a regular file (a link, FIFO or
-    directory named ``unickpt.json`` is refused by every reader, so it commits nothing).
-    On object stores: the manifest object exists under the prefix."""
-    if not storage.caps.atomic_rename:
-        return storage.isfile(storage.join(path, MANIFEST_NAME))
-    return storage.isdir(path) and storage.isfile(storage.join(path, MANIFEST_NAME))
-
-
-def committed_under(storage: Storage, path: str, *, below: bool = False) -> str | None:
-    """The first committed checkpoint at ``path`` or anywhere under it (``below``: under it
-    only), or None. Real directories only: links are not followed, as no reader follows them.
-    Object stores: one recursive listing (a walk would list every prefix, one request each)."""
-    if not storage.caps.atomic_rename:
-        for key in sorted(m.key for m in storage.list_objects(path)):
-            if key == MANIFEST_NAME and not below:
-                return path
-            if key.endswith("/" + MANIFEST_NAME):
-                return storage.join(path, key[: -len(MANIFEST_NAME) - 1])
-        return None
-    stack = [path]
-    while stack:
-        p = stack.pop()
-        if (p != path or not below) and is_committed(storage, p):
-            return p
-        stack.extend(q for q in (storage.join(p, n) for n in storage.listdir(p)) if storage.isdir(q))
-    return None
-
-
-def committed_steps(storage: Storage, root: str) -> list[tuple[int, str]]:
-    """``(step, path)`` of committed ``step-*`` checkpoints under ``root``, oldest first
-    (links are not followed: a checkpoint is a real directory under its root)."""
-    out = []
-    for name in storage.listdir(root):
-        step = _step_of_name(name)  # (step-013 or step-0000000013 is no step's name)
-        if step is not None:
-            p = storage.join(root, name)
-            if is_committed(storage, p):
-                out.append((step, p))
-    return sorted(out)
-
-
-def _step_of_name(name: str) -> int | None:
-    """The step a checkpoint directory's name gives (``step-00000012``: 12), or None."""
-    m = _STEP.match(name)
-    return int(m.group(1)) if m and name == step_dirname(int(m.group(1))) else None
-
-
-def check_step_name(path: str, saved: int | None) -> None:
-    """A checkpoint found by its ``step-*`` name (under a root, or as a resume candidate)
-    must hold that step (a copy of an older step put under a newer name would pass for the
-    newest: loads would take it and retention delete the real newest behind it):
-    FormatError otherwise. Directories with other names, and manifests without a step, pass."""
-    named = _step_of_name(os.path.basename(os.fspath(path).rstrip("/")))
-    if named is not None and saved is not None and saved != named:
-        raise FormatError(f"{path}: named step {named}, but its manifest says step {saved} (a copy or a rename?): "
-                          f"not taken as step {named}")
-
-
-def resolve(storage: Storage, path: str) -> str:
-    """A committed checkpoint directory: ``path`` itself, or the newest committed
-    ``step-*`` checkpoint under it."""
-    if _committed_or_link(storage, path):
-        return path
-    steps = committed_steps(storage, path)
-    if steps:
-        return steps[-1][1]
-    if storage.exists(storage.join(path, MANIFEST_NAME)):  # there, but not a regular file: say what it is
-        storage.read_bytes(storage.join(path, MANIFEST_NAME), 0)
-    if (storage.isdir(path) if not storage.caps.atomic_rename else _is_dir_link(path)):
-        raise CheckpointNotFoundError(
-            f"{path}: no committed checkpoint here ({MANIFEST_NAME} missing) and no committed step-* checkpoint below"
-        )
-    raise CheckpointNotFoundError(f"{path}: no such checkpoint directory")
-
-
-def _is_dir_link(path: str) -> bool:
-    """A directory, or a link to one (the path a user names is followed once)."""
-    try:
-        return os.path.isdir(path)
-    except (OSError, ValueError):
-        return False
-
-
-def _committed_or_link(storage: Storage, path: str) -> bool:
-    """The path a user names may itself be a link to a checkpoint (their choice); what is
-    inside it is never followed through links."""
-    if not storage.caps.atomic_rename:  # object stores: prefixes, no links
-        return storage.isfile(storage.join(path, MANIFEST_NAME))
-    return _is_dir_link(path) and storage.isfile(storage.join(path, MANIFEST_NAME))
-
-
-def _owner_record() -> dict:
-    import psutil
-
-    pid = os.getpid()
-    return {"host": socket.gethostname(), "pid": pid, "started": psutil.Process(pid).create_time(), "time": time.time()}
-
-
 def _owner_alive(storage: Storage, tmp: str, now: float) -> bool:
     """False only when the temporary's owner is provably gone (see the module doc)."""
     try:
@@ -190,26 +87,10 @@ def _owner_alive(storage: Storage, tmp: str, now: float) -> bool:
 
 
 def _record_alive(rec, mtime: float, now: float) -> bool:
-    """An owner record names a live process: this host's process still runs (same start
-    time), or another host's record changed less than ``STALE_AFTER`` ago."""
-    import psutil
-
-    try:
-        host, pid, started = rec["host"], int(rec["pid"]), float(rec["started"])
-    except Exception:
-        return now - mtime < NO_OWNER_GRACE
-    if host != socket.gethostname():
-        return now - mtime < STALE_AFTER
-    try:
-        proc = psutil.Process(pid)
-        return abs(proc.create_time() - started) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
-        return False
-    except psutil.Error:
-        return True
+    return record_alive(rec, mtime, now, grace=NO_OWNER_GRACE, stale=STALE_AFTER)
 
 
-def sweep_stale(storage: Storage, root: str, final_name: str | None = None) -> list[str]:
+def sweep_stale(storage: Storage, root: str, final_name: str | None = None, timeout_s: float | None = None) -> list[str]:
     """Remove temporaries of interrupted writes under ``root`` (all, or those of one name)
     whose owner is provably gone, and put back checkpoints an interrupted overwrite moved
     aside. Returns the removed paths. Safe to call while other saves are in flight."""
@@ -221,7 +102,7 @@ def sweep_stale(storage: Storage, root: str, final_name: str | None = None) -> l
         return removed
     if not storage.isdir(root):
         return removed
-    with storage.lock(root):
+    with storage.lock(root, timeout_s):
         now = time.time()
         names = storage.listdir(root)
         # a commit moves the old checkpoint aside under this lock: holding it, an .old- with a
@@ -263,7 +144,6 @@ def _token_of(name: str) -> str | None:
 def _referenced(storage: Storage, prefix: str) -> set[str] | None:
     """Names the committed manifest under ``prefix`` lists (empty: no manifest; None: a
     manifest that does not read, so nothing may be touched)."""
-    from .loader import read_manifest_bytes
     from .manifest import Manifest
 
     if not storage.isfile(storage.join(prefix, MANIFEST_NAME)):
@@ -320,7 +200,7 @@ def _sweep_prefix(storage: MarkerStorage, prefix: str) -> list[str]:
     return paths
 
 
-def retire(storage: Storage, path: str) -> None:
+def retire(storage: Storage, path: str, timeout_s: float | None = None) -> None:
     """Delete a committed checkpoint without ever leaving half of it visible: it is renamed
     to a hidden ``.NAME.del-TOKEN`` first (atomic), then removed; a crash in between leaves
     a directory that any sweep removes. On object stores the manifest (the commit marker)
@@ -331,13 +211,13 @@ def retire(storage: Storage, path: str) -> None:
         return
     parent, name = storage.parent(path), storage.basename(path)
     gone = storage.join(parent, f".{name}.del-{new_token()}")
-    with storage.lock(parent):
+    with storage.lock(parent, timeout_s):
         storage.rename_dir(path, gone)
     _fsync_quietly(storage, parent)
     storage.remove_tree(gone)
 
 
-def retain(storage: Storage, root: str, keep: int, node: str | None = None) -> list[str]:
+def retain(storage: Storage, root: str, keep: int, node: str | None = None, timeout_s: float | None = None) -> list[str]:
     """Retire all but the newest ``keep`` committed ``step-*`` checkpoints under ``root``;
     return the retired paths. An old step whose directory holds another committed
     checkpoint (an export or copy put inside it) is kept, with a warning. ``node``: ``root``
@@ -346,13 +226,11 @@ def retain(storage: Storage, root: str, keep: int, node: str | None = None) -> l
     if type(keep) is not int or keep < 1:
         raise InvalidArgumentError(f"keep must be an integer of at least 1, got {keep!r}")
     steps = committed_steps(storage, root)
-    from .loader import open_files, read_manifest_bytes
-    from .manifest import Manifest
+    from .loader import open_files
 
     for _, kept in steps[-keep:]:  # delete older ones only behind checkpoints that read
         try:
-            man = Manifest.from_json(read_manifest_bytes(storage, kept), kept)
-            check_step_name(kept, man.step)
+            man = open_checkpoint(storage, kept)[2]
             held = [f for f, fe in man.files.items() if node is None or fe.node == node or node in fe.replicas]
             readers: dict = {}  # each a regular file of its recorded size, header intact, as a load opens it
             open_files(storage, kept, man, held, readers)
@@ -372,7 +250,7 @@ def retain(storage: Storage, root: str, keep: int, node: str | None = None) -> l
             log.warning("retention kept %s: it holds another committed checkpoint, %s (move that one out "
                         "to let %s go)", old, nested, old)
             continue
-        retire(storage, old)
+        retire(storage, old, timeout_s)
         out.append(old)
     return out
 
@@ -385,8 +263,11 @@ class Transaction:
     """
 
     def __init__(self, storage: Storage, final: str, *, overwrite: bool = False, token: str | None = None,
-                 folder: bool = False) -> None:
+                 folder: bool = False, step: int | None = None, timeout_s: float | None = None) -> None:
+        if not folder:
+            check_destination(final, step)  # (a step-N directory holding another step is refused by every reader)
         self.storage, self.final, self.overwrite, self.folder = storage, final, overwrite, folder
+        self.timeout_s = timeout_s  # bounds the wait for the parent's commit lock (LockTimeoutError)
         self.token = token or new_token()
         self.parent, self.name = storage.parent(final), storage.basename(final)
         # object stores (no atomic rename): objects go under the final prefix with names
@@ -494,21 +375,20 @@ class Transaction:
         s = self.storage
         if not s.isdir(self.parent):
             s.makedirs(self.parent)
-        sweep_stale(s, self.parent, self.name)  # first: it may put back a checkpoint moved aside
+        sweep_stale(s, self.parent, self.name, self.timeout_s)  # first: it may put back a checkpoint moved aside
         self._check_destination()
         self._seen = self._state()
-        with s.lock(self.parent):  # a sweep never sees the temporary without its owner record
+        with s.lock(self.parent, self.timeout_s):  # a sweep never sees the temporary without its owner record
             s.makedirs(self.tmp)
             self._began = True
-            s.write_bytes(self.path(OWNER), json.dumps(_owner_record()).encode())
+            s.write_bytes(self.path(OWNER), json.dumps(liveness.me()).encode())
 
     def _begin_marker(self) -> None:
         s = self.storage
-        sweep_stale(s, self.parent, self.name)
+        sweep_stale(s, self.parent, self.name, self.timeout_s)
         self._check_destination()
         self._seen = self._state()
         if self._seen is not None and self._seen[0] == "checkpoint":  # an overwrite: remember what to delete
-            from .loader import read_manifest_bytes
             from .manifest import Manifest
 
             try:
@@ -517,7 +397,7 @@ class Transaction:
             except Exception:  # unreadable: its objects are left for a sweep (they are not ours)
                 self._old_files = set()
         self._began = True
-        s.write_bytes(self._owner, json.dumps(_owner_record()).encode())
+        s.write_bytes(self._owner, json.dumps(liveness.me()).encode())
 
     def put(self, name: str, data: bytes) -> None:
         if self.marker and not self.folder:  # fixed names: written only once this write has won
@@ -529,7 +409,7 @@ class Transaction:
         s = self.storage
         if self.marker:
             return self._commit_marker(manifest)
-        with s.lock(self.parent):
+        with s.lock(self.parent, self.timeout_s):
             if self._state() != self._seen:  # (what begin checked still holds when this does)
                 raise CheckpointExistsError(
                     f"{self.final}: another write committed here while this one was running; "

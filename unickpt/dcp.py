@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.futures import Future
 
-from . import commit as _commit
+from . import catalog as _catalog
 from . import loader as _loader
 from .compress import Compression
 from .errors import (
@@ -65,7 +65,7 @@ from .errors import (
 )
 from .format import torch_dtype
 from .layout import Layout
-from .manifest import MANIFEST_NAME, Manifest, name_problem
+from .manifest import Manifest, name_problem
 from .saver import DEFAULT_BUCKET, SaveOptions, SaveResult, save_entries
 from .state import _ROLE, OTHER_ROLE, Entry, from_json, is_state_value, like_target, set_json_path, tie, to_json
 from .storage import per_node, storage_for
@@ -172,8 +172,7 @@ class StorageReader(_dcp_storage.StorageReader):
         JSON leaves of the manifest's ``state`` are bytes entries; ``planner_data`` maps every
         key to its path (tensors: ``(role, name)``, or ``(name,)`` for role ``other``)."""
         storage, p = storage_for(self.path, self.storage_options)
-        ckpt = _commit.resolve(storage, p)
-        man = Manifest.from_json(_loader.read_manifest_bytes(storage, ckpt), storage.join(ckpt, MANIFEST_NAME))
+        ckpt, _, man = _catalog.open_checkpoint(storage, p)
         sdm: dict[str, Any] = {}
         paths: dict[str, tuple] = {}
         keys: dict[str, tuple[str, str]] = {}
@@ -361,7 +360,7 @@ class StorageReader(_dcp_storage.StorageReader):
         """True if ``checkpoint_id`` resolves to a committed unickpt checkpoint."""
         try:
             storage, p = storage_for(checkpoint_id)
-            _commit.resolve(storage, p)
+            _catalog.resolve(storage, p)
             return True
         except Exception:
             return False

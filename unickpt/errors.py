@@ -103,6 +103,11 @@ class StorageError(UnickptError, OSError):
     are those of the underlying :class:`OSError`."""
 
 
+class LockTimeoutError(StorageError):
+    """A lock on a checkpoint root (the commit lock) stayed held by another process, of this
+    user or another, past the caller's ``timeout_s``: ``filename`` is the locked directory."""
+
+
 class CheckpointChangedError(UnickptError):
     """The checkpoint was replaced (or removed) while it was being read; load it again."""
 

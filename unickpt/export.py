@@ -26,8 +26,9 @@ import torch
 
 from . import commit as _commit
 from ._metrics import gbps, human_bytes, log
-from .errors import FormatError, InvalidArgumentError, TensorMissingError
+from .errors import CheckpointNotFoundError, FormatError, InvalidArgumentError, StorageError, TensorMissingError
 from .format import build_header, dtype_name, order_key, torch_dtype
+from .localfs import read_regular
 from .loader import open_files, read_manifest, read_side_file, read_whole
 from .manifest import INDEX_NAME, _finite_float, _no_constant
 from .storage import storage_for
@@ -334,11 +335,8 @@ def _given_config(config) -> dict | None:
     path = os.fspath(config)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
-    try:
-        with open(path, "rb") as f:
-            data = f.read(CONFIG_LIMIT + 1)
-    except OSError as e:
-        raise InvalidArgumentError(f"config {path}: cannot read it ({e.strerror or e})") from None
-    if len(data) > CONFIG_LIMIT:
-        raise FormatError(f"{path}: larger than the {CONFIG_LIMIT} bytes allowed for a config.json")
+    try:  # (a FIFO or device is refused at once, never waited on)
+        data = read_regular(path, CONFIG_LIMIT, follow=True)
+    except (CheckpointNotFoundError, StorageError) as e:
+        raise InvalidArgumentError(f"config {path}: cannot read it ({e})") from None
     return _parse_json(data, path)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Collection, Literal, Mapping
 import numpy as np
 import torch
 
-from . import commit as _commit
+from . import catalog as _catalog
 from ._copy import Windows, as_bytes, copy_runs, copy_window
 from ._metrics import Phases, gbps, human_bytes, log
 from .errors import (
@@ -36,7 +36,7 @@ from .errors import (
 )
 from .format import Hasher, dtype_name, parse_header, read_header, torch_dtype
 from .layout import Layout, Runs
-from .manifest import MANIFEST_NAME, Manifest, TensorEntry, data_file_name, manifest_cap
+from .manifest import MANIFEST_NAME, Manifest, TensorEntry
 from .noderead import SharedJob, bounds, eligible, read_shared, touched
 from .state import Entry, apply_json_state, flatten, from_json, json_missing
 from .stateful import for_load, is_stateful
@@ -95,20 +95,11 @@ def read_manifest(path: str | os.PathLike, *, group=None,
         _, rel, man = _find(comm, storage, p, per_node(path))
         return (join_path(path, rel) if rel else os.fspath(path)), man
     storage, p = storage_for(path, storage_options)
-    ckpt = _commit.resolve(storage, p)
-    mpath = storage.join(ckpt, MANIFEST_NAME)
-    man = Manifest.from_json(read_manifest_bytes(storage, ckpt), mpath)
-    if ckpt != p:  # found by its step-* name under a root
-        _commit.check_step_name(ckpt, man.step)
+    ckpt, _, man = _catalog.open_checkpoint(storage, p)
     return ckpt, man
 
 
-def read_manifest_bytes(storage: Storage, ckpt: str) -> bytes:
-    """The manifest's bytes, refused beyond what a checkpoint of this size can need
-    (:func:`~unickpt.manifest.manifest_cap` of the disk space its data files take: other
-    files and sparse sizes do not count), so a crafted manifest cannot exhaust memory."""
-    total = sum(n for name, n in storage.file_sizes(ckpt).items() if data_file_name(name))
-    return storage.read_bytes(storage.join(ckpt, MANIFEST_NAME), manifest_cap(total))
+read_manifest_bytes = _catalog.read_manifest_bytes
 
 
 def open_files(storage: Storage, ckpt: str, man: Manifest, names, readers: dict) -> None:
@@ -192,21 +183,15 @@ def load(
 
 
 def _note_older_steps(e: BaseException, path, storage_options) -> None:
-    """A damaged checkpoint that ``path`` resolved to as the newest under a root: add a note
-    naming the older committed ones, which a load does not fall back to by itself (it loads
-    what it was asked for, or fails; the trainer's resume falls back)."""
+    """A damaged checkpoint that ``path`` resolved to as the newest under a root: a note
+    naming the older committed ones (:func:`unickpt.catalog.note_older`)."""
     try:
         storage, p = storage_for(path, storage_options)
-        ckpt = _commit.resolve(storage, p)
-        if ckpt == p:
-            return
-        older = [storage.basename(c) for _, c in _commit.committed_steps(storage, p) if c != ckpt]
+        ckpt = _catalog.resolve(storage, p)
     except Exception:  # (a note only: the load's own error is what matters)
         return
-    if older:
-        e.add_note(f"{storage.basename(ckpt)} is the newest committed checkpoint under {os.fspath(path)}; older "
-                   f"committed ones: {', '.join(older[-3:][::-1])}{' ...' if len(older) > 3 else ''} (load one by "
-                   "its path)")
+    if ckpt != p:
+        _catalog.note_older(e, storage, os.fspath(path), ckpt)
 
 
 def _load(state_dict, path, *, group, verify, strict, progress, bucket_bytes, timeout_s, storage_options,
@@ -358,7 +343,7 @@ def _find(comm: Comm, storage, p: str, node_local: bool, same: Mapping[str, Any]
     found, rel, mbytes = False, "", b""
     if comm.rank == 0 or node_local:
         try:
-            ckpt = _commit.resolve(storage, p)
+            ckpt = _catalog.resolve(storage, p)
             rel = "" if ckpt == p else storage.basename(ckpt)
             mbytes = read_manifest_bytes(storage, ckpt)
             found = True
@@ -382,9 +367,7 @@ def _find(comm: Comm, storage, p: str, node_local: bool, same: Mapping[str, Any]
     man = None
     where = storage.join(ckpt, MANIFEST_NAME) + ("" if comm.rank == src else f" (the copy read by rank {src})")
     try:
-        man = Manifest.from_json(mbytes, where)
-        if rel:  # found by its step-* name under a root
-            _commit.check_step_name(ckpt, man.step)
+        man = _catalog.parse_checked(ckpt, mbytes, where)
         if node_local and comm.rank != src:  # every node's copy of this checkpoint must be the same manifest
             try:
                 here = own if found and storage.join(ckpt, MANIFEST_NAME) == own_path else read_manifest_bytes(storage, ckpt)

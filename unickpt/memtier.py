@@ -25,10 +25,12 @@ import shutil
 import socket
 from dataclasses import dataclass
 
-from . import commit as _commit
+from . import catalog as _catalog
+from . import liveness
 from ._metrics import human_bytes, log
 from .errors import MemoryBudgetError, StorageError, UnickptError
-from .manifest import MANIFEST_NAME, Manifest, data_file_name
+from .localfs import check_private_dir, owned_by_me, read_json_record, replace_file
+from .manifest import MANIFEST_NAME, data_file_name
 from .storage import expand_node, join_path, per_node, storage_for
 from .transport import Comm, node_id
 
@@ -127,17 +129,18 @@ def check_budget(comm: Comm, memory_dir: str, budget: Budget, limit: int | None 
 
 def _step_report(memory_dir: str) -> dict:
     """This node's committed snapshots: ``{step: {digest, files needed, files here}}``."""
-    from .loader import read_manifest_bytes
     from .format import Hasher
 
     storage, root = storage_for(memory_dir)
     out = {}
-    if not storage.isdir(root):
+    if check_private_dir(root, "memory directory") is None:
         return out
-    for step, path in _commit.committed_steps(storage, root):
+    for step, path in _catalog.committed_steps(storage, root):
+        if not owned_by_me(path) or not owned_by_me(storage.join(path, MANIFEST_NAME)):
+            log.warning("memory tier: %s belongs to another user: not a resume candidate", path)
+            continue
         try:
-            blob = read_manifest_bytes(storage, path)
-            man = Manifest.from_json(blob, storage.join(path, MANIFEST_NAME))
+            _, blob, man = _catalog.open_checkpoint(storage, path)  # (holds the step its name says)
             here = sorted(n for n in storage.file_sizes(path) if data_file_name(n))
             out[str(step)] = {"digest": Hasher.of128(blob), "needed": sorted(man.files), "here": here,
                               "job": man.extra.get(JOB_KEY)}
@@ -162,14 +165,14 @@ def candidates(comm: Comm, memory_dir: str | None, durable_dir: str | None, stor
         if durable_dir is not None and (comm.rank == 0 or per_node(durable_dir)):
             storage, root = storage_for(durable_dir, storage_options)
             if storage.isdir(root):
-                steps = [s for s, _ in _commit.committed_steps(storage, root)]
+                steps = [s for s, _ in _catalog.committed_steps(storage, root)]
     except (UnickptError, OSError) as e:
         err = e
     comm.agree(err, "resume (listing checkpoints)")
     reports = [json.loads(b) for b in comm.all_gather_bytes(
         json.dumps({"node": node_id(), "steps": mine, "durable": steps}).encode(), "resume (checkpoints to resume from)")]
     # a durable step as the caller names it ({node} kept: the load finds the node that holds it)
-    durable = [[s, join_path(durable_dir, _commit.step_dirname(s))] for s in sorted({s for r in reports for s in r["durable"]})]
+    durable = [[s, join_path(durable_dir, _catalog.step_dirname(s))] for s in sorted({s for r in reports for s in r["durable"]})]
     by_step: dict[int, list[dict]] = {}
     seen_nodes = set()
     for r in reports:
@@ -192,43 +195,42 @@ def candidates(comm: Comm, memory_dir: str | None, durable_dir: str | None, stor
             log.info("memory tier: step %d is incomplete on the nodes alive (%d file(s) lost with their nodes)",
                      step, len(missing))
             continue
-        out.append(Candidate("memory", step, os.path.join(memory_dir, _commit.step_dirname(step))))
+        out.append(Candidate("memory", step, os.path.join(memory_dir, _catalog.step_dirname(step))))
     out += [Candidate("durable", int(s), p) for s, p in durable]
     return sorted(out, key=lambda c: (-c.step, c.tier != "memory"))
 
 
 def write_owner(memory_dir: str, pids: list[int], job: str | None = None) -> None:
-    """Record the job and its ranks on this node (for :func:`claim` and :func:`clean`)."""
+    """Record the job and its ranks on this node (for :func:`claim` and :func:`clean`): host,
+    each rank's pid and start time (pids repeat across PID namespaces). Written by rename
+    inside the directory, never through a link (:func:`~unickpt.localfs.replace_file`)."""
     here = expand_node(memory_dir)
-    os.makedirs(here, exist_ok=True)
-    tmp = os.path.join(here, f".{OWNER_FILE}.{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump({"host": socket.gethostname(), "pids": sorted(pids), "job": job}, f)
-    os.replace(tmp, os.path.join(here, OWNER_FILE))
+    os.makedirs(here, mode=0o700, exist_ok=True)
+    check_private_dir(here, "memory directory")
+    started = {str(p): liveness.start_time(p) for p in sorted(pids)}
+    rec = {"host": socket.gethostname(), "pids": sorted(pids), "job": job,
+           "started": {p: t for p, t in started.items() if t is not None and t == t}}
+    replace_file(here, OWNER_FILE, json.dumps(rec).encode())
 
 
 def _owner(here: str) -> dict | None:
-    try:
-        with open(os.path.join(here, OWNER_FILE)) as f:
-            rec = json.load(f)
-        return rec if isinstance(rec, dict) else None
-    except (OSError, ValueError):
-        return None
+    """The owner record, read as a regular file without blocking or following a link (a FIFO
+    or link planted under its name is no record), or None."""
+    return read_json_record(os.path.join(here, OWNER_FILE))
 
 
 def _live_owner(here: str, rec: dict | None = None) -> list[int]:
+    """The pids of the record's job that still run on this host (the same processes: pid and
+    start time; a record without start times is judged by pid)."""
     rec = rec if rec is not None else _owner(here)
     if not rec or rec.get("host") != socket.gethostname():
         return []
+    started = rec.get("started") if isinstance(rec.get("started"), dict) else {}
     live = []
-    for pid in rec.get("pids", []):
-        if isinstance(pid, int) and pid != os.getpid():
-            try:
-                os.kill(pid, 0)
-                live.append(pid)
-            except ProcessLookupError:
-                pass
-            except OSError:
+    for pid in rec.get("pids", []) if isinstance(rec.get("pids"), list) else []:
+        if type(pid) is int and 0 < pid != os.getpid():
+            t = started.get(str(pid))
+            if liveness.runs(pid, float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else None):
                 live.append(pid)
     return live
 
@@ -248,8 +250,7 @@ def claim(memory_dir: str, job: str, pids: list[int]) -> None:
     from .errors import InvalidArgumentError
 
     here = expand_node(memory_dir)
-    if os.path.islink(here):
-        raise InvalidArgumentError(f"{here}: the memory directory is a symbolic link; give the real path")
+    check_private_dir(here, "memory directory")  # (a link, another user's, or writable by others)
     rec = _owner(here)
     live = [p for p in _live_owner(here, rec) if p not in set(pids)]
     if live:
@@ -281,12 +282,10 @@ def clean(memory_dir: str, *, force: bool = False, owner_pids: list[int] | None 
     if per_node(p):
         host = socket.gethostname()
         dirs = [d for d in sorted(glob.glob(glob.escape(p).replace(glob.escape("{node}"), "*")))
-                if os.path.isdir(d) and not os.path.islink(d) and (_owner(d) or {}).get("host") == host]
+                if os.path.isdir(d) and owned_by_me(d) and (_owner(d) or {}).get("host") == host]
         return [x for d in dirs for x in clean(d, force=force, owner_pids=owner_pids)]
     here = p
-    if os.path.islink(here):
-        raise InvalidArgumentError(f"{here}: a symbolic link; give the memory directory itself")
-    if not os.path.isdir(here):
+    if check_private_dir(here, "memory directory") is None:
         return []
     rec = _owner(here)
     if rec is None and not force:

@@ -59,7 +59,6 @@ import json
 import mmap
 import os
 import platform
-import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -69,6 +68,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from . import shm
 from ._copy import Windows, copy_window
 from ._metrics import log
 from .errors import DistributedError
@@ -91,7 +91,7 @@ STRETCH = 128 << 20
 """A node also shares its reads when some rank would otherwise read at least half of its
 long-run bytes in stretches of the files shorter than this, skipping the bytes between them
 (see :func:`_interleaved`)."""
-SHM_DIR = "/dev/shm"
+SHM_DIR = shm.SHM_DIR
 # the status words (:class:`_Status`): one line of _WORDS int64 per rank of the node
 _WORDS, _READ, _USED, _FAIL, _PID, _START, _BAD, _DONE, _ALLOC = 8, 0, 1, 2, 3, 4, 5, 6, 7
 _NO_SPACE = 255  # the reserved-buffers byte (_ALLOC) when /dev/shm ran out (BUFFERS stays below it)
@@ -332,16 +332,16 @@ class _Segment:
                  word: int = 0) -> None:
         self.path, self.size, self.created = path, size, create
         self.map: mmap.mmap | None = None
-        flags = os.O_RDWR | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-        fd = os.open(path, flags | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        self._lock = -1  # the creator's descriptor holding the segment's lock (unickpt.shm), until unlink
+        fd = shm.create(path) if create else shm.open_existing(path)
         try:
             if create:
+                self._lock = os.dup(fd)
                 os.posix_fallocate(fd, 0, now or size)
                 if now and now < size:
                     os.ftruncate(fd, size)
                 os.pwrite(fd, bytes([1]), word)  # the first ``now`` bytes: one chunk
-            st = os.fstat(fd)
-            if st.st_size != size or st.st_uid != os.getuid():
+            if os.fstat(fd).st_size != size:
                 raise OSError(f"{path}: not the segment this load created")
             self.map = mmap.mmap(fd, size)
             self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
@@ -360,16 +360,19 @@ class _Segment:
         (:func:`_reserve`) holds while it zeroes each buffer: 10-35 ms here, which the node's
         first rank would otherwise spend before its first read, and every rank after it. The
         thread is not a daemon, so a process that exits normally unlinks first; one killed
-        before leaves the name for :func:`_sweep_dead`."""
+        before leaves the name, with no lock on it, for :func:`unickpt.shm.sweep`."""
         if not self.created:
             return
         self.created = False
+        lock, self._lock = self._lock, -1
 
         def remove() -> None:
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+            if lock >= 0:
+                os.close(lock)
 
         if background:
             threading.Thread(target=remove, name="unickpt-shm-unlink").start()
@@ -415,29 +418,6 @@ def _reserve(fd: int, chunks: list[tuple[int, int]], word: int) -> None:
                 return
     finally:
         os.close(fd)
-
-
-def _sweep_dead() -> None:
-    """Remove segments left by loads whose creating process is gone (killed between creating
-    its segment and unlinking it, two exchanges later). A live creator in another PID
-    namespace looks dead: its peers then fail to map the segment and read alone."""
-    try:
-        names = [n for n in os.listdir(SHM_DIR) if n.startswith("unickpt-read-")]
-    except OSError:
-        return
-    for n in names:
-        pid = n[len("unickpt-read-"):].split("-", 1)[0]
-        if not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            try:
-                os.unlink(os.path.join(SHM_DIR, n))
-            except OSError:
-                pass
-        except OSError:  # alive (another user's process): not ours to judge
-            pass
 
 
 class _Node:
@@ -487,7 +467,7 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
         need[k] = need.get(k, np.zeros(len(j.st.checksums), dtype=bool)) | j.touched
     can = enabled() and os.path.isdir(SHM_DIR)
     blob = json.dumps([[t, a, b, kind] for (t, kind), m in sorted(need.items()) for a, b in _intervals(m)]).encode()
-    me = {"node": node_id(), "can": can, "token": f"{os.getpid()}-{secrets.token_hex(8)}", "failed": failed,
+    me = {"node": node_id(), "can": can, "token": shm.new_name("read"), "failed": failed,
           "n": len(blob), "verify": verify, "cached": _cached([j for j in jobs if j.long]) if can else None}
     # a small record from every rank; the needs themselves travel only between the node's ranks
     all_ = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(me).encode(), "load (node-shared reads)")]
@@ -542,11 +522,11 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
     seg: _Segment | None = None
     err = False
     size = plan.size
-    path = os.path.join(SHM_DIR, f"unickpt-read-{plan.token}")
+    path = os.path.join(SHM_DIR, plan.token)
     try:
         try:
             if comm.rank == plan.ranks[0]:
-                _sweep_dead()
+                shm.sweep(SHM_DIR)
                 slot = int(plan.part[-1])
                 seg = _Segment(path, size, create=True, now=plan.header + slot, word=_ALLOC * 8,
                                chunks=[(plan.header + b * slot, slot) for b in range(1, plan.buffers)])

@@ -45,9 +45,27 @@ CONCURRENCY = int(os.environ.get("UNICKPT_OBJECT_CONCURRENCY", "8"))
 S3_CLIENTS = ("obstore", "s3fs")
 DEFAULT_S3_CLIENT = "obstore"
 """Faster of the two on the loopback S3 server (bench/storage.py; docs/performance.md)."""
-OBJECT_TIMEOUT = int(os.environ.get("UNICKPT_OBJECT_TIMEOUT_S", "60"))
-"""Seconds one request may take (and obstore's retries in all) before the store counts as failed:
-a server that accepts connections but never answers fails a save in minutes, not hours."""
+def _object_timeout() -> float:
+    v = os.environ.get("UNICKPT_OBJECT_TIMEOUT_S", "").strip() or "60"
+    try:
+        t = float(v)
+    except ValueError:
+        t = float("nan")
+    if not 0.1 <= t <= 86400:
+        raise InvalidArgumentError(f"UNICKPT_OBJECT_TIMEOUT_S must be seconds between 0.1 and 86400, got {v!r}")
+    return t
+
+
+OBJECT_TIMEOUT = _object_timeout()
+"""Seconds one call to the store may take, retries included, before it fails
+(``UNICKPT_OBJECT_TIMEOUT_S``, default 60): a server that accepts connections and never
+answers fails each call after about this long, with either S3 client (docs/storage.md)."""
+S3FS_ATTEMPTS = 3
+"""s3fs (botocore): attempts per call, each with a read timeout of ``OBJECT_TIMEOUT / 3``;
+s3fs's own retry loop (5 more rounds of botocore's, 17-20 minutes against a silent server)
+is off."""
+CONNECT_TIMEOUT = 10.0
+"""Seconds to open a connection (capped by the attempt's share of ``OBJECT_TIMEOUT``)."""
 
 
 class Conflict(Exception):
@@ -327,6 +345,8 @@ class _ObstoreClient(_Client):
 
         self.obs, self.bucket = obstore, bucket
         config, client_options = _obstore_config(options)
+        # retries (of throttling, 5xx, lost connections) only within OBJECT_TIMEOUT of the first
+        # request: a request that itself timed out after OBJECT_TIMEOUT is not retried
         retry = {"max_retries": 4, "retry_timeout": _dt.timedelta(seconds=OBJECT_TIMEOUT)}
         self.store = S3Store(bucket, config=config or None, client_options=client_options or None, retry_config=retry)
 
@@ -419,8 +439,8 @@ def _obstore_config(options: Mapping[str, Any]) -> tuple[dict, dict]:
     endpoint = config.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint and str(endpoint).startswith("http://"):
         client["allow_http"] = True
-    client.setdefault("timeout", f"{OBJECT_TIMEOUT}s")  # a request (a 32 MiB part) that takes longer fails
-    client.setdefault("connect_timeout", "10s")
+    client.setdefault("timeout", f"{int(OBJECT_TIMEOUT * 1000)}ms")  # a request (a 32 MiB part) that takes longer fails
+    client.setdefault("connect_timeout", f"{int(min(CONNECT_TIMEOUT, OBJECT_TIMEOUT) * 1000)}ms")
     return config, client
 
 
@@ -557,7 +577,7 @@ class ObjectStorage:
         """Objects are durable once their put or upload returns."""
 
     @contextlib.contextmanager
-    def lock(self, path: str):
+    def lock(self, path: str, timeout_s: float | None = None):
         """No lock across processes on an object store: commits use conditional puts."""
         yield
 
@@ -822,12 +842,9 @@ def object_storage(url: str, storage_options: Mapping[str, Any] | None = None) -
     """The storage for URL ``url`` (cached per scheme, bucket and options)."""
     scheme = url.split("://", 1)[0]
     if storage_options is None and os.environ.get("UNICKPT_STORAGE_OPTIONS"):
-        try:
-            storage_options = json.loads(os.environ["UNICKPT_STORAGE_OPTIONS"])
-        except ValueError as e:
-            raise InvalidArgumentError(f"UNICKPT_STORAGE_OPTIONS is not a JSON object: {e}") from None
-        if not isinstance(storage_options, dict):
-            raise InvalidArgumentError("UNICKPT_STORAGE_OPTIONS is not a JSON object")
+        storage_options = parse_options(os.environ["UNICKPT_STORAGE_OPTIONS"], "UNICKPT_STORAGE_OPTIONS")
+    elif storage_options is not None:
+        check_options(storage_options, "storage_options")
     opts = dict(storage_options or {})
     client_name = opts.pop("client", None)
     if scheme in ("s3", "s3a"):
@@ -844,6 +861,41 @@ def object_storage(url: str, storage_options: Mapping[str, Any] | None = None) -
         if st is None:
             st = _CACHE[key] = ObjectStorage(_make_client(scheme, client_name, bucket, opts, url), scheme)
     return st
+
+
+OPTIONS_DEPTH = 32
+"""Nesting of storage options allowed (the clients' own options nest two or three levels)."""
+
+
+def parse_options(text: str, source: str) -> dict:
+    """Storage options given as JSON text (``UNICKPT_STORAGE_OPTIONS``, ``--storage-options``):
+    a JSON object of at most :data:`OPTIONS_DEPTH` levels, no NaN or infinities, else an
+    :class:`~unickpt.errors.InvalidArgumentError` naming ``source`` (never a RecursionError)."""
+    def no_constant(name):
+        raise ValueError(f"{name} is not JSON")
+
+    try:
+        opts = json.loads(text, parse_constant=no_constant)
+    except (ValueError, RecursionError) as e:
+        raise InvalidArgumentError(f"{source}: not JSON ({str(e)[:200]})") from None
+    if not isinstance(opts, dict):
+        raise InvalidArgumentError(f"{source}: expected a JSON object such as '{{\"client\": \"s3fs\"}}'")
+    check_options(opts, source)
+    return opts
+
+
+def check_options(opts: Any, source: str) -> None:
+    """``opts`` is a mapping nested at most :data:`OPTIONS_DEPTH` levels (walked without
+    recursion): InvalidArgumentError otherwise."""
+    if not isinstance(opts, Mapping):
+        raise InvalidArgumentError(f"{source} must be a dict, got {type(opts).__name__}")
+    stack: list[tuple[Any, int]] = [(opts, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (Mapping, list, tuple)):
+            if depth > OPTIONS_DEPTH:
+                raise InvalidArgumentError(f"{source}: nested deeper than {OPTIONS_DEPTH} levels")
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, Mapping) else v))
 
 
 def _make_client(scheme: str, client_name: str | None, bucket: str, opts: dict, url: str) -> _Client:
@@ -875,18 +927,23 @@ def _make_client(scheme: str, client_name: str | None, bucket: str, opts: dict, 
     except TypeError as e:
         raise InvalidArgumentError(f"{url}: storage_options not accepted by {scheme}:// ({e})") from None
     if scheme in ("s3", "s3a"):
+        if "retries" not in opts:
+            fs.retries = 1  # botocore retries (above); s3fs's loop would repeat them 5 times
         return _S3fsClient(fs)
     return _FsspecClient(fs, scheme)
 
 
 def _s3fs_defaults(opts: dict) -> dict:
-    """Bounded timeouts and retries for s3fs unless the caller set them (botocore's defaults
-    let a silent server hold each call for minutes)."""
+    """Bounded timeouts and retries for s3fs unless the caller set them: botocore makes
+    :data:`S3FS_ATTEMPTS` attempts of ``OBJECT_TIMEOUT / S3FS_ATTEMPTS`` each, so a silent
+    server fails a call after about ``OBJECT_TIMEOUT``, as with obstore (botocore's defaults
+    let it hold each call for minutes, and s3fs retries botocore's retries five times)."""
     out = dict(opts)
     ck = dict(out.get("config_kwargs") or {})
-    ck.setdefault("connect_timeout", 10)
-    ck.setdefault("read_timeout", OBJECT_TIMEOUT)
-    ck.setdefault("retries", {"max_attempts": 3, "mode": "standard"})
+    share = OBJECT_TIMEOUT / S3FS_ATTEMPTS
+    ck.setdefault("connect_timeout", min(CONNECT_TIMEOUT, share))
+    ck.setdefault("read_timeout", share)
+    ck.setdefault("retries", {"total_max_attempts": S3FS_ATTEMPTS, "mode": "standard"})
     out["config_kwargs"] = ck
     return out
 

@@ -43,11 +43,11 @@ class _Writer:
     codec tag (:mod:`unickpt.compress`): quantized moments are encoded whole, residual
     masters are split against their model weight; ``zstd`` frames every non-model file."""
 
-    def __init__(self, dst, overwrite: bool, zstd: int | None = None) -> None:
+    def __init__(self, dst, overwrite: bool, zstd: int | None = None, step: int | None = None) -> None:
         self.storage, self.final = storage_for(dst)
         # the write transaction of saves: begin() sweeps the temporaries of dead owners of
         # this destination (an earlier killed reshard) and records this process as the owner
-        self.txn = _commit.Transaction(self.storage, self.final, overwrite=overwrite)
+        self.txn = _commit.Transaction(self.storage, self.final, overwrite=overwrite, step=step)
         try:
             self.txn.begin()
         except BaseException:  # (a Ctrl-C inside begin: its temporary may already exist)
@@ -283,7 +283,7 @@ def reshard_offline(
                | {man.tensors[("model", t.args["model"])].file for t in keep if t.codec in ("residual16", "from_model")},
                readers)
     try:
-        w = _Writer(dst, overwrite, zstd)
+        w = _Writer(dst, overwrite, zstd, step=man.step)
     except BaseException:
         for r in readers.values():
             r.close()

@@ -274,7 +274,8 @@ def save_entries(
     # -- prepare the temporary directory ------------------------------------------------
     token = comm.broadcast_bytes(_commit.new_token().encode() if comm.rank == 0 else None,
                                  what="save (the transaction's token)").decode()
-    txn = _commit.Transaction(storage, final, overwrite=opts.overwrite, token=token)
+    txn = _commit.Transaction(storage, final, overwrite=opts.overwrite, token=token, step=opts.step,
+                              timeout_s=comm.timeout_s)
     tmp = txn.tmp
     # node-local storage ({node} in the path): the first rank of every node manages that
     # node's directory (its own copy of the manifest lists every node's files); else rank 0

@@ -27,8 +27,9 @@ from typing import Any, Mapping, Protocol
 import numpy as np
 
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, DistributedError, FormatError, InvalidArgumentError,
-                     StorageError)
+                     LockTimeoutError, StorageError)
 from .format import Hasher
+from .localfs import open_regular, read_regular
 
 __all__ = ["Capabilities", "Storage", "MarkerStorage", "LocalStorage", "join_path", "storage_for", "ExtentWriter", "RandomReader"]
 
@@ -149,7 +150,7 @@ class Storage(Protocol):
     def rename_dir(self, src: str, dst: str) -> None: ...
     def exchange_dirs(self, a: str, b: str) -> bool: ...
     def fsync_dir(self, path: str) -> None: ...
-    def lock(self, path: str) -> contextlib.AbstractContextManager: ...
+    def lock(self, path: str, timeout_s: float | None = None) -> contextlib.AbstractContextManager: ...
     def identity(self, path: str) -> tuple | None: ...
     def mtime(self, path: str) -> float: ...
     def file_sizes(self, path: str) -> dict[str, int]: ...
@@ -227,10 +228,23 @@ def storage_for(path: str | os.PathLike, storage_options: Mapping[str, Any] | No
         if not rest or "" in parts or any(x in (".", "..") for x in parts):
             raise InvalidArgumentError(f"{p!r}: a URL needs a path of non-empty names after {scheme}:// (no '//', "
                                        "'.' or '..'), e.g. s3://bucket/run")
+        where = "/".join([parts[0].rpartition("@")[2], *parts[1:]])  # (not the credentials a URL may carry)
+        bad = sorted({c for c in where if c in URL_SPECIAL or ord(c) < 0x20 or ord(c) == 0x7F})
+        if bad:  # a client would read them as a query, fragment, escape or pattern: refused before any write
+            raise InvalidArgumentError(
+                f"{p!r}: characters {''.join(bad)!r} in an object-store path are read specially by the clients (a "
+                "query, a fragment, an escape, a glob pattern or a control character): a checkpoint saved under "
+                "such a key could not be found again; use letters, digits and - _ . + = @ , : ! $ & ' ( ) space")
         from .objstore import object_storage
 
         return object_storage(p, storage_options), f"{scheme}://{rest}"
     return LocalStorage(), os.path.abspath(p)
+
+
+URL_SPECIAL = frozenset('?#%*[]{}\\^~`"<>|')
+"""Characters refused in object-store paths: URL syntax (``?``, ``#``, ``%``), glob patterns
+fsspec expands (``*``, ``[``, ``]``), and what obstore percent-encodes (``\\ { } ^ ~ ` " < > |``),
+beside control characters. Everything else (Unicode included) is stored and found again."""
 
 
 def join_path(root: str | os.PathLike, name: str) -> str:
@@ -246,37 +260,6 @@ def is_url(path: str | os.PathLike) -> bool:
     return i > 0 and p[:i].replace("+", "").replace("-", "").replace(".", "").isalnum()
 
 
-_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
-
-
-def open_regular(path: str) -> tuple[int, os.stat_result]:
-    """``(fd, stat)`` of ``path`` opened read-only, only if it is a regular file reached without
-    following a symbolic link; never blocks (FIFOs, devices). Typed errors name the path."""
-    try:
-        fd = os.open(path, _READ_FLAGS)
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{path}: no such file") from None
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise FormatError(f"{path}: is a symbolic link (or a loop of them); checkpoint files must be regular "
-                              "files inside the checkpoint directory") from None
-        if e.errno == errno.ENOTDIR:
-            raise CheckpointNotFoundError(f"{path}: a component of the path is not a directory") from None
-        if e.errno == errno.ENXIO:  # a socket, or a FIFO without writer on some systems
-            raise FormatError(f"{path}: is not a regular file") from None
-        raise StorageError(e.errno, e.strerror, path) from None
-    try:
-        st = os.fstat(fd)
-    except OSError as e:
-        os.close(fd)
-        raise StorageError(e.errno, e.strerror, path) from None
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        kind = next((k for test, k in _KINDS if test(st.st_mode)), "not a regular file")
-        raise FormatError(f"{path}: is {kind}, not a regular file")
-    return fd, st
 
 
 class LocalStorage:
@@ -322,16 +305,20 @@ class LocalStorage:
             raise StorageError(e.errno, e.strerror, path) from None
 
     @contextlib.contextmanager
-    def lock(self, path: str):
+    def lock(self, path: str, timeout_s: float | None = None):
         """Exclusive lock on directory ``path`` (flock): commits and sweeps of one parent
-        directory never interleave between processes of this machine."""
-        import fcntl
-
+        directory never interleave between processes of this machine. Anyone who can read the
+        directory can hold it (another user too), so the wait is bounded: a lock still held
+        after ``timeout_s`` (else :func:`lock_wait_s`'s default) is a
+        :class:`~unickpt.errors.LockTimeoutError` naming the directory."""
+        wait = lock_wait_s(timeout_s)
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
         try:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                _flock_within(fd, wait, path)
             except OSError as e:  # file systems without flock: renames that never replace still protect
+                if isinstance(e, LockTimeoutError):
+                    raise
                 if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                     raise
                 if not _NO_LOCK_WARNED:
@@ -436,7 +423,15 @@ class LocalStorage:
             os.close(fd)
 
     def write_bytes(self, path: str, data: bytes) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        """A small file (manifest, index, owner record) inside a directory this write made:
+        never written through a link planted there."""
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+                         | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise FormatError(f"{path}: is a symbolic link; not written through") from None
+            raise
         try:
             view = memoryview(data)
             while view:
@@ -447,19 +442,7 @@ class LocalStorage:
 
     def read_bytes(self, path: str, limit: int) -> bytes:
         """The content of regular file ``path`` (see :func:`open_regular`), at most ``limit`` bytes."""
-        fd, st = open_regular(path)
-        try:
-            if st.st_size > limit:
-                raise FormatError(f"{path}: {st.st_size} bytes, larger than the {limit} bytes allowed for this file")
-            with os.fdopen(fd, "rb", closefd=False) as f:
-                data = f.read(limit + 1)
-        except OSError as e:
-            raise StorageError(e.errno, e.strerror or str(e), path) from None
-        finally:
-            os.close(fd)
-        if len(data) > limit:
-            raise FormatError(f"{path}: larger than the {limit} bytes allowed for this file")
-        return data
+        return read_regular(path, limit)
 
     def create_file(self, path: str, size: int) -> None:
         """Create (or truncate) ``path`` with its final size, so every writer can open it.
@@ -656,6 +639,39 @@ def _reserve(fd: int, size: int, path: str) -> None:
 
 
 _NO_LOCK_WARNED: list[str] = []
+
+LOCK_SHARE = 0.8
+"""The share of a call's ``timeout_s`` a commit lock is waited for: the coordinator's
+:class:`~unickpt.errors.LockTimeoutError` then reaches the other ranks, which wait for it in
+a collective bounded by the whole ``timeout_s``, as that error rather than as a timeout."""
+
+
+def lock_wait_s(timeout_s: float | None) -> float:
+    """Seconds a commit lock is waited for under ``timeout_s`` (None: ``UNICKPT_TIMEOUT_S``,
+    else the default of :func:`unickpt.transport.resolve_timeout`)."""
+    from .transport import resolve_timeout
+
+    return LOCK_SHARE * resolve_timeout(timeout_s)
+
+
+def _flock_within(fd: int, wait: float, path: str) -> None:
+    """``flock(LOCK_EX)`` on ``fd``, waiting at most ``wait`` seconds."""
+    import fcntl
+
+    deadline = time.monotonic() + wait
+    delay = 0.001
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise LockTimeoutError(errno.ETIMEDOUT, f"the commit lock of {path} (an flock on the directory) is "
+                                       f"held by another process (of this user or another who can read it); waited "
+                                       f"{wait:g} s ({LOCK_SHARE:g} x timeout_s); retry, or find the holder with "
+                                       f"`fuser {path}`", path) from None
+            time.sleep(delay)
+            delay = min(2 * delay, 0.05)
 
 
 def _renameat2(src: str, dst: str, flags: int) -> int | None:

@@ -599,7 +599,6 @@ class Trainer:
         sd = self.state_dict()
         so = self.ckpt.storage_options if self.ckpt is not None else None
         ckpt, man = unickpt.read_manifest(path, group="world" if self.mesh.world > 1 else None, storage_options=so)
-        _commit.check_step_name(ckpt, man.step)  # (a resume candidate is found by its step-* name)
         tr = man.state.get("trainer", {})
         want = {"global_batch": self.global_batch, "seq_len": self.data.seq_len, "data_seed": self.data.seed}
         got = {k: tr.get(k) for k in want}
