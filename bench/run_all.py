@@ -27,6 +27,9 @@ Parts (each is the ``measure()`` function of a bench that also runs on its own):
                             --quick: with --max-pieces 1.5e5 (the first layers that fit are
                             measured and the figures scaled linearly to 1,000 layers, as
                             plan_scale does and says).
+  bench/parse_dos.py        parser time on the hostile inputs tests/test_fuzz.py bounds by
+                            counting (worst-case JSON shapes of 512 KiB, the huge-dims attacks,
+                            decodes in 2^40-element groups): a few seconds, the same in --quick.
 
 Every timing is the median over the rounds (>= 3) of the slowest rank; unickpt (A) and DCP (B)
 run in ABBA order (A first in even rounds, B first in odd ones) inside every rank job. Columns:
@@ -53,10 +56,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench import async_save, compressed_save, memory, memory_tier, reshard_load, save_load  # noqa: E402
+from bench import async_save, compressed_save, memory, memory_tier, parse_dos, reshard_load, save_load  # noqa: E402
 from bench._common import MiB, OUT, RESULTS, fmt, log, machine, my_segments, print_table, write_json  # noqa: E402
 
-PARTS = ("save_load", "reshard", "async", "memtier", "compressed", "memory", "plan")
+PARTS = ("save_load", "reshard", "async", "memtier", "compressed", "memory", "plan", "parse")
 PRESETS = {  # state GB, rounds, compute loop s (async), memory rounds, plan_scale --max-pieces
     "quick": {"gb": 0.25, "repeats": 4, "loop_seconds": 1.0, "memory_repeats": 2, "plan_max_pieces": 1.5e5},
     "full": {"gb": 2.0, "repeats": 4, "loop_seconds": 3.0, "memory_repeats": 2, "plan_max_pieces": 1.5e6},
@@ -201,6 +204,11 @@ def table(res: dict) -> list[list[str]]:
                 None, f"1000 layers, rule summaries ({p['summary_kib']:.1f} KiB/rank); target < 1 s/rank: "
                 f"{'met' if p['plan_s'] < 1 else 'MISSED'}; peak {p['peak_mib']:.0f} MiB "
                 f"(target < 256: {'met' if p['peak_mib'] < 256 else 'MISSED'}); manifest {p['manifest_mib']:.2f} MiB")
+    if "parse" in res:
+        for r in res["parse"]:
+            row("parser", f"{r['input']}, {r['bytes']:,} bytes", r["median"],
+                note=f"worst run {r['max']:.4f} s; the limit tests/test_fuzz.py used to assert: {r['old_limit']:.1f} s "
+                     f"({'under' if r['max'] < r['old_limit'] else 'OVER'})")
     return rows
 
 
@@ -247,6 +255,8 @@ def main() -> int:
                 res[part] = memory.measure(gb, ranks, preset["memory_repeats"], args.dir)
             elif part == "plan":
                 res[part] = plan_quick(preset["plan_max_pieces"])
+            elif part == "parse":
+                res[part] = parse_dos.measure(max(n, 5))
         except Exception as e:  # the other parts still run; the run fails at the end
             errors[part] = f"{type(e).__name__}: {e}"
             print(f"[bench] {part} FAILED:\n{traceback.format_exc()}", file=sys.stderr)

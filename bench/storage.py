@@ -24,8 +24,10 @@ Targets (backend / client / library), every one saved and loaded in every round:
   s3     s3fs    unickpt  the same with {"client": "s3fs"}.
   s3     s3fs    dcp      DCP's FsspecWriter(sync_files=False) / FsspecReader (fsspec's s3:// is
                           s3fs).
-Credentials and endpoint reach every client through AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
-AWS_ENDPOINT_URL and AWS_DEFAULT_REGION. torch 2.13 does not export FsspecWriter/FsspecReader
+Credentials and endpoint reach every client through the environment of the tests' S3 server
+(tests/s3server.offline_env: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION,
+AWS_ENDPOINT_URL, cloud credential discovery off, no proxies), applied to this process once
+the server is up: nothing leaves the loopback interface. torch 2.13 does not export FsspecWriter/FsspecReader
 from torch.distributed.checkpoint; they are imported from
 torch.distributed.checkpoint._fsspec_filesystem. DCP runs without a process group (its
 single-process mode; the warning it prints about that is silenced). DCP's ``sync_files`` is
@@ -99,7 +101,7 @@ import torch  # noqa: E402
 import unickpt  # noqa: E402
 from bench._common import OUT, fmt, log, make_cold, print_table, write_json  # noqa: E402
 from bench.save_load import KINDS, model_shapes, nested  # noqa: E402
-from tests.s3server import S3Server  # noqa: E402
+from tests.s3server import S3Server, apply_env  # noqa: E402
 
 # (backend, client, library)
 TARGETS = (
@@ -374,10 +376,7 @@ def print_report(summary: dict, cfg: dict, raw: dict) -> None:
 
 
 def bucket_leftovers(server: S3Server) -> tuple[int, int]:
-    import boto3
-
-    c = boto3.client("s3", endpoint_url=server.endpoint, region_name="us-east-1", aws_access_key_id="testing",
-                     aws_secret_access_key="testing")
+    c = server.client()
     objs = c.list_objects_v2(Bucket=BUCKET).get("KeyCount", 0)
     ups = len(c.list_multipart_uploads(Bucket=BUCKET).get("Uploads", []))
     return objs, ups
@@ -413,7 +412,7 @@ def main() -> int:
         src, tgt = build_state(shapes)
         log(f"state built in {time.perf_counter() - t0:.1f} s")
         server.start()
-        os.environ.update(server.env)
+        apply_env(server.env)  # the tests' offline environment: every client talks to the server only
         log(f"moto S3 server on {server.endpoint} (pid {server.proc.pid})")
         bucket = server.bucket(BUCKET)
         cfg["roots"] = {"local": local, "memory": f"memory://unickpt-bench-{os.getpid()}", "s3": f"{bucket}/run-{os.getpid()}"}

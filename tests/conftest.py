@@ -13,27 +13,39 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def s3():
-    """A real S3-protocol server (moto) on 127.0.0.1, a free port; the standard AWS
-    environment points at it while the session's tests run. Fails (never skips) if it
-    cannot start."""
-    from tests.s3server import S3Server, ServerError
+    """A real S3-protocol server (moto) on 127.0.0.1, a free port; the environment of
+    tests.s3server.offline_env (dummy credentials, a region, its endpoint, no cloud
+    discovery, no proxies: nothing leaves the loopback interface) is in force while the
+    session's tests run. Subprocesses get it with ``s3.environ()``, tests.dist ranks with
+    ``env=s3.env``. Fails (never skips) if it cannot start."""
+    from tests.s3server import S3Server, ServerError, apply_env
 
     server = S3Server()
     try:
         server.start()
     except ServerError as e:
         pytest.fail(str(e), pytrace=False)
-    saved = {k: os.environ.get(k) for k in server.env}
-    os.environ.update(server.env)
+    saved = apply_env(server.env)
     try:
         yield server
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        apply_env(saved)
         server.stop()
+
+
+@pytest.fixture
+def aws_offline(monkeypatch):
+    """For a test that names s3:// URLs without a server: the environment of
+    tests.s3server.offline_env with the endpoint at a closed loopback port, so that a client
+    built by mistake fails at once, on this machine (no credentials, region or endpoint
+    looked up elsewhere)."""
+    from tests.s3server import CLOSED, offline_env
+
+    for k, v in offline_env(CLOSED).items():
+        if v is None:
+            monkeypatch.delenv(k, raising=False)
+        else:
+            monkeypatch.setenv(k, v)
 
 
 @pytest.fixture(scope="session")

@@ -46,11 +46,12 @@ def shm_left_by(pids) -> list[str]:
     creator's pid), which have exited. Only this test's own: other jobs on the machine (a
     second test run, another test worker, a benchmark) hold theirs, live or about to be swept,
     and a global "none at all" failed with them."""
+    import re
+
     out = []
     for p in glob.glob("/dev/shm/unickpt-*"):
-        rest = os.path.basename(p)[len("unickpt-"):]
-        pid = rest[len("read-"):].split("-")[0] if rest.startswith("read-") else rest.split("-")[0]
-        if pid.isdigit() and int(pid) in pids:
+        m = re.match(r"^unickpt-[a-z]+-([0-9]+)-[0-9a-f]{16}$", os.path.basename(p))  # (unickpt.shm.new_name)
+        if m and int(m.group(1)) in pids:
             out.append(p)
     return out
 
@@ -62,8 +63,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def waited_out(message: str) -> bool:
+    """Whether an error ``message`` says that a wait ran out rather than naming a cause: the
+    wordings of unickpt's timeouts ("rank(s) ... did not answer within N s", node reads' "did
+    not <step> within N s") and of a handle's own limit ("still running after N s"). Tests
+    that check a failure reached a rank "at once" assert it did not (instead of timing it)."""
+    import re
+
+    return bool(re.search(r"did not .{1,60}? within [0-9.e+]+ s|still running after [0-9.e+]+ s", message))
+
+
+def apply_env(env: dict, environ=None) -> dict:
+    """Set ``env`` in ``environ`` (default ``os.environ``); a value of None removes the
+    variable (so a job's environment can also take variables away, e.g. the discovery
+    variables of tests.s3server.offline_env). Returns the values it replaced (None: was not
+    set), which ``apply_env`` puts back."""
+    environ = os.environ if environ is None else environ
+    before = {k: environ.get(k) for k in env}
+    for k, v in env.items():
+        if v is None:
+            environ.pop(k, None)
+        else:
+            environ[k] = str(v)
+    return before
+
+
 def _worker(fn, rank, world, port, args, q, env, backend="gloo"):
-    os.environ.update(env)
+    apply_env(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -90,7 +116,8 @@ def run(fn: Callable, world: int, *args: Any, timeout: float = 180, env: dict | 
         backend: str = "gloo", may_die: Collection[int] = ()) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` processes; return the results by rank.
     ``backend="nccl"``: every rank on GPU 0 (one GPU: world 1 only). Ranks in ``may_die``
-    may exit without a result (a test that kills them): theirs is None."""
+    may exit without a result (a test that kills them): theirs is None. ``env``: set in each
+    rank's environment (None: removed). ``timeout``: a hang guard, not a measurement."""
     ctx = _ctx()
     q = ctx.Queue()
     store = serve_store()  # held until the job ends: no port is picked, let go and bound again by a rank

@@ -71,27 +71,27 @@ def _writer_killed(rank, world, root):
     if rank == 1:
         time.sleep(1.5)  # the writers are inside the save: files created, data not yet written
         os.kill(checkpointer()._proc.pid, signal.SIGKILL)
-    t0 = time.perf_counter()
     try:
         h.wait(timeout=120)
     except AsyncSaveError as e:
         err = str(e)
     else:
         err = None
-    waited = time.perf_counter() - t0
     os.environ["UNICKPT_FAULT"] = ""
     committed = unickpt.latest(root)
     h = unickpt.save(sd, os.path.join(root, "step-00000003"), step=3, async_save=True)  # writers restart
     h.wait(timeout=120)
-    return err, waited, committed
+    return err, committed
 
 
 def test_writer_killed_mid_write_raises_everywhere_and_later_saves_work(tmp_path):
     root = str(tmp_path)
-    out = dist.run(_writer_killed, 2, root, timeout=300)
-    for err, waited, committed in out:
+    out = dist.run(_writer_killed, 2, root, timeout=300)  # a hang guard only
+    for err, committed in out:
         assert err is not None and "step-00000002" in err, err
-        assert waited < 60  # bounded: the peer notices the dead writer, no hang
+        # bounded: the peer notices the dead writer, no hang: the error is the save's failure,
+        # neither the wait's own limit (120 s) running out nor the 600 s exchange timeout
+        assert not dist.waited_out(err), err
         assert committed.endswith("step-00000001")
     assert "died" in out[1][0]
     assert sorted(n for n in os.listdir(root) if not n.startswith(".")) == ["step-00000001", "step-00000003"]
@@ -213,13 +213,13 @@ def _fifty(rank, world, root):
         h.wait(timeout=120)
         if i in (9, 49):
             writer = psutil.Process(checkpointer()._proc.pid)
-            shm = sum(os.path.getsize(p) for p in glob.glob(f"/dev/shm/unickpt-{os.getpid()}-*"))
+            shm = sum(os.path.getsize(p) for p in glob.glob(f"/dev/shm/unickpt-stage-{os.getpid()}-*"))
             samples.append((me.memory_info().rss, writer.memory_info().rss, shm))
     kids = [c.pid for c in me.children(recursive=True)]
     shutdown()
     time.sleep(0.5)
     alive = [p for p in kids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-    return samples, alive, glob.glob(f"/dev/shm/unickpt-{os.getpid()}-*")
+    return samples, alive, glob.glob(f"/dev/shm/unickpt-stage-{os.getpid()}-*")
 
 
 def test_fifty_async_saves_do_not_grow_memory_or_leak(tmp_path):

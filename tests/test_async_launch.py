@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -300,16 +299,15 @@ def _subgroup_addr_override(rank, world, root):
         return None
     if rank == 1:  # the subgroup's rank 0 says it is reached at an address nobody answers on
         os.environ["UNICKPT_WRITER_ADDR"] = "192.0.2.1"  # TEST-NET-1 (RFC 5737)
-    t0 = time.monotonic()
-    with pytest.raises(AsyncSaveError):
+    with pytest.raises(AsyncSaveError) as info:
         unickpt.start_async_writer(group=group)
-    waited = time.monotonic() - t0
+    said = str(info.value)
     os.environ.pop("UNICKPT_WRITER_ADDR", None)
     g = rank - 1
     sd = {"model": {"w": unickpt.shard(torch.full((4, 3), float(g)), (8, 3), offsets=(4 * g, 0))}}
     unickpt.save(sd, os.path.join(root, "a"), step=1, async_save=True, group=group).wait()  # writers restarted
     async_save.shutdown()
-    return waited < 60
+    return said
 
 
 def test_the_writers_rendezvous_address_can_be_set(tmp_path):
@@ -318,8 +316,11 @@ def test_the_writers_rendezvous_address_can_be_set(tmp_path):
     (within the timeout), and without it the next save finds its writers."""
     from tests import dist
 
+    # (the job's 180 s are a hang guard only: the writers give up after UNICKPT_TIMEOUT_S)
     out = dist.run(_subgroup_addr_override, 3, str(tmp_path), env={"MASTER_ADDR": "127.0.0.1", "UNICKPT_TIMEOUT_S": "5"})
-    assert out == [None, True, True]
+    assert out[0] is None
+    for said in out[1:]:  # every rank of the subgroup: the start failed, naming the address nobody answered on
+        assert "could not be started" in said and "192.0.2.1" in said, said
     t = {"model": {"w": torch.zeros(8, 3)}}
     unickpt.load(t, str(tmp_path / "a"))
     assert torch.equal(t["model"]["w"], torch.cat([torch.zeros(4, 3), torch.ones(4, 3)]))

@@ -6,7 +6,10 @@ are dead; every rank of a failed save raises a typed error within a bounded time
 1. kill -9 of the whole job (2 real gloo ranks; sync, and async with writer processes) while
    it is parked at each fault point of ``unickpt.commit._fault_point``;
 2. one rank dies (SIGKILL) or hangs during a 2-rank save: the others raise
-   ``DistributedError`` at once, or after ``timeout_s``;
+   ``DistributedError`` at once, or after ``timeout_s``. No test measures how long that took:
+   each shows which cause the error names (a dead peer, the timeout, a peer's own error) and,
+   where a rank hangs, that the others raised while it was still held (it is released only
+   after they raised); the jobs' own time limits only stop a hung test;
 3. a sick disk behind the storage seam (``tests/faulty.py``): ENOSPC, EIO on write, read,
    fsync, manifest, rename; short writes; slow fsync.
 """
@@ -207,8 +210,9 @@ def _kill_parked(job: _Job, marks: str, phase: str, parked: int) -> list[dict]:
     finally:
         job.kill()
     writers = [p["writer"] for p in pids if p["writer"]]
-    _wait_for(lambda: all(_gone(w) for w in writers), 15, "the writer processes to die with their parents")
-    _wait_for(lambda: not [s for p in pids for s in glob.glob(f"/dev/shm/unickpt-{p['rank']}-*")], 15,
+    # 60 s: hang guards only (the writers die and unlink their segments within a second or so)
+    _wait_for(lambda: all(_gone(w) for w in writers), 60, "the writer processes to die with their parents")
+    _wait_for(lambda: not [s for p in pids for s in glob.glob(f"/dev/shm/unickpt-*-{p['rank']}-*")], 60,
               "staging segments of the killed ranks to be unlinked")
     return pids
 
@@ -369,7 +373,7 @@ import torch, unickpt
 from tests import faulty
 from tests.test_campaign import _whole
 faulty.mark_fault_points()
-unickpt.save(_whole(2), {path!r}, step=2, overwrite=True)
+unickpt.save(_whole(2), {path!r}, step=1, overwrite=True)  # (other values, the same step: the name holds its step)
 """
 
 
@@ -439,11 +443,10 @@ def _die_mid_write(rank, world, root):
             return w
 
         st.LocalStorage.open_writer = open_writer
-    t0 = time.monotonic()
     try:
         unickpt.save(_state(rank, world, 2), os.path.join(root, "step-00000002"), step=2, bucket_bytes=8192)
     except Exception as e:
-        return type(e).__name__, str(e), time.monotonic() - t0, sorted(os.listdir(root))
+        return type(e).__name__, str(e), sorted(os.listdir(root))
     return None
 
 
@@ -456,13 +459,14 @@ def test_rank_killed_mid_save_fails_the_others_at_once(tmp_path):
     root = str(tmp_path)
     job = _Job(_die_mid_write, 2, root)  # default timeout (600 s): a dead peer is seen at once
     try:
-        out = job.results(90)
+        out = job.results(90)  # a hang guard only (the timeout, 600 s, is longer still)
     finally:
         job.kill()
     assert job.procs[1].exitcode == -signal.SIGKILL
-    name, msg, waited, listing = out[0][1]
+    assert 0 in out, "rank 0 did not report: it waited for its dead peer (hung)"
+    name, msg, listing = out[0][1]
     assert name == "DistributedError" and "died or its connection broke" in msg, msg  # typed, not gloo's RuntimeError
-    assert waited < 20
+    assert not dist.waited_out(msg), msg  # seen as a death, not waited out as a timeout
     assert listing == ["step-00000001"]  # nothing committed, the temporary removed by rank 0
     for ok, latest in dist.run(_save_and_load, 2, root, 3, timeout=60):  # a new job saves
         assert ok and latest.endswith("step-00000003")
@@ -470,27 +474,47 @@ def test_rank_killed_mid_save_fails_the_others_at_once(tmp_path):
 
 
 def _hang_one_rank(rank, world, root, timeout_s):
+    """Rank HANG_RANK parks at fault point HANG_AT (``NAME:SECONDS:RELEASE``) until the file
+    RELEASE exists, which the other rank creates once its own save has raised: whatever the
+    other rank raised, the parked rank's waking cannot have caused it. Returns (error type,
+    message, whether RELEASE existed when this rank's save returned)."""
     unickpt.save(_state(rank, world, 1), os.path.join(root, "step-00000001"), step=1)
-    if rank == int(os.environ["HANG_RANK"]):
+    hung = rank == int(os.environ["HANG_RANK"])
+    if hung:
         os.environ["UNICKPT_FAULT"] = os.environ["HANG_AT"]
-    t0 = time.monotonic()
     try:
         unickpt.save(_state(rank, world, 2), os.path.join(root, "step-00000002"), step=2, timeout_s=timeout_s)
+        out = (None, "")
     except UnickptError as e:
-        return type(e).__name__, str(e), time.monotonic() - t0
+        out = (type(e).__name__, str(e))
     except Exception as e:
-        return "untyped " + type(e).__name__, str(e), time.monotonic() - t0
-    return None, "", time.monotonic() - t0
+        out = ("untyped " + type(e).__name__, str(e))
+    released = os.path.exists(os.environ["RELEASE"])
+    if not hung:
+        open(os.environ["RELEASE"], "w").close()  # the parked rank goes on only now
+    return (*out, released)
+
+
+def _hang_env(root, rank: int, point: str, **extra) -> dict:
+    """Rank ``rank`` parks at ``point`` until the other rank has raised (RELEASE), 300 s at
+    most: longer than the job's own limit, so a rank that waits for the parked one (instead
+    of timing out) fails the test as hung rather than passing late."""
+    release = os.path.join(os.path.dirname(root), os.path.basename(root) + ".release")
+    return {"HANG_RANK": str(rank), "HANG_AT": f"{point}:300:{release}", "RELEASE": release, **extra}
 
 
 def test_hung_rank_fails_the_others_within_the_timeout(tmp_path):
-    """Rank 1 sleeps 6 s after writing its data; timeout_s=2: rank 0 gives up after ~2 s,
-    rank 1 fails as soon as it wakes (gloo closed the connections), nothing is committed."""
-    root = str(tmp_path)
-    out = dist.run(_hang_one_rank, 2, root, 2, timeout=90, env={"HANG_RANK": "1", "HANG_AT": "after-data:6"})
-    (n0, m0, w0), (n1, m1, w1) = out
-    assert n0 == "DistributedError" and "did not answer within 2 s" in m0, m0
-    assert 1.5 < w0 < 5.5, w0  # the timeout, not the peer's wake-up (nor torch's 30 minutes)
+    """Rank 1 parks after writing its data until rank 0 has raised; timeout_s=2: rank 0 gives
+    up on its own (the timeout, not the peer's wake-up, nor torch's 30 minutes: rank 1 is
+    released only after rank 0 raised), rank 1 fails as soon as it wakes (gloo closed the
+    connections), nothing is committed."""
+    root = str(tmp_path / "ck")
+    os.makedirs(root)
+    # timeout=90: a hang guard only (a rank 0 that waited for rank 1 would never be released)
+    out = dist.run(_hang_one_rank, 2, root, 2, timeout=90, env=_hang_env(root, 1, "after-data"))
+    (n0, m0, _), (n1, m1, released1) = out
+    assert n0 == "DistributedError" and "did not answer within 2 s" in m0, m0  # rank 0: the timeout
+    assert released1, "rank 1 went on before rank 0 had raised"
     assert n1 == "DistributedError", (n1, m1)
     assert sorted(os.listdir(root)) == ["step-00000001"]
     for ok, latest in dist.run(_save_and_load, 2, root, 3, timeout=60):
@@ -499,13 +523,17 @@ def test_hung_rank_fails_the_others_within_the_timeout(tmp_path):
 
 def test_hung_coordinator_at_commit_times_out_the_others_and_stays_consistent(tmp_path):
     """Rank 0 (which commits) hangs at before-commit past UNICKPT_TIMEOUT_S: rank 1 raises
-    within the timeout. Rank 0 wakes and commits a complete checkpoint (the data was durable
-    before), then fails its last agreement: whatever is visible is whole."""
-    root = str(tmp_path)
+    within the timeout (while rank 0 is still parked: it is released only after rank 1
+    raised). Rank 0 wakes and commits a complete checkpoint (the data was durable before),
+    then fails its last agreement: whatever is visible is whole."""
+    root = str(tmp_path / "ck")
+    os.makedirs(root)
+    # timeout=90: a hang guard only
     out = dist.run(_hang_one_rank, 2, root, None, timeout=90,
-                   env={"HANG_RANK": "0", "HANG_AT": "before-commit:5", "UNICKPT_TIMEOUT_S": "2"})
-    (n0, m0, w0), (n1, m1, w1) = out
-    assert n1 == "DistributedError" and "did not answer within 2 s" in m1 and w1 < 4.5, (m1, w1)
+                   env=_hang_env(root, 0, "before-commit", UNICKPT_TIMEOUT_S="2"))
+    (n0, m0, released0), (n1, m1, _) = out
+    assert n1 == "DistributedError" and "did not answer within 2 s" in m1, m1  # rank 1: the timeout
+    assert released0, "rank 0 went on before rank 1 had raised"
     assert n0 == "DistributedError", (n0, m0)
     assert _leftovers(root) == []
     for name in _committed(root):
@@ -513,37 +541,48 @@ def test_hung_coordinator_at_commit_times_out_the_others_and_stays_consistent(tm
 
 
 def _async_writer_hangs(rank, world, root, marks):
+    """Rank 1's writer parks after its data until rank 0's save has raised (the file
+    ``release`` in ``marks``, 300 s at most: past the job's limit). Returns (error, whether
+    the release existed when this rank's save returned, the next save loads)."""
     faulty.mark_fault_points()
     import torch.distributed as tdist
 
+    release = os.path.join(marks, "release")
     if rank == 1:  # inherited by this rank's writer process (spawned by the first save)
-        os.environ["UNICKPT_FAULT"] = "after-data:6"
+        os.environ["UNICKPT_FAULT"] = f"after-data:300:{release}"
 
     unickpt.save(_state(rank, world, 1), os.path.join(root, "step-00000001"), step=1, async_save=True).wait(timeout=120)
     _arm(rank, marks)
-    t0 = time.monotonic()
     try:
         unickpt.save(_state(rank, world, 2), os.path.join(root, "step-00000002"), step=2, async_save=True,
                      timeout_s=2).wait(timeout=120)
         err = None
     except AsyncSaveError as e:
         err = str(e)
-    waited = time.monotonic() - t0
+    released = os.path.exists(release)
+    if rank == 0:
+        open(release, "w").close()  # rank 1's writer goes on only now
     tdist.barrier()
     if rank == 0:
         os.unlink(os.path.join(marks, "armed"))
     tdist.barrier()
     unickpt.save(_state(rank, world, 3), os.path.join(root, "step-00000003"), step=3, async_save=True).wait(timeout=120)
-    return err, waited, _load_rank(rank, world, root, 3)
+    return err, released, _load_rank(rank, world, root, 3)
 
 
 def test_hung_async_writer_fails_every_rank_within_the_timeout(tmp_path):
+    """Rank 1's writer hangs (parked until rank 0 has raised); timeout_s=2: rank 0's save
+    fails naming the timeout while rank 1's writer is still parked; rank 1's fails once its
+    writer wakes, not later than the hang guards."""
     root, marks = str(tmp_path / "ck"), str(tmp_path / "marks")
     os.makedirs(marks)
+    # timeout=150: a hang guard only (a rank 0 that waited for the parked writer would never release it)
     out = dist.run(_async_writer_hangs, 2, root, marks, timeout=150, env={"UNICKPT_MARK_DIR": marks})
-    (e0, w0, ok0), (e1, w1, ok1) = out
-    assert e0 and "did not answer within 2 s" in e0 and w0 < 5.5, (e0, w0)
-    assert e1 and w1 < 12, (e1, w1)  # rank 1's writer: the fault sleep (6 s), then fails at once
+    (e0, _, ok0), (e1, released1, ok1) = out
+    assert e0 and "did not answer within 2 s" in e0, e0  # rank 0: the timeout, its peer's writer still parked
+    # rank 1: failed once its writer was released, at the writers' next collective (gloo had
+    # closed the connections), not when its wait(timeout=120) ran out
+    assert e1 and released1 and "DistributedError" in e1 and "still running after" not in e1, (e1, released1)
     assert ok0 and ok1  # the writers were restarted: the next save works
     assert _committed(root) == ["step-00000001", "step-00000003"] and _leftovers(root) == []
 
@@ -562,7 +601,7 @@ def _async_writer_killed_after_the_rename(rank, world, root, marks):
     final = os.path.join(root, "step-00000002")
     h = unickpt.save(_state(rank, world, 2), final, step=2, async_save=True)
     if rank == 1:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 60  # a hang guard only
         while not (any(n.startswith("at-before-commit-") for n in os.listdir(marks))
                    and os.path.exists(os.path.join(final, "unickpt.json"))):
             assert time.monotonic() < deadline, "the writers never reached the commit"
@@ -596,7 +635,7 @@ def test_a_writer_killed_after_the_rename_says_the_checkpoint_is_committed(tmp_p
     assert ok0 and ok1 and _committed(root) == ["step-00000001", "step-00000002"]
 
 
-def test_a_dead_writers_message_tells_an_overwrites_old_checkpoint_from_its_own(tmp_path):
+def test_a_dead_writers_message_tells_an_overwrites_old_checkpoint_from_its_own(tmp_path, aws_offline):
     """What a rank whose writer died says of the path: nothing there; the checkpoint that was
     there before an overwrite (its manifest unchanged: not this save's); a new one."""
     from unickpt.async_save import _committed_now, _manifest_stat
@@ -616,7 +655,6 @@ def _async_writer_disk_full(rank, world, root):
     unickpt.save(_state(rank, world, 1), os.path.join(root, "step-00000001"), step=1)
     if rank == 1:  # this rank's writer process starts with a full disk
         os.environ["UNICKPT_TEST_FAULTS"] = json.dumps({"write_error": [errno.ENOSPC, 2]})
-    t0 = time.monotonic()
     try:
         unickpt.save(_state(rank, world, 2), os.path.join(root, "step-00000002"), step=2, async_save=True,
                      bucket_bytes=8192).wait(timeout=120)
@@ -626,23 +664,25 @@ def _async_writer_disk_full(rank, world, root):
 
         err = (type(e).__name__, str(e), isinstance(e, AsyncSaveError), isinstance(e, StorageError),
                isinstance(e, DistributedError))
-    waited = time.monotonic() - t0
     os.environ.pop("UNICKPT_TEST_FAULTS", None)
     import torch.distributed as tdist
 
     tdist.barrier()  # rank 0's writer (which manages the directory) has cleaned up by now
     listing = sorted(os.listdir(root))
     unickpt.save(_state(rank, world, 3), os.path.join(root, "step-00000003"), step=3, async_save=True).wait(timeout=120)
-    return err, waited, listing, _load_rank(rank, world, root, 3), _load_rank(rank, world, os.path.join(root, "step-00000001"), 1)
+    return err, listing, _load_rank(rank, world, root, 3), _load_rank(rank, world, os.path.join(root, "step-00000001"), 1)
 
 
 def test_disk_full_in_one_async_writer_fails_every_rank(tmp_path):
-    out = dist.run(_async_writer_disk_full, 2, str(tmp_path), timeout=150)
-    for r, (err, waited, listing, ok3, ok1) in enumerate(out):
+    """Every rank fails with rank 1's disk-full error, at once: the others learn the cause
+    from rank 1 (its message), not by waiting out the timeout (600 s, past the job's limit)."""
+    out = dist.run(_async_writer_disk_full, 2, str(tmp_path), timeout=150)  # a hang guard only
+    for r, (err, listing, ok3, ok1) in enumerate(out):
         assert err and err[2] and "No space left on device" in err[1], err  # AsyncSaveError on every rank
         assert (r == 1) == ("StorageError" in err[1].split(":")[1]), err  # the others learn it as rank 1's
         assert err[3:] == ((True, False) if r == 1 else (False, True)), err  # and of its writer's own class
-        assert waited < 30 and listing == ["step-00000001"] and ok3 and ok1
+        assert not dist.waited_out(err[1]), err
+        assert listing == ["step-00000001"] and ok3 and ok1
 
 
 def test_timeout_setting_is_validated(monkeypatch):
@@ -691,7 +731,6 @@ def _storage_campaign(rank, world, base):
         unickpt.save(_state(rank, world, 1), os.path.join(root, "step-00000001"), step=1)
         rec = {"error": None}
         f = faulty.install(faults) if rank in ranks else None
-        t0 = time.monotonic()
         try:
             if op == "save":
                 unickpt.save(_state(rank, world, 2), os.path.join(root, "step-00000002"), step=2, bucket_bytes=8192,
@@ -700,7 +739,6 @@ def _storage_campaign(rank, world, base):
                 rec["loaded"] = _load_rank(rank, world, root, 1)
         except Exception as e:
             rec["error"] = (type(e).__name__, getattr(e, "errno", None), str(e))
-        rec["seconds"] = time.monotonic() - t0
         rec["injected"] = bool(f and f.injected)
         faulty.uninstall()
         tdist.barrier()
@@ -722,7 +760,7 @@ def _storage_campaign(rank, world, base):
 @pytest.fixture(scope="module")
 def storage_campaign(tmp_path_factory):
     base = str(tmp_path_factory.mktemp("storage"))
-    return base, dist.run(_storage_campaign, 2, base, timeout=150)
+    return base, dist.run(_storage_campaign, 2, base, timeout=150)  # a hang guard only
 
 
 @pytest.mark.parametrize("name", list(STORAGE_FAULTS))
@@ -743,9 +781,9 @@ def test_storage_fault(storage_campaign, name):
     name_, err_no, msg = recs[failing]["error"]
     assert name_ == "StorageError" and err_no == code, recs[failing]["error"]
     for r, rec in enumerate(recs):
-        if r != failing:
+        if r != failing:  # told the failing rank's error at once, not after timeout_s (30 s)
             assert rec["error"][0] == "DistributedError" and f"rank {failing}" in rec["error"][2], rec["error"]
-        assert rec["seconds"] < 20
+            assert not dist.waited_out(rec["error"][2]), rec["error"]
     if op == "save":
         assert recs[0]["listing"] == ["step-00000001"]  # nothing committed, the temporary removed
         assert recs[0]["latest"] == "step-00000001" and recs[0]["retained_away"] == []
@@ -756,18 +794,21 @@ def _eio_on_every_read(rank, world, root):
     unickpt.save(_state(rank, world, 1), root, step=1)
     if rank == 1:
         faulty.install({"read_error": errno.EIO, "read_bytes_error": errno.EIO})
-    t0 = time.monotonic()
     try:
         _load_rank(rank, world, root, 1)
     except Exception as e:
-        return type(e).__name__, str(e), time.monotonic() - t0
-    return None, "", time.monotonic() - t0
+        return type(e).__name__, str(e)
+    return None, ""
 
 
 def test_eio_on_every_read_of_one_rank_is_typed_everywhere_at_once(tmp_path):
-    out = dist.run(_eio_on_every_read, 2, str(tmp_path / "ck"), timeout=90, env={"UNICKPT_TIMEOUT_S": "4"})
+    """Rank 0 raises rank 1's read error at once: told by rank 1 (the message names it), not
+    after the timeout, which is longer than the job's own limit (a rank 0 that waited it out
+    would fail the test as hung)."""
+    out = dist.run(_eio_on_every_read, 2, str(tmp_path / "ck"), timeout=90, env={"UNICKPT_TIMEOUT_S": "600"})
     assert out[1][0] == "StorageError", out[1]
-    assert out[0][0] == "DistributedError" and "rank 1" in out[0][1] and out[0][2] < 3, out[0]
+    assert out[0][0] == "DistributedError" and "rank 1" in out[0][1], out[0]
+    assert not dist.waited_out(out[0][1]), out[0]
 
 
 _ZERO_WRITE = """
@@ -777,7 +818,7 @@ from tests import faulty
 import unickpt.storage as st
 faulty.install({{"short_writes": "zero"}})  # (imports torch: seconds on a loaded machine)
 s = st.LocalStorage()
-threading.Thread(target=lambda: (time.sleep(10), os._exit(3)), daemon=True).start()  # a hang
+threading.Thread(target=lambda: (time.sleep(60), os._exit(3)), daemon=True).start()  # a hang guard only
 p = os.path.join({d!r}, "f")
 for attempt in ("write_bytes", "write_at"):
     try:
@@ -797,6 +838,6 @@ for attempt in ("write_bytes", "write_at"):
 
 def test_a_write_that_makes_no_progress_is_an_error_not_a_hang(tmp_path):
     r = subprocess.run([sys.executable, "-c", _ZERO_WRITE.format(root=ROOT, d=str(tmp_path))], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=180)  # a hang guard only
     assert r.returncode == 0, f"hung (exit {r.returncode}): {r.stdout}{r.stderr[-2000:]}"
     assert "write_bytes raised" in r.stdout and "write_at raised" in r.stdout, r.stdout

@@ -5,7 +5,6 @@ trust rule (every byte verified) through DCP; `convert --from-dcp` keeping non-t
 import datetime
 import json
 import os
-import time
 import subprocess
 import sys
 
@@ -376,10 +375,9 @@ def _node_local_fails_on_rank_1(rank, world, root, where):
             raise RuntimeError("injected planning failure")
 
         udcp.StorageReader._targets = broken
-    t0 = time.monotonic()
     with pytest.raises(CheckpointException) as ei:
         dcp.load({"model": {"w": torch.zeros(8, 6)}}, storage_reader=reader)
-    return time.monotonic() - t0, str(ei.value)
+    return str(ei.value)
 
 
 @pytest.mark.parametrize("where", ["reading", "targets"])
@@ -387,6 +385,6 @@ def test_a_node_local_dcp_load_failing_on_one_rank_fails_the_other_at_once(tmp_p
     """Node-local DCP loads are collective inside read_data (pieces sent by their node, the
     verify="full" share): a rank that fails before or during its reads still meets its peer
     there, so the peer fails at once, not after the 600 s timeout (job killed at 120 s)."""
-    out = dist.run(_node_local_fails_on_rank_1, 2, str(tmp_path), where, timeout=120)
-    for took, said in out:
-        assert took < 60 and "injected" in said, said
+    out = dist.run(_node_local_fails_on_rank_1, 2, str(tmp_path), where, timeout=120)  # a hang guard only
+    for said in out:  # rank 1's own failure, told to rank 0 too: not a timeout waited out
+        assert "injected" in said and not dist.waited_out(said), said

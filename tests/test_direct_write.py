@@ -238,6 +238,37 @@ def test_a_created_file_has_its_blocks_reserved_and_reads_as_zeros(tmp_path, mon
     assert os.stat(sparse).st_size == size and os.stat(sparse).st_blocks * 512 < size
 
 
+class _LockClock:
+    """The storage module's clock in a test: ``sleep`` advances it instead of waiting, and
+    ``fcntl.flock`` is counted, so how long a reservation waited for the lock is a fact (the
+    seconds it slept, the attempts it made), not a wall-clock measurement."""
+
+    def __init__(self, monkeypatch) -> None:
+        import fcntl
+        import time
+
+        self.now, self.slept, self.flocks = 1000.0, 0.0, 0
+        self._time = time
+        real_flock = fcntl.flock
+
+        def flock(fd, op):
+            self.flocks += 1
+            return real_flock(fd, op)
+
+        monkeypatch.setattr(fcntl, "flock", flock)
+        monkeypatch.setattr(st, "time", self)
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.now += s
+        self.slept += s
+
+    def __getattr__(self, name):  # anything else the module uses: the real time module
+        return getattr(self._time, name)
+
+
 def test_ranks_of_a_machine_reserve_their_files_one_at_a_time(tmp_path):
     """Reservations at the same moment interleave the files' blocks 8 MiB by 8 MiB (a later
     sequential read of one file skips every other 8 MiB on disk): create_file reserves under
@@ -248,42 +279,45 @@ def test_ranks_of_a_machine_reserve_their_files_one_at_a_time(tmp_path):
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm for the lock")
     s = st.LocalStorage()
-    done = []
+    order = []
     with st._node_lock("alloc"):  # another rank reserving (a separate open file: flock excludes it)
-        t = threading.Thread(target=lambda: (s.create_file(str(tmp_path / "f"), 1 << 20), done.append(time.monotonic())))
+        t = threading.Thread(target=lambda: (s.create_file(str(tmp_path / "f"), 1 << 20), order.append("reserved")))
         t.start()
-        time.sleep(0.3)
-        assert not done  # waits for the other reservation
-        released = time.monotonic()
-    t.join(10)
-    assert done and done[0] >= released and os.path.getsize(tmp_path / "f") == 1 << 20
+        time.sleep(0.3)  # time for the thread to reach the lock (a slow machine only makes this weaker)
+        assert not order  # waits for the other reservation
+        order.append("released")  # then the lock goes at the end of this block
+    t.join(60)  # a hang guard only: the reservation follows the release at once
+    assert order == ["released", "reserved"] and os.path.getsize(tmp_path / "f") == 1 << 20
 
 
 def test_a_lock_held_too_long_or_planted_by_someone_else_is_gone_around(tmp_path, monkeypatch):
     """The reservation lock is only an optimisation: a holder that never lets go (a stopped
     process, a child forked while it was held) delays a reservation by LOCK_WAIT_S at most,
-    and a lock file that is not this user's own regular file with one link is not used."""
-    import time
-
+    and a lock file that is not this user's own regular file with one link is not used.
+    The waiting is counted on the storage module's clock (_LockClock), not timed."""
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm for the lock")
     monkeypatch.setattr(st, "LOCK_WAIT_S", 0.5)
     s = st.LocalStorage()
     with st._node_lock("alloc"):  # held for the whole test
-        t0 = time.monotonic()
+        clock = _LockClock(monkeypatch)
         s.create_file(str(tmp_path / "f"), 1 << 20)
-        assert 0.4 < time.monotonic() - t0 < 5 and os.path.getsize(tmp_path / "f") == 1 << 20
+        # tried until LOCK_WAIT_S had passed (1 ms polls), then went on without the lock
+        assert 0.5 <= clock.slept <= 0.5 + 0.002 and clock.flocks >= 100, (clock.slept, clock.flocks)
+        assert os.path.getsize(tmp_path / "f") == 1 << 20
+    monkeypatch.undo()
     name = f"test-{os.getpid()}"
     lock = f"/dev/shm/unickpt-{name}-{os.getuid()}.lock"
     link = lock + ".link"
     try:
         with st._node_lock(name):  # held
             os.link(lock, link)  # two links: a file someone else could have planted
-            t0 = time.monotonic()
+            clock = _LockClock(monkeypatch)
             with st._node_lock(name, wait_s=10):
                 pass  # not used, so not waited for
-            assert time.monotonic() - t0 < 1
+            assert clock.flocks == 0 and clock.slept == 0, (clock.flocks, clock.slept)
     finally:
+        monkeypatch.undo()
         for p in (lock, link):
             if os.path.exists(p):
                 os.unlink(p)
@@ -291,19 +325,20 @@ def test_a_lock_held_too_long_or_planted_by_someone_else_is_gone_around(tmp_path
 
 def test_files_in_memory_are_reserved_without_the_lock(monkeypatch):
     """tmpfs has no extents to interleave, and reserving there zeroes pages (0.24 s per 512 MiB):
-    no reason to make a node's ranks wait for each other."""
-    import time
-
+    no reason to make a node's ranks wait for each other. With the lock held elsewhere, the
+    reservation never tries it (no flock, no wait on the storage module's clock)."""
     if st._fs_type("/dev/shm/x") != "tmpfs":
         pytest.skip("no tmpfs at /dev/shm")
     s = st.LocalStorage()
     path = f"/dev/shm/unickpt-test-{os.getpid()}.bin"
     try:
         with st._node_lock("alloc"):
-            t0 = time.monotonic()
+            clock = _LockClock(monkeypatch)
             s.create_file(path, 1 << 20)
-            assert time.monotonic() - t0 < 0.3 and os.path.getsize(path) == 1 << 20
+            assert clock.flocks == 0 and clock.slept == 0, (clock.flocks, clock.slept)
+            assert os.path.getsize(path) == 1 << 20
     finally:
+        monkeypatch.undo()
         os.unlink(path)
 
 

@@ -1,7 +1,6 @@
 """Failures on one rank surface on every rank, and nothing becomes visible."""
 
 import os
-import time
 
 import torch
 
@@ -124,22 +123,23 @@ def _async_bad_state_on_one_rank(rank, world, root):
     sd = {"model": {"w": unickpt.shard(torch.ones(4, 8), (8, 8), offsets=(4 * rank, 0))}}
     unickpt.save(sd, os.path.join(root, "step-00000001"), step=1, async_save=True).wait(timeout=120)
     bad = dict(sd, junk=object()) if rank == 1 else sd
-    t0 = time.perf_counter()
     try:
         unickpt.save(bad, os.path.join(root, "step-00000002"), step=2, async_save=True).wait(timeout=120)
     except (StateDictError, DistributedError) as e:
-        err = type(e).__name__
+        err = type(e).__name__, str(e)
     else:
-        err = None
-    waited = time.perf_counter() - t0
+        err = None, ""
     unickpt.save(sd, os.path.join(root, "step-00000003"), step=3, async_save=True).wait(timeout=120)
-    return err, waited
+    return err
 
 
 def test_async_bad_state_on_one_rank_raises_everywhere_at_once(tmp_path):
+    """Rank 1's state is refused; rank 0 is told at once, by rank 1 (not after the 600 s
+    exchange timeout, nor the wait's own 120 s limit, an AsyncSaveError the test would not
+    catch; the job's 240 s are a hang guard only)."""
     out = dist.run(_async_bad_state_on_one_rank, 2, str(tmp_path), timeout=240)
-    assert out[1][0] == "StateDictError" and out[0][0] == "DistributedError"
-    assert all(w < 10 for _, w in out)
+    assert out[1][0] == "StateDictError" and out[0][0] == "DistributedError", out
+    assert "rank 1" in out[0][1] and not dist.waited_out(out[0][1]), out[0][1]
     assert sorted(n for n in os.listdir(tmp_path) if not n.startswith(".")) == ["step-00000001", "step-00000003"]
 
 
@@ -166,7 +166,6 @@ def _different_calls(rank, world, root):
 
     sd = {"model": {"w": unickpt.shard(torch.full((2, 4), float(rank)), (4, 4), offsets=(2 * rank, 0))}}
     unickpt.save(sd, os.path.join(root, "a"))
-    t0 = time.monotonic()
     try:  # rank 0 saves while rank 1 loads: they must not take each other's bytes
         if rank == 0:
             unickpt.save(sd, os.path.join(root, "b"))
@@ -175,7 +174,6 @@ def _different_calls(rank, world, root):
         said = None
     except DistributedError as e:
         said = str(e)
-    took = time.monotonic() - t0
     c = Comm(timeout_s=600)
     calls = {"broadcast": lambda w: c.broadcast_bytes(b"x" if rank == 0 else None, what=w),
              "all_reduce": lambda w: c.min_max(torch.tensor([1, 2]), what=w),
@@ -214,7 +212,7 @@ def _different_calls(rank, world, root):
     # every rank made the same collectives: the group still works
     unickpt.save(sd, os.path.join(root, "c"))
     assert c.broadcast_bytes(b"ok" if rank == 0 else None, what="after") == b"ok"
-    return said, took, said2, sorted(os.listdir(root))
+    return said, said2, sorted(os.listdir(root))
 
 
 def test_ranks_in_different_calls_fail_at_once_and_the_group_still_works(tmp_path):
@@ -222,12 +220,13 @@ def test_ranks_in_different_calls_fail_at_once_and_the_group_still_works(tmp_pat
     DistributedError naming each rank's call at once (600 s timeout; the job is killed at
     120 s), rather than taking each other's bytes for their own, also between collectives of
     different kinds (gloo aborts a process whose peer sends a message of another size)."""
+    # at once: the 600 s timeout is past the job's 120 s (a hang guard only), so every answer
+    # below came from the tags, never from a rank waiting out a timeout
     out = dist.run(_different_calls, 2, str(tmp_path), timeout=120, env={"UNICKPT_TIMEOUT_S": "600"})
-    for said, took, said2, names in out:
+    for said, said2, names in out:
         assert said is not None and "different collective calls" in said, said
         assert "rank(s) [0] in 'save (checking the options) [all_gather]'" in said, said
         assert "rank(s) [1] in 'load (finding the checkpoint) [all_gather]'" in said, said
-        assert took < 60
         said3 = said2.pop()
         for name, s3 in said3.items():
             assert s3 is not None and "called with different arguments" in s3, (name, s3)

@@ -142,7 +142,7 @@ def test_saver_does_not_import_async_save():
     assert not [n for n in names if "async_save" in n or n.startswith("api") or ":api" in n], names
 
 
-def test_writer_path_keeps_urls(tmp_path, monkeypatch):
+def test_writer_path_keeps_urls(tmp_path, monkeypatch, aws_offline):
     from unickpt.async_save import writer_path
 
     monkeypatch.chdir(tmp_path)

@@ -25,6 +25,8 @@ import torch
 import unickpt
 from tests import dist
 from tests.clirun import cli
+from tests.dist import apply_env
+from tests.s3server import offline_env
 from unickpt import memtier, shm
 from unickpt.errors import (CheckpointNotFoundError, DistributedError, FormatError, InvalidArgumentError,
                             LockTimeoutError, StorageError)
@@ -242,10 +244,8 @@ def test_an_object_store_that_accepts_and_never_answers_fails_each_call_typed_af
     timeout each (s3fs, whose own retry loop once made it 17-20 minutes): counted by the
     connections the silent server saw, not by the clock."""
     server = _SilentServer()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(UNICKPT_OBJECT_TIMEOUT_S="1.5", AWS_ENDPOINT_URL=f"http://127.0.0.1:{server.port}",
-               AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
-               AWS_EC2_METADATA_DISABLED="true", AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull)
+    env = dict(os.environ)
+    apply_env({**offline_env(f"http://127.0.0.1:{server.port}", env), "UNICKPT_OBJECT_TIMEOUT_S": "1.5"}, env)
     try:
         for what in ("latest", "save", "load"):
             before = len(server.conns)
@@ -336,13 +336,14 @@ def test_a_dead_segment_never_blocks_a_new_one_even_under_the_same_pid_and_name(
         assert seg.name != left and seg.name.startswith(f"unickpt-stage-{os.getpid()}-")
         with open(path, "rb") as f:
             assert f.read() == b"left by a dead process"
-        assert shm.sweep(shm.SHM_DIR) == []  # too fresh to judge yet (a creator may be between open and lock)
+        shm.sweep(shm.SHM_DIR)
+        assert os.path.exists(path)  # too fresh to judge yet (a creator may be between open and lock)
         old = time.time() - shm.GRACE_S - 1
         os.utime(path, (old, old))
         os.utime(os.path.join(shm.SHM_DIR, seg.name), (old, old))
-        removed = shm.sweep(shm.SHM_DIR)
-        assert path in removed and os.path.join(shm.SHM_DIR, seg.name) not in removed  # ours is held: alive
-        assert os.path.exists(os.path.join(shm.SHM_DIR, seg.name))
+        shm.sweep(shm.SHM_DIR)  # (a sweep of another test's may come first: what is left is what counts)
+        assert not os.path.exists(path)
+        assert os.path.exists(os.path.join(shm.SHM_DIR, seg.name))  # ours is held: alive
     finally:
         seg.close(unlink=True)
         if os.path.exists(path):
@@ -398,23 +399,23 @@ def _hold_segment(path, ready, done):
     os.close(fd)
 
 
-def test_a_segment_whose_creator_lives_is_never_swept_however_old():
+def test_a_segment_whose_creator_lives_is_never_swept_however_old(tmp_path):
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     ready, done = ctx.Event(), ctx.Event()
-    path = os.path.join(shm.SHM_DIR, shm.new_name("stage"))
+    path = os.path.join(tmp_path, shm.new_name("stage"))  # (a directory of its own: no other test's sweep there)
     p = ctx.Process(target=_hold_segment, args=(path, ready, done))
     p.start()
     try:
         assert ready.wait(HANG_GUARD_S)
         old = time.time() - 3600
         os.utime(path, (old, old))
-        assert path not in shm.sweep(shm.SHM_DIR) and os.path.exists(path)
+        assert path not in shm.sweep(str(tmp_path)) and os.path.exists(path)
     finally:
         done.set()
         p.join(HANG_GUARD_S)
-    assert path in shm.sweep(shm.SHM_DIR, now=time.time()) and not os.path.exists(path)  # its creator is gone
+    assert path in shm.sweep(str(tmp_path)) and not os.path.exists(path)  # its creator is gone
 
 
 # == 3. every way to pick "the newest step" checks it ===========================================
