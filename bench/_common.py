@@ -277,7 +277,7 @@ def rm_scratch(path: str) -> None:
 
 def my_segments() -> list[str]:
     """Shared-memory staging segments of unickpt owned by this process (for clean-up checks)."""
-    return glob.glob(f"/dev/shm/unickpt-{os.getpid()}-*")
+    return glob.glob(f"/dev/shm/unickpt-*-{os.getpid()}-*")  # (unickpt.shm.new_name: unickpt-KIND-PID-TOKEN)
 
 
 # -- floors: what the machine does without a checkpoint library ------------------------

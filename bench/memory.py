@@ -126,7 +126,7 @@ def rank_job(rank: int, world: int, cfg: dict) -> dict:
         with PeakRSS(children=True) as m:
             h = unickpt.save(state, path, step=i, async_save=True)
             h.wait()
-        segs = glob.glob(f"/dev/shm/unickpt-{os.getpid()}-*")
+        segs = glob.glob(f"/dev/shm/unickpt-stage-{os.getpid()}-*")
         out["staging"] = max([out["staging"]] + [os.path.getsize(s) for s in segs])
         out["async_trainer"].append(m.extra)
         if i > 0:  # the writer existed before this save: extra over its private RSS at the start
@@ -141,7 +141,7 @@ def rank_job(rank: int, world: int, cfg: dict) -> dict:
         if rank == 0:
             shutil.rmtree(path, ignore_errors=True)
     u_async.shutdown()
-    out["segments_left"] = glob.glob(f"/dev/shm/unickpt-{os.getpid()}-*")
+    out["segments_left"] = glob.glob(f"/dev/shm/unickpt-stage-{os.getpid()}-*")
     dist.barrier()
     return out
 
