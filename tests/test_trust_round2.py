@@ -118,6 +118,29 @@ def test_a_fifo_at_every_checkpoint_file_is_refused_at_once(tmp_path):
         assert r.returncode in (1, 2) and json.loads(r.stdout)["ok"] is False, r.stdout
 
 
+@pytest.mark.parametrize("kind", ["tmp", "del", "old"])
+def test_a_fifo_named_like_a_temporary_never_blocks_sweep_or_save_and_is_never_restored(tmp_path, kind):
+    root = tmp_path / "root"
+    root.mkdir()
+    unickpt.save(_state(1), root / "step-00000001", step=1)
+    fifo = _fifo(root / f".step-00000010.{kind}-{'ab' * 8}")
+    old = time.time() - 7 * 3600  # (past every grace a sweep gives a temporary)
+    os.utime(fifo, (old, old))
+    _bounded(unickpt.sweep, root)
+    assert not os.path.lexists(fifo) or kind == "old"
+    assert not (root / "step-00000010").exists()  # a FIFO is never "restored" as a checkpoint
+    _bounded(unickpt.save, _state(10), root / "step-00000010", step=10)
+    assert unickpt.latest(root).endswith("step-00000010")
+
+
+def test_an_aside_copy_of_another_step_is_not_restored_by_a_sweep(tmp_path):
+    root = tmp_path / "root"
+    unickpt.save(_state(2), root / "step-00000002", step=2)
+    shutil.copytree(root / "step-00000002", root / f".step-00000009.old-{'cd' * 8}")
+    unickpt.sweep(root)
+    assert not (root / "step-00000009").exists() and unickpt.latest(root).endswith("step-00000002")
+
+
 _HOLDER = textwrap.dedent("""
     import fcntl, os, sys
     fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)
@@ -197,13 +220,15 @@ def test_a_held_commit_lock_fails_a_multi_rank_save_on_every_rank_with_the_lock_
 
 
 class _SilentServer:
-    """Accepts TCP connections on 127.0.0.1 and never answers; counts the connections."""
+    """Accepts TCP connections on 127.0.0.1 and never answers (``trickle``: answers one byte
+    of a status line every 0.2 s, for ever); counts the connections."""
 
-    def __init__(self) -> None:
+    def __init__(self, trickle: bool = False) -> None:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(64)
         self.port = self.sock.getsockname()[1]
+        self.trickle = trickle
         self.conns: list[socket.socket] = []
         threading.Thread(target=self._serve, daemon=True).start()
 
@@ -214,6 +239,18 @@ class _SilentServer:
             except OSError:
                 return
             self.conns.append(c)
+            if self.trickle:
+                threading.Thread(target=self._trickle, args=(c,), daemon=True).start()
+
+    @staticmethod
+    def _trickle(c: socket.socket) -> None:
+        try:
+            c.recv(65536)
+            for b in b"HTTP/1.1 200 OK\r\n" + b"X" * 100_000:
+                c.sendall(bytes([b]))
+                time.sleep(0.2)
+        except OSError:
+            pass
 
     def close(self) -> None:
         self.sock.close()
@@ -260,6 +297,119 @@ def test_an_object_store_that_accepts_and_never_answers_fails_each_call_typed_af
         server.close()
 
 
+_TRICKLE_CALL = textwrap.dedent("""
+    import json, sys, unickpt
+    try:
+        unickpt.latest("s3://bucket/run", storage_options={"client": sys.argv[1]})
+        print(json.dumps({"type": None}))
+    except Exception as e:
+        print(json.dumps({"type": type(e).__name__, "message": str(e)}))
+""")
+
+
+@pytest.mark.parametrize("client", ["obstore", "s3fs"])
+def test_a_server_that_trickles_bytes_fails_each_call_within_its_bound(client):
+    """A server that answers one byte at a time never trips a per-read timeout (s3fs ran for
+    ever): every call is bounded as a whole. Typed, naming the URL."""
+    server = _SilentServer(trickle=True)
+    env = dict(os.environ)
+    apply_env({**offline_env(f"http://127.0.0.1:{server.port}", env), "UNICKPT_OBJECT_TIMEOUT_S": "1"}, env)
+    try:
+        r = subprocess.run([sys.executable, "-c", _TRICKLE_CALL, client], env=env, capture_output=True, text=True,
+                           timeout=HANG_GUARD_S)
+        got = json.loads(r.stdout.strip().splitlines()[-1])
+        assert got["type"] == "StorageError" and "s3://bucket/run" in got["message"], (got, r.stderr[-2000:])
+    finally:
+        server.close()
+
+
+class _SwallowingProxy:
+    """A TCP proxy to ``upstream`` that passes everything but requests whose first line
+    starts with ``PUT`` or ``POST`` once ``armed``: those it reads and never answers."""
+
+    def __init__(self, upstream: int) -> None:
+        self.upstream = upstream
+        self.armed = threading.Event()
+        self.swallowed = 0
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            u = socket.create_connection(("127.0.0.1", self.upstream))
+            threading.Thread(target=self._pipe, args=(c, u, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(u, c, False), daemon=True).start()
+
+    def _pipe(self, a: socket.socket, b: socket.socket, requests: bool) -> None:
+        try:
+            while True:
+                d = a.recv(65536)
+                if not d:
+                    return
+                if requests and self.armed.is_set() and d.startswith((b"PUT ", b"POST ")):
+                    self.swallowed += 1
+                    while a.recv(65536):  # read, never answer
+                        pass
+                    return
+                b.sendall(d)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+_PUT_CALL = textwrap.dedent("""
+    import json, os, sys, torch, unickpt
+    client, root, arm = sys.argv[1], sys.argv[2], sys.argv[3]
+    so = {"client": client}
+    unickpt.save({"w": torch.ones(4)}, root + "/step-00000001", step=1, storage_options=so)
+    open(arm, "w").close()
+    print("armed", flush=True)
+    sys.stdin.readline()  # the test arms the proxy, then lets this go on
+    try:
+        unickpt.save({"w": torch.full((1 << 20,), 2.0)}, root + "/step-00000002", step=2, storage_options=so)
+        print(json.dumps({"type": None}))
+    except Exception as e:
+        print(json.dumps({"type": type(e).__name__, "message": str(e)}))
+    print(json.dumps({"latest": unickpt.latest(root, storage_options=so)}))
+""")
+
+
+@pytest.mark.parametrize("client", ["obstore", "s3fs"])
+def test_a_server_that_never_answers_uploads_fails_the_save_typed_and_keeps_the_previous_checkpoint(s3, client,
+                                                                                                  tmp_path):
+    """Listings and reads pass, every PUT/POST is swallowed (s3fs waited for its
+    ``100 Continue`` for ever): the save fails typed, naming the URL; the committed step stays
+    the newest."""
+    import urllib.parse
+
+    s3.bucket("swallow")
+    proxy = _SwallowingProxy(urllib.parse.urlsplit(s3.endpoint).port)
+    env = s3.environ({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}", "UNICKPT_OBJECT_TIMEOUT_S": "1"})
+    arm = tmp_path / "armed"
+    root = f"s3://swallow/{client}"
+    p = subprocess.Popen([sys.executable, "-c", _PUT_CALL, client, root, str(arm)], env=env, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "armed", p.stderr.read()[-2000:]
+        proxy.armed.set()
+        out, err = p.communicate("go\n", timeout=HANG_GUARD_S)
+    finally:
+        p.kill()
+        proxy.close()
+    lines = [json.loads(x) for x in out.strip().splitlines()]
+    assert lines[0]["type"] == "StorageError" and root in lines[0]["message"], (lines, err[-2000:])
+    assert lines[1]["latest"] == f"{root}/step-00000001" and proxy.swallowed >= 1
+
+
 def test_object_timeout_is_checked():
     env = dict(os.environ, UNICKPT_OBJECT_TIMEOUT_S="soon")
     r = subprocess.run([sys.executable, "-c", "import unickpt.objstore"], env=env, capture_output=True, text=True,
@@ -300,6 +450,40 @@ def test_a_memory_directory_of_another_user_or_writable_by_others_is_refused(tmp
         memtier.claim(str(mem), "job", [os.getpid()])
     os.chmod(mem, 0o1777)  # sticky: others may add entries but not replace ours; theirs are not taken
     memtier.claim(str(mem), "job", [os.getpid()])
+
+
+@as_root
+def test_a_memory_directory_whose_parent_another_user_controls_is_refused(tmp_path):
+    """A parent of another user's, or one others may write without the sticky bit, could
+    swap the directory for a link to a durable root between a check and a deletion (a race
+    an attacker won 6 times in 8): refused before anything is read or removed."""
+    durable = tmp_path / "durable"
+    unickpt.save(_state(3), durable / "step-00000003", step=3)
+    run = tmp_path / "run"
+    mem = run / "node0"
+    mem.mkdir(parents=True, mode=0o700)
+    memtier.claim(str(mem), "job", [os.getpid()])
+    for owner, mode in ((NOBODY, 0o755), (0, 0o777)):
+        os.chown(run, owner, owner)
+        os.chmod(run, mode)
+        for call in (lambda: memtier.claim(str(mem), "job", [os.getpid()]), lambda: memtier.clean(str(mem), force=True)):
+            with pytest.raises(InvalidArgumentError, match="lies in"):
+                call()
+        r = cli("clean-memory", mem, "--json")
+        assert r.returncode == 2, r.stdout
+    os.chown(run, 0, 0)
+    os.chmod(run, 0o1777)  # sticky: others cannot replace our entry
+    assert memtier.clean(str(mem)) == [] and (durable / "step-00000003").is_dir()
+
+
+@as_root
+def test_an_owner_record_of_another_user_is_refused(tmp_path):
+    mem = tmp_path / "mem"
+    mem.mkdir(mode=0o1777)
+    (mem / memtier.OWNER_FILE).write_text(json.dumps({"host": socket.gethostname(), "pids": [1], "job": "x"}))
+    os.chown(mem / memtier.OWNER_FILE, NOBODY, NOBODY)
+    with pytest.raises(InvalidArgumentError, match="owner record belongs to another user"):
+        memtier.claim(str(mem), "job", [os.getpid()])
 
 
 @as_root
@@ -465,6 +649,23 @@ def test_the_dcp_reader_refuses_a_copy_of_an_older_step_under_a_newer_name(tmp_p
     assert torch.equal(t["model"]["w"], torch.full((64, 64), 4.0))
 
 
+def test_a_save_without_step_into_a_step_directory_records_its_step_so_copies_are_caught(tmp_path):
+    """README's `save(state, "ckpt/step-00000100")` (no step=) and DCP's writer recorded no
+    step, and a copy under a newer name passed for the newest: the name's step is recorded."""
+    import torch.distributed.checkpoint as dcp
+
+    import unickpt.dcp
+
+    root = tmp_path / "root"
+    unickpt.save(_state(5), root / "step-00000005")
+    dcp.save(_state(7), storage_writer=unickpt.dcp.StorageWriter(root / "step-00000007"), no_dist=True)
+    assert unickpt.read_manifest(root / "step-00000005")[1].step == 5
+    assert unickpt.read_manifest(root / "step-00000007")[1].step == 7
+    shutil.copytree(root / "step-00000005", root / "step-00000013")
+    with pytest.raises(FormatError, match="named step 13, but its manifest says step 5"):
+        unickpt.latest(root)
+
+
 def test_a_save_never_commits_a_step_directory_holding_another_step(tmp_path):
     root = tmp_path / "root"
     with pytest.raises(InvalidArgumentError, match="saving step 2 into a directory named for step 13"):
@@ -501,6 +702,26 @@ def test_deeply_nested_storage_options_are_a_usage_error_never_a_recursion_error
         nested = {"x": nested}
     with pytest.raises(InvalidArgumentError, match="nested deeper"):
         unickpt.latest("memory://bucket/x", storage_options=nested)
+
+
+def test_keys_no_client_can_delete_are_refused_before_any_write():
+    """U+FFFF and other non-characters, and lone surrogates: a checkpoint under such a key
+    committed, but S3's delete requests (XML) cannot name it, so retention and sweeps failed
+    for ever; refused up front like the other unusable characters."""
+    for ch in ("\uffff", "\ufffe", "\ufdd0", "\U0001fffe", "\udcff"):
+        with pytest.raises(InvalidArgumentError, match="non-character|surrogate"):
+            unickpt.latest(f"memory://bucket/x{ch}y")
+
+
+def test_the_trainer_metrics_file_is_never_waited_on(tmp_path):
+    from unickpt.localfs import append_text
+
+    fifo = _fifo(tmp_path / "metrics.jsonl")
+    with pytest.raises(FormatError, match="FIFO"):
+        _bounded(append_text, fifo, "{}\n")
+    append_text(str(tmp_path / "m.jsonl"), "{}\n")
+    append_text(str(tmp_path / "m.jsonl"), "{}\n")
+    assert (tmp_path / "m.jsonl").read_text() == "{}\n{}\n"
 
 
 def test_verify_of_a_file_it_cannot_read_exits_2_could_not_check_not_1_damaged(tmp_path, monkeypatch):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 
 from .errors import CheckpointNotFoundError, FormatError, InvalidArgumentError
 from .manifest import MANIFEST_NAME, Manifest, data_file_name, manifest_cap
@@ -86,12 +87,18 @@ def committed_steps(storage: Storage, root: str) -> list[tuple[int, str]]:
 def check_step_name(path: str, saved: int | None) -> None:
     """A checkpoint whose directory is named ``step-N`` must hold step N (a copy of an older
     step put under a newer name would pass for the newest: loads would take it and retention
-    delete the real newest behind it): FormatError otherwise. Directories with other names,
-    and manifests without a step, pass."""
+    delete the real newest behind it): FormatError otherwise. Directories with other names
+    pass; so do manifests without a step, which every save now records for a step-N name
+    (older ones: with a warning that they cannot be checked)."""
     named = step_of_name(os.path.basename(os.fspath(path).rstrip("/")))
     if named is not None and saved is not None and saved != named:
         raise FormatError(f"{path}: named step {named}, but its manifest says step {saved} (a copy or a rename?): "
                           f"not taken as step {named}")
+    if named is not None and saved is None:  # saved before saves recorded the step of a step-N name
+        from ._metrics import log
+
+        log.warning("%s: its manifest records no step (saved without step= by unickpt before it recorded the step "
+                    "of a step-N name): cannot check that it holds step %d", path, named)
 
 
 def check_destination(path: str, step: int | None) -> None:
@@ -118,6 +125,12 @@ def resolve(storage: Storage, path: str) -> str:
         raise CheckpointNotFoundError(
             f"{path}: no committed checkpoint here ({MANIFEST_NAME} missing) and no committed step-* checkpoint below"
         )
+    if storage.caps.atomic_rename and os.path.lexists(path):  # a file, FIFO, device...: say which (never opened)
+        from .localfs import kind_of
+
+        st = os.stat(path) if os.path.exists(path) else os.lstat(path)  # (stat never opens: a FIFO cannot block it)
+        kind = "a file" if stat.S_ISREG(st.st_mode) else kind_of(st.st_mode)
+        raise CheckpointNotFoundError(f"{path}: is {kind}, not a checkpoint directory")
     raise CheckpointNotFoundError(f"{path}: no such checkpoint directory")
 
 

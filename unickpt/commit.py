@@ -46,7 +46,8 @@ import uuid
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, InvalidArgumentError, StorageError,
                      UnickptError)
 from . import liveness
-from .catalog import check_destination, committed_steps, committed_under, is_committed, open_checkpoint, read_manifest_bytes
+from .catalog import (check_destination, committed_steps, committed_under, is_committed, open_checkpoint, parse_checked,
+                      read_manifest_bytes)
 from .manifest import INDEX_NAME, MANIFEST_NAME
 from .liveness import record_alive
 from .storage import MarkerStorage, Storage
@@ -116,10 +117,11 @@ def sweep_stale(storage: Storage, root: str, final_name: str | None = None, time
             final = storage.join(root, m.group(1))
             if m.group(2) == "old":  # an overwrite moved the old checkpoint here
                 if not storage.exists(final):
-                    storage.rename_dir(p, final)  # the new one never arrived: restore
-                    from ._metrics import log
+                    if _restorable(storage, p, final):
+                        storage.rename_dir(p, final)  # the new one never arrived: restore
+                        from ._metrics import log
 
-                    log.warning("restored %s from %s (an overwrite was interrupted)", final, p)
+                        log.warning("restored %s from %s (an overwrite was interrupted)", final, p)
                     continue
                 if not is_committed(storage, final):
                     continue  # keep it until a committed checkpoint is in place
@@ -128,6 +130,23 @@ def sweep_stale(storage: Storage, root: str, final_name: str | None = None, time
             storage.remove_tree(p)
             removed.append(p)
     return removed
+
+
+def _restorable(storage: Storage, aside: str, final: str) -> bool:
+    """An entry named like a checkpoint an overwrite moved aside is put back only if it is
+    one: a real directory holding a committed checkpoint whose step its final name allows
+    (a file, FIFO or a planted copy of another step is left where it is, with a warning)."""
+    try:
+        if is_committed(storage, aside):
+            parse_checked(final, read_manifest_bytes(storage, aside))  # (a step-N name must hold step N)
+            return True
+        why = "not a committed checkpoint directory"
+    except Exception as e:
+        why = str(e)
+    from ._metrics import log
+
+    log.warning("not restoring %s as %s: %s", aside, final, why)
+    return False
 
 
 _OBJ_OWNER = re.compile(r"^\.owner-([0-9a-f]{8,32})$")

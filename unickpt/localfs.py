@@ -17,7 +17,7 @@ import uuid
 
 from .errors import CheckpointNotFoundError, FormatError, InvalidArgumentError, StorageError
 
-__all__ = ["open_regular", "read_regular", "replace_file", "check_private_dir"]
+__all__ = ["open_regular", "read_regular", "append_text", "replace_file", "check_private_dir"]
 
 _READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
@@ -91,6 +91,26 @@ def read_json_record(path: str, limit: int = 1 << 16) -> dict | None:
     return rec if isinstance(rec, dict) else None
 
 
+def append_text(path: str, text: str) -> None:
+    """Append ``text`` to the file the user named (a metrics log): created if absent; a FIFO,
+    socket or device there is refused at once (``O_NONBLOCK``, then ``fstat``), never waited on."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as e:
+        if e.errno == errno.ENXIO:  # a FIFO without reader
+            raise FormatError(f"{path}: is a FIFO, not a regular file") from None
+        raise StorageError(e.errno, e.strerror, path) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FormatError(f"{path}: is {kind_of(st.st_mode)}, not a regular file")
+        view = memoryview(text.encode())
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+
+
 def replace_file(directory: str, name: str, data: bytes, mode: int = 0o600) -> None:
     """Write ``directory/name`` as a new file with ``data``, atomically and without following
     a link: a temporary created exclusively inside the directory (opened by a descriptor that
@@ -139,7 +159,34 @@ def check_private_dir(path: str, what: str) -> os.stat_result | None:
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
         raise InvalidArgumentError(f"{path}: the {what} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}, "
                                    "no sticky bit): they could plant or replace snapshots; chmod go-w it")
+    _check_ancestors(path, what)
     return st
+
+
+def _check_ancestors(path: str, what: str) -> None:
+    """Every directory above ``path`` (links resolved: the user's own choice) must keep other
+    users from replacing the entry below it: owned by root or this user, and not writable by
+    others unless sticky (``/dev/shm``, ``/tmp``). A parent another user controls could swap
+    the directory for a link to anything between a check and its use."""
+    parent = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+    me = os.geteuid()
+    while True:
+        try:
+            st = os.stat(parent)
+        except OSError as e:
+            raise StorageError(e.errno, e.strerror, parent) from None
+        if st.st_uid not in (0, me):
+            raise InvalidArgumentError(
+                f"{path}: the {what} lies in {parent}, which belongs to another user (uid {st.st_uid}): they could "
+                "replace it with a link to any directory of yours; use a directory whose parents are yours or root's")
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+            raise InvalidArgumentError(
+                f"{path}: the {what} lies in {parent}, which other users may write (mode {stat.S_IMODE(st.st_mode):o}, "
+                "no sticky bit): they could replace it with a link; chmod go-w it or use another directory")
+        up = os.path.dirname(parent)
+        if up == parent:
+            return
+        parent = up
 
 
 def owned_by_me(path: str) -> bool:

@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 from dataclasses import dataclass
 
 from . import catalog as _catalog
@@ -215,8 +216,20 @@ def write_owner(memory_dir: str, pids: list[int], job: str | None = None) -> Non
 
 def _owner(here: str) -> dict | None:
     """The owner record, read as a regular file without blocking or following a link (a FIFO
-    or link planted under its name is no record), or None."""
-    return read_json_record(os.path.join(here, OWNER_FILE))
+    or link planted under its name is no record), or None. One that another user owns (in a
+    sticky shared directory) is refused (:class:`~unickpt.errors.InvalidArgumentError`): it
+    could name any job and pids."""
+    from .errors import InvalidArgumentError
+
+    path = os.path.join(here, OWNER_FILE)
+    try:
+        uid = os.lstat(path).st_uid
+    except OSError:
+        return None
+    if uid != os.geteuid():
+        raise InvalidArgumentError(f"{path}: the memory tier's owner record belongs to another user (uid {uid}); "
+                                   "give this job a memory directory of its own")
+    return read_json_record(path)
 
 
 def _live_owner(here: str, rec: dict | None = None) -> list[int]:
@@ -296,13 +309,21 @@ def clean(memory_dir: str, *, force: bool = False, owner_pids: list[int] | None 
         raise InvalidArgumentError(f"{here}: snapshots of a running job (pids {live} on this host); stop it first, "
                                    "or pass force")
     removed = []
-    for name in sorted(os.listdir(here)):
-        q = os.path.join(here, name)
-        if name.startswith(("step-", ".step-")) and os.path.isdir(q) and not os.path.islink(q):
-            shutil.rmtree(q, ignore_errors=True)
-            removed.append(q)
-        elif name == OWNER_FILE or name.startswith(f".{OWNER_FILE}."):
-            os.unlink(q)
+    # through a descriptor of the directory checked: nothing swapped in after the checks is removed
+    dfd = os.open(here, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    try:
+        checked, now = os.lstat(here), os.fstat(dfd)
+        if (checked.st_dev, checked.st_ino) != (now.st_dev, now.st_ino) or now.st_uid != os.geteuid():
+            raise InvalidArgumentError(f"{here}: the memory directory changed while it was being checked; nothing removed")
+        for name in sorted(os.listdir(dfd)):
+            st = os.lstat(name, dir_fd=dfd)
+            if name.startswith(("step-", ".step-")) and stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(name, dir_fd=dfd, ignore_errors=True)  # (fd-based: links inside are not followed)
+                removed.append(os.path.join(here, name))
+            elif name == OWNER_FILE or name.startswith(f".{OWNER_FILE}."):
+                os.unlink(name, dir_fd=dfd)
+    finally:
+        os.close(dfd)
     try:
         os.rmdir(here)
     except OSError:

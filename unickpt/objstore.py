@@ -19,8 +19,10 @@ Data are sent from and read into memory: nothing is staged in a local temporary 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime as _dt
+import inspect
 import errno
 import json
 import os
@@ -66,6 +68,9 @@ s3fs's own retry loop (5 more rounds of botocore's, 17-20 minutes against a sile
 is off."""
 CONNECT_TIMEOUT = 10.0
 """Seconds to open a connection (capped by the attempt's share of ``OBJECT_TIMEOUT``)."""
+CALL_SLACK = 5.0
+"""Seconds beyond ``OBJECT_TIMEOUT`` a whole call of an asynchronous fsspec client (s3fs:
+its attempts and botocore's backoff between them) may take before it is cancelled."""
 
 
 class Conflict(Exception):
@@ -151,6 +156,62 @@ class _Upload:
 
 
 # -- fsspec ---------------------------------------------------------------------------------
+
+
+class _Bounded:
+    """An asynchronous fsspec file system (s3fs, gcsfs, adlfs...) whose every call, retries
+    included, ends within ``seconds``: its coroutine runs under ``asyncio.wait_for`` on the
+    file system's loop (cancelled at the deadline, an ``FSTimeoutError``). A client's own
+    timeouts bound each socket read, not a call: a server that never answers a request with
+    a body (``Expect: 100-continue``) or trickles a byte at a time held s3fs for ever.
+    Methods without a coroutine twin (``open``, ``invalidate_cache``) are the file
+    system's own."""
+
+    def __init__(self, fs, seconds: float) -> None:
+        self.fs, self.seconds = fs, seconds
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.fs, name)
+        twin = getattr(self.fs, "_" + name, None) if not name.startswith("_") else None
+        if twin is None or not callable(attr) or not inspect.iscoroutinefunction(twin):
+            return attr
+
+        def call(*args, **kwargs):
+            return self.run(twin(*args, **kwargs))
+
+        return call
+
+    def run(self, coro):
+        from fsspec.asyn import sync
+
+        return sync(self.fs.loop, _within, coro, self.seconds)
+
+    def cat_ranges(self, paths, starts, ends, on_error="raise"):
+        """Each range bounded on its own (a call reading many ranges may take longer than one)."""
+        from fsspec.asyn import sync
+
+        async def each():
+            sem = asyncio.Semaphore(CONCURRENCY)
+
+            async def one(p, a, b):
+                async with sem:
+                    return await _within(self.fs._cat_file(p, start=a, end=b), self.seconds)
+
+            return await asyncio.gather(*(one(p, a, b) for p, a, b in zip(paths, starts, ends)))
+
+        return sync(self.fs.loop, each)
+
+
+class CallTimeout(Exception):
+    """A call to the store did not end within its bound (not a ``TimeoutError``: fsspec would
+    turn that into an ``FSTimeoutError`` without its message)."""
+
+
+async def _within(coro, seconds: float):
+    try:
+        return await asyncio.wait_for(coro, seconds)
+    except asyncio.TimeoutError:
+        raise CallTimeout(f"no answer within {seconds:g} s (UNICKPT_OBJECT_TIMEOUT_S + {CALL_SLACK:g} s)") from None
 
 
 class _FsspecClient(_Client):
@@ -926,9 +987,11 @@ def _make_client(scheme: str, client_name: str | None, bucket: str, opts: dict, 
                            f"{e}{hint}", url) from None
     except TypeError as e:
         raise InvalidArgumentError(f"{url}: storage_options not accepted by {scheme}:// ({e})") from None
+    if getattr(fs, "async_impl", False):  # every call bounded as a whole (not only each socket read)
+        fs = _Bounded(fs, OBJECT_TIMEOUT + CALL_SLACK)
     if scheme in ("s3", "s3a"):
         if "retries" not in opts:
-            fs.retries = 1  # botocore retries (above); s3fs's loop would repeat them 5 times
+            fs.fs.retries = 1  # botocore retries (above); s3fs's loop would repeat them 5 times
         return _S3fsClient(fs)
     return _FsspecClient(fs, scheme)
 

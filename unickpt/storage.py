@@ -229,11 +229,12 @@ def storage_for(path: str | os.PathLike, storage_options: Mapping[str, Any] | No
             raise InvalidArgumentError(f"{p!r}: a URL needs a path of non-empty names after {scheme}:// (no '//', "
                                        "'.' or '..'), e.g. s3://bucket/run")
         where = "/".join([parts[0].rpartition("@")[2], *parts[1:]])  # (not the credentials a URL may carry)
-        bad = sorted({c for c in where if c in URL_SPECIAL or ord(c) < 0x20 or ord(c) == 0x7F})
+        bad = sorted({c for c in where if c in URL_SPECIAL or _unusable(ord(c))})
         if bad:  # a client would read them as a query, fragment, escape or pattern: refused before any write
             raise InvalidArgumentError(
                 f"{p!r}: characters {''.join(bad)!r} in an object-store path are read specially by the clients (a "
-                "query, a fragment, an escape, a glob pattern or a control character): a checkpoint saved under "
+                "query, a fragment, an escape, a glob pattern, a control character, a surrogate or a Unicode "
+                "non-character): a checkpoint saved under "
                 "such a key could not be found again; use letters, digits and - _ . + = @ , : ! $ & ' ( ) space")
         from .objstore import object_storage
 
@@ -245,6 +246,14 @@ URL_SPECIAL = frozenset('?#%*[]{}\\^~`"<>|')
 """Characters refused in object-store paths: URL syntax (``?``, ``#``, ``%``), glob patterns
 fsspec expands (``*``, ``[``, ``]``), and what obstore percent-encodes (``\\ { } ^ ~ ` " < > |``),
 beside control characters. Everything else (Unicode included) is stored and found again."""
+
+
+def _unusable(cp: int) -> bool:
+    """Code points no object key may hold: control characters, surrogates (not UTF-8) and
+    Unicode non-characters (XML 1.0, which S3's delete requests are, cannot carry them: such a
+    checkpoint commits, but nothing of it can ever be deleted)."""
+    return (cp < 0x20 or cp == 0x7F or 0xD800 <= cp <= 0xDFFF or 0xFDD0 <= cp <= 0xFDEF
+            or (cp & 0xFFFE) == 0xFFFE)
 
 
 def join_path(root: str | os.PathLike, name: str) -> str:
@@ -379,6 +388,18 @@ class LocalStorage:
         os.makedirs(path, exist_ok=True)
 
     def remove_tree(self, path: str) -> None:
+        """Remove the directory ``path`` and what it holds, never through a link; anything
+        else at ``path`` (a file, link, FIFO, socket or device planted under a temporary's
+        name) is unlinked, never opened (``rmtree`` opens its argument: a FIFO blocked it)."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise StorageError(e.errno, e.strerror, path) from None
+        if not stat.S_ISDIR(st.st_mode):
+            self.remove_file(path)
+            return
         shutil.rmtree(path, ignore_errors=True)
 
     def remove_file(self, path: str) -> None:
