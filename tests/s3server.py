@@ -254,11 +254,9 @@ class DroppingProxy:
         self.sock.close()
 
 
-class ConnectionTrap:
-    """A listener on 127.0.0.1 that answers nothing: it records each connection (with the
-    first line the client sent, e.g. ``GET /latest/api/token``) and closes it. Point a
-    discovery variable (a metadata, credentials, STS or proxy endpoint) at :attr:`url`, and a
-    client that used it shows up in :attr:`hits` without any packet leaving the machine."""
+class LoopbackServer:
+    """A TCP server on 127.0.0.1 (a port the kernel picks) that hands each connection to
+    :meth:`handle` on a thread of its own, until :meth:`close`."""
 
     def __init__(self) -> None:
         import threading
@@ -267,7 +265,6 @@ class ConnectionTrap:
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(64)
         self.port = self.sock.getsockname()[1]
-        self.hits: list[str] = []
         threading.Thread(target=self._serve, daemon=True).start()
 
     @property
@@ -275,18 +272,37 @@ class ConnectionTrap:
         return f"http://127.0.0.1:{self.port}"
 
     def _serve(self) -> None:
+        import threading
+
         while True:
             try:
                 c, _ = self.sock.accept()
             except OSError:
                 return
-            try:
-                c.settimeout(2)
-                first = c.recv(1024).split(b"\r\n", 1)[0].decode(errors="replace")
-            except OSError:
-                first = ""
-            self.hits.append(first)
-            c.close()
+            threading.Thread(target=self.handle, args=(c,), daemon=True).start()
+
+    def handle(self, conn: socket.socket) -> None:
+        conn.close()
 
     def close(self) -> None:
         self.sock.close()
+
+
+class ConnectionTrap(LoopbackServer):
+    """A listener on 127.0.0.1 that answers nothing: it records each connection (with the
+    first line the client sent, e.g. ``GET /latest/api/token``) and closes it. Point a
+    discovery variable (a metadata, credentials, STS or proxy endpoint) at :attr:`url`, and a
+    client that used it shows up in :attr:`hits` without any packet leaving the machine."""
+
+    def __init__(self) -> None:
+        self.hits: list[str] = []
+        super().__init__()
+
+    def handle(self, c: socket.socket) -> None:
+        try:
+            c.settimeout(2)
+            first = c.recv(1024).split(b"\r\n", 1)[0].decode(errors="replace")
+        except OSError:
+            first = ""
+        self.hits.append(first)
+        c.close()

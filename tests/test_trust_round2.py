@@ -26,7 +26,7 @@ import unickpt
 from tests import dist
 from tests.clirun import cli
 from tests.dist import apply_env
-from tests.s3server import offline_env
+from tests.s3server import LoopbackServer, offline_env
 from unickpt import memtier, shm
 from unickpt.errors import (CheckpointNotFoundError, DistributedError, FormatError, InvalidArgumentError,
                             LockTimeoutError, StorageError)
@@ -219,28 +219,19 @@ def test_a_held_commit_lock_fails_a_multi_rank_save_on_every_rank_with_the_lock_
     assert not os.listdir(root)
 
 
-class _SilentServer:
+class _SilentServer(LoopbackServer):
     """Accepts TCP connections on 127.0.0.1 and never answers (``trickle``: answers one byte
     of a status line every 0.2 s, for ever); counts the connections."""
 
     def __init__(self, trickle: bool = False) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.port = self.sock.getsockname()[1]
         self.trickle = trickle
         self.conns: list[socket.socket] = []
-        threading.Thread(target=self._serve, daemon=True).start()
+        super().__init__()
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                return
-            self.conns.append(c)
-            if self.trickle:
-                threading.Thread(target=self._trickle, args=(c,), daemon=True).start()
+    def handle(self, c: socket.socket) -> None:
+        self.conns.append(c)
+        if self.trickle:
+            self._trickle(c)
 
     @staticmethod
     def _trickle(c: socket.socket) -> None:
@@ -253,7 +244,7 @@ class _SilentServer:
             pass
 
     def close(self) -> None:
-        self.sock.close()
+        super().close()
         for c in self.conns:
             c.close()
 
@@ -323,7 +314,7 @@ def test_a_server_that_trickles_bytes_fails_each_call_within_its_bound(client):
         server.close()
 
 
-class _SwallowingProxy:
+class _SwallowingProxy(LoopbackServer):
     """A TCP proxy to ``upstream`` that passes everything but requests whose first line
     starts with ``PUT`` or ``POST`` once ``armed``: those it reads and never answers."""
 
@@ -331,21 +322,12 @@ class _SwallowingProxy:
         self.upstream = upstream
         self.armed = threading.Event()
         self.swallowed = 0
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self._serve, daemon=True).start()
+        super().__init__()
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                return
-            u = socket.create_connection(("127.0.0.1", self.upstream))
-            threading.Thread(target=self._pipe, args=(c, u, True), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(u, c, False), daemon=True).start()
+    def handle(self, c: socket.socket) -> None:
+        u = socket.create_connection(("127.0.0.1", self.upstream))
+        threading.Thread(target=self._pipe, args=(u, c, False), daemon=True).start()
+        self._pipe(c, u, True)
 
     def _pipe(self, a: socket.socket, b: socket.socket, requests: bool) -> None:
         try:
@@ -361,9 +343,6 @@ class _SwallowingProxy:
                 b.sendall(d)
         except OSError:
             pass
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 _PUT_CALL = textwrap.dedent("""
