@@ -27,6 +27,10 @@ Parts (each is the ``measure()`` function of a bench that also runs on its own):
                             --quick: with --max-pieces 1.5e5 (the first layers that fit are
                             measured and the figures scaled linearly to 1,000 layers, as
                             plan_scale does and says).
+  bench/fidelity.py         --quick: training after 1 and 5 quantized save/resume cycles (O1, O2)
+                            on a small model, 3 seeds, against the seed spread and against 5
+                            nudges of 1e-4 (the chaos floor); per-cycle update error (~2 min).
+                            The full run (3 seeds x 300 steps x 10 cycles, ~30 min) on its own.
   bench/parse_dos.py        parser time on the hostile inputs tests/test_fuzz.py bounds by
                             counting (worst-case JSON shapes of 512 KiB, the huge-dims attacks,
                             decodes in 2^40-element groups): a few seconds, the same in --quick.
@@ -56,10 +60,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench import async_save, compressed_save, memory, memory_tier, parse_dos, reshard_load, save_load  # noqa: E402
+from bench import async_save, compressed_save, fidelity, memory, memory_tier, parse_dos, reshard_load, save_load  # noqa: E402
 from bench._common import MiB, OUT, RESULTS, fmt, log, machine, my_segments, print_table, write_json  # noqa: E402
 
-PARTS = ("save_load", "reshard", "async", "memtier", "compressed", "memory", "plan", "parse")
+PARTS = ("save_load", "reshard", "async", "memtier", "compressed", "memory", "plan", "parse", "fidelity")
 PRESETS = {  # state GB, rounds, compute loop s (async), memory rounds, plan_scale --max-pieces
     "quick": {"gb": 0.25, "repeats": 4, "loop_seconds": 1.0, "memory_repeats": 2, "plan_max_pieces": 1.5e5},
     "full": {"gb": 2.0, "repeats": 4, "loop_seconds": 3.0, "memory_repeats": 2, "plan_max_pieces": 1.5e6},
@@ -204,6 +208,19 @@ def table(res: dict) -> list[list[str]]:
                 None, f"1000 layers, rule summaries ({p['summary_kib']:.1f} KiB/rank); target < 1 s/rank: "
                 f"{'met' if p['plan_s'] < 1 else 'MISSED'}; peak {p['peak_mib']:.0f} MiB "
                 f"(target < 256: {'met' if p['peak_mib'] < 256 else 'MISSED'}); manifest {p['manifest_mib']:.2f} MiB")
+    if "fidelity" in res:
+        f = res["fidelity"]["summary"]
+        floor = next(c for c in f["cases"] if c["mode"] == "floor")
+        for c in f["cases"]:
+            if c["mode"] == "floor":
+                continue
+            pc = c.get("per_cycle", {})
+            tgt = f"; target {c['target']}: {'met' if c['met'] else 'MISSED'}" if "target" in c else ""
+            row("unickpt", f"fidelity {c['mode']} x{c['cycles']} cycles (quick model)",
+                note=f"eval drift mean {c['mean_abs_drift']:.3%}, max {c['max_abs_drift']:.3%} over 3 seeds (seed spread "
+                     f"{f['seed_spread']:.2%}, chaos floor x{floor['cycles']} {floor['mean_abs_drift']:.3%}); per cycle: "
+                     f"update cos {pc.get('u_cos', float('nan')):.4f}, |u'|/|u| {pc.get('u_mean_abs_ratio', float('nan')):.4f}"
+                     f"{tgt}")
     if "parse" in res:
         for r in res["parse"]:
             row("parser", f"{r['input']}, {r['bytes']:,} bytes", r["median"],
@@ -257,6 +274,8 @@ def main() -> int:
                 res[part] = plan_quick(preset["plan_max_pieces"])
             elif part == "parse":
                 res[part] = parse_dos.measure(max(n, 5))
+            elif part == "fidelity":
+                res[part] = fidelity.measure(quick=True)
         except Exception as e:  # the other parts still run; the run fails at the end
             errors[part] = f"{type(e).__name__}: {e}"
             print(f"[bench] {part} FAILED:\n{traceback.format_exc()}", file=sys.stderr)

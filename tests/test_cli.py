@@ -73,11 +73,11 @@ def test_inspect_and_verify_a_compressed_checkpoint(tmp_path):
     unickpt.save(sd, tmp_path / "ck", quant="O2", master="residual", zstd=5)
     info = json.loads(cli("inspect", str(tmp_path / "ck"), "--json").stdout)
     assert info["compression"]["quant"] == "O2" and info["compression"]["zstd"] == 5
-    assert info["codecs"] == {"q4_rinv": 1, "q4_sym": 1, "raw": 1, "residual16": 1}
+    assert info["codecs"] == {"q4_logw": 1, "q4_logm": 1, "raw": 1, "residual16": 1}
     assert {f["container"] for f in info["files"].values() if f["role"] != "model"} == {"zstd"}
     assert sum(info["bytes_by_role"].values()) == sum(os.path.getsize(tmp_path / "ck" / f) for f in info["files"])
     text = cli("inspect", str(tmp_path / "ck"), "--tensors").stdout
-    assert "compression  quant O2, master residual, zstd 5" in text and "[q4_sym]" in text
+    assert "compression  quant O2, master residual, zstd 5" in text and "[q4_logm]" in text
     r = cli("verify", str(tmp_path / "ck"))
     assert r.returncode == 0, r.stderr
 

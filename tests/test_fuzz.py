@@ -934,6 +934,10 @@ def codec_tags(draw):
         tag["group"] = draw(GROUPS)
     if draw(st.integers(0, 3)):
         tag["eps"] = draw(EPS)
+    if draw(st.integers(0, 3)):
+        tag["ratio"] = draw(st.one_of(EPS, st.sampled_from([1.5, 1.0, 16.0, 17.0])))
+    if draw(st.booleans()):
+        tag["seed"] = draw(st.sampled_from([0, -1, 1 << 63, (1 << 63) - 1, 1.5, None, "7"]))
     if draw(st.booleans()):
         tag["model"] = draw(st.sampled_from(["w", 5, None]))
     return tag
@@ -987,8 +991,10 @@ def valid_tags(draw):
     bits = 8 if codec.startswith("q8") else 4
     g = unickpt.codecs.group_size(shape, bits, draw(st.sampled_from([2, 4, 64, 6])))
     tag = {"codec": codec, "group": g}
-    if codec.endswith("rinv"):
+    if codec.endswith(("rinv", "logw")):
         tag["eps"] = draw(st.sampled_from([1e-8, 1e-30, 1e30, 5e-324]))
+    if codec == "q4_logm":
+        tag["ratio"] = draw(st.sampled_from([1.5, 1.0001, 16.0, 2]))
     return tag, shape
 
 
@@ -1023,7 +1029,7 @@ def test_codec_long_groups_bounded(codec):
     bits as the buffered path. The scratch is counted (bytes torch allocates, tracemalloc's
     peak for numpy and Python), not timed."""
     group = 1 << 40 if codec.startswith("q8") else _cp.MAX_BLOCK
-    tag = {"codec": codec, "group": group, "eps": 1e-8}
+    tag = {"codec": codec, "group": group, "eps": 1e-8, "ratio": 1.5}
     lo, hi = group - 3, group + 2  # across a group boundary
     parts = {p: torch.full((e - b,), 7, dtype=torch.uint8) for p, (b, e) in _cp.byte_ranges(tag, lo, hi).items()}
     _cp.decode_range(tag, parts, lo, hi)  # once untraced: first-call imports and caches are not scratch
@@ -1044,13 +1050,16 @@ def test_codec_long_groups_bounded(codec):
     bits = 8 if codec.startswith("q8") else 4
     group = C.CHUNK + 6
     x = torch.randn(2 * group + 100, generator=g)
-    if codec.endswith("rinv"):
+    if codec.endswith(("rinv", "logw")):
         x = x.square() * 1e-4
-        codes, a, b = C.encode_v(x, bits, group, 1e-8)
+        enc = C.encode_v if codec.endswith("rinv") else C.encode_w
+        codes, a, b = enc(x, bits, group, 1e-8)
         scales = torch.stack([a, b], dim=1)
+    elif codec == "q4_logm":
+        codes, scales = C.encode_mlog(x, group)
     else:
         codes, scales = C.encode_m(x, bits, group)
-    tag = {"codec": codec, "group": group, "eps": 1e-8}
+    tag = {"codec": codec, "group": group, "eps": 1e-8, "ratio": C.M_RATIO}
     for lo, hi in [(0, x.numel()), (group - 5, group + 12), (group + 1, 2 * group + 3)]:
         rng = _cp.byte_ranges(tag, lo, hi)
         parts = {"codes": codes.view(torch.uint8)[rng["codes"][0] : rng["codes"][1]],

@@ -42,7 +42,8 @@ def test_reshard_drops_roles_splits_files_and_keeps_every_byte(src):
 
 
 def test_reshard_compresses_and_decompresses_offline(src):
-    """O1 + residual masters + zstd, then back to plain: moments within O1's bound, masters
+    """O1 + residual masters + zstd, then back to plain: moments within O1's bound (one step,
+    stochastic rounding), masters
     bit-exact, model untouched; a distributed load of the compressed copy gives the same
     values as the offline decode."""
     tmp, sd = src
@@ -70,7 +71,7 @@ def test_reshard_compresses_and_decompresses_offline(src):
         assert torch.equal(t["model"][k], sd["model"][k])
         m = sd["optimizer"]["exp_avg"][k]
         err = (t["optimizer"]["exp_avg"][k] - m).abs().max(dim=1).values
-        assert bool((err <= m.abs().max(dim=1).values / 254 * 1.0001).all())
+        assert bool((err <= m.abs().max(dim=1).values / 127 * 1.0001).all())  # (stochastic rounding: within one step)
     t2 = {"optimizer": {"exp_avg": {k: torch.zeros_like(v) for k, v in sd["optimizer"]["exp_avg"].items()}}}
     unickpt.load(t2, tmp / "z", strict=False)
     for k in sd["master"]:

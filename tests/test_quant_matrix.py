@@ -40,21 +40,23 @@ def reference_q():
     return {"model": model, "master": master, "optimizer": {"exp_avg": m, "exp_avg_sq": v}}
 
 
-def expected(ref, quant, dropped=()):
-    """Full tensors a load must produce: single-process dequantization of the moments;
-    masters exact, except those stored as ``from_model`` (``dropped``)."""
-    bits = 8 if quant == "O1" else 4
+def expected(ref, quant, dropped=(), step=None):
+    """Full tensors a load must produce: single-process encoding of each full moment with the
+    tag a save of ``step`` gives it (codec, group, rounding seed), decoded; masters exact,
+    except those stored as ``from_model`` (``dropped``)."""
+    from unickpt import compress
+
+    comp = unickpt.Compression(quant=quant, eps=EPS)
     out = {"model": dict(ref["model"]), "master": {}, "optimizer": {"exp_avg": {}, "exp_avg_sq": {}}}
     for k, x in ref["master"].items():
         out["master"][k] = ref["model"][k].float() if k in dropped else x.clone()
-    for k, x in ref["optimizer"]["exp_avg"].items():
-        gs = codecs.group_size(tuple(x.shape), bits)
-        c, s = codecs.encode_m(x, bits, gs)
-        out["optimizer"]["exp_avg"][k] = codecs.decode_m(c, s, bits, gs, 0, x.numel()).view(x.shape)
-    for k, x in ref["optimizer"]["exp_avg_sq"].items():
-        gs = codecs.group_size(tuple(x.shape), bits)
-        c, lo, hi = codecs.encode_v(x, bits, gs, EPS)
-        out["optimizer"]["exp_avg_sq"][k] = codecs.decode_v(c, lo, hi, bits, gs, EPS, 0, x.numel()).view(x.shape)
+    for kind in ("exp_avg", "exp_avg_sq"):
+        for k, x in ref["optimizer"][kind].items():
+            tag = compress.tag_for("optimizer", f"{kind}.{k}", "F32", tuple(x.shape), comp)
+            tag = {**tag, **compress.save_args(tag, "optimizer", f"{kind}.{k}", comp, step)}
+            parts = {p: torch.cat([d for q, _, d in compress.encode_chunk(tag, x, 0) if q == p])
+                     for p in ("codes", "scales")}
+            out["optimizer"][kind][k] = compress.decode_range(tag, parts, 0, x.numel()).view(x.shape)
     return out
 
 
@@ -142,7 +144,7 @@ def test_sizes_and_codecs_recorded(saved):
     ckpt, man = unickpt.read_manifest(os.path.join(saved, "tpcol2-o1-residual"))
     assert man.compression["quant"] == "O1" and man.compression["master"] == "residual"
     assert man.tensors[("optimizer", "exp_avg.embed.weight")].codec == "q8_sym"
-    assert man.tensors[("optimizer", "exp_avg_sq.embed.weight")].codec == "q8_rinv"
+    assert man.tensors[("optimizer", "exp_avg_sq.embed.weight")].codec == "q8_logw"
     assert man.tensors[("optimizer", "exp_avg_sq.embed.weight")].args["eps"] == EPS
     res = man.tensors[("master", "embed.weight")]
     assert res.codec == "residual16" and res.nbytes == 37 * 24 * 2
@@ -151,7 +153,7 @@ def test_sizes_and_codecs_recorded(saved):
     assert man.tensors[("master", "head.weight")].codec == "from_model"
     assert man.bytes_by_role().get("master", 0) == 0
     q = man.tensors[("optimizer", "exp_avg.head.weight")]
-    assert q.codec == "q4_sym" and q.parts["codes"].nbytes == 11 * 130 // 2 and q.args["group"] == 64
+    assert q.codec == "q4_logm" and q.parts["codes"].nbytes == 11 * 130 // 2 and q.args["group"] == 64
 
 
 def test_corrupted_scales_are_detected(saved, tmp_path):

@@ -234,8 +234,8 @@ def test_compressed_checkpoints_resume_bf16_training(tmp_path):
         _, man = unickpt.read_manifest(d)
         codecs = {(r, t.codec) for (r, _), t in man.tensors.items() if r in ("master", "optimizer")}
         want = {"residual": {("master", "residual16"), ("optimizer", "raw")},
-                "o1": {("master", "residual16"), ("optimizer", "q8_sym"), ("optimizer", "q8_rinv")},
-                "o2": {("master", "from_model"), ("optimizer", "q4_sym"), ("optimizer", "q4_rinv")}}[name]
+                "o1": {("master", "residual16"), ("optimizer", "q8_sym"), ("optimizer", "q8_logw")},
+                "o2": {("master", "from_model"), ("optimizer", "q4_logm"), ("optimizer", "q4_logw")}}[name]
         assert codecs == want, (name, codecs)
         results[name] = dist.run(_train, 2, 0, 2, STEPS, d, None, True, "bf16")[0][0]
     full_tp = dist.run(_resume_tp, 2, str(tmp_path / "residual"))[0]

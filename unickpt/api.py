@@ -50,6 +50,7 @@ def save(
     hf_config: Any = None,
     replicas: int = 0,
     also: Sequence[str | os.PathLike] = (),
+    lossy_generations: int = 0,
 ):
     """Save ``state_dict`` as the checkpoint directory ``path``; collective over ``group``.
 
@@ -118,6 +119,10 @@ def save(
             the same staging memory after ``path`` (with ``replicas=0``), each a complete,
             separately committed checkpoint (a durable copy of a memory snapshot for the
             price of one staging copy). ``handle.results`` lists every result.
+        lossy_generations: lossy save/resume cycles this state has been through
+            (``LoadResult.lossy_generations`` of the load that restored it): recorded, plus
+            one, with each quantized tensor, and checked against
+            ``Compression.max_generations`` (the error budget, docs/compression.md).
 
     Every option is checked before anything is staged or written, and bad input raises the
     same typed error with or without ``async_save``: :class:`~unickpt.errors.StateDictError`
@@ -143,6 +148,7 @@ def save(
             step=step, extra=extra, overwrite=overwrite, bucket_bytes=bucket_bytes, max_file_bytes=max_file_bytes,
             direct_io=direct_io, strategy=strategy, extra_files=extra_files, quant=quant, master=master, zstd=zstd,
             compression=compression, timeout_s=timeout_s, storage_options=storage_options, replicas=replicas,
+            lossy_generations=lossy_generations,
         )
         also = tuple(also)
         for p in (path, *also):

@@ -171,6 +171,26 @@ def _read_manifest(path: str):
     return read_manifest(_source(path))
 
 
+def _quant_by_role(man) -> dict:
+    """Per role: the quantized tensors' lossy generations (the most any has) and their
+    recorded errors (the largest relative L2 and max abs error; checkpoints that recorded
+    none show None)."""
+    from .compress import QUANT_CODECS
+
+    out: dict[str, dict] = {}
+    for (role, _), t in man.tensors.items():
+        if t.codec not in QUANT_CODECS:
+            continue
+        q = out.setdefault(role, {"tensors": 0, "generations": 0, "max_rel_l2": None, "max_abs": None})
+        q["tensors"] += 1
+        q["generations"] = max(q["generations"], t.args.get("generations", 1))
+        err = t.args.get("error") or {}
+        for k, src in (("max_rel_l2", "rel_l2"), ("max_abs", "max_abs")):
+            if src in err:
+                q[k] = err[src] if q[k] is None else max(q[k], err[src])
+    return out
+
+
 def _inspect(args):
     ckpt, man = _read_manifest(args.path)
     roles: dict[str, int] = {}
@@ -189,12 +209,15 @@ def _inspect(args):
                       "container": f.container} for n, f in man.files.items()},
         "compression": man.compression,
         "codecs": _codec_counts(man),
+        "lossy_generations": man.lossy_generations,
+        "quantization": _quant_by_role(man),
         "saved_by": man.saved_by,
         "extra": man.extra,
     }
     if args.tensors:
         info["tensor_list"] = [{"role": r, "name": n, "dtype": t.dtype, "shape": list(t.shape), "codec": t.codec,
-                                "file": t.file} for (r, n), t in sorted(man.tensors.items())]
+                                "file": t.file, **({"error": t.args["error"]} if "error" in t.args else {})}
+                               for (r, n), t in sorted(man.tensors.items())]
     if args.json:
         return OK, info, ""
     sb = man.saved_by
@@ -212,7 +235,11 @@ def _inspect(args):
         lines.append(f"compression  quant {c.get('quant') or 'O0'}, master {c.get('master', 'full')}, "
                      f"zstd {c.get('zstd') or 'off'}; " + ", ".join(f"{k} x{n}" for k, n in info["codecs"].items()))
     for role, n in man.bytes_by_role().items():
-        lines.append(f"  {role:<11}{human_bytes(n):>12}  {roles.get(role, 0)} tensors")
+        q = info["quantization"].get(role)
+        err = "" if q is None else (f"; {q['tensors']} quantized: lossy generations {q['generations']}"
+                                    + ("" if q["max_rel_l2"] is None else f", rel L2 error <= {q['max_rel_l2']:.3g}, "
+                                       f"max abs error {q['max_abs']:.3g}"))
+        lines.append(f"  {role:<11}{human_bytes(n):>12}  {roles.get(role, 0)} tensors{err}")
     if args.tensors:
         for (role, name), t in sorted(man.tensors.items()):
             codec = "" if t.codec == "raw" else f"  [{t.codec}]"

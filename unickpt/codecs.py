@@ -11,9 +11,25 @@ it needs the codes of its range and the scales of the groups the range touches.
   odd.
 * Adam's first moment ``m``: symmetric, ``q = round(m / s)`` with ``s = absmax / qmax``
   (qmax 127 or 7) per group; an all-zero group has ``s = 0`` and decodes to 0.
-* The second moment ``v`` is not quantized directly: ``r = 1 / (sqrt(v) + eps)`` (``eps``
-  the optimizer's own) is quantized asymmetrically to ``[0, 2^bits - 1]`` with per-group min
-  and max, and ``v = (1/r - eps)^2`` on decode. ``max == min`` decodes to the min exactly.
+* The second moment ``v`` is quantized as ``w = sqrt(v) + eps`` (``eps`` the optimizer's own,
+  so ``w`` is Adam's denominator) on a **geometric** grid per group: ``2^bits`` levels from the
+  group's min ``w`` to its max, ``w_k = lo * (hi/lo)^(k/L)`` (``L = 2^bits - 1``), and
+  ``v = (w - eps)^2`` on decode (codec ``q8_logw``/``q4_logw``). Every code decodes inside
+  ``[lo, hi]``, so no code can give an update larger than the largest the group had at save
+  (no zero denominator), and a value is never off by more than one level's ratio
+  ``(hi/lo)^(1/L)``: the error is relative, the same for the group's large and small values.
+  (Formats before this one quantized ``r = 1/w`` on a linear grid, ``q8_rinv``/``q4_rinv``:
+  still decoded; docs/compression.md says why it was replaced.)
+* O2's first moment (``q4_logm``) uses signed geometric levels instead of 15 linear ones:
+  ``absmax * 1.5^-k`` (k = 0..6) and zero, nearest in log space (:func:`encode_mlog`).
+* **Rounding.** The second moment is rounded stochastically (with a ``seed``) so that what
+  Adam divides by is unbiased: ``E[1/w'] = 1/w``; v is forgotten slowly (``1/(1-beta2)``
+  steps, 1000 at 0.999), so the errors of successive save/resume cycles must not line up.
+  The uniforms come from a counter-based generator (Philox) keyed by the seed and addressed
+  by the element's index in the full tensor: the codes do not depend on how the tensor is
+  cut into chunks or ranks, and a state saved with the same seed gives the same bytes. The
+  first moment is forgotten within ``1/(1-beta1)`` steps (10), long before the next cycle,
+  and is rounded to nearest (half the error of stochastic rounding).
 * Non-finite values, and negative ``v``, are refused with :class:`CodecError`.
 * Master weights: ``split_master`` keeps the low 16 bits of each fp32 master weight next to
   the bf16 model weight (its round-to-nearest-even), and lists the rare elements the pair
@@ -29,6 +45,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .errors import UnickptError
@@ -36,8 +53,13 @@ from .errors import UnickptError
 __all__ = [
     "CodecError",
     "group_size",
+    "dither",
     "encode_m",
     "decode_m",
+    "encode_mlog",
+    "decode_mlog",
+    "encode_w",
+    "decode_w",
     "encode_v",
     "decode_v",
     "pack4",
@@ -92,6 +114,15 @@ def _check_finite(x: torch.Tensor, what: str, base: int = 0) -> None:
         raise CodecError(
             f"{what}: non-finite value {float(x.reshape(-1)[bad])} at element {bad + base}; refusing to quantize"
         )
+
+
+def dither(seed: int, start: int, count: int) -> torch.Tensor:
+    """Uniforms in ``[0, 1)`` (float32, 24 random bits each) for elements ``[start,
+    start+count)`` of a tensor: Philox4x64 keyed by ``seed``, output ``i`` for element ``i``
+    (counter ``i // 4``), so any chunk of the tensor gets the same values as the whole."""
+    c, r = divmod(start, 4)
+    raw = np.random.Philox(key=seed & 0xFFFFFFFFFFFFFFFF, counter=[c, 0, 0, 0]).random_raw(r + count)[r:]
+    return torch.from_numpy((raw >> np.uint64(40)).astype(np.float32)).mul_(2.0 ** -24)
 
 
 # -- 4-bit packing ------------------------------------------------------------------------
@@ -175,6 +206,25 @@ def _codes(codes: torch.Tensor, bits: int, base: int, a: int, b: int) -> torch.T
     return unpack4(codes[first:last], base + a, b - a)
 
 
+def _decode(codes: torch.Tensor, bits: int, group: int, start: int, count: int, params: tuple, fn) -> torch.Tensor:
+    """Elements ``[start, start+count)`` decoded group by group: ``fn(c, *p)`` maps the float
+    codes ``c`` of some groups and those groups' ``params`` (per-group tensors from group
+    ``start // group`` on, shaped to broadcast) to values. Groups longer than a chunk are
+    decoded per chunk with per-element parameters, without a group-sized scratch."""
+    out = torch.empty(count, dtype=torch.float32)
+    g_first = start // group
+    if group > CHUNK:
+        for a, b, idx in _long_group_chunks(start, count, group):
+            out[a:b] = fn(_codes(codes, bits, start, a, b).float(), *(p[idx] for p in params))
+        return out
+    buf = torch.empty(max(group, (CHUNK // group) * group) + group)
+    for a, b in _aligned_chunks(start, count, group):
+        g, off, g0 = _per_group(_codes(codes, bits, start, a, b), start + a, group, buf)
+        i = g0 - g_first
+        out[a:b] = fn(g, *(p[i : i + g.shape[0], None] for p in params)).view(-1)[off : off + (b - a)]
+    return out
+
+
 # -- first moment: symmetric ----------------------------------------------------------------
 
 
@@ -212,26 +262,140 @@ def decode_m(codes: torch.Tensor, scale: torch.Tensor, bits: int, group: int, st
     ``codes``: for 8 bits the codes of exactly that range; for 4 bits the packed bytes from
     byte ``start // 2`` on. ``scale``: the scales of groups ``start // group`` onwards.
     """
-    out = torch.empty(count, dtype=torch.float32)
-    g_first = start // group
-    if group > CHUNK:  # long rows: scratch per chunk, not per (huge) group
-        for a, b, idx in _long_group_chunks(start, count, group):
-            c = _codes(codes, bits, start, a, b).float()
-            if bits == 4:
-                c.sub_(8)
-            out[a:b] = c.mul_(scale[idx])
-        return out
+    def fn(c, s):
+        return (c.sub_(8) if bits == 4 else c).mul_(s)
+
+    return _decode(codes, bits, group, start, count, (scale,), fn)
+
+
+# -- first moment, 4 bits: signed geometric levels --------------------------------------------------
+
+M_RATIO = 1.5
+"""Ratio of neighbouring magnitudes of the 4-bit first-moment code (``q4_logm``): levels
+``absmax * M_RATIO^-k``, k = 0..6, and zero. Chosen by measurement (docs/compression.md):
+the Adam update's error after a save/resume was smallest at 1.5-1.6 (0.15-0.16 relative L2
+against 0.19-0.21 for 15 linear levels), with no shrinking of its magnitude."""
+
+
+def encode_mlog(m: torch.Tensor, group: int, ratio: float = M_RATIO, what: str = "exp_avg", base: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole groups of ``m`` -> (packed uint8 codes, per-group absmax): ``q + 8`` with ``q``
+    in [-7, 7], ``|q| = j > 0`` standing for ``absmax * ratio^(j - 7)`` and ``q = 0`` for zero;
+    each value takes the level nearest in log space (below the smallest: zero or the smallest,
+    whichever is nearer). Relative, not absolute, error: small values in a group with a
+    large one are not flushed to zero as 15 linear levels flush everything below absmax/14."""
+    m = m.reshape(-1).float()
+    n = m.numel()
+    scale = torch.empty(-(-n // group), dtype=torch.float32)
+    codes = torch.empty(-(-n // 2), dtype=torch.uint8)
     buf = torch.empty(max(group, (CHUNK // group) * group) + group)
-    for a, b in _aligned_chunks(start, count, group):
-        g, off, g0 = _per_group(_codes(codes, bits, start, a, b), start + a, group, buf)
+    lr = math.log(ratio)
+    for a, b in _aligned_chunks(0, n, group):
+        g, off, g0 = _per_group(m[a:b], a, group, buf)
+        amax = g.abs().amax(dim=1)
+        if not bool(torch.isfinite(amax).all()):
+            _check_finite(m[a:b], what, base + a)
+        scale[g0 : g0 + len(amax)] = amax
+        mag = g.abs()
+        k = torch.where(mag > 0, (amax[:, None] / mag).log_().div_(lr), torch.full_like(mag, 1e9)).clamp_(max=1e9)
+        j = (7 - k.round_()).clamp_(min=0)
+        low = j == 0  # below the smallest level: the smallest, or zero, whichever is nearer
+        j = torch.where(low & (mag >= amax[:, None] * (0.5 * ratio ** -6)), torch.ones_like(j), j)
+        q = j.mul_(torch.sign(g)).view(-1)[off : off + (b - a)]
+        _pack_into(codes, a, q.add_(8))
+    return codes, scale
+
+
+def decode_mlog(codes: torch.Tensor, scale: torch.Tensor, group: int, ratio: float, start: int, count: int
+                ) -> torch.Tensor:
+    """Elements ``[start, start+count)`` from :func:`encode_mlog`'s codes (packed bytes from
+    byte ``start // 2`` on) and the scales of groups ``start // group`` onwards."""
+    table = torch.tensor([0.0] + [ratio ** (j - 7) for j in range(1, 8)], dtype=torch.float32)
+
+    def fn(c, s):
+        q = c.to(torch.int64).sub_(8).clamp_(-7, 7)  # (code 0, which no encoder writes, reads as -7)
+        return table[q.abs()].mul_(torch.sign(q).to(torch.float32)).mul_(s)
+
+    return _decode(codes, 4, group, start, count, (scale,), fn)
+
+
+# -- second moment: w = sqrt(v) + eps on a geometric grid -----------------------------------------
+
+
+def _w_groups(v: torch.Tensor, a: int, b: int, group: int, eps: float, buf: torch.Tensor, what: str, base: int):
+    """Groups of ``w = sqrt(v) + eps`` for ``v[a:b]`` (whole groups; the last one padded
+    with a real value, so padding never widens its range): ``(groups, first group)``."""
+    k = b - a
+    g, _, g0 = _per_group(v[a:b], a, group, buf)
+    flat = g.view(-1)
+    if k % group:
+        flat[k:] = flat[k - 1]
+    vmin, vmax = g.amin(dim=1), g.amax(dim=1)
+    if not bool(torch.isfinite(vmax).all()):
+        _check_finite(v[a:b], what, base + a)
+    if bool((vmin < 0).any()):
+        bad = int((v[a:b] < 0).nonzero()[0, 0]) + a + base
+        raise CodecError(f"{what}: negative second moment at element {bad}")
+    return g.sqrt_().add_(eps), g0
+
+
+def encode_w(v: torch.Tensor, bits: int, group: int, eps: float, what: str = "exp_avg_sq", base: int = 0,
+             seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Whole groups of ``v`` -> (codes uint8 (packed for 4 bits), per-group min ``w``,
+    per-group max ``w``) of ``w = sqrt(v) + eps`` on the geometric grid of the module doc.
+    ``seed``: stochastic rounding with ``E[1/w'] = 1/w`` (the update Adam makes is unbiased);
+    else to the nearest level in log space."""
+    v = v.reshape(-1).float()
+    if not eps > 0:
+        raise CodecError(f"{what}: eps must be > 0 to quantize sqrt(v) + eps, got {eps}")
+    levels = (1 << bits) - 1
+    n = v.numel()
+    n_groups = -(-n // group)
+    lo_all = torch.empty(n_groups, dtype=torch.float32)
+    hi_all = torch.empty(n_groups, dtype=torch.float32)
+    codes = torch.empty(n, dtype=torch.uint8) if bits == 8 else torch.empty(-(-n // 2), dtype=torch.uint8)
+    buf = torch.empty(max(group, (CHUNK // group) * group) + group)
+    for a, b in _aligned_chunks(0, n, group):
+        k = b - a
+        w, g0 = _w_groups(v, a, b, group, eps, buf, what, base)
+        lo, hi = w.amin(dim=1), w.amax(dim=1)
+        lo_all[g0 : g0 + len(lo)] = lo
+        hi_all[g0 : g0 + len(hi)] = hi
+        step = hi.log().sub_(lo.log()).div_(levels)  # log of one level's ratio (0: one value)
+        inv = torch.where(step > 0, step.reciprocal(), torch.zeros_like(step))
+        p = w.div_(lo[:, None]).log_().mul_(inv[:, None]).clamp_(0, levels)  # position on the grid, in levels
+        flat = p.view(-1)[:k]
+        if seed is None:
+            flat.round_()
+        else:
+            # between levels k0 and k0+1 (ratio rho = e^step): up with probability P such
+            # that E[1/w'] = 1/w: P = (1 - rho^-f) / (1 - rho^-1), f = p - k0
+            k0 = flat.floor()
+            st = step.repeat_interleave(group)[:k] if len(step) > 1 else step.expand(k)
+            f = flat.sub_(k0)
+            up = torch.where(st > 0, torch.expm1(-f * st).div_(torch.expm1(-st)), torch.zeros_like(f))
+            flat = k0.add_(dither(seed, base + a, k).lt_(up).to(k0.dtype)).clamp_(0, levels)
         if bits == 4:
-            g.sub_(8)
-        g.mul_(scale[g0 - g_first : g0 - g_first + g.shape[0], None])
-        out[a:b] = g.view(-1)[off : off + (b - a)]
-    return out
+            _pack_into(codes, a, flat)
+        else:
+            codes[a:b].copy_(flat)
+    return codes, lo_all, hi_all
 
 
-# -- second moment: asymmetric on r = 1 / (sqrt(v) + eps) -----------------------------------------
+def decode_w(codes, lo, hi, bits: int, group: int, eps: float, start: int, count: int) -> torch.Tensor:
+    """Elements ``[start, start+count)`` of v from :func:`encode_w`'s codes; arguments as in
+    :func:`decode_m`. Decoded ``w`` is clamped to its group's ``[lo, hi]`` (no rounding of
+    ``exp`` can leave it)."""
+    levels = (1 << bits) - 1
+
+    def fn(c, gl, gh):
+        w = c.mul_(gh.log().sub_(gl.log()).div_(levels)).exp_().mul_(gl)
+        return torch.minimum(torch.maximum(w, gl), gh).sub_(eps).clamp_(min=0).square_()
+
+    return _decode(codes, bits, group, start, count, (lo, hi), fn)
+
+
+# -- second moment, formats before logw: asymmetric on r = 1 / (sqrt(v) + eps) ----------------------
 
 
 def encode_v(v: torch.Tensor, bits: int, group: int, eps: float, what: str = "exp_avg_sq", base: int = 0):
@@ -278,22 +442,11 @@ def encode_v(v: torch.Tensor, bits: int, group: int, eps: float, what: str = "ex
 def decode_v(codes, lo, hi, bits: int, group: int, eps: float, start: int, count: int) -> torch.Tensor:
     """Elements ``[start, start+count)`` of v; arguments as in :func:`decode_m`."""
     levels = (1 << bits) - 1
-    out = torch.empty(count, dtype=torch.float32)
-    g_first = start // group
-    if group > CHUNK:  # long rows: scratch per chunk, not per (huge) group (same arithmetic, per element)
-        for a, b, idx in _long_group_chunks(start, count, group):
-            gl, step = lo[idx], (hi[idx] - lo[idx]) / levels
-            c = _codes(codes, bits, start, a, b).float()
-            out[a:b] = c.mul_(step).add_(gl).reciprocal_().sub_(eps).clamp_(min=0).square_()
-        return out
-    buf = torch.empty(max(group, (CHUNK // group) * group) + group)
-    for a, b in _aligned_chunks(start, count, group):
-        g, off, g0 = _per_group(_codes(codes, bits, start, a, b), start + a, group, buf)
-        i = g0 - g_first
-        gl, gh = lo[i : i + g.shape[0], None], hi[i : i + g.shape[0], None]
-        g.mul_((gh - gl) / levels).add_(gl).reciprocal_().sub_(eps).clamp_(min=0).square_()
-        out[a:b] = g.view(-1)[off : off + (b - a)]
-    return out
+
+    def fn(c, gl, gh):
+        return c.mul_((gh - gl) / levels).add_(gl).reciprocal_().sub_(eps).clamp_(min=0).square_()
+
+    return _decode(codes, bits, group, start, count, (lo, hi), fn)
 
 
 # -- master weights: bf16 model weight + 16-bit residual -------------------------------------------

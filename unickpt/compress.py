@@ -34,7 +34,14 @@ from .state import Entry
 __all__ = ["Compression", "QUANT_CODECS", "tag_for", "prepare", "encode_chunk", "parts_of", "stored_parts", "decode_range",
            "check_tag"]
 
-QUANT_CODECS = ("q8_sym", "q8_rinv", "q4_sym", "q4_rinv")
+_QUANT = {  # codec: (moment, bits, bytes of scales per group)
+    "q8_sym": ("m", 8, 4), "q4_logm": ("m", 4, 4), "q8_logw": ("v", 8, 8), "q4_logw": ("v", 4, 8),
+    "q4_sym": ("m", 4, 4), "q8_rinv": ("v", 8, 8), "q4_rinv": ("v", 4, 8),
+}
+QUANT_CODECS = tuple(_QUANT)
+"""Moment codecs this unickpt decodes. Saves write ``q8_sym``/``q4_logm`` (first moment) and
+``q8_logw``/``q4_logw`` (second); ``q4_sym`` and ``*_rinv`` are those of earlier checkpoints
+(docs/compression.md, "Fidelity")."""
 MASTER_CODECS = ("residual16", "from_model")
 _FLOAT = ("F32", "BF16", "F16", "F64")
 EXCEPTION_WARN = 1 / 4096  # residual exceptions beyond this fraction: the model is not bf16(master)
@@ -54,8 +61,19 @@ class Compression:
             weight) or ``"drop"`` (rebuilt from the model weight on load: lossy unless the
             model weight is fp32).
         zstd: zstd level (1-22) for optimizer and master files, or ``None``.
-        eps: the optimizer's epsilon; ``r = 1/(sqrt(v)+eps)`` is what O1/O2 quantize.
+        eps: the optimizer's epsilon; ``sqrt(v) + eps`` (Adam's denominator) is what O1/O2
+            quantize of the second moment.
         block: O2 group size (even, >= 2).
+        rounding: of the second moment: ``"stochastic"`` (default: unbiased where Adam uses
+            it, seeded by the step and the tensor's name, so a save is deterministic) or
+            ``"nearest"`` (its errors of successive save/resume cycles can line up;
+            docs/compression.md). The first moment is rounded to nearest.
+        max_generations: the error budget: how many lossy save/resume cycles a state may go
+            through (``None``: any number). A save of a state that has been through this many
+            (``lossy_generations``) follows ``over_budget``.
+        over_budget: ``"lossless"`` (the moments of that save are stored as they are, with a
+            warning, and the count stops growing) or ``"refuse"`` (an
+            :class:`~unickpt.errors.InvalidArgumentError` before anything is written).
     """
 
     quant: str | None = None
@@ -63,6 +81,9 @@ class Compression:
     zstd: int | None = None
     eps: float = 1e-8
     block: int = 64
+    rounding: str = "stochastic"
+    max_generations: int | None = None
+    over_budget: str = "lossless"
 
     def __post_init__(self) -> None:
         if self.quant == "O0":
@@ -77,6 +98,25 @@ class Compression:
             raise InvalidArgumentError(f"eps must be a finite number > 0, got {self.eps!r}")
         if type(self.block) is not int or not 2 <= self.block <= 1 << 20 or self.block % 2:
             raise InvalidArgumentError(f"block must be an even integer in 2..2^20, got {self.block!r}")
+        if self.rounding not in ("stochastic", "nearest"):
+            raise InvalidArgumentError(f"rounding must be 'stochastic' or 'nearest', got {self.rounding!r}")
+        if self.max_generations is not None and (type(self.max_generations) is not int or self.max_generations < 0):
+            raise InvalidArgumentError(f"max_generations must be None or an integer >= 0, got {self.max_generations!r}")
+        if self.over_budget not in ("lossless", "refuse"):
+            raise InvalidArgumentError(f"over_budget must be 'lossless' or 'refuse', got {self.over_budget!r}")
+
+    def quant_for(self, lossy_generations: int) -> str | None:
+        """The quantization a save of a state that has been through ``lossy_generations``
+        lossy cycles uses under this budget: ``quant``, or None once the budget is spent
+        (``over_budget="lossless"``); ``"refuse"`` raises."""
+        if self.quant is None or self.max_generations is None or lossy_generations < self.max_generations:
+            return self.quant
+        if self.over_budget == "refuse":
+            raise InvalidArgumentError(
+                f"the error budget is spent: this state has been through {lossy_generations} lossy save/resume "
+                f"cycle(s), max_generations={self.max_generations}; save it with quant=None (O0), raise the budget, "
+                "or use over_budget='lossless'")
+        return None
 
     @property
     def bits(self) -> int | None:
@@ -113,21 +153,44 @@ def moment_kind(role: str, name: str) -> str | None:
 
 
 def tag_for(role: str, name: str, dtype: str, shape: tuple[int, ...], comp: Compression) -> dict | None:
-    """Codec tag of a moment tensor (the same on every rank: names, dtypes, shapes only)."""
+    """Codec tag of a moment tensor (the same on every rank and at every step: names, dtypes,
+    shapes only, so a trainer's plans stay cached); :func:`save_args` adds what a save at a
+    step records."""
     if comp.bits is None or dtype not in _FLOAT:
         return None
     kind = moment_kind(role, name)
     if kind is None:
         return None
     g = _c.group_size(tuple(shape), comp.bits, comp.block)
-    tag = {"codec": f"q{comp.bits}_{'sym' if kind == 'm' else 'rinv'}", "group": g}
-    if kind == "v":
-        tag["eps"] = float(comp.eps)
+    if kind == "m":
+        tag = {"codec": "q8_sym" if comp.bits == 8 else "q4_logm", "group": g}
+        if comp.bits == 4:
+            tag["ratio"] = _c.M_RATIO
+    else:
+        tag = {"codec": f"q{comp.bits}_logw", "group": g, "eps": float(comp.eps)}
     return tag
 
 
+def save_args(tag: dict, role: str, name: str, comp: Compression, step: int | None) -> dict:
+    """What a save at ``step`` adds to a quantized tensor's tag: the stochastic rounding's
+    ``seed`` of the second moment (:func:`rounding_seed`)."""
+    if comp.rounding == "stochastic" and tag["codec"].endswith("logw"):
+        return {"seed": rounding_seed(role, name, step)}
+    return {}
+
+
+def rounding_seed(role: str, name: str, step: int | None) -> int:
+    """The stochastic rounding's seed of a tensor at a step (63 bits): other at every step, so
+    successive cycles' errors are independent; the same for the same save, so it is
+    deterministic."""
+    import xxhash
+
+    text = f"{role}\0{name}\0{step if step is not None else ''}"
+    return xxhash.xxh64_intdigest(text.encode("utf-8", "surrogatepass")) >> 1
+
+
 def _bits(codec: str) -> int:
-    return 8 if codec.startswith("q8") else 4
+    return _QUANT[codec][1]
 
 
 def check_tag(tag) -> str:
@@ -142,10 +205,17 @@ def check_tag(tag) -> str:
         g = tag.get("group")
         if type(g) is not int or not 1 <= g <= MAX_GROUP or (_bits(codec) == 4 and (g < 2 or g % 2 or g > MAX_BLOCK)):
             raise FormatError(f"codec {codec}: invalid group {g!r}")
-        if codec.endswith("rinv"):
+        if _QUANT[codec][0] == "v":
             eps = tag.get("eps")
             if type(eps) not in (int, float) or not math.isfinite(eps) or eps <= 0:
                 raise FormatError(f"codec {codec}: eps must be a finite number > 0, got {eps!r}")
+        if codec == "q4_logm":
+            r = tag.get("ratio")
+            if type(r) not in (int, float) or not 1 < r <= 16:
+                raise FormatError(f"codec {codec}: ratio must be a number in (1, 16], got {r!r}")
+        seed = tag.get("seed", 0)
+        if type(seed) is not int or not 0 <= seed < 1 << 63:
+            raise FormatError(f"codec {codec}: seed must be an integer in [0, 2^63), got {seed!r}")
     elif not isinstance(tag.get("model", ""), str):
         raise FormatError(f"codec {codec}: 'model' must name a tensor, got {tag.get('model')!r}")
     return codec
@@ -172,7 +242,7 @@ def parts_of(tag: dict, shape: tuple[int, ...]) -> list[tuple[str, str, tuple[in
     bits = _bits(codec)
     codes = (n,) if bits == 8 else (-(-n // 2),)
     cdt = "I8" if codec == "q8_sym" else "U8"
-    scales = (ng,) if codec.endswith("sym") else (ng, 2)
+    scales = (ng,) if _QUANT[codec][0] == "m" else (ng, 2)
     return [("codes", cdt, codes), ("scales", "F32", scales)]
 
 
@@ -345,25 +415,63 @@ def _residual_local(master: Entry, model: Entry) -> tuple[torch.Tensor, np.ndarr
     return low, gi.astype(np.int64), res.exc_bits.cpu().numpy().astype(np.int32)
 
 
-def encode_chunk(tag: dict, x: torch.Tensor, start: int, what: str = "") -> list[tuple[str, int, torch.Tensor]]:
+def encode_chunk(tag: dict, x: torch.Tensor, start: int, what: str = "", stats: list | None = None
+                 ) -> list[tuple[str, int, torch.Tensor]]:
     """Encode elements ``[start, start+len(x))`` of a moment (``start`` on a group boundary,
     the chunk whole groups or the tensor's end): ``(part, byte offset in part, bytes)``.
-    ``what``: the tensor, as errors name it."""
+    ``what``: the tensor, as errors name it. ``stats``: the chunk's quantization error is
+    added to it (:func:`add_error`; decoded from the codes just made)."""
     codec, g = tag["codec"], tag["group"]
     bits = _bits(codec)
     if start % g:
         raise ValueError(f"chunk start {start} is not on a group boundary ({g})")
     x = x.reshape(-1).float()
     coff = start if bits == 8 else start // 2
-    if codec.endswith("sym"):
-        codes, scale = _c.encode_m(x, bits, g, what or "exp_avg", start)
-        scales = scale
-        soff = (start // g) * 4
-    else:
+    soff = (start // g) * _QUANT[codec][2]
+    if codec == "q4_logm":
+        codes, scales = _c.encode_mlog(x, g, tag["ratio"], what or "exp_avg", start)
+        decoded = (lambda: _c.decode_mlog(codes, scales, g, tag["ratio"], start, x.numel()))
+    elif _QUANT[codec][0] == "m":
+        codes, scales = _c.encode_m(x, bits, g, what or "exp_avg", start)
+        decoded = (lambda: _c.decode_m(codes, scales, bits, g, start, x.numel()))
+    elif codec.endswith("logw"):
+        codes, lo, hi = _c.encode_w(x, bits, g, tag["eps"], what or "exp_avg_sq", start, tag.get("seed"))
+        scales = torch.stack([lo, hi], dim=1)
+        decoded = (lambda: _c.decode_w(codes, lo, hi, bits, g, tag["eps"], start, x.numel()))
+    else:  # (earlier checkpoints' second-moment code: offline rewrites of one)
         codes, lo, hi = _c.encode_v(x, bits, g, tag["eps"], what or "exp_avg_sq", start)
         scales = torch.stack([lo, hi], dim=1)
-        soff = (start // g) * 8
+        decoded = (lambda: _c.decode_v(codes, lo, hi, bits, g, tag["eps"], start, x.numel()))
+    if stats is not None:
+        add_error(stats, x, decoded())
     return [("codes", coff, codes.reshape(-1).view(torch.uint8)), ("scales", soff, scales.reshape(-1).view(torch.uint8))]
+
+
+def add_error(stats: list, x: torch.Tensor, decoded: torch.Tensor) -> None:
+    """Accumulate ``[sum of squared errors, sum of squares, max abs error, sum of errors,
+    elements]`` of ``decoded`` against ``x`` into ``stats`` (merged with :func:`merge_error`)."""
+    d = decoded.double() - x.double()
+    new = [float(d.square().sum()), float(x.double().square().sum()), float(d.abs().max()) if d.numel() else 0.0,
+           float(d.sum()), int(d.numel())]
+    merge_error(stats, new)
+
+
+def merge_error(into: list, other: list) -> None:
+    if not into:
+        into.extend([0.0, 0.0, 0.0, 0.0, 0])
+    into[0] += other[0]
+    into[1] += other[1]
+    into[2] = max(into[2], other[2])
+    into[3] += other[3]
+    into[4] += other[4]
+
+
+def error_record(stats: list) -> dict:
+    """What a manifest records of a tensor's quantization error: the relative L2 error (4
+    significant digits: its sums depend on how the writer cut the tensor into chunks in the
+    last bits, the record must not) and the max abs error (exact)."""
+    sse, ss, mx, _, _ = stats
+    return {"rel_l2": float(f"{math.sqrt(sse / ss):.4g}") if ss > 0 else 0.0, "max_abs": mx}
 
 
 def chunk_elems(tag: dict, bucket_elems: int) -> int:
@@ -386,7 +494,7 @@ def byte_ranges(tag: dict, lo: int, hi: int) -> dict[str, tuple[int, int]]:
     g = tag["group"]
     bits = _bits(codec)
     c = (lo, hi) if bits == 8 else (lo // 2, (hi + 1) // 2)
-    w = 4 if codec.endswith("sym") else 8
+    w = _QUANT[codec][2]
     s = ((lo // g) * w, (-(-hi // g)) * w) if hi > lo else (0, 0)
     return {"codes": c, "scales": s}
 
@@ -417,7 +525,10 @@ def decode_range(tag: dict, parts: dict[str, torch.Tensor], lo: int, hi: int,
     codes = parts["codes"]
     if codec == "q8_sym":
         codes = codes.view(torch.int8)
+    if codec == "q4_logm":
+        return _c.decode_mlog(codes, parts["scales"].view(torch.float32), g, tag["ratio"], lo, hi - lo)
     if codec.endswith("sym"):
         return _c.decode_m(codes, parts["scales"].view(torch.float32), bits, g, lo, hi - lo)
     sc = parts["scales"].view(torch.float32).view(-1, 2)
-    return _c.decode_v(codes, sc[:, 0], sc[:, 1], bits, g, tag["eps"], lo, hi - lo)
+    dec = _c.decode_w if codec.endswith("logw") else _c.decode_v
+    return dec(codes, sc[:, 0], sc[:, 1], bits, g, tag["eps"], lo, hi - lo)

@@ -75,6 +75,10 @@ class LoadResult:
     skipped: list[str] = field(default_factory=list)
     """Values in both the target and the checkpoint that were not restored, with the reason
     (per-rank values saved on another world size)."""
+    lossy_generations: int = 0
+    """Lossy save/resume cycles the restored values have been through (0: exact). Pass it to
+    the next save of this state (``lossy_generations=``): the error budget
+    (``Compression.max_generations``) counts them; docs/compression.md."""
 
     @property
     def gbps(self) -> float:
@@ -310,6 +314,7 @@ def _load(state_dict, path, *, group, verify, strict, progress, bucket_bytes, ti
         received=received,
         unexpected=unexpected,
         skipped=skipped,
+        lossy_generations=man.lossy_generations,
     )
     log.info(
         "rank %d loaded %d tensors from %s: read %s in %.2f s (%.2f GB/s), %d checksums verified%s",

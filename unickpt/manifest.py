@@ -36,8 +36,8 @@ MANIFEST_BASE = 16 << 20  # a manifest may always be this large; beyond, 4 bytes
 DIGEST_KEY = "manifest_xxh3_128"
 _DIGEST_TAIL = re.compile(rb',"manifest_xxh3_128":"([0-9a-f]{32})"\}\s*\Z')
 _AUX = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
-CODECS = ("raw", "q8_sym", "q8_rinv", "q4_sym", "q4_rinv", "residual16", "from_model")
-QUANT = ("q8_sym", "q8_rinv", "q4_sym", "q4_rinv")
+CODECS = ("raw", "q8_sym", "q8_logw", "q4_logm", "q4_logw", "q4_sym", "q8_rinv", "q4_rinv", "residual16", "from_model")
+QUANT = ("q8_sym", "q8_logw", "q4_logm", "q4_logw", "q4_sym", "q8_rinv", "q4_rinv")
 MAX_BLOCK = 1 << 20  # largest O2 block a reader accepts (bounds decoding scratch memory)
 
 RESERVED = "::"  # separates a coded tensor's name from its part in safetensors keys
@@ -240,6 +240,16 @@ class Manifest:
         """Bytes on disk (compressed files count compressed)."""
         return sum(f.stored for f in self.files.values())
 
+    @property
+    def lossy_generations(self) -> int:
+        """Lossy save/resume cycles the values of this checkpoint have been through: the
+        count its save recorded (``compression.lossy_generations``), else 1 when it holds
+        quantized tensors (checkpoints before the count), else 0."""
+        g = self.compression.get("lossy_generations")
+        if type(g) is int and g >= 0:
+            return g
+        return max((t.args.get("generations", 1) for t in self.tensors.values() if t.codec in QUANT), default=0)
+
     def bytes_by_role(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for f in self.files.values():
@@ -370,6 +380,23 @@ def _checksums(raw: list, nbytes: int, where: str) -> tuple[tuple[int, int, str]
     return tuple(out)
 
 
+def _check_quant_record(args: dict, codec: str, w: str) -> None:
+    """The optional record a quantized tensor carries: its rounding ``seed``, the lossy
+    ``generations`` its values have been through and its quantization ``error``."""
+    if codec == "q4_logm" and not (type(args.get("ratio")) is float and 1 < args["ratio"] <= 16):
+        raise FormatError(f"{w}: codec {codec} needs a ratio in (1, 16], got {args.get('ratio')!r}")
+    seed = args.get("seed", 0)
+    if type(seed) is not int or not 0 <= seed < 1 << 63:
+        raise FormatError(f"{w}: codec {codec}: seed must be an integer in [0, 2^63), got {seed!r}")
+    gen = args.get("generations", 1)
+    if type(gen) is not int or not 0 <= gen < 1 << 31:
+        raise FormatError(f"{w}: codec {codec}: generations must be an integer >= 0, got {gen!r}")
+    err = args.get("error", {})
+    if not isinstance(err, dict) or set(err) - {"rel_l2", "max_abs", "bias"} or not all(
+            type(v) in (int, float) and math.isfinite(v) for v in err.values()):
+        raise FormatError(f"{w}: codec {codec}: error must hold numbers rel_l2, max_abs, bias, got {err!r}")
+
+
 def _parts(t: dict, codec: str, args: dict, dtype: str, shape: tuple[int, ...], fe: FileEntry, w: str,
            name: str) -> dict[str, Part]:
     """Validate a coded tensor's arguments and parts against what its codec needs."""
@@ -386,10 +413,11 @@ def _parts(t: dict, codec: str, args: dict, dtype: str, shape: tuple[int, ...], 
             ok = type(g) is int and 2 <= g <= MAX_BLOCK and g % 2 == 0
         if type(g) is not int or not ok:
             raise FormatError(f"{w}: codec {codec} needs group {group_size(shape, 8) if codec.startswith('q8') else 'even, 2..' + str(MAX_BLOCK)} for shape {list(shape)}, got {g!r}")
-        if codec.endswith("rinv"):
+        if codec.endswith(("logw", "rinv")):
             eps = args.get("eps")
             if not (type(eps) is float and math.isfinite(eps) and eps > 0):
                 raise FormatError(f"{w}: codec {codec} needs eps > 0, got {eps!r}")
+        _check_quant_record(args, codec, w)
         if dtype not in ("F32", "BF16", "F16", "F64"):
             raise FormatError(f"{w}: codec {codec} stores a floating tensor, not {dtype}")
         expect = {p: (dt, sh) for p, dt, sh in parts_of({"codec": codec, **args}, shape)}
@@ -641,7 +669,11 @@ _SAVED_BY = {"world_size": lambda v: type(v) is int and v >= 1, "nodes": _str_li
              "unickpt_version": lambda v: isinstance(v, str), "torch_version": lambda v: isinstance(v, str)}
 _COMPRESSION = {"quant": lambda v: v in (None, "O0", "O1", "O2"), "master": lambda v: v in ("full", "residual", "drop"),
                 "zstd": lambda v: v is None or (type(v) is int and -131072 <= v <= 22), "eps": _pos_float,
-                "block": lambda v: type(v) is int and 2 <= v <= MAX_BLOCK}
+                "block": lambda v: type(v) is int and 2 <= v <= MAX_BLOCK,
+                "rounding": lambda v: v in ("stochastic", "nearest"),
+                "max_generations": lambda v: v is None or (type(v) is int and v >= 0),
+                "over_budget": lambda v: v in ("lossless", "refuse"),
+                "lossy_generations": lambda v: type(v) is int and 0 <= v < 1 << 31}
 
 
 def _typed_fields(obj: dict, checks: dict, where: str) -> None:

@@ -27,7 +27,8 @@ from .errors import FormatError, InvalidArgumentError, StateDictError, UnickptEr
 from .format import Hasher, block_sums, build_header, dtype_name, itemsize, order_key, torch_dtype
 from .loader import open_files, read_manifest, read_side_file, read_whole
 from .codecs import split_master
-from .compress import QUANT_CODECS, Compression, chunk_elems, encode_chunk, stored_parts, tag_for
+from .catalog import step_of_name
+from .compress import QUANT_CODECS, Compression, chunk_elems, encode_chunk, error_record, save_args, stored_parts, tag_for
 from .container import ZstdWriter
 from .manifest import INDEX_NAME, MANIFEST_NAME, FileEntry, name_problem, Manifest, Part, TensorEntry
 from .storage import storage_for
@@ -117,9 +118,11 @@ class _Writer:
         elif tag["codec"] in QUANT_CODECS:
             step = chunk_elems(tag, 1 << 24)  # bounded temporaries for huge tensors
             flat = x.reshape(-1)
+            stats: list = []
             for a in range(0, flat.numel(), step):
-                for part, off, data in encode_chunk(tag, flat[a : a + step], a, f"tensor {name!r} (role {role})"):
+                for part, off, data in encode_chunk(tag, flat[a : a + step], a, f"tensor {name!r} (role {role})", stats):
                     self._put(role, name, part, data, off)
+            self.args.setdefault((role, name), {})["error"] = error_record(stats)
         elif tag["codec"] == "residual16":
             res = split_master(x, model)
             self._put(role, name, "low16", res.low)
@@ -261,6 +264,8 @@ def reshard_offline(
     entries = []
     for t in keep:
         tag = tag_for(t.role, t.name, t.dtype, t.shape, comp)
+        if tag is not None:  # (offline: the tag is what the manifest records)
+            tag = {**tag, **save_args(tag, t.role, t.name, comp, man.step), "generations": man.lossy_generations + 1}
         m = models.get(t.name)
         if t.role == "master" and m is not None and m.shape == t.shape:
             if master == "drop":
@@ -300,8 +305,9 @@ def reshard_offline(
                 progress(done, total)
         strategy = dict(man.saved_by.get("strategy") or {}, resharded_from=ckpt)
         state = {k: v for k, v in man.state.items() if k not in drop}
-        path = w.commit(step=man.step, state=state, extra=man.extra, strategy=strategy,
-                        compression=comp.to_json() if comp.active else None,
+        step = man.step if man.step is not None else step_of_name(os.path.basename(w.final.rstrip("/")))
+        path = w.commit(step=step, state=state, extra=man.extra, strategy=strategy,
+                        compression=_compression_record(comp, man.lossy_generations, entries),
                         aliases={k: v for k, v in man.aliases.items() if k[0] not in drop},
                         per_rank={k for k in man.per_rank if k[0] not in drop}, aux=aux,
                         world_size=int(man.saved_by.get("world_size", 1)))
@@ -341,6 +347,16 @@ def _side_files(storage, ckpt: str, man: Manifest) -> dict[str, bytes]:
             log.warning("%s: format %d checkpoints do not checksum their side files; not copied: %s", ckpt,
                         man.format_version, ", ".join(old))
     return out
+
+
+def _compression_record(comp: Compression, generations: int, entries: list) -> dict | None:
+    """The manifest's ``compression``: the options applied and the lossy generations of the
+    values (one more when this rewrite quantizes)."""
+    rec = comp.to_json() if comp.active else {}
+    g = generations + (1 if any(tag and tag["codec"] in QUANT_CODECS for *_, tag in entries) else 0)
+    if g:
+        rec["lossy_generations"] = g
+    return rec or None
 
 
 def _roles_to_drop(ckpt: str, man: Manifest, drop_roles: Iterable[str]) -> set[str]:

@@ -17,6 +17,7 @@ import datetime as _dt
 import json
 import math
 import operator
+import os
 import re
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,7 +33,8 @@ from ._metrics import Phases, gbps, human_bytes, log
 from .errors import DistributedError, InvalidArgumentError, StateDictError, UnickptError
 from .format import BlockHasher, Hasher, block_sums, dtype_name, torch_dtype
 from .container import ZstdWriter
-from .compress import EXCEPTION_WARN, Compression, encode_chunk, prepare
+from .catalog import step_of_name
+from .compress import EXCEPTION_WARN, Compression, encode_chunk, error_record, merge_error, prepare, save_args
 from .manifest import DENSE_ALLOWANCE, INDEX_NAME, MANIFEST_NAME, FileEntry, Manifest, Part, TensorEntry, density_problem
 from .plan import LocalSummary, SavePlan, Step, assemble, extents_of, make_plan, summarize
 from .state import PER_RANK_KEY, RANK_VALUE_KEY, Entry, _is_json, flatten, from_json, to_json
@@ -98,6 +100,11 @@ class SaveOptions:
     """Node-local saves (``{node}`` in the path): each node's data files are also written
     into the directories of this many other nodes before the commit (the memory tier's
     replication); at most the number of other nodes."""
+    lossy_generations: int = 0
+    """Lossy save/resume cycles the state being saved has been through
+    (``LoadResult.lossy_generations`` of the load that restored it; 0 for a fresh state). A
+    quantized save records one more in each quantized tensor's entry and in the manifest,
+    and ``Compression.max_generations`` is checked against it (the error budget)."""
 
     def __post_init__(self) -> None:
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -144,6 +151,9 @@ class SaveOptions:
         if self.timeout_s is not None:
             put("timeout_s", resolve_timeout(self.timeout_s))
         put("replicas", _whole("replicas", self.replicas, 0))
+        put("lossy_generations", _whole("lossy_generations", self.lossy_generations, 0))
+        if self.compression is not None:  # the error budget: "refuse" raises here, before anything is written
+            self.compression.quant_for(self.lossy_generations)
         if self.storage_options is not None:
             if not isinstance(self.storage_options, Mapping) or not _is_json(self.storage_options):
                 raise InvalidArgumentError(
@@ -216,7 +226,16 @@ def save_entries(
     trainer copies them into staging while the save runs). Every read of an entry's bytes
     first waits for them (:class:`StagedBytes`), and the write phase ends by waiting for
     the whole copy, so a copy that fails anywhere fails the save on every rank."""
+    if opts.step is None:  # a step-N directory records step N (every reader checks the name against it)
+        named = step_of_name(os.path.basename(os.fspath(path).rstrip("/")))
+        if named is not None:
+            opts = replace(opts, step=named)
     comp = opts.compression or Compression()
+    if comp.quant is not None and comp.quant_for(opts.lossy_generations) is None:
+        log.warning("save: the error budget is spent (the state has been through %d lossy save/resume cycles, "
+                    "max_generations=%d): its moments are stored as they are (O0) this time",
+                    opts.lossy_generations, comp.max_generations)
+        comp = replace(comp, quant=None)
     ph = Phases()
     storage, final = storage_for(path, opts.storage_options)
     err: BaseException | None = None
@@ -305,7 +324,7 @@ def save_entries(
         with ph.phase("write"):
             try:
                 result, fragments = _write_rank(plan, comm, by_key, storage, tmp, opts.direct_io, ph, progress,
-                                                txn.file_name, staged)
+                                                txn.file_name, staged, _step_args(plan, comp, opts))
                 if staged is not None:  # bytes this rank did not need (another rank writes them) too:
                     staged.wait_all()  # a copy that failed anywhere fails the save
                 result["exceptions"] = _exception_report(plan, comm.rank, exceptions)
@@ -335,7 +354,7 @@ def save_entries(
             if comm.rank == 0:
                 try:
                     man = _manifest(plan, reports, opts.step, json_state, dict(opts.extra or {}), dict(opts.strategy or {}),
-                                    dropped, comp, txn.file_name)
+                                    dropped, comp, txn.file_name, opts.lossy_generations, _step_args(plan, comp, opts))
                     man.aliases = aliases
                     man.per_rank = per_rank_keys
                     for name, nodes in copies.items():
@@ -735,9 +754,13 @@ def _tiled(ext: list, nbytes: int, what: str) -> tuple:
 
 
 def _manifest(plan: SavePlan, reports: list[dict], step, json_state, extra, strategy, dropped=None,
-              comp: Compression | None = None, name_of=str) -> Manifest:
-    """``name_of``: the stored name of a planned file (:meth:`unickpt.commit.Transaction.file_name`)."""
+              comp: Compression | None = None, name_of=str, lossy_generations: int = 0,
+              step_args: dict | None = None) -> Manifest:
+    """``name_of``: the stored name of a planned file (:meth:`unickpt.commit.Transaction.file_name`).
+    ``lossy_generations``: those of the state saved, before this save; ``step_args``: what
+    this save adds to quantized tensors' tags (:func:`_step_args`)."""
     checksums: dict[str, list] = {}
+    qerr: dict[str, list] = {}
     sizes: dict[str, int] = {}
     excs: dict[str, list] = {}
     framed: dict[str, dict] = {}
@@ -747,6 +770,8 @@ def _manifest(plan: SavePlan, reports: list[dict], step, json_state, extra, stra
             checksums.setdefault(k, []).extend(ext)
         for name, n in r.get("files", {}).items():
             sizes[name] = sizes.get(name, 0) + n
+        for k, st in r.get("qerr", {}).items():
+            merge_error(qerr.setdefault(k, []), st)
         for k, (idx, bits) in r.get("exceptions", {}).items():
             e = excs.setdefault(k, [[], []])
             e[0].extend(idx)
@@ -777,6 +802,10 @@ def _manifest(plan: SavePlan, reports: list[dict], step, json_state, extra, stra
             for p, (key, dt, sh, b, e) in t.parts.items():
                 parts[p] = Part(key, dt, sh, b, e, _tiled(checksums.get(f"{k}#{p}", []), e - b, f"{what} part {p}"))
             dtype = t.dtype
+            args.update((step_args or {}).get(t.key, {}))
+            args["generations"] = lossy_generations + 1
+            if k in qerr:
+                args["error"] = error_record(qerr[k])
         tensors[t.key] = TensorEntry(t.role, t.name, name_of(t.file), dtype, t.shape, t.begin, t.end, (), codec, t.writer,
                                      parts, args)
     for (role, name), (dt, shape, model) in (dropped or {}).items():
@@ -798,8 +827,13 @@ def _manifest(plan: SavePlan, reports: list[dict], step, json_state, extra, stra
                                                header_xxh3=Hasher.of(f.header))
     from . import __version__
 
+    quantized = any(t.codec is not None and t.quantized for t in plan.tensors.values())
+    generations = lossy_generations + (1 if quantized else 0)
+    record = comp.to_json() if comp is not None and comp.active else {}
+    if generations:  # (the state's history, also through lossless saves: the next resume carries it on)
+        record["lossy_generations"] = generations
     return Manifest(
-        compression=comp.to_json() if comp is not None and comp.active else {},
+        compression=record,
         step=step,
         files=files,
         tensors=tensors,
@@ -885,8 +919,15 @@ def _bucket(slot: int, need: int) -> torch.Tensor:
     return _BUCKETS[slot]
 
 
+def _step_args(plan: SavePlan, comp: Compression, opts: SaveOptions) -> dict[tuple[str, str], dict]:
+    """Per quantized tensor, what this save adds to its (step-independent, cached) tag: the
+    rounding seed of its step (compress.save_args)."""
+    return {t.key: a for t in plan.tensors.values() if t.quantized
+            for a in [save_args(t.codec, t.role, t.name, comp, opts.step)] if a}
+
+
 def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, direct_io, ph: Phases, progress,
-                name_of=str, staged: StagedBytes | None = None):
+                name_of=str, staged: StagedBytes | None = None, step_args: dict | None = None):
     """Write this rank's share: headers of its files, its runs of direct tensors (in place,
     into whichever file holds them), and the gathered tensors it owns (via buckets).
 
@@ -907,6 +948,7 @@ def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, 
     writers = {}
     gathered = {t.key: BlockHasher() for f in files if f.writer == rank for t in f.tensors if not t.direct and not t.quantized}
     checks: dict[str, list] = {}
+    qerr: dict[str, list] = {}  # quantized tensors: their encoding's error (compress.add_error), merged in the manifest
     sources: dict[tuple[str, str], _Source] = {}
     io_error: list[BaseException] = []
     total = sum(len(files[i].header) for i in needed if files[i].writer == rank)
@@ -990,7 +1032,7 @@ def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, 
             except Exception as e:  # after the transfers: later steps are drained above
                 io_error.append(e)
                 continue
-            pending[slot] = io.submit(_write_items, items, writers, gathered, files, checks)
+            pending[slot] = io.submit(_write_items, items, writers, gathered, files, checks, qerr, step_args or {})
             note(sum(int(v.numel()) for _, _, v, _, _ in items))
         reap(0)
         reap(1)
@@ -1024,7 +1066,7 @@ def _write_rank(plan: SavePlan, comm: Comm, by_key, storage: Storage, tmp: str, 
         checks[f"{k[0]}/{k[1]}"] = h.finish()
     zst = {n: {"stored": w.pos, "frames": w.frames} for n, w in framed.items()}
     stored = sum(written.values()) + sum(w.pos - w.logical for w in framed.values())
-    return {"checksums": checks, "files": written, "bytes": stored, "zstd": zst}, fragments
+    return {"checksums": checks, "files": written, "bytes": stored, "zstd": zst, "qerr": qerr}, fragments
 
 
 class _Unsent(Exception):
@@ -1111,7 +1153,7 @@ def _finish_step(step: Step, src, bucket, scatters, offs):
     return items
 
 
-def _write_items(items, writers, hashers, files, checks) -> None:
+def _write_items(items, writers, hashers, files, checks, qerr, step_args) -> None:
     """Write one step's segments (runs on the writer thread); quantized segments (whole
     groups) are encoded here, so encoding overlaps the next step's gather."""
     for fi, t, view, offset, start in items:
@@ -1122,7 +1164,9 @@ def _write_items(items, writers, hashers, files, checks) -> None:
             if view.data_ptr() % 8:
                 view = view.clone()
             x = view.view(torch_dtype(t.dtype))
-            for part, poff, data in encode_chunk(t.codec, x, start, f"tensor {t.name!r} (role {t.role})"):
+            tag = {**t.codec, **step_args[t.key]} if t.key in step_args else t.codec
+            for part, poff, data in encode_chunk(tag, x, start, f"tensor {t.name!r} (role {t.role})",
+                                                 qerr.setdefault(f"{t.role}/{t.name}", [])):
                 if data.numel() == 0:
                     continue
                 mv = memoryview(data.numpy())

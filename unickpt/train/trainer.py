@@ -85,6 +85,10 @@ class UnifiedCheckpoint:
     waiting only before that step's optimizer update (weights and moments change only there)."""
     quant: str | None = None
     """``"O1"`` (8-bit) or ``"O2"`` (4-bit) Adam moments; ``None``: stored as they are."""
+    max_generations: int | None = None
+    """The error budget of ``quant``: once the state has been through this many lossy
+    save/resume cycles, its moments are saved as they are (with a warning); ``None``: any
+    number (docs/compression.md has the measured fidelity)."""
     master: str = "full"
     """``"full"``, ``"residual"`` (bit-exact from the bf16 weights + 2 bytes/param; bf16 training
     only, fp32 falls back to full) or ``"drop"`` (rebuilt from the model weights: exact for
@@ -185,6 +189,7 @@ class Trainer:
         self._pending_tiers: list[str] = []
         self._durable_step = -1  # newest durable checkpoint this run wrote or resumed from
         self._resumed_from: int | None = None  # checkpoints of later steps belong to an abandoned run
+        self._lossy_generations = 0  # lossy save/resume cycles the live state has been through
         self._dir_rank = self._manages_directory(checkpoint.dir) if checkpoint is not None else False
         self._mem_rank = False
         self._mem_job: str | None = None  # (the memory tier's job id, when it is on)
@@ -349,12 +354,14 @@ class Trainer:
     def _save_kw(self) -> dict:
         strategy = {"zero_stage": self.parallel.zero_stage, "tp": self.parallel.tp, "dp": self.mesh.dp_size, "dtype": self.dtype_name}
         config = json.dumps(hf_config(self.cfg, {"fp32": "float32", "bf16": "bfloat16"}[self.dtype_name]), indent=2)
-        comp = unickpt.Compression(quant=self.ckpt.quant, master=self.ckpt.master, zstd=self.ckpt.zstd, eps=self.optim.eps)
+        comp = unickpt.Compression(quant=self.ckpt.quant, master=self.ckpt.master, zstd=self.ckpt.zstd, eps=self.optim.eps,
+                                   max_generations=self.ckpt.max_generations)
         # a run resumed from step S replaces, as it reaches them, checkpoints of later steps
         # left by the run it continues (e.g. past a damaged snapshot it fell back from)
         overwrite = self._resumed_from is not None and self.step > self._resumed_from
         return dict(step=self.step, strategy=strategy, extra={"model_config": asdict(self.cfg)},
-                    extra_files={"config.json": config}, compression=comp, overwrite=overwrite)
+                    extra_files={"config.json": config}, compression=comp, overwrite=overwrite,
+                    lossy_generations=self._lossy_generations)
 
     def _snapshot(self, durable: bool):
         """A memory snapshot of this step (asynchronous: the step pays the staging copy); with
@@ -603,7 +610,7 @@ class Trainer:
         want = {"global_batch": self.global_batch, "seq_len": self.data.seq_len, "data_seed": self.data.seed}
         got = {k: tr.get(k) for k in want}
         if got != want:
-            raise ValueError(  # checked before anything is loaded: the data order would differ
+            raise unickpt.errors.InvalidArgumentError(  # checked before anything is loaded: the data order would differ
                 f"{ckpt} was trained with {got}; this run uses {want}"
             )
         rng_saved = man.tensors.get(("rng", "torch_cpu"))
@@ -617,6 +624,7 @@ class Trainer:
             torch.set_rng_state(sd["rng"]["torch_cpu"].local.reshape(-1).clone())
         self.step = int(sd["trainer"]["step"])
         self._resumed_from = self.step
+        self._lossy_generations = res.lossy_generations  # (the error budget counts them: docs/compression.md)
         self._emit({"event": "load", "tier": tier, "step": self.step, "seconds": time.perf_counter() - t0,
                     "bytes_read": res.bytes_read, "path": res.path})
         return res
@@ -624,5 +632,6 @@ class Trainer:
     def _emit(self, rec: dict) -> None:
         self.history.append(rec)
         if self.metrics_jsonl:
-            with open(self.metrics_jsonl, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+            from unickpt.localfs import append_text
+
+            append_text(self.metrics_jsonl, json.dumps(rec) + "\n")  # (a FIFO there is refused, never waited on)
