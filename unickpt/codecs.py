@@ -116,13 +116,71 @@ def _check_finite(x: torch.Tensor, what: str, base: int = 0) -> None:
         )
 
 
+DITHER_TABLE = 1 << 16
+"""Uniforms in the dither table (256 KiB: stays in cache while a chunk is rounded)."""
+_TABLE: list[torch.Tensor] = []
+
+
+def _table() -> torch.Tensor:
+    """The dither table, twice over (so any window of ``DITHER_TABLE`` values is one slice):
+    Philox4x64 with key 0, 24 random bits per value, the same in every process."""
+    if not _TABLE:
+        raw = np.random.Philox(key=0, counter=[0, 0, 0, 0]).random_raw(DITHER_TABLE)
+        t = torch.from_numpy((raw >> np.uint64(40)).astype(np.float32)).mul_(2.0 ** -24)
+        _TABLE.append(torch.cat([t, t]))
+    return _TABLE[0]
+
+
+def _tally(stats: list | None, decoded: torch.Tensor, x: torch.Tensor) -> None:
+    """Add the error of ``decoded`` (overwritten) against ``x`` to ``stats``: ``[sum of
+    squared errors, sum of squares, max abs error, 0, elements]``. Sums per chunk in fp32
+    (a dot product, at cache speed), across chunks in float64: a measurement, whose last
+    digits depend on how a writer cut the tensor into chunks."""
+    if stats is None or x.numel() == 0:
+        return
+    d = decoded.sub_(x)
+    lo, hi = torch.aminmax(d)
+    new = [float(torch.dot(d, d)), float(torch.dot(x, x)), max(-float(lo), float(hi)), 0.0, x.numel()]
+    if not stats:
+        stats.extend(new)
+    else:
+        stats[0] += new[0]
+        stats[1] += new[1]
+        stats[2] = max(stats[2], new[2])
+        stats[4] += new[4]
+
+
+def _windows(seed: int, start: int, count: int):
+    """``(offset, table slice)`` covering elements ``[start, start+count)``: element ``i``
+    takes value ``(i + offset(seed)) mod DITHER_TABLE`` of the table."""
+    table = _table()
+    pos, done = (start + (seed * 0x9E3779B97F4A7C15 >> 16)) % DITHER_TABLE, 0
+    while done < count:
+        n = min(count - done, DITHER_TABLE)
+        yield done, table[pos : pos + n]
+        done += n
+
+
 def dither(seed: int, start: int, count: int) -> torch.Tensor:
-    """Uniforms in ``[0, 1)`` (float32, 24 random bits each) for elements ``[start,
-    start+count)`` of a tensor: Philox4x64 keyed by ``seed``, output ``i`` for element ``i``
-    (counter ``i // 4``), so any chunk of the tensor gets the same values as the whole."""
-    c, r = divmod(start, 4)
-    raw = np.random.Philox(key=seed & 0xFFFFFFFFFFFFFFFF, counter=[c, 0, 0, 0]).random_raw(r + count)[r:]
-    return torch.from_numpy((raw >> np.uint64(40)).astype(np.float32)).mul_(2.0 ** -24)
+    """Uniforms in ``[0, 1)`` for elements ``[start, start+count)`` of a tensor: element ``i``
+    takes value ``(i + offset(seed)) mod DITHER_TABLE`` of a fixed random table, so any chunk
+    of the tensor gets the values of the whole, and each seed (a tensor at a step) shifts the
+    whole sequence: an element's draw changes from save to save. Elements ``DITHER_TABLE``
+    apart share a draw within one save (harmless: each is rounded on its own). A window of
+    the table, not a generator per element (~8 ns per value): see :func:`_draw`."""
+    out = torch.empty(count, dtype=torch.float32)
+    for at, window in _windows(seed, start, count):
+        out[at : at + len(window)].copy_(window)
+    return out
+
+
+def _draw(p: torch.Tensor, seed: int, start: int) -> torch.Tensor:
+    """``p`` (flat, probabilities) replaced in place by 1.0 where the element's dither value
+    is below it, else 0.0: one Bernoulli draw per element, compared against the table's
+    windows where they lie (no copy of the dither)."""
+    for at, window in _windows(seed, start, p.numel()):
+        p[at : at + len(window)].gt_(window)
+    return p
 
 
 # -- 4-bit packing ------------------------------------------------------------------------
@@ -228,11 +286,13 @@ def _decode(codes: torch.Tensor, bits: int, group: int, start: int, count: int, 
 # -- first moment: symmetric ----------------------------------------------------------------
 
 
-def encode_m(m: torch.Tensor, bits: int, group: int, what: str = "exp_avg", base: int = 0
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_m(m: torch.Tensor, bits: int, group: int, what: str = "exp_avg", base: int = 0,
+             stats: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Whole groups of ``m`` (flat fp32) -> (codes, per-group scale). Codes: int8 for 8 bits
     (one per element), packed uint8 for 4 bits (offset by 8, two per byte). ``what`` and
-    ``base`` (the tensor element ``m`` starts at) name a refused element in errors."""
+    ``base`` (the tensor element ``m`` starts at) name a refused element in errors.
+    ``stats``: the decoded values' error is added to it (:func:`_tally`), computed on the
+    chunk while it is in cache."""
     m = m.reshape(-1).float()
     qmax = _qmax(bits)
     n = m.numel()
@@ -251,8 +311,11 @@ def encode_m(m: torch.Tensor, bits: int, group: int, what: str = "exp_avg", base
         q = g.view(-1)[off : off + (b - a)]
         if bits == 4:
             _pack_into(codes, a, q.add_(8))
+            q.sub_(8)
         else:
             codes[a:b].copy_(q)
+        if stats is not None:
+            _tally(stats, g.mul_(s[:, None]).view(-1)[off : off + (b - a)], m[a:b])
     return codes, scale
 
 
@@ -277,8 +340,8 @@ the Adam update's error after a save/resume was smallest at 1.5-1.6 (0.15-0.16 r
 against 0.19-0.21 for 15 linear levels), with no shrinking of its magnitude."""
 
 
-def encode_mlog(m: torch.Tensor, group: int, ratio: float = M_RATIO, what: str = "exp_avg", base: int = 0
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_mlog(m: torch.Tensor, group: int, ratio: float = M_RATIO, what: str = "exp_avg", base: int = 0,
+                stats: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Whole groups of ``m`` -> (packed uint8 codes, per-group absmax): ``q + 8`` with ``q``
     in [-7, 7], ``|q| = j > 0`` standing for ``absmax * ratio^(j - 7)`` and ``q = 0`` for zero;
     each value takes the level nearest in log space (below the smallest: zero or the smallest,
@@ -289,32 +352,47 @@ def encode_mlog(m: torch.Tensor, group: int, ratio: float = M_RATIO, what: str =
     scale = torch.empty(-(-n // group), dtype=torch.float32)
     codes = torch.empty(-(-n // 2), dtype=torch.uint8)
     buf = torch.empty(max(group, (CHUNK // group) * group) + group)
-    lr = math.log(ratio)
+    inv_lr = 1 / math.log(ratio)
+    # position k = 7 + log_ratio(|m| / absmax); the smallest level is k = 1, zero is nearer
+    # below half of it, k < 1 + log_ratio(1/2): kept iff floor(k + 1 - log_ratio(1/2)) >= 1
+    keep_shift = 1 - math.log(0.5) * inv_lr
+    mag, kept = torch.empty_like(buf), torch.empty_like(buf)
     for a, b in _aligned_chunks(0, n, group):
         g, off, g0 = _per_group(m[a:b], a, group, buf)
-        amax = g.abs().amax(dim=1)
+        r = torch.abs(g, out=mag[: g.numel()].view_as(g))
+        amax = r.amax(dim=1)
         if not bool(torch.isfinite(amax).all()):
             _check_finite(m[a:b], what, base + a)
         scale[g0 : g0 + len(amax)] = amax
-        mag = g.abs()
-        k = torch.where(mag > 0, (amax[:, None] / mag).log_().div_(lr), torch.full_like(mag, 1e9)).clamp_(max=1e9)
-        j = (7 - k.round_()).clamp_(min=0)
-        low = j == 0  # below the smallest level: the smallest, or zero, whichever is nearer
-        j = torch.where(low & (mag >= amax[:, None] * (0.5 * ratio ** -6)), torch.ones_like(j), j)
-        q = j.mul_(torch.sign(g)).view(-1)[off : off + (b - a)]
+        r.mul_(torch.where(amax > 0, amax.reciprocal(), torch.zeros_like(amax))[:, None])  # |m| / absmax in [0, 1]
+        k = r.log_().mul_(inv_lr).add_(7)  # (-inf for 0)
+        keep = torch.add(k, keep_shift, out=kept[: k.numel()].view_as(k)).floor_().clamp_(0, 1)  # 1.0 or 0.0, no mask
+        # the level nearest in log space, 1..7, or 0 (float arithmetic only: masks are slow)
+        j = k.round_().clamp_(1, 7).mul_(keep)
+        q = torch.copysign(j, g, out=j).view(-1)[off : off + (b - a)]
         _pack_into(codes, a, q.add_(8))
+        if stats is not None:
+            _tally(stats, _mlog_values(j.sub_(8), amax[:, None], inv_lr, kept[: j.numel()].view_as(j))
+                   .view(-1)[off : off + (b - a)], m[a:b])
     return codes, scale
+
+
+def _mlog_values(q: torch.Tensor, scale: torch.Tensor, inv_lr: float, tmp: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """Values of signed level indices ``q`` (float, in [-7, 7], overwritten):
+    ``sign(q) * scale * ratio^(abs(q) - 7)``, 0 for ``q = 0`` (``tmp``: scratch like ``q``)."""
+    sign = torch.sign(q, out=tmp) if tmp is not None else torch.sign(q)  # (0 for q = 0: the value 0)
+    return q.abs_().sub_(7).div_(inv_lr).exp_().mul_(sign).mul_(scale)
 
 
 def decode_mlog(codes: torch.Tensor, scale: torch.Tensor, group: int, ratio: float, start: int, count: int
                 ) -> torch.Tensor:
     """Elements ``[start, start+count)`` from :func:`encode_mlog`'s codes (packed bytes from
     byte ``start // 2`` on) and the scales of groups ``start // group`` onwards."""
-    table = torch.tensor([0.0] + [ratio ** (j - 7) for j in range(1, 8)], dtype=torch.float32)
+    inv_lr = 1 / math.log(ratio)
 
     def fn(c, s):
-        q = c.to(torch.int64).sub_(8).clamp_(-7, 7)  # (code 0, which no encoder writes, reads as -7)
-        return table[q.abs()].mul_(torch.sign(q).to(torch.float32)).mul_(s)
+        return _mlog_values(c.sub_(8).clamp_(-7, 7), s, inv_lr)  # (code 0, which no encoder writes, reads as -7)
 
     return _decode(codes, 4, group, start, count, (scale,), fn)
 
@@ -340,7 +418,7 @@ def _w_groups(v: torch.Tensor, a: int, b: int, group: int, eps: float, buf: torc
 
 
 def encode_w(v: torch.Tensor, bits: int, group: int, eps: float, what: str = "exp_avg_sq", base: int = 0,
-             seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             seed: int | None = None, stats: list | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Whole groups of ``v`` -> (codes uint8 (packed for 4 bits), per-group min ``w``,
     per-group max ``w``) of ``w = sqrt(v) + eps`` on the geometric grid of the module doc.
     ``seed``: stochastic rounding with ``E[1/w'] = 1/w`` (the update Adam makes is unbiased);
@@ -355,6 +433,7 @@ def encode_w(v: torch.Tensor, bits: int, group: int, eps: float, what: str = "ex
     hi_all = torch.empty(n_groups, dtype=torch.float32)
     codes = torch.empty(n, dtype=torch.uint8) if bits == 8 else torch.empty(-(-n // 2), dtype=torch.uint8)
     buf = torch.empty(max(group, (CHUNK // group) * group) + group)
+    low = torch.empty_like(buf) if seed is not None else None  # the lower level of each value
     for a, b in _aligned_chunks(0, n, group):
         k = b - a
         w, g0 = _w_groups(v, a, b, group, eps, buf, what, base)
@@ -364,22 +443,32 @@ def encode_w(v: torch.Tensor, bits: int, group: int, eps: float, what: str = "ex
         step = hi.log().sub_(lo.log()).div_(levels)  # log of one level's ratio (0: one value)
         inv = torch.where(step > 0, step.reciprocal(), torch.zeros_like(step))
         p = w.div_(lo[:, None]).log_().mul_(inv[:, None]).clamp_(0, levels)  # position on the grid, in levels
-        flat = p.view(-1)[:k]
         if seed is None:
-            flat.round_()
+            p.round_()
         else:
             # between levels k0 and k0+1 (ratio rho = e^step): up with probability P such
-            # that E[1/w'] = 1/w: P = (1 - rho^-f) / (1 - rho^-1), f = p - k0
-            k0 = flat.floor()
-            st = step.repeat_interleave(group)[:k] if len(step) > 1 else step.expand(k)
-            f = flat.sub_(k0)
-            up = torch.where(st > 0, torch.expm1(-f * st).div_(torch.expm1(-st)), torch.zeros_like(f))
-            flat = k0.add_(dither(seed, base + a, k).lt_(up).to(k0.dtype)).clamp_(0, levels)
+            # that E[1/w'] = 1/w: P = (1 - rho^-f) / (1 - rho^-1) = expm1(-f step) / expm1(-step)
+            k0 = torch.floor(p, out=low[: p.numel()].view_as(p))
+            den = torch.where(step > 0, torch.expm1(step.neg()).neg_().reciprocal_(), torch.zeros_like(step))
+            # (1 - e^(-f step)) by exp, not expm1 (4x slower here): where f step is tiny the
+            # cancellation errs by ~1e-7 absolute, a level ~1e-7 apart: nothing to decide
+            up = p.sub_(k0).mul_(-step[:, None]).exp_().neg_().add_(1).mul_(den[:, None])
+            p = k0.add_(_draw(up.view(-1), seed, base + a).view_as(up)).clamp_(max=levels)
+        flat = p.view(-1)[:k]
         if bits == 4:
             _pack_into(codes, a, flat)
         else:
             codes[a:b].copy_(flat)
+        if stats is not None:
+            _tally(stats, _w_values(p, lo[:, None], hi[:, None], step[:, None], eps).view(-1)[:k], v[a:b])
     return codes, lo_all, hi_all
+
+
+def _w_values(k: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, step: torch.Tensor, eps: float) -> torch.Tensor:
+    """v of grid positions ``k`` (float, overwritten): ``w = lo * e^(k step)`` clamped to
+    ``[lo, hi]``, ``v = max(w - eps, 0)^2``."""
+    w = k.mul_(step).exp_().mul_(lo)
+    return torch.minimum(torch.maximum(w, lo), hi).sub_(eps).clamp_(min=0).square_()
 
 
 def decode_w(codes, lo, hi, bits: int, group: int, eps: float, start: int, count: int) -> torch.Tensor:
@@ -389,8 +478,7 @@ def decode_w(codes, lo, hi, bits: int, group: int, eps: float, start: int, count
     levels = (1 << bits) - 1
 
     def fn(c, gl, gh):
-        w = c.mul_(gh.log().sub_(gl.log()).div_(levels)).exp_().mul_(gl)
-        return torch.minimum(torch.maximum(w, gl), gh).sub_(eps).clamp_(min=0).square_()
+        return _w_values(c, gl, gh, gh.log().sub_(gl.log()).div_(levels), eps)
 
     return _decode(codes, bits, group, start, count, (lo, hi), fn)
 

@@ -420,7 +420,8 @@ def encode_chunk(tag: dict, x: torch.Tensor, start: int, what: str = "", stats: 
     """Encode elements ``[start, start+len(x))`` of a moment (``start`` on a group boundary,
     the chunk whole groups or the tensor's end): ``(part, byte offset in part, bytes)``.
     ``what``: the tensor, as errors name it. ``stats``: the chunk's quantization error is
-    added to it (:func:`add_error`; decoded from the codes just made)."""
+    added to it (computed by the encoder from the codes it made, while the chunk is in
+    cache; :func:`merge_error`, :func:`error_record`)."""
     codec, g = tag["codec"], tag["group"]
     bits = _bits(codec)
     if start % g:
@@ -429,31 +430,18 @@ def encode_chunk(tag: dict, x: torch.Tensor, start: int, what: str = "", stats: 
     coff = start if bits == 8 else start // 2
     soff = (start // g) * _QUANT[codec][2]
     if codec == "q4_logm":
-        codes, scales = _c.encode_mlog(x, g, tag["ratio"], what or "exp_avg", start)
-        decoded = (lambda: _c.decode_mlog(codes, scales, g, tag["ratio"], start, x.numel()))
+        codes, scales = _c.encode_mlog(x, g, tag["ratio"], what or "exp_avg", start, stats)
     elif _QUANT[codec][0] == "m":
-        codes, scales = _c.encode_m(x, bits, g, what or "exp_avg", start)
-        decoded = (lambda: _c.decode_m(codes, scales, bits, g, start, x.numel()))
+        codes, scales = _c.encode_m(x, bits, g, what or "exp_avg", start, stats)
     elif codec.endswith("logw"):
-        codes, lo, hi = _c.encode_w(x, bits, g, tag["eps"], what or "exp_avg_sq", start, tag.get("seed"))
+        codes, lo, hi = _c.encode_w(x, bits, g, tag["eps"], what or "exp_avg_sq", start, tag.get("seed"), stats)
         scales = torch.stack([lo, hi], dim=1)
-        decoded = (lambda: _c.decode_w(codes, lo, hi, bits, g, tag["eps"], start, x.numel()))
     else:  # (earlier checkpoints' second-moment code: offline rewrites of one)
         codes, lo, hi = _c.encode_v(x, bits, g, tag["eps"], what or "exp_avg_sq", start)
         scales = torch.stack([lo, hi], dim=1)
-        decoded = (lambda: _c.decode_v(codes, lo, hi, bits, g, tag["eps"], start, x.numel()))
-    if stats is not None:
-        add_error(stats, x, decoded())
+        if stats is not None:
+            _c._tally(stats, _c.decode_v(codes, lo, hi, bits, g, tag["eps"], start, x.numel()), x)
     return [("codes", coff, codes.reshape(-1).view(torch.uint8)), ("scales", soff, scales.reshape(-1).view(torch.uint8))]
-
-
-def add_error(stats: list, x: torch.Tensor, decoded: torch.Tensor) -> None:
-    """Accumulate ``[sum of squared errors, sum of squares, max abs error, sum of errors,
-    elements]`` of ``decoded`` against ``x`` into ``stats`` (merged with :func:`merge_error`)."""
-    d = decoded.double() - x.double()
-    new = [float(d.square().sum()), float(x.double().square().sum()), float(d.abs().max()) if d.numel() else 0.0,
-           float(d.sum()), int(d.numel())]
-    merge_error(stats, new)
 
 
 def merge_error(into: list, other: list) -> None:
@@ -468,8 +456,8 @@ def merge_error(into: list, other: list) -> None:
 
 def error_record(stats: list) -> dict:
     """What a manifest records of a tensor's quantization error: the relative L2 error (4
-    significant digits: its sums depend on how the writer cut the tensor into chunks in the
-    last bits, the record must not) and the max abs error (exact)."""
+    significant digits; the 4th may depend on how the writer cut the tensor into chunks) and
+    the max abs error (exact)."""
     sse, ss, mx, _, _ = stats
     return {"rel_l2": float(f"{math.sqrt(sse / ss):.4g}") if ss > 0 else 0.0, "max_abs": mx}
 
