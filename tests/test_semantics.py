@@ -99,7 +99,7 @@ def test_an_optimizer_saved_before_its_first_step_is_restored_without_state(tmp_
     assert res.missing == [] and not opt2.state and opt2.param_groups[0]["lr"] == 0.25
 
 
-def test_a_fresh_optimizer_state_dict_is_not_a_silent_no_op(tmp_path):
+def test_a_fresh_optimizer_state_dict_is_not_a_silent_no_op(tmp_path, caplog):
     """The finding: loading into ``fresh_optimizer.state_dict()`` loaded 0 tensors and said
     nothing. Now the moments are named as unexpected (strict) or listed (not strict)."""
     model = _mlp()
@@ -108,10 +108,16 @@ def test_a_fresh_optimizer_state_dict_is_not_a_silent_no_op(tmp_path):
     unickpt.save({"optimizer": opt.state_dict()}, tmp_path / "ck")
     fresh = torch.optim.AdamW(_mlp().parameters()).state_dict()
     with pytest.raises(UnexpectedTensorError, match=r"optimizer/state\.0\.exp_avg.*pass the optimizer object") as ei:
-        unickpt.load({"optimizer": fresh}, tmp_path / "ck")
+        unickpt.load({"optimizer": fresh}, tmp_path / "ck", unexpected="error")
     assert "optimizer/state.0.exp_avg_sq" in ei.value.unexpected and ei.value.missing == []
-    res = unickpt.load({"optimizer": fresh}, tmp_path / "ck", strict=False)
+    # DCP's default ignores them, listed in the result, and says so in the log: none was loaded
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="unickpt"):
+        res = unickpt.load({"optimizer": fresh}, tmp_path / "ck")
+    lines = caplog.messages
     assert res.tensors == 0 and len(res.unexpected) == 12  # 4 parameters x (step, exp_avg, exp_avg_sq)
+    assert any("none of the 12 tensor(s) of role 'optimizer'" in x and "pass the optimizer object" in x for x in lines), lines
 
 
 def test_an_optimizer_object_saved_by_dcp_loads_into_an_optimizer_object(tmp_path):
@@ -214,11 +220,14 @@ def test_missing_and_unexpected_are_both_reported(tmp_path):
                  tmp_path / "ck")
     target = {"model": {"a": torch.zeros(2), "c": torch.zeros(4)}}
     with pytest.raises(TensorMissingError) as ei:
-        unickpt.load(target, tmp_path / "ck")
+        unickpt.load(target, tmp_path / "ck", unexpected="error")
     assert ei.value.missing == ["model/c"] and ei.value.unexpected == ["model/b"]
     assert "model/b" in str(ei.value)
-    assert torch.equal(target["model"]["a"], torch.zeros(2))  # strict: nothing filled
-    res = unickpt.load(target, tmp_path / "ck", strict=False)
+    assert torch.equal(target["model"]["a"], torch.zeros(2))  # refused: nothing filled
+    with pytest.raises(TensorMissingError) as ei:  # the default: missing keys fail, unexpected are not named
+        unickpt.load(target, tmp_path / "ck")
+    assert ei.value.missing == ["model/c"] and ei.value.unexpected == []
+    res = unickpt.load(target, tmp_path / "ck", missing="warn")
     # the optimizer role is not named by the target: its tensors are not "unexpected"
     assert res.missing == ["model/c"] and res.unexpected == ["model/b"]
     assert torch.equal(target["model"]["a"], torch.ones(2))
@@ -497,8 +506,8 @@ def test_tensor_parallel_objects_resume_in_one_plain_process(tmp_path):
 def test_a_shorter_top_level_list_of_tensors_reports_the_saved_tensors_beyond_it(tmp_path):
     unickpt.save({"bufs": [torch.ones(2), torch.ones(3), torch.ones(4)]}, tmp_path / "c")
     with pytest.raises(UnexpectedTensorError, match="other/bufs.2"):
-        unickpt.load({"bufs": [torch.zeros(2), torch.zeros(3)]}, tmp_path / "c")
-    res = unickpt.load({"bufs": [torch.zeros(2), torch.zeros(3)]}, tmp_path / "c", strict=False)
+        unickpt.load({"bufs": [torch.zeros(2), torch.zeros(3)]}, tmp_path / "c", unexpected="error")
+    res = unickpt.load({"bufs": [torch.zeros(2), torch.zeros(3)]}, tmp_path / "c")
     assert res.unexpected == ["other/bufs.2"]
 
 
@@ -770,12 +779,13 @@ def test_targets_that_cannot_hold_the_values_are_refused_before_reading(tmp_path
 def test_drop_warns_when_an_fp32_master_differs_from_its_model_weight(tmp_path):
     with pytest.warns(UserWarning, match=r"master='drop': 1 master tensor\(s\) are not equal"):
         unickpt.save({"model": {"w": torch.ones(8)}, "master": {"w": torch.full((8,), 2.0)}}, tmp_path / "a",
-                     master="drop")
+                     options=unickpt.SaveOptions(compression=unickpt.Compression(master="drop")))
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # equal: exact, no warning
-        unickpt.save({"model": {"w": torch.ones(8)}, "master": {"w": torch.ones(8)}}, tmp_path / "b", master="drop")
+        unickpt.save({"model": {"w": torch.ones(8)}, "master": {"w": torch.ones(8)}}, tmp_path / "b",
+                     options=unickpt.SaveOptions(compression=unickpt.Compression(master="drop")))
 
 
 def test_inference_leaves_out_per_rank_values_of_the_model_role(tmp_path):

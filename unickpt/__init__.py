@@ -1,11 +1,14 @@
 """unickpt: unified, strategy-independent checkpoints for distributed training.
 
-Public API::
+Public API (docs/api.md)::
 
-    unickpt.save(state_dict, path, group=None, step=None, extra=None) -> SaveResult
-    unickpt.save(..., async_save=True) -> AsyncSave (wait(), done(), error)
+    unickpt.UnifiedCheckpoint(dir, every=..., keep=..., async_save=..., quant=..., memory_dir=...)
+        .resume(state) -> step or None; .step(n, state); .save(n, state); .wait_for_staging(); .close()
+    unickpt.save(state_dict, path, *, step=None, group=None, options=SaveOptions(...)) -> SaveResult
+    unickpt.save_async(state_dict, path, *, ...) -> AsyncSave (wait(), done(), error)
     unickpt.start_async_writer(state_dict=None, group=None) -> the asynchronous writer (and staging), now
-    unickpt.load(state_dict, path, group=None, verify="auto") -> LoadResult
+    unickpt.load(state_dict, path, *, group=None, options=LoadOptions(...), missing="error",
+                 unexpected="ignore", cast=False) -> LoadResult
     unickpt.shard(local, shape, offsets=..., sizes=..., flat=..., replica=...) -> ShardedTensor
     unickpt.partition_flat(shapes, world, rank) -> ZeRO pieces of a flat buffer
     unickpt.per_rank(value) -> a value stored once per rank (RNG states, data positions)
@@ -28,19 +31,20 @@ from . import errors
 # before the CLI's ``main`` runs, so that a Ctrl-C while torch loads is handled there.
 _LAZY = {
     "Layout": ".layout", "ShardedTensor": ".layout", "partition_flat": ".layout", "shard": ".layout",
-    "LoadResult": ".loader", "load": ".loader", "read_manifest": ".loader",
-    "AsyncSave": ".async_save", "load_for_inference": ".inference", "SaveResult": ".saver", "save": ".api",
-    "start_async_writer": ".api",
+    "LoadResult": ".loader", "LoadOptions": ".loader", "load": ".loader", "read_manifest": ".loader",
+    "AsyncSave": ".async_save", "load_for_inference": ".inference", "SaveResult": ".saver", "SaveOptions": ".saver",
+    "save": ".api", "save_async": ".api", "start_async_writer": ".api", "UnifiedCheckpoint": ".manager",
     "Compression": ".compress", "PerRank": ".state", "per_rank": ".state",
 }
 if TYPE_CHECKING:
-    from .api import save, start_async_writer
+    from .api import save, save_async, start_async_writer
     from .async_save import AsyncSave
     from .compress import Compression
     from .inference import load_for_inference
     from .layout import Layout, ShardedTensor, partition_flat, shard
-    from .loader import LoadResult, load, read_manifest
-    from .saver import SaveResult
+    from .loader import LoadOptions, LoadResult, load, read_manifest
+    from .manager import UnifiedCheckpoint
+    from .saver import SaveOptions, SaveResult
     from .state import PerRank, per_rank
 
 
@@ -87,6 +91,11 @@ def latest(root, *, storage_options=None) -> str | None:
     return newest(storage, p)
 
 
+def __dir__() -> list[str]:
+    """The public names, the lazily imported ones included (``dir(unickpt)``, completion)."""
+    return sorted(set(globals()) | set(_LAZY) | {"dcp"})
+
+
 def __getattr__(name: str):
     if name in _LAZY:
         import importlib
@@ -108,8 +117,12 @@ __all__ = [
     "__version__",
     "errors",
     "save",
+    "save_async",
     "start_async_writer",
     "load",
+    "SaveOptions",
+    "LoadOptions",
+    "UnifiedCheckpoint",
     "SaveResult",
     "AsyncSave",
     "LoadResult",

@@ -12,151 +12,141 @@ import json
 import os
 from typing import Any, Mapping, Sequence
 
-from .async_save import checkpointer
+from dataclasses import replace
+
+from .async_save import AsyncSave, checkpointer
 from .catalog import check_destination
-from .compress import Compression
 from .errors import InvalidArgumentError
 from .format import Hasher
-from .saver import DEFAULT_BUCKET, ProgressFn, SaveOptions, save_entries
+from .saver import ProgressFn, SaveOptions, SaveResult, save_entries
 from .stateful import for_save
 from .storage import compared_path, per_node
 from .transport import Comm
 
-__all__ = ["save", "start_async_writer"]
+__all__ = ["save", "save_async", "start_async_writer"]
 
 
 def save(
     state_dict: Mapping[str, Any],
     path: str | os.PathLike,
     *,
-    group=None,
     step: int | None = None,
-    extra: Mapping[str, Any] | None = None,
-    overwrite: bool = False,
-    bucket_bytes: int = DEFAULT_BUCKET,
-    max_file_bytes: int | None = None,
-    direct_io: bool | None = None,
-    strategy: Mapping[str, Any] | None = None,
+    group: Any = None,
+    options: SaveOptions | None = None,
     progress: ProgressFn | None = None,
-    async_save: bool = False,
-    background_staging: bool = False,
-    extra_files: Mapping[str, str] | None = None,
-    quant: str | None = None,
-    master: str | None = None,
-    zstd: int | None = None,
-    compression: Compression | None = None,
-    timeout_s: float | None = None,
-    storage_options: Mapping[str, Any] | None = None,
-    hf_config: Any = None,
-    replicas: int = 0,
-    also: Sequence[str | os.PathLike] = (),
-    lossy_generations: int = 0,
-):
+    **deprecated: Any,
+) -> SaveResult:
     """Save ``state_dict`` as the checkpoint directory ``path``; collective over ``group``.
 
     Every rank passes its own state dict: plain tensors (full, identical on every rank: a
     save refuses plain tensors whose values differ between ranks), :class:`~unickpt.ShardedTensor`
     pieces, or ``DTensor``; nested dicts whose top-level keys name roles (``model``,
-    ``master``, ``optimizer``...); JSON values (kept from rank 0); :func:`~unickpt.per_rank`
-    values (one per rank: RNG states, data positions). Top-level values may also be stateful
-    objects (``nn.Module``, optimizers, LR schedulers, anything with ``state_dict()`` and
+    ``master``, ``optimizer``...); JSON values and ``bytes`` (kept from rank 0; ``bytes`` are
+    stored verbatim, never unpickled); :func:`~unickpt.per_rank` values (one per rank: RNG
+    states, data positions, a data loader). Top-level values may also be stateful objects
+    (``nn.Module``, optimizers, LR schedulers, anything with ``state_dict()`` and
     ``load_state_dict()``): their state dicts are saved, as ``torch.distributed.checkpoint``
     does (see :mod:`unickpt.stateful`). Tensors of one role that are the same memory (tied
-    weights) are stored once.
+    weights) are stored once. A top-level ``transformers`` model also writes its
+    ``config.json`` (and ``generation_config.json``).
 
     Args:
         path: checkpoint directory; built under a hidden temporary sibling and renamed into
-            place at commit. Refuses to replace a committed checkpoint unless ``overwrite``.
-            A path containing ``{node}`` names node-local storage: each node writes its files
-            into the path with ``{node}`` replaced by its node id (``UNICKPT_NODE_ID``, the
-            launcher's node rank, or the host name), and every node's directory gets the
-            complete manifest. A URL (``scheme://...``) is kept as given (not made absolute).
-        step: recorded in the manifest (``unickpt inspect`` shows it).
-        extra: JSON-serialisable state stored in the manifest (scheduler, data position...).
-        bucket_bytes: bound on the bytes a writer assembles at once (default 256 MiB).
-        max_file_bytes: split a writer's files of one role beyond this size.
-        direct_io: write with O_DIRECT (``None``: where the file system supports it).
-        strategy: free-form description of the saving layout, stored for information.
+            place at commit. Refuses to replace a committed checkpoint unless
+            ``options.overwrite``. A path containing ``{node}`` names node-local storage: each
+            node writes its files into the path with ``{node}`` replaced by its node id
+            (``UNICKPT_NODE_ID``, the launcher's node rank, or the host name), and every node's
+            directory gets the complete manifest. A URL (``scheme://...``) is kept as given.
+        step: recorded in the manifest (a ``step-N`` directory records N when it is not given;
+            every reader checks the name against it).
+        group: the process group (None: the default group, or this process alone).
+        options: everything else (:class:`SaveOptions`: compression, overwrite, extra state,
+            timeouts, storage options, file sizes...).
         progress: called as ``progress(bytes_done, bytes_total)`` for this rank's writes, with
-            increasing values ending at ``(total, total)``. Synchronous: called in this
-            thread as the save goes. With ``async_save``: the writer process reports at most
-            about 10 times a second (plus the final value), and the callback runs, once per
-            report and in order, in the thread that polls the handle: ``done()``, ``error``,
-            ``wait()``, and the next ``save()`` (which first waits for this one). A callback
-            that raises is logged once and not called again; it never fails or stalls the
-            save.
-        async_save: return as soon as this rank's state is copied into a reused
-            shared-memory staging buffer; a persistent writer process per rank does the rest
-            (see :class:`~unickpt.AsyncSave`). The tensors may be modified once this returns.
-        background_staging: with ``async_save``, return even before the copy; call
-            ``handle.wait_staged()`` before modifying any tensor of the state dict.
-        extra_files: small text files (e.g. ``{"config.json": ...}``) written into the
-            checkpoint before the commit: rank 0's (on node-local storage, rank 0's into every
-            node's directory; other ranks' are not used).
-        quant: ``"O1"`` (8-bit) or ``"O2"`` (4-bit) Adam moments (``exp_avg``,
-            ``exp_avg_sq``), see docs/compression.md; ``None``/``"O0"`` stores them as they are.
-        master: ``"full"`` (default), ``"residual"`` (bit-exact fp32 masters from the bf16
-            model weights + 2 bytes/param) or ``"drop"`` (rebuilt from the model weights).
-        zstd: zstd level for optimizer and master files.
-        compression: a :class:`~unickpt.Compression` instead of quant/master/zstd (also sets
-            the optimizer's ``eps`` and the O2 block size).
-        timeout_s: seconds a rank waits for the other ranks in any one exchange before the
-            save fails with :class:`~unickpt.errors.DistributedError` ("rank(s) did not answer
-            within N s") and nothing is committed (default: ``UNICKPT_TIMEOUT_S``, else 600).
-            Raise it for very large shares on slow storage: ranks wait for the slowest writer.
-        storage_options: options of the fsspec file system of a URL ``path`` (endpoint,
-            credentials...), ignored for local paths. A dict of JSON values (they travel to
-            the asynchronous writer process as JSON); never shown in reprs or logs.
-        hf_config: a ``transformers`` config or model: its ``config.json`` (and
-            ``generation_config.json``) are written into the checkpoint, so the folder loads
-            with ``from_pretrained``. Automatic when a top-level value is a ``transformers``
-            model (unless ``extra_files`` has a ``config.json``).
-        replicas: node-local paths (``{node}``): each node's files are also written into
-            the directories of this many other nodes before the commit, and the manifest
-            lists who holds which copy, so losing any ``replicas`` nodes loses no file (the
-            memory tier: docs/memory_tier.md).
-        also: with ``async_save``: more checkpoint paths the writer processes write from
-            the same staging memory after ``path`` (with ``replicas=0``), each a complete,
-            separately committed checkpoint (a durable copy of a memory snapshot for the
-            price of one staging copy). ``handle.results`` lists every result.
-        lossy_generations: lossy save/resume cycles this state has been through
-            (``LoadResult.lossy_generations`` of the load that restored it): recorded, plus
-            one, with each quantized tensor, and checked against
-            ``Compression.max_generations`` (the error budget, docs/compression.md).
+            increasing values ending at ``(total, total)``, in this thread. A callback that
+            raises is logged once and not called again; it never fails the save.
 
-    Every option is checked before anything is staged or written, and bad input raises the
-    same typed error with or without ``async_save``: :class:`~unickpt.errors.StateDictError`
-    (``step``, ``extra``, ``strategy``, ``extra_files``) or
-    :class:`~unickpt.errors.InvalidArgumentError` (the others). The check is agreed over
-    ``group``: when one rank's options are bad, that rank raises its error and the others a
-    :class:`~unickpt.errors.DistributedError` naming it.
+    Every option is checked before anything is written, and the check is agreed over
+    ``group``: when one rank's options are bad, that rank raises its error
+    (:class:`~unickpt.errors.StateDictError` for ``step``, ``extra``, ``strategy``,
+    ``extra_files``; :class:`~unickpt.errors.InvalidArgumentError` for the others) and the
+    others a :class:`~unickpt.errors.DistributedError` naming it.
 
     Returns:
-        :class:`~unickpt.SaveResult` with files, bytes, seconds and per-phase timings; with
-        ``async_save``, an :class:`~unickpt.AsyncSave` handle (``wait()`` gives the result).
+        :class:`~unickpt.SaveResult` with files, bytes, seconds and per-phase timings.
 
     Example::
 
-        unickpt.save({"model": model.state_dict(), "step": 100}, "ckpt/step-00000100", step=100)
+        unickpt.save({"model": model, "optim": opt, "step": 100}, "ckpt/step-00000100", step=100)
+        unickpt.save(state, path, options=unickpt.SaveOptions(compression=unickpt.Compression(quant="O1")))
     """
+    legacy, more = _legacy_save(deprecated, options) if deprecated else (None, {})
+    if more.pop("async_save", False):
+        return _save(state_dict, path, step, group, options, progress, async_save=True, legacy=legacy, **more)
+    if more:
+        raise TypeError(f"save() got keyword argument(s) {sorted(more)} of save_async(): use unickpt.save_async")
+    return _save(state_dict, path, step, group, options, progress, async_save=False, legacy=legacy)
+
+
+def save_async(
+    state_dict: Mapping[str, Any],
+    path: str | os.PathLike,
+    *,
+    step: int | None = None,
+    group: Any = None,
+    options: SaveOptions | None = None,
+    progress: ProgressFn | None = None,
+    background_staging: bool = False,
+    also: Sequence[str | os.PathLike] = (),
+) -> AsyncSave:
+    """:func:`save`, returning as soon as this rank's state is copied into a reused
+    shared-memory staging buffer; a persistent writer process per rank does the rest
+    (docs/async.md). The tensors may be modified once this returns.
+
+    Args:
+        path, step, group, options: as for :func:`save`.
+        progress: as for :func:`save`; the writer process reports at most about 10 times a
+            second (plus the final value), and the callback runs, in order, in the thread
+            that polls the handle: ``done()``, ``error``, ``wait()``, and the next save.
+        background_staging: return even before the copy; call ``handle.wait_staged()``
+            before modifying any tensor of the state dict.
+        also: more checkpoint paths the writer processes write from the same staging memory
+            after ``path`` (with ``replicas=0``), each a complete, separately committed
+            checkpoint (a durable copy of a memory snapshot for the price of one staging
+            copy). ``handle.results`` lists every result.
+
+    Returns:
+        :class:`~unickpt.AsyncSave`: ``wait()`` gives the result (raises if the save failed on
+        any rank), ``done()``, ``staged()``, ``wait_staged()``.
+    """
+    return _save(state_dict, path, step, group, options, progress, async_save=True,
+                 background_staging=background_staging, also=also)
+
+
+def _save(state_dict, path, step, group, options, progress, *, async_save: bool, background_staging: bool = False,
+          also=(), legacy: dict | None = None):
     err: BaseException | None = None
     opts = None
+    same = None
     try:
-        extra_files = _hf_files(state_dict, hf_config, extra_files)
+        if options is not None and not isinstance(options, SaveOptions):
+            raise InvalidArgumentError(f"options must be a unickpt.SaveOptions, got {type(options).__name__}")
+        opts = _legacy_options(legacy) if legacy is not None else options or SaveOptions()
+        if step is not None:
+            if opts.step is not None and opts.step != step:
+                raise InvalidArgumentError(f"step={step!r} and options.step={opts.step!r} differ: give one")
+            opts = replace(opts, step=step)
+        extra_files = _hf_files(state_dict, None, opts.extra_files)
+        if extra_files is not opts.extra_files:
+            opts = replace(opts, extra_files=extra_files)
         state_dict = for_save(state_dict)
-        opts = SaveOptions.of(
-            step=step, extra=extra, overwrite=overwrite, bucket_bytes=bucket_bytes, max_file_bytes=max_file_bytes,
-            direct_io=direct_io, strategy=strategy, extra_files=extra_files, quant=quant, master=master, zstd=zstd,
-            compression=compression, timeout_s=timeout_s, storage_options=storage_options, replicas=replicas,
-            lossy_generations=lossy_generations,
-        )
         also = tuple(also)
         for p in (path, *also):
             check_destination(p, opts.step)
-        if replicas and not per_node(path):  # (the count of nodes is checked with the plan)
+        if opts.replicas and not per_node(path):  # (the count of nodes is checked with the plan)
             raise InvalidArgumentError(f"{os.fspath(path)}: replicas need node-local storage ({{node}} in the path)")
-        if also and not async_save:
-            raise InvalidArgumentError("also= needs async_save=True (the writer processes write every path)")
+        if type(background_staging) is not bool:
+            raise InvalidArgumentError(f"background_staging must be True or False, got {background_staging!r}")
         if also:
             from .async_save import writer_path
 
@@ -165,8 +155,8 @@ def save(
             if twice:
                 raise InvalidArgumentError(f"also= names {twice} twice (with the path itself): each copy needs a "
                                            "path of its own")
-        _check_shared(path, storage_options, async_save, group)
-        same = _call_args(path, opts, async_save=bool(async_save), also=[compared_path(p) for p in also])
+        _check_shared(path, opts.storage_options, async_save, group)
+        same = _call_args(path, opts, async_save=async_save, also=[compared_path(p) for p in also])
     except Exception as e:  # agreed below: a rank alone with bad options must not strand the others
         err, same = e, None
     comm = Comm(group, timeout_s=opts.timeout_s if opts is not None else None)
@@ -175,6 +165,57 @@ def save(
         return checkpointer(group).save(state_dict, path, opts, background_staging=background_staging, progress=progress,
                                         also=also)
     return save_entries(comm, None, state_dict, path, opts, progress)
+
+
+_SAVE_MOVED = ("extra", "overwrite", "bucket_bytes", "max_file_bytes", "direct_io", "strategy", "extra_files",
+               "compression", "timeout_s", "storage_options", "replicas", "lossy_generations")
+
+
+def _legacy_save(kw: dict, options: SaveOptions | None) -> tuple[dict | None, dict]:
+    """The keywords of ``save`` before :class:`SaveOptions` and :func:`save_async`: still taken
+    for one release, with a ``DeprecationWarning`` naming the replacement. Returns the moved
+    keywords (:func:`_legacy_options` builds the options from them inside the save's agreed
+    checks) and the keywords for ``save_async`` (with ``async_save``)."""
+    import warnings
+
+    known = set(_SAVE_MOVED) | {"quant", "master", "zstd", "hf_config", "async_save", "background_staging", "also"}
+    unknown = sorted(set(kw) - known)
+    if unknown:
+        raise TypeError(f"save() got unexpected keyword argument(s) {unknown}")
+    moved = {k: kw[k] for k in _SAVE_MOVED if k in kw}
+    short = {k: kw[k] for k in ("quant", "master", "zstd") if k in kw}
+    out: dict = {}
+    legacy = None
+    if moved or short or "hf_config" in kw:
+        if options is not None:
+            raise InvalidArgumentError(f"pass {sorted([*moved, *short])} in options=SaveOptions(...), not beside it")
+        names = [*moved, *short] + (["hf_config"] if "hf_config" in kw else [])
+        warnings.warn(f"save({', '.join(f'{k}=' for k in names)}...) is deprecated: pass options=unickpt.SaveOptions("
+                      f"{', '.join(f'{k}=...' for k in moved)}"
+                      + (f"{', ' if moved else ''}compression=unickpt.Compression({', '.join(f'{k}=...' for k in short)})"
+                         if short else "")
+                      + ("; hf_config: options=SaveOptions(extra_files=unickpt.hf.hf_extra_files(config))"
+                         if "hf_config" in kw else "") + ")", DeprecationWarning, stacklevel=3)
+        legacy = {**moved, **short, "hf_config": kw.get("hf_config")}
+    if kw.get("async_save") or "background_staging" in kw or "also" in kw:
+        if kw.get("async_save"):
+            warnings.warn("save(async_save=True) is deprecated: call unickpt.save_async(...), which returns the "
+                          "AsyncSave handle (save() returns a SaveResult)", DeprecationWarning, stacklevel=3)
+            out["async_save"] = True
+        for k in ("background_staging", "also"):
+            if k in kw:
+                out[k] = kw[k]
+    return legacy, out
+
+
+def _legacy_options(kw: dict) -> SaveOptions:
+    kw = dict(kw)
+    config = kw.pop("hf_config", None)
+    if config is not None:
+        from . import hf
+
+        kw["extra_files"] = {**hf.hf_extra_files(config), **dict(kw.get("extra_files") or {})}
+    return SaveOptions.of(**kw)
 
 
 _PER_RANK_OPTIONS = ("timeout_s", "direct_io", "storage_options", "extra", "strategy", "extra_files")

@@ -28,6 +28,7 @@ import io
 import json
 import os
 import types
+import warnings
 from typing import Any, Mapping
 
 import torch
@@ -52,7 +53,6 @@ from torch.futures import Future
 
 from . import catalog as _catalog
 from . import loader as _loader
-from .compress import Compression
 from .errors import (
     CheckpointChangedError,
     ChecksumError,
@@ -384,30 +384,38 @@ class StorageWriter(_dcp_storage.StorageWriter):
     Args:
         path: the checkpoint directory (URLs and ``{node}`` paths as for :func:`unickpt.save`);
             ``dcp.save(checkpoint_id=...)`` replaces it.
+        options: a :class:`~unickpt.SaveOptions` (step, compression, overwrite, extra,
+            storage_options...), as :func:`unickpt.save` takes it; ``strategy`` gains
+            ``"writer": "unickpt.dcp.StorageWriter"``.
         process_group: the group given to ``dcp.save`` (default: the default group; ``"local"``
             with ``no_dist=True``).
-        overwrite, storage_options, step, extra, strategy, extra_files, quant, master, zstd,
-        compression, bucket_bytes, max_file_bytes, direct_io, timeout_s: as for
-        :func:`unickpt.save`, checked here (typed errors).
 
-    ``last_result`` holds the :class:`~unickpt.SaveResult` of the last save.
+    ``last_result`` holds the :class:`~unickpt.SaveResult` of the last save. The keywords of
+    earlier releases (``step=``, ``quant=``, ``overwrite=``...) still work, with a
+    ``DeprecationWarning``.
     """
 
-    def __init__(self, path: str | os.PathLike, *, overwrite: bool = False,
-                 storage_options: Mapping[str, Any] | None = None, step: int | None = None,
-                 extra: Mapping[str, Any] | None = None, strategy: Mapping[str, Any] | None = None,
-                 extra_files: Mapping[str, str] | None = None, quant: str | None = None, master: str | None = None,
-                 zstd: int | None = None, compression: Compression | None = None, bucket_bytes: int = DEFAULT_BUCKET,
-                 max_file_bytes: int | None = None, direct_io: bool | None = None, timeout_s: float | None = None,
-                 process_group=None) -> None:
+    def __init__(self, path: str | os.PathLike, *, options: SaveOptions | None = None, process_group: Any = None,
+                 **deprecated: Any) -> None:
         self.path = path
         self.process_group = process_group
-        self.opts = SaveOptions.of(
-            step=step, extra=extra, overwrite=overwrite, bucket_bytes=bucket_bytes, max_file_bytes=max_file_bytes,
-            direct_io=direct_io, strategy={"writer": "unickpt.dcp.StorageWriter", **dict(strategy or {})},
-            extra_files=extra_files, quant=quant, master=master, zstd=zstd, compression=compression,
-            timeout_s=timeout_s, storage_options=storage_options,
-        )
+        if deprecated:
+            known = {f.name for f in dataclasses.fields(SaveOptions)} | {"quant", "master", "zstd"}
+            unknown = sorted(set(deprecated) - known)
+            if unknown:
+                raise TypeError(f"StorageWriter() got unexpected keyword argument(s) {unknown}")
+            if options is not None:
+                raise InvalidArgumentError(f"pass {sorted(deprecated)} in options=SaveOptions(...), not beside it")
+            warnings.warn(f"StorageWriter({', '.join(f'{k}=' for k in sorted(deprecated))}...) is deprecated: pass "
+                          "options=unickpt.SaveOptions(...) (quant/master/zstd in compression=unickpt.Compression(...))",
+                          DeprecationWarning, stacklevel=2)
+            options = SaveOptions.of(**deprecated)
+        if options is None:
+            options = SaveOptions()
+        if not isinstance(options, SaveOptions):
+            raise InvalidArgumentError(f"options must be a unickpt.SaveOptions, got {type(options).__name__}")
+        self.opts = dataclasses.replace(options, strategy={"writer": "unickpt.dcp.StorageWriter",
+                                                          **dict(options.strategy or {})})
         self.last_result: SaveResult | None = None
         self._comm: Comm | None = None
 

@@ -5,7 +5,8 @@ A checkpoint's model role is already a Hugging Face weight folder (safetensors s
 (and, for models that generate, ``generation_config.json``). :func:`hf_extra_files` gives
 their text, exactly as ``save_pretrained`` writes them, for ``save(..., extra_files=...)``::
 
-    unickpt.save({"model": model.state_dict()}, path, extra_files=unickpt.hf.hf_extra_files(model))
+    unickpt.save({"model": model.state_dict()}, path,
+                 options=unickpt.SaveOptions(extra_files=unickpt.hf.hf_extra_files(model)))
     AutoModelForCausalLM.from_pretrained(path)
 
 transformers is optional: it is imported only when one of its objects is passed in, and the
@@ -64,7 +65,7 @@ def hf_extra_files(obj: Any) -> dict[str, str]:
     generate. For a config: ``config.json`` as ``config.save_pretrained`` writes it. A custom
     (remote-code) config also gets the Python file ``config.save_pretrained`` copies.
 
-    The result goes to ``unickpt.save(..., extra_files=...)``; the checkpoint then loads
+    The result goes to ``unickpt.SaveOptions(extra_files=...)``; the checkpoint then loads
     with ``AutoModelForCausalLM.from_pretrained(path)``, and ``unickpt export`` copies it.
 
     Example::

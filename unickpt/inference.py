@@ -14,7 +14,7 @@ from ._metrics import log
 from .errors import InvalidArgumentError, LayoutError, TensorMissingError
 from .format import torch_dtype
 from .layout import Layout, ShardedTensor
-from .loader import load, open_files, read_manifest
+from .loader import LoadOptions, load, open_files, read_manifest
 from .storage import storage_for
 from .transport import LOCAL
 
@@ -112,7 +112,7 @@ def load_for_inference(
         sizes = list(st.shape)
         offsets[dim], sizes[dim] = tp_rank * k, k
         targets[n] = ShardedTensor(torch.empty(sizes, dtype=sdt), Layout(st.shape, tuple(offsets), tuple(sizes)))
-    load({"model": targets}, ckpt, group=LOCAL, strict=False, storage_options=storage_options)
+    load({"model": targets}, ckpt, group=LOCAL, missing="warn", options=LoadOptions(storage_options=storage_options))
     out: dict[str, torch.Tensor] = {}
     done: dict[int, torch.Tensor] = {}  # tied weights stay one tensor
     for n, t in targets.items():

@@ -12,8 +12,8 @@ import json
 import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Literal, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Literal, Mapping
 
 import numpy as np
 import torch
@@ -41,7 +41,7 @@ from .noderead import SharedJob, bounds, eligible, read_shared, touched
 from .state import Entry, apply_json_state, flatten, from_json, json_missing
 from .stateful import for_load, is_stateful
 from .storage import RandomReader, Storage, compared_path, join_path, per_node, storage_for
-from .transport import Comm
+from .transport import Comm, resolve_timeout
 
 __all__ = ["load", "LoadResult", "read_manifest", "Verify"]
 
@@ -64,17 +64,19 @@ class LoadResult:
     seconds: float
     verified: int
     missing: list[str] = field(default_factory=list)
-    """Target values the checkpoint does not hold, left untouched (``strict=True`` raises
-    instead): tensors as ``role/name``, JSON values as their dotted path."""
+    """Target values the checkpoint does not hold, left untouched (``missing="warn"``; the
+    default raises instead): tensors as ``role/name``, JSON values as their dotted path."""
     phases: dict[str, float] = field(default_factory=dict)
     received: int = 0
     """Bytes other ranks read for this one and sent (node-local checkpoints)."""
     unexpected: list[str] = field(default_factory=list)
     """``role/name`` of checkpoint tensors under roles the target names that the target does
-    not ask for (not loaded; ``strict=True`` raises instead)."""
+    not ask for (not loaded; ``unexpected="error"`` raises instead)."""
     skipped: list[str] = field(default_factory=list)
     """Values in both the target and the checkpoint that were not restored, with the reason
     (per-rank values saved on another world size)."""
+    cast: list[str] = field(default_factory=list)
+    """``role/name: STORED -> TARGET`` of each tensor converted on load (``cast=True``)."""
     lossy_generations: int = 0
     """Lossy save/resume cycles the restored values have been through (0: exact). Pass it to
     the next save of this state (``lossy_generations=``): the error budget
@@ -120,18 +122,54 @@ def open_files(storage: Storage, ckpt: str, man: Manifest, names, readers: dict)
         raise
 
 
+@dataclass(frozen=True, kw_only=True)
+class LoadOptions:
+    """The rarely used knobs of :func:`load` (one object, checked when built)."""
+
+    verify: Verify = "auto"
+    """``"auto"`` checks every checksummed range a rank reads entirely (every tensor it reads
+    whole; in same-layout loads, every byte it reads); ``"full"`` also has the ranks share out
+    and check every stored byte; ``"none"`` skips checks (an explicit opt-out)."""
+    bucket_bytes: int = 256 << 20
+    """Node-local checkpoints (``{node}`` in the path): pieces a rank's node does not hold are
+    read by ranks that hold them and sent, at most this many bytes per reader and step."""
+    timeout_s: float | None = None
+    """Seconds a rank waits for the others in any one exchange before the load fails with
+    :class:`~unickpt.errors.DistributedError` (None: ``UNICKPT_TIMEOUT_S``, else 600)."""
+    storage_options: Mapping[str, Any] | None = field(default=None, repr=False)
+    """For a URL path (``s3://``, ``memory://``, any fsspec URL): options of its file system
+    (credentials, endpoint...; docs/storage.md). Never shown in reprs or logs."""
+    avoid_local: tuple[str, ...] = ()
+    """Node-local checkpoints: data files this rank's node must not read from its own
+    directory (a copy found damaged): they are read by ranks of nodes that hold another copy
+    and sent."""
+
+    def __post_init__(self) -> None:
+        if self.verify not in ("auto", "full", "none"):
+            raise InvalidArgumentError(f"verify must be 'auto', 'full' or 'none', got {self.verify!r}")
+        if type(self.bucket_bytes) is not int or self.bucket_bytes < 1:
+            raise InvalidArgumentError(f"bucket_bytes must be a positive integer, got {self.bucket_bytes!r}")
+        if self.timeout_s is not None:
+            resolve_timeout(self.timeout_s)
+        if isinstance(self.avoid_local, str) or not all(isinstance(f, str) for f in self.avoid_local):
+            raise InvalidArgumentError(f"avoid_local must be file names, got {self.avoid_local!r}")
+        object.__setattr__(self, "avoid_local", tuple(self.avoid_local))
+
+
+_LOAD_LEGACY = {f.name for f in fields(LoadOptions)}
+
+
 def load(
     state_dict: Mapping[str, Any],
     path: str | os.PathLike,
     *,
-    group=None,
-    verify: Verify = "auto",
-    strict: bool = True,
+    group: Any = None,
+    options: LoadOptions | None = None,
+    missing: Literal["error", "warn"] = "error",
+    unexpected: Literal["ignore", "warn", "error"] = "ignore",
+    cast: bool = False,
     progress: Callable[[int, int], None] | None = None,
-    bucket_bytes: int = 256 << 20,
-    timeout_s: float | None = None,
-    storage_options: Mapping[str, Any] | None = None,
-    avoid_local: Collection[str] = (),
+    **deprecated: Any,
 ) -> LoadResult:
     """Fill ``state_dict`` in place from the checkpoint at ``path``; collective over ``group``.
 
@@ -150,40 +188,74 @@ def load(
     ``LoadResult.skipped``); tied weights are filled from the one stored copy.
 
     Args:
-        verify: ``"auto"`` checks every checksummed range a rank reads entirely (every
-            tensor it reads whole; in same-layout loads, every byte it reads);
-            ``"full"`` also has the ranks share out and check every stored byte;
-            ``"none"`` skips checks.
-        strict: ``True`` (default) raises :class:`~unickpt.errors.TensorMissingError`
-            when targets are absent from the checkpoint (``missing``), or
-            :class:`~unickpt.errors.UnexpectedTensorError` when the checkpoint holds tensors,
-            under a role the target names, that the target lacks (``unexpected``); both
-            lists are on the error. ``False`` loads the rest, leaves missing targets
-            untouched, logs both lists and returns them in ``LoadResult.missing`` and
-            ``LoadResult.unexpected``.
-        bucket_bytes: node-local checkpoints (``{node}`` in ``path``): pieces a rank's node
-            does not hold are read by ranks that hold them and sent, at most this many bytes
-            per reader and step.
-        timeout_s: seconds a rank waits for the others in any one exchange before the load
-            fails with :class:`~unickpt.errors.DistributedError` (default:
-            ``UNICKPT_TIMEOUT_S``, else 600).
-        storage_options: for a URL ``path`` (``s3://``, ``memory://``, any fsspec URL),
-            options of its file system (credentials, endpoint...; docs/storage.md).
-        avoid_local: node-local checkpoints: names of data files this rank's node must not
-            read from its own directory (a copy found damaged): they are read by ranks of
-            nodes that hold another copy (``FileEntry.replicas``) and sent.
+        group: the process group (None: the default group, or this process alone;
+            ``"local"``: this process alone under torch.distributed).
+        options: rarely used knobs (:class:`LoadOptions`: verification, timeouts, storage
+            options...).
+        missing: targets the checkpoint does not hold: ``"error"`` (default, as
+            ``torch.distributed.checkpoint``: :class:`~unickpt.errors.TensorMissingError`
+            naming them, before any target is written) or ``"warn"`` (left untouched, logged,
+            listed in ``LoadResult.missing``).
+        unexpected: checkpoint tensors, under a role the target names, that the target does
+            not ask for (loading part of a model): ``"ignore"`` (default, as DCP: listed in
+            ``LoadResult.unexpected``), ``"warn"`` (also logged) or ``"error"``
+            (:class:`~unickpt.errors.UnexpectedTensorError`).
+        cast: convert floating dtypes on load (an fp32 checkpoint into a bf16 model), as the
+            DCP reader does; each cast tensor is listed in ``LoadResult.cast``. Without it a
+            dtype that differs is a :class:`~unickpt.errors.DtypeMismatchError`.
+        progress: called as ``progress(bytes_done, bytes_total)``.
 
     Raises:
         CheckpointNotFoundError, TensorMissingError, UnexpectedTensorError, ShapeMismatchError,
         DtypeMismatchError (before any target is written), ChecksumError, FormatError.
     """
+    options, missing = _legacy_load(options, missing, unexpected, deprecated)
+    if missing not in ("error", "warn"):
+        raise InvalidArgumentError(f"missing must be 'error' or 'warn', got {missing!r}")
+    if isinstance(deprecated.get("strict"), bool) and not deprecated["strict"]:
+        unexpected = "ignore"
+    elif deprecated.get("strict") is True:
+        unexpected = "error"
+    if unexpected not in ("ignore", "warn", "error"):
+        raise InvalidArgumentError(f"unexpected must be 'ignore', 'warn' or 'error', got {unexpected!r}")
+    if type(cast) is not bool:
+        raise InvalidArgumentError(f"cast must be True or False, got {cast!r}")
+    o = options or LoadOptions()
     try:
-        return _load(state_dict, path, group=group, verify=verify, strict=strict, progress=progress,
-                     bucket_bytes=bucket_bytes, timeout_s=timeout_s, storage_options=storage_options,
-                     avoid_local=avoid_local)
+        return _load(state_dict, path, group=group, verify=o.verify, missing=missing, unexpected=unexpected, cast=cast,
+                     progress=progress, bucket_bytes=o.bucket_bytes, timeout_s=o.timeout_s,
+                     storage_options=o.storage_options, avoid_local=o.avoid_local)
     except (ChecksumError, FormatError, CheckpointNotFoundError) as e:  # (not found: a file the manifest lists)
-        _note_older_steps(e, path, storage_options)
+        _note_older_steps(e, path, o.storage_options)
         raise
+
+
+def _legacy_load(options: LoadOptions | None, missing: str, unexpected: str, kw: dict) -> tuple[LoadOptions | None, str]:
+    """The keywords of ``load`` before its options object: still taken, with a
+    ``DeprecationWarning`` naming the replacement (removed in the next release)."""
+    if not kw:
+        return options, missing
+    import warnings
+
+    unknown = sorted(set(kw) - _LOAD_LEGACY - {"strict"})
+    if unknown:
+        raise TypeError(f"load() got unexpected keyword argument(s) {unknown}")
+    moved = {k: v for k, v in kw.items() if k in _LOAD_LEGACY}
+    if moved:
+        if options is not None:
+            raise InvalidArgumentError(f"pass {sorted(moved)} in options=LoadOptions(...), not beside it")
+        warnings.warn(f"load({', '.join(f'{k}=' for k in moved)}...) is deprecated: pass "
+                      f"options=unickpt.LoadOptions({', '.join(f'{k}=...' for k in moved)})", DeprecationWarning,
+                      stacklevel=3)
+        options = LoadOptions(**moved)
+    if "strict" in kw:
+        strict = kw["strict"]
+        if type(strict) is not bool:
+            raise InvalidArgumentError(f"strict must be True or False, got {strict!r}")
+        warnings.warn(f"load(strict={strict}) is deprecated: pass missing={'error' if strict else 'warn'!r}, "
+                      f"unexpected={'error' if strict else 'ignore'!r}", DeprecationWarning, stacklevel=3)
+        missing = "error" if strict else "warn"
+    return options, missing
 
 
 def _note_older_steps(e: BaseException, path, storage_options) -> None:
@@ -198,12 +270,9 @@ def _note_older_steps(e: BaseException, path, storage_options) -> None:
         _catalog.note_older(e, storage, os.fspath(path), ckpt)
 
 
-def _load(state_dict, path, *, group, verify, strict, progress, bucket_bytes, timeout_s, storage_options,
-          avoid_local) -> LoadResult:
-    if verify not in ("auto", "full", "none"):
-        raise InvalidArgumentError(f"verify must be 'auto', 'full' or 'none', got {verify!r}")
-    if type(bucket_bytes) is not int or bucket_bytes < 1:
-        raise InvalidArgumentError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
+def _load(state_dict, path, *, group, verify, missing, unexpected, cast, progress, bucket_bytes, timeout_s,
+          storage_options, avoid_local) -> LoadResult:
+    on_missing, on_unexpected = missing, unexpected
     comm = Comm(group, timeout_s=timeout_s)
     ph = Phases()
     storage, p = storage_for(path, storage_options)
@@ -230,15 +299,16 @@ def _load(state_dict, path, *, group, verify, strict, progress, bucket_bytes, ti
             saved_state = from_json(man.state)  # (NaN and infinities as floats)
             state_dict, finish = for_load(state_dict, {r for r, _ in man.tensors}, saved_state)
             entries, _ = flatten(state_dict, comm.rank, comm.world)
-            entries, missing, skipped, covered = _validate(entries, man, ckpt, comm.world)
+            entries, missing, skipped, covered, casts = _validate(entries, man, ckpt, comm.world, cast)
             missing += json_missing(state_dict, saved_state)  # JSON values the checkpoint does not hold
             roles = _roles(state_dict)
         except Exception as e:
             err = e
         comm.agree(err, "load (checking the target state dict)")
         unexpected = _unexpected(comm, man, covered, roles)
-        if strict and (missing or unexpected):
-            err = _mismatch(ckpt, man, missing, unexpected, objects)
+        if (missing and on_missing == "error") or (unexpected and on_unexpected == "error"):
+            err = _mismatch(ckpt, man, missing if on_missing == "error" else [],
+                            unexpected if on_unexpected == "error" else [], objects)
         comm.agree(err, "load (matching the target to the checkpoint)")
 
     bytes_read = 0
@@ -289,6 +359,8 @@ def _load(state_dict, path, *, group, verify, strict, progress, bucket_bytes, ti
         err = _changed(storage, ckpt, man) or ChecksumError(
             "checksum mismatch: " + "; ".join(f"tensor {n!r} in {f}" for f, n in bad), bad)
     comm.agree(err, "load (reading)" if verify != "full" else "load (checksums)")
+    for target, read, _ in casts:  # (cast=True: read in the stored dtype, converted into the target now)
+        target.copy_(read)
     apply_json_state(state_dict, saved_state, comm.rank, comm.world, skipped,
                      top_level=any(not isinstance(v, Mapping) for v in state_dict.values()))
     try:  # stateful objects take what was loaded (load_state_dict)
@@ -296,7 +368,22 @@ def _load(state_dict, path, *, group, verify, strict, progress, bucket_bytes, ti
     except Exception as e:
         err = e
     comm.agree(err, "load (handing the loaded state to the stateful objects)")
-    for what, keys in (("not in the checkpoint", missing), ("in the checkpoint but not in the target", unexpected),
+    if on_unexpected == "ignore" and unexpected and comm.rank == 0:
+        # ignored, but never silently when a whole role of the checkpoint fed nothing (the
+        # state dict of an optimizer whose state does not exist yet)
+        stored: dict[str, int] = {}
+        for r, _ in (*man.tensors, *man.aliases):
+            stored[r] = stored.get(r, 0) + 1
+        unused: dict[str, int] = {}
+        for u in unexpected:
+            unused[u.split("/", 1)[0]] = unused.get(u.split("/", 1)[0], 0) + 1
+        for role in sorted(r for r, n in unused.items() if n == stored.get(r)):
+            hint = (" (an optimizer whose state does not exist yet? pass the optimizer object itself: unickpt creates "
+                    "its state)") if role not in objects else ""
+            log.warning("load %s: none of the %d tensor(s) of role %r is in the target, nothing of it was loaded%s; "
+                        "LoadResult.unexpected lists them", ckpt, stored[role], role, hint)
+    for what, keys in (("not in the checkpoint", missing),
+                       ("in the checkpoint but not in the target", unexpected if on_unexpected == "warn" else []),
                        ("not restored", skipped)):
         if keys and comm.rank == 0:
             log.warning("load %s: %d value(s) %s: %s%s", ckpt, len(keys), what, ", ".join(keys[:8]),
@@ -315,6 +402,7 @@ def _load(state_dict, path, *, group, verify, strict, progress, bucket_bytes, ti
         unexpected=unexpected,
         skipped=skipped,
         lossy_generations=man.lossy_generations,
+        cast=[label for _, _, label in casts],
     )
     log.info(
         "rank %d loaded %d tensors from %s: read %s in %.2f s (%.2f GB/s), %d checksums verified%s",
@@ -398,11 +486,14 @@ def _roles(state_dict: Mapping[str, Any]) -> set[str]:
     return out
 
 
-def _validate(entries: list[Entry], man: Manifest, ckpt: str, world: int = 1
-              ) -> tuple[list[Entry], list[str], list[str], set[tuple[str, str]]]:
+def _validate(entries: list[Entry], man: Manifest, ckpt: str, world: int = 1, cast: bool = False
+              ) -> tuple[list[Entry], list[str], list[str], set[tuple[str, str]], list]:
     """Match targets to stored tensors (aliases of tied weights resolved to the stored
-    name). Returns ``(entries to read, missing, skipped, keys the targets cover)``."""
+    name). Returns ``(entries to read, missing, skipped, keys the targets cover, casts)``;
+    ``cast``: a floating target of another floating dtype is read into a buffer of the
+    stored dtype, listed in ``casts`` as ``(target, buffer, label)`` (copied after the reads)."""
     keep, missing, skipped = [], [], []
+    casts: list[tuple[torch.Tensor, torch.Tensor, str]] = []
     covered: set[tuple[str, str]] = set()
     for e in entries:
         _check_target(e)
@@ -434,13 +525,21 @@ def _validate(entries: list[Entry], man: Manifest, ckpt: str, world: int = 1
                 f"the target has global shape {list(e.layout.shape)}"
             )
         tdt = dtype_name(e.local.dtype)
+        local = e.local
         if tdt != stored.dtype:
-            raise DtypeMismatchError(
-                f"{ckpt}/{stored.file}: tensor {e.name!r} (role {e.role}) is stored as {stored.dtype}, the target is {tdt}"
-            )
-        keep.append(e if key == e.key else Entry(e.role, key[1], e.local, e.layout))
+            if not (cast and e.local.is_floating_point() and torch_dtype(stored.dtype).is_floating_point):
+                raise DtypeMismatchError(
+                    f"{ckpt}/{stored.file}: tensor {e.name!r} (role {e.role}) is stored as {stored.dtype}, the target is "
+                    f"{tdt}" + (" (cast=True converts floating dtypes on load)" if not cast else ""))
+            local = torch.empty(e.local.shape, dtype=torch_dtype(stored.dtype), device=e.local.device)
+            casts.append((e.local, local, f"{e.role}/{e.name}: {stored.dtype} -> {tdt}"))
+        if key != e.key:
+            e = Entry(e.role, key[1], local, e.layout)
+        elif local is not e.local:
+            e = Entry(e.role, e.name, local, e.layout, e.aliases, e.per_rank)
+        keep.append(e)
     _check_overlaps(keep)
-    return keep, missing, skipped, covered
+    return keep, missing, skipped, covered, casts
 
 
 def _check_target(e: Entry) -> None:
@@ -517,7 +616,8 @@ def _mismatch(ckpt: str, man: Manifest, missing: list[str], unexpected: list[str
         parts.append(f"{len(unexpected)} tensor(s) of the checkpoint under the target's roles are not in the target: "
                      f"{some(unexpected)}{hint}")
     cls = TensorMissingError if missing else UnexpectedTensorError
-    return cls(f"{ckpt}: " + "; ".join(parts) + " (strict=False loads the rest and lists them in the LoadResult)",
+    return cls(f"{ckpt}: " + "; ".join(parts) + " (missing='warn' / unexpected='ignore' load the rest and list them "
+               "in the LoadResult)",
                missing, unexpected)
 
 

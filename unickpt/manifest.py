@@ -620,6 +620,9 @@ def _parse(obj: Any, where: str) -> Manifest:
     )
 
 
+_BASE64 = re.compile(r"(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?")
+
+
 def _check_state_values(obj, world, where: str, depth: int = 0, in_rank: bool = False) -> None:
     """Per-rank JSON values (``{"__unickpt_per_rank__": [...]}``) hold one value per saving
     rank; floats JSON cannot hold are ``{"__unickpt_float__": "inf" | "-inf" | "nan"}``
@@ -627,7 +630,7 @@ def _check_state_values(obj, world, where: str, depth: int = 0, in_rank: bool = 
     (:data:`~unickpt.state.MAX_DEPTH` and the two levels of a per-rank value, with room to
     spare), before the loader's recursive code walks it (a hostile manifest may nest as
     deep as the JSON parser goes)."""
-    from .state import FLOAT_KEY, FLOAT_NAMES, MAX_DEPTH, PER_RANK_KEY, RANK_VALUE_KEY
+    from .state import BYTES_KEY, FLOAT_KEY, FLOAT_NAMES, MAX_BYTES, MAX_DEPTH, PER_RANK_KEY, RANK_VALUE_KEY
 
     if depth > MAX_DEPTH + 8 and isinstance(obj, (dict, list)):
         raise FormatError(f"{where if len(where) < 160 else where[:120] + '...'}: nested deeper than {MAX_DEPTH + 8} "
@@ -638,6 +641,12 @@ def _check_state_values(obj, world, where: str, depth: int = 0, in_rank: bool = 
             if len(obj) != 1 or not isinstance(v, str) or v not in FLOAT_NAMES:
                 raise FormatError(f"{where}: the key {FLOAT_KEY!r} is reserved for {{{FLOAT_KEY!r}: 'inf' | '-inf' | "
                                   "'nan'}} alone")
+            return
+        if BYTES_KEY in obj:
+            v = obj[BYTES_KEY]
+            if len(obj) != 1 or not isinstance(v, str) or len(v) > (MAX_BYTES + 2) // 3 * 4 or not _BASE64.fullmatch(v):
+                raise FormatError(f"{where}: the key {BYTES_KEY!r} is reserved for {{{BYTES_KEY!r}: 'base64 of at most "
+                                  f"{MAX_BYTES} bytes'}} alone")
             return
         if RANK_VALUE_KEY in obj or (in_rank and PER_RANK_KEY in obj):
             raise FormatError(f"{where}: the key {RANK_VALUE_KEY if RANK_VALUE_KEY in obj else PER_RANK_KEY!r} is "

@@ -69,10 +69,11 @@ class SaveResult:
 ProgressFn = Callable[[int, int], None]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SaveOptions:
-    """Every option of a save that reaches its writer: this process's (synchronous) or the
-    rank's asynchronous writer process (as :meth:`to_json`, rebuilt by :meth:`from_json`).
+    """The options of :func:`unickpt.save` / :func:`unickpt.save_async` beyond the state, the
+    path and the step; every one reaches the save's writer: this process's (synchronous) or
+    the rank's asynchronous writer process (as :meth:`to_json`, rebuilt by :meth:`from_json`).
 
     Checked when built (``__post_init__``), so no invalid instance exists: bad input raises
     :class:`~unickpt.errors.StateDictError` (``step``, ``extra``, ``strategy``,
@@ -86,16 +87,33 @@ class SaveOptions:
     """
 
     step: int | None = None
-    extra: Mapping[str, Any] | None = None
+    """Recorded in the manifest (``save(step=...)`` sets it; a ``step-N`` path records N)."""
+    compression: Compression | None = None
+    """O1/O2 moments, residual or dropped masters, zstd (:class:`~unickpt.Compression`,
+    docs/compression.md); None: nothing compressed (an inactive one becomes None)."""
     overwrite: bool = False
-    bucket_bytes: int = DEFAULT_BUCKET
-    max_file_bytes: int | None = None
-    direct_io: bool | None = None
-    strategy: Mapping[str, Any] | None = None
+    """Replace a committed checkpoint at the path (atomically: the old one stays loadable until
+    the new one commits)."""
+    extra: Mapping[str, Any] | None = None
+    """JSON state stored in the manifest's ``extra`` (``LoadResult.extra``): rank 0's."""
     extra_files: Mapping[str, str] | None = None
-    compression: Compression | None = None  # None: nothing compressed (an inactive one becomes None)
-    timeout_s: float | None = None  # None: UNICKPT_TIMEOUT_S, else 600 (see transport.resolve_timeout)
+    """Small text files (``{"config.json": ...}``) written into the checkpoint before the
+    commit, listed and checksummed in the manifest: rank 0's."""
+    strategy: Mapping[str, Any] | None = None
+    """Free-form description of the saving layout, stored for information: rank 0's."""
+    timeout_s: float | None = None
+    """Seconds a rank waits for the others in any one exchange before the save fails with
+    :class:`~unickpt.errors.DistributedError` (None: ``UNICKPT_TIMEOUT_S``, else 600); the
+    commit lock is waited for at most 0.8 x this."""
     storage_options: Mapping[str, Any] | None = field(default=None, repr=False)
+    """For a URL path: options of its file system (credentials, endpoint...; docs/storage.md),
+    JSON values (they travel to the asynchronous writer). Never shown in reprs or logs."""
+    bucket_bytes: int = DEFAULT_BUCKET
+    """Bound on the bytes a writer assembles at once (default 256 MiB)."""
+    max_file_bytes: int | None = None
+    """Split a writer's files of one role beyond this size."""
+    direct_io: bool | None = None
+    """Write with O_DIRECT (None: where the file system supports it)."""
     replicas: int = 0
     """Node-local saves (``{node}`` in the path): each node's data files are also written
     into the directories of this many other nodes before the commit (the memory tier's

@@ -31,7 +31,8 @@ from .errors import StateDictError
 from .manifest import name_problem
 from .layout import Layout, ShardedTensor, _is_dtensor, layout_of
 
-__all__ = ["Entry", "PerRank", "per_rank", "flatten", "tie", "apply_json_state", "PER_RANK_KEY", "RANK_VALUE_KEY"]
+__all__ = ["Entry", "PerRank", "per_rank", "flatten", "tie", "apply_json_state", "PER_RANK_KEY", "RANK_VALUE_KEY",
+           "BYTES_KEY"]
 
 _ROLE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 OTHER_ROLE = "other"
@@ -45,7 +46,14 @@ every rank's (never in a manifest)."""
 FLOAT_KEY = "__unickpt_float__"
 """``{FLOAT_KEY: "inf" | "-inf" | "nan"}`` stands for a float that strict JSON cannot hold
 (``ReduceLROnPlateau``'s ``best`` starts at ``inf``): :func:`to_json`, :func:`from_json`."""
-_RESERVED = (PER_RANK_KEY, RANK_VALUE_KEY, FLOAT_KEY)
+BYTES_KEY = "__unickpt_bytes__"
+"""``{BYTES_KEY: "<base64>"}`` stands for a ``bytes`` value (a data loader's pickled state,
+which the caller unpickles itself: unickpt stores the bytes verbatim, inside the checksummed
+manifest, and never unpickles them)."""
+MAX_BYTES = 4 << 20
+"""Bytes a ``bytes`` value (each) may hold: they live in the manifest; larger binary state
+belongs in a uint8 tensor."""
+_RESERVED = (PER_RANK_KEY, RANK_VALUE_KEY, FLOAT_KEY, BYTES_KEY)
 FLOAT_NAMES = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 MAX_DEPTH = 100
 """Levels of nesting a state dict may have (roles, dicts, lists): saves refuse deeper ones
@@ -65,15 +73,23 @@ class PerRank:
     def __init__(self, value: Any) -> None:
         if isinstance(value, PerRank):
             value = value.value
-        if not (isinstance(value, torch.Tensor) and not _is_dtensor(value)) and not is_state_value(value):
+        if not (isinstance(value, torch.Tensor) and not _is_dtensor(value)) and not is_state_value(value) \
+                and not _stateful(value):
             raise StateDictError(
-                f"per_rank() takes a plain tensor or a JSON value (None, bool, int, float, str, lists and dicts of "
-                f"them), got {type(value).__name__}")
+                f"per_rank() takes a plain tensor, a JSON value (None, bool, int, float, str, bytes, lists and dicts of "
+                f"them) or, at the top level of a state dict, an object with state_dict() and load_state_dict() "
+                f"(a data loader), got {type(value).__name__}")
         self.value = value
 
     def __repr__(self) -> str:
         v = self.value
         return f"per_rank({f'tensor {list(v.shape)} {v.dtype}' if isinstance(v, torch.Tensor) else repr(v)[:60]})"
+
+
+def _stateful(v: Any) -> bool:
+    from .stateful import is_stateful
+
+    return is_stateful(v)
 
 
 def per_rank(value: Any) -> PerRank:
@@ -93,7 +109,9 @@ def per_rank(value: Any) -> PerRank:
     On load, each rank gets back the value its rank saved when the world size is the one that
     saved; on another world size the value is left as it is and listed in
     :attr:`~unickpt.LoadResult.skipped`. Tensors must have the same shape and dtype on every
-    rank (an RNG state does).
+    rank (an RNG state does). A top-level stateful object (a data loader with
+    ``state_dict()``/``load_state_dict()``) is saved as its state dict, per rank, and given
+    back through ``load_state_dict`` (on another world size: not called).
     """
     return PerRank(value)
 
@@ -121,19 +139,22 @@ def _is_tensor_leaf(v: Any) -> bool:
         isinstance(v, PerRank) and isinstance(v.value, torch.Tensor))
 
 
-def _is_json(v: Any, finite: bool = True, depth: int = 0) -> bool:
+def _is_json(v: Any, finite: bool = True, depth: int = 0, blobs: bool = False) -> bool:
     """A JSON value: None, bool, int, float, str, lists, tuples and str-keyed dicts of them;
-    ``finite``: no NaN or infinity (strict JSON; state values take them: :func:`to_json`).
-    Deeper than :data:`MAX_DEPTH` it answers True without looking further: :func:`to_json`
-    (which every stored value goes through) then refuses it by name."""
+    ``finite``: no NaN or infinity (strict JSON; state values take them: :func:`to_json`);
+    ``blobs``: ``bytes`` too (state values). Deeper than :data:`MAX_DEPTH` it answers True
+    without looking further: :func:`to_json` (which every stored value goes through) then
+    refuses it by name."""
     if isinstance(v, _JSON_SCALARS):
         return not (finite and isinstance(v, float) and not math.isfinite(v))
+    if blobs and isinstance(v, (bytes, bytearray)):
+        return True
     if depth > MAX_DEPTH:
         return isinstance(v, (list, tuple, Mapping))
     if isinstance(v, (list, tuple)):
-        return all(_is_json(x, finite, depth + 1) for x in v)
+        return all(_is_json(x, finite, depth + 1, blobs) for x in v)
     if isinstance(v, Mapping):
-        return all(isinstance(k, str) and _is_json(x, finite, depth + 1) for k, x in v.items())
+        return all(isinstance(k, str) and _is_json(x, finite, depth + 1, blobs) for k, x in v.items())
     return False
 
 
@@ -154,8 +175,8 @@ def _text_problem(v: str) -> str | None:
 
 
 def is_state_value(v: Any) -> bool:
-    """A value the JSON state holds: JSON, NaN and infinities included."""
-    return _is_json(v, finite=False)
+    """A value the JSON state holds: JSON, NaN and infinities included, and ``bytes``."""
+    return _is_json(v, finite=False, blobs=True)
 
 
 def to_json(v: Any, where: str = "", depth: int = 0) -> Any:
@@ -167,6 +188,13 @@ def to_json(v: Any, where: str = "", depth: int = 0) -> Any:
     above ``v``)."""
     if isinstance(v, float) and not math.isfinite(v):
         return {FLOAT_KEY: "nan" if v != v else ("inf" if v > 0 else "-inf")}
+    if isinstance(v, (bytes, bytearray)):
+        if len(v) > MAX_BYTES:
+            raise StateDictError(f"{where!r}: {len(v)} bytes; a bytes value may hold {MAX_BYTES} (it is stored in the "
+                                 "manifest): store larger binary state as a uint8 tensor")
+        import base64
+
+        return {BYTES_KEY: base64.b64encode(bytes(v)).decode("ascii")}
     if isinstance(v, str):
         why = _text_problem(v)
         if why:
@@ -205,10 +233,14 @@ def _float_code(v: Any) -> bool:
 
 def from_json(v: Any) -> Any:
     """:func:`to_json` undone on a state the manifest checked (tuples stay lists:
-    :func:`like_target` gives them back)."""
+    :func:`like_target` gives them back; bytes come back as ``bytes``)."""
     if isinstance(v, dict):
         if _float_code(v):
             return FLOAT_NAMES[v[FLOAT_KEY]]
+        if len(v) == 1 and isinstance(v.get(BYTES_KEY), str):
+            import base64
+
+            return base64.b64decode(v[BYTES_KEY], validate=True)
         return {k: from_json(x) for k, x in v.items()}
     if isinstance(v, list):
         return [from_json(x) for x in v]

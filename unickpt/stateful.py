@@ -116,9 +116,11 @@ def _unwrap(value: Any) -> Any:
 def for_save(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
     """``state_dict`` with every top-level stateful object replaced by its state dict (the
     same mapping when there is none)."""
-    if not isinstance(state_dict, Mapping) or not any(is_stateful(v) for v in state_dict.values()):
+    if not isinstance(state_dict, Mapping) or not any(is_stateful(v) or _stateful_per_rank(v) for v in state_dict.values()):
         return state_dict
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    from .state import PerRank
 
     modules = _modules(state_dict)
     out: dict[str, Any] = {}
@@ -135,9 +137,18 @@ def for_save(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
                 out[k] = get_optimizer_state_dict(model, v)
         elif is_stateful(v):
             out[k] = v.state_dict()
+        elif _stateful_per_rank(v):
+            out[k] = PerRank(v.value.state_dict())
         else:
             out[k] = v
     return out
+
+
+def _stateful_per_rank(v: Any) -> bool:
+    """``per_rank(obj)`` of a stateful object (a data loader)."""
+    from .state import PerRank
+
+    return isinstance(v, PerRank) and is_stateful(v.value)
 
 
 def _numbered(saved: Any) -> bool:
@@ -160,8 +171,9 @@ def for_load(state_dict: Mapping[str, Any], stored_roles: set[str] | None = None
     without state (its param groups only), not given state it never had. ``saved_state``:
     the checkpoint's JSON state; an optimizer saved with numbered parameters (its plain
     ``state_dict()``, as ``dcp.save`` stores an optimizer object) is loaded the same way."""
-    if not isinstance(state_dict, Mapping) or not any(is_stateful(v) for v in state_dict.values()):
+    if not isinstance(state_dict, Mapping) or not any(is_stateful(v) or _stateful_per_rank(v) for v in state_dict.values()):
         return state_dict, lambda: None
+    from .state import PerRank
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
@@ -194,6 +206,10 @@ def for_load(state_dict: Mapping[str, Any], stored_roles: set[str] | None = None
         elif is_stateful(v):
             sd = out[k] = v.state_dict()
             last.append(lambda v=v, sd=sd: v.load_state_dict(_unwrap(sd)))
+        elif _stateful_per_rank(v):  # restored only when this rank's own value was loaded
+            cur = v.value.state_dict()
+            pr = out[k] = PerRank(cur)
+            last.append(lambda obj=v.value, pr=pr, cur=cur: pr.value is cur or obj.load_state_dict(_unwrap(pr.value)))
         else:
             out[k] = v
 
@@ -202,7 +218,7 @@ def for_load(state_dict: Mapping[str, Any], stored_roles: set[str] | None = None
             f()
         if isinstance(state_dict, MutableMapping):  # the plain values the load replaced in ``out``
             for k, v in out.items():  # (top-level JSON leaves: "step": 100) go to the caller's dict
-                if not is_stateful(state_dict[k]) and state_dict[k] is not v:
+                if not is_stateful(state_dict[k]) and not _stateful_per_rank(state_dict[k]) and state_dict[k] is not v:
                     state_dict[k] = v
 
     return out, finish
