@@ -166,7 +166,7 @@ def _train_then_die(rank, world, root):
     checkpointer()._stop_writer(graceful=True)  # restart writers so they see the fault
     t.train_step(), t.train_step()
     t.save()
-    t._pending.wait_staged()
+    t.ckpt.wait_for_staging()
     deadline = time.monotonic() + 60  # until the writers are inside the save (files created)
     while not glob.glob(os.path.join(root, ".step-00000004.tmp-*/*.safetensors")) and time.monotonic() < deadline:
         time.sleep(0.1)
