@@ -39,7 +39,6 @@ def _agents(tmp, nnodes: int, nproc: int, args: list[str], mem: str | None, metr
     ``mem/agent{i}``; returns the Popen objects (each in its own session)."""
     port = dist.free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "UNICKPT_TIMEOUT_S": "60"}
-    env.pop("UNICKPT_NODE_ID", None)
     procs = []
     for i in range(nnodes):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(i),
@@ -49,7 +48,8 @@ def _agents(tmp, nnodes: int, nproc: int, args: list[str], mem: str | None, metr
         if mem is not None:
             cmd += ["--memory-dir", os.path.join(mem, f"agent{i}")]
         log = open(os.path.join(tmp, f"agent{i}-{time.monotonic_ns()}.log"), "w")
-        procs.append(subprocess.Popen(cmd, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        procs.append(subprocess.Popen(cmd, cwd=tmp, env={**env, "UNICKPT_NODE_ID": f"node{i}"}, stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True))  # one simulated host each
     return procs
 
 

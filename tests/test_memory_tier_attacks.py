@@ -36,17 +36,16 @@ def test_clean_memory_refuses_a_durable_checkpoint_root(tmp_path):
     assert r.returncode == 2 and left == ["step-00000001", "step-00000002"], (r.returncode, r.stdout, r.stderr, left)
 
 
-def test_clean_memory_with_node_placeholder_finds_a_torchrun_jobs_snapshots(shm):
+def test_clean_memory_with_node_placeholder_finds_a_torchrun_jobs_snapshots(shm, monkeypatch):
     """docs/memory_tier.md tells to run `unickpt clean-memory /dev/shm/<job>/{node}` on every
-    node from an epilog. Under torchrun the job's node id was `node<GROUP_RANK>` (e.g.
-    `node0`), but the epilog has no GROUP_RANK: `{node}` expands to the host name, the command
-    reports "nothing to remove" (exit 0) and the dead job's snapshots stay in host memory.
-    Expected: the snapshots of a dead job on this host are found (e.g. match `{node}` against
-    the directories whose owner record names this host), or a non-zero exit saying that
-    nothing matched while other node directories exist."""
+    node from an epilog. The epilog has no launcher variables; the job's ranks had
+    (GROUP_RANK=0): the node id of both is the host name, so `{node}` names the directory the
+    job wrote, and the dead job's snapshots are freed."""
+    import socket
+
     from unickpt import memtier
 
-    node = os.path.join(shm, "node0")  # what a torchrun rank with GROUP_RANK=0 wrote
+    node = os.path.join(shm, socket.gethostname())  # what a torchrun rank with GROUP_RANK=0 wrote
     os.makedirs(os.path.join(node, "step-00000007"))
     with open(os.path.join(node, "step-00000007", "model-00001.safetensors"), "wb") as f:
         f.write(b"\0" * 4096)
@@ -56,7 +55,15 @@ def test_clean_memory_with_node_placeholder_finds_a_torchrun_jobs_snapshots(shm)
     env = {k: v for k, v in os.environ.items() if k not in ("UNICKPT_NODE_ID", "GROUP_RANK", "SLURM_NODEID")}
     r = subprocess.run([sys.executable, "-m", "unickpt.cli", "clean-memory", os.path.join(shm, "{node}")],
                        capture_output=True, text=True, cwd=ROOT, env={**env, "PYTHONPATH": ROOT})
-    assert not os.path.exists(os.path.join(node, "step-00000007")) or r.returncode != 0, (r.returncode, r.stdout)
+    assert r.returncode == 0 and not os.path.exists(os.path.join(node, "step-00000007")), (r.returncode, r.stdout,
+                                                                                            r.stderr)
+
+    from unickpt.transport import node_id
+
+    monkeypatch.delenv("UNICKPT_NODE_ID", raising=False)
+    monkeypatch.setenv("GROUP_RANK", "0")
+    monkeypatch.setenv("SLURM_NODEID", "3")
+    assert node_id() == socket.gethostname()
 
 
 # -- trainer jobs on simulated nodes --------------------------------------------------------

@@ -495,7 +495,7 @@ class Checkpointer:
                 log.warning("cannot serve the writers' rendezvous: %s", e)
                 mine = b""
         said = comm.broadcast_bytes(mine, what="asynchronous save (the writers' rendezvous)")
-        env_node = os.environ.get("UNICKPT_NODE_ID") or os.environ.get("GROUP_RANK")
+        env_node = os.environ.get("UNICKPT_NODE_ID")
         self._start_error = None
         if not said:
             self._start_error = AsyncSaveError("the writer process could not be started: rank 0 could not serve "
@@ -1119,7 +1119,7 @@ def _writer_main(conn, rank: int, world: int, addr: str, port: int, timeout_s: f
     if joined_w >= 0:
         os.set_inheritable(joined_w, False)  # ours alone, as the pipe's other fds (see _writer_main.main)
     if node and "UNICKPT_NODE_ID" not in os.environ:
-        os.environ["UNICKPT_NODE_ID"] = node if not node.isdigit() else f"node{node}"
+        os.environ["UNICKPT_NODE_ID"] = node
     torch.set_num_threads(1)
     segments: dict[str, _Segment] = {}
     threading.Thread(target=_watch_parent, args=(parent_pid, segments), daemon=True).start()

@@ -58,15 +58,15 @@ _SIDE_GROUPS: dict[int, object] = {}
 
 
 def node_id() -> str:
-    """Identity of the node this process runs on: ``UNICKPT_NODE_ID``, else the launcher's
-    node rank (``GROUP_RANK`` under torchrun, ``SLURM_NODEID`` under srun), else the host name."""
+    """Identity of the node this process runs on: ``UNICKPT_NODE_ID``, else the host name.
+
+    Node-local memory and disks belong to the host, so the host name is what finds them
+    again: a launcher's node rank (torchrun's ``GROUP_RANK``, SLURM's ``SLURM_NODEID``) is
+    reassigned when an elastic job restarts on fewer or other nodes, and a process started
+    outside the launcher (an epilog, a single-process resume) has none."""
     v = os.environ.get("UNICKPT_NODE_ID")
     if v:
         return v
-    for var in ("GROUP_RANK", "SLURM_NODEID"):
-        v = os.environ.get(var)
-        if v:
-            return f"node{v}"
     return socket.gethostname()
 
 
