@@ -14,6 +14,7 @@ under any strategy), or, with ``--memory-dir``, from the newest step complete in
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import math
 import os
@@ -21,7 +22,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from unickpt.train import LlamaConfig, OptimConfig, ParallelConfig, TextData, Trainer, UnifiedCheckpoint
+from unickpt import UnifiedCheckpoint
+from unickpt.train import LlamaConfig, OptimConfig, ParallelConfig, TextData, Trainer
 
 
 def _gib(text: str) -> float:
@@ -120,6 +122,12 @@ def main() -> None:
         print(f"eval loss {ev:.4f} at step {trainer.step}", flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
+    # the process groups the trainer holds are freed (their threads joined) while the
+    # interpreter is whole: a gloo thread still releasing the last collective's tensors
+    # during interpreter shutdown aborts the process ("terminate called without an active
+    # exception", pytorch/pytorch#190489)
+    del trainer
+    gc.collect()
 
 
 if __name__ == "__main__":
