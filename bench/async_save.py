@@ -23,7 +23,7 @@ Floors (measured in the same run):
                 in 64 MiB writes + fsync (as in bench/save_load.py): the durable-write floor.
 
 (a) Blocking: how long the training loop cannot touch its tensors.
-  unickpt async       ``unickpt.save(..., async_save=True)``: the call (flatten, back-pressure
+  unickpt async       ``unickpt.save_async(...)``: the call (flatten, back-pressure
                       check, copy into the shared-memory staging buffer, command to the writer).
   unickpt background  ``background_staging=True``: the call returns at once, the copy runs in a
                       thread; the loop runs a compute phase (matmuls calibrated to ``--phase-x``
@@ -214,7 +214,7 @@ def rank_job(rank: int, world: int, cfg: dict) -> dict:
     def start(lib: str, path: str, bg: bool):
         """Start an async save; (wait_staged, wait_done) callables."""
         if lib == "unickpt":
-            h = unickpt.save(u_state, path, step=0, async_save=True, background_staging=bg)
+            h = unickpt.save_async(u_state, path, step=0, background_staging=bg)
             return h.wait_staged, h.wait, h
         resp = dcp.async_save(d_state, storage_writer=FileSystemWriter(path, sync_files=True),
                               async_checkpointer_type=dcp_mode["type"], async_stager=dcp_mode["stager"])

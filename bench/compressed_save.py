@@ -35,7 +35,9 @@ from bench._common import (  # noqa: E402
 )
 from bench.save_load import RankState, model_shapes  # noqa: E402
 
-SETTINGS = {"O0": {}, "O1": {"quant": "O1"}, "O2": {"quant": "O2"}, "O1+zstd3": {"quant": "O1", "zstd": 3}}
+SETTINGS = {name: unickpt.SaveOptions(compression=c) for name, c in (
+    ("O0", None), ("O1", unickpt.Compression(quant="O1")), ("O2", unickpt.Compression(quant="O2")),
+    ("O1+zstd3", unickpt.Compression(quant="O1", zstd=3)))}
 
 
 def rank_job(rank: int, world: int, cfg: dict) -> dict:
@@ -61,9 +63,9 @@ def rank_job(rank: int, world: int, cfg: dict) -> dict:
     out["floor"] = []
 
     def run_unickpt(i: int) -> None:
-        for name, kw in SETTINGS.items():
+        for name, opts in SETTINGS.items():
             path = os.path.join(data, f"{name}-{i}")
-            out[name]["save"].append(slowest(lambda: unickpt.save(src, path, **kw)))
+            out[name]["save"].append(slowest(lambda: unickpt.save(src, path, options=opts)))
             cold_barrier(path, rank)
             out[name]["load"].append(slowest(lambda: unickpt.load(tgt, path)))
             if rank == 0:

@@ -8,10 +8,11 @@ Figures are medians over ``--repeats`` rounds (after one warm-up save of each ki
 
   floor        copy of every tensor into an already-allocated pinned host buffer of the
                same size (non_blocking, then synchronize): the least a save can block.
-  unickpt      ``unickpt.save(..., async_save=True)`` call (copies into its reused
+  unickpt      ``unickpt.save_async(...)`` call (copies into its reused
                shared-memory staging buffer, registered as pinned memory).
-  unickpt O1   the same with ``quant="O1"`` (quantization runs in the writer process: the
-               call should cost the same).
+  unickpt O1   the same with ``options=unickpt.SaveOptions(compression=unickpt.Compression(
+               quant="O1"))`` (quantization runs in the writer process: the call should cost
+               the same).
   dcp          ``dcp.async_save`` (thread checkpointer, ``DefaultStager`` with pinned and
                shared memory): call + ``staging_completion`` when the API returns one.
   durable      call to committed, unickpt (``h.wait()``) and DCP (``result()``).
@@ -96,10 +97,11 @@ def main() -> None:
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    def ours(i, **kw):
+    def ours(i, quant=None):
+        opts = unickpt.SaveOptions(compression=unickpt.Compression(quant=quant)) if quant else None
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        h = unickpt.save(state, os.path.join(root, f"u{i}-{kw.get('quant', 'O0')}"), async_save=True, **kw)
+        h = unickpt.save_async(state, os.path.join(root, f"u{i}-{quant or 'O0'}"), options=opts)
         blocking = time.perf_counter() - t0
         h.wait()
         return blocking, time.perf_counter() - t0
@@ -188,8 +190,8 @@ def behind_compute(state, root: str, args, dcp_note: str) -> None:
         try:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            h = unickpt.save(state, os.path.join(root, f"bg{'d' if default_stream else 's'}{i}"), async_save=True,
-                             background_staging=True)
+            h = unickpt.save_async(state, os.path.join(root, f"bg{'d' if default_stream else 's'}{i}"),
+                                   background_staging=True)
             call = time.perf_counter() - t0
             loop()
             torch.cuda.synchronize()

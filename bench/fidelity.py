@@ -45,7 +45,8 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 from unickpt import codecs, compress  # noqa: E402
-from unickpt.train import LlamaConfig, OptimConfig, TextData, Trainer, UnifiedCheckpoint  # noqa: E402
+from unickpt import UnifiedCheckpoint  # noqa: E402
+from unickpt.train import LlamaConfig, OptimConfig, TextData, Trainer  # noqa: E402
 
 PRESETS = {
     "full": dict(hidden=128, layers=4, steps=300, cycles=(1, 10), seeds=(0, 1, 2)),

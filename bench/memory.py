@@ -12,7 +12,7 @@ largest over ``--repeats`` calls and over the ranks.
 
   sync save     unickpt.save(state, path), the state already resident.
                 bound: extra <= 256 MiB.
-  async save    unickpt.save(..., async_save=True) until h.wait(): the trainer (rank process)
+  async save    unickpt.save_async(...) until h.wait(): the trainer (rank process)
                 and its writer process. The trainer's first async save (it creates the
                 shared-memory staging segment and starts the writer) and a later one are
                 measured. Writer: extra = its peak RSS - its RSS before the save without shared
@@ -124,7 +124,7 @@ def rank_job(rank: int, world: int, cfg: dict) -> dict:
         path = os.path.join(data, f"async-{i}")
         dist.barrier()
         with PeakRSS(children=True) as m:
-            h = unickpt.save(state, path, step=i, async_save=True)
+            h = unickpt.save_async(state, path, step=i)
             h.wait()
         segs = glob.glob(f"/dev/shm/unickpt-stage-{os.getpid()}-*")
         out["staging"] = max([out["staging"]] + [os.path.getsize(s) for s in segs])

@@ -9,7 +9,7 @@ thread per rank. Snapshots go to ``/dev/shm/unickpt-bench-*/{node}`` with ``repl
 disk checkpoints to ``--dir``.
 
 Per round (medians over ``--repeats`` of the slowest rank; after one warm-up of each kind):
-  async save (disk)     blocking time of ``unickpt.save(..., async_save=True)`` to disk, and
+  async save (disk)     blocking time of ``unickpt.save_async(...)`` to disk, and
                         its time to durable + committed: the tier's reference;
   snapshot              blocking time of a memory snapshot (``replicas=1``), its time to
                         committed on both nodes, and the bytes replicated between nodes (the
@@ -70,11 +70,11 @@ def rank_job(rank: int, world: int, cfg: dict) -> dict:
     step = 0
 
     def snapshot(i: int):
-        return unickpt.save(src, os.path.join(mem, "{node}", f"step-{i:08d}"), step=i, async_save=True, replicas=1,
-                            overwrite=True)
+        return unickpt.save_async(src, os.path.join(mem, "{node}", f"step-{i:08d}"), step=i,
+                                  options=unickpt.SaveOptions(replicas=1, overwrite=True))
 
     # warm-ups: writer processes and staging (excluded)
-    unickpt.save(src, os.path.join(disk, "warm"), async_save=True).wait()
+    unickpt.save_async(src, os.path.join(disk, "warm")).wait()
     step += 1
     snapshot(step).wait()
     for i in range(cfg["repeats"]):
@@ -83,7 +83,7 @@ def rank_job(rank: int, world: int, cfg: dict) -> dict:
 
         def call():
             nonlocal h
-            h = unickpt.save(src, path, step=i, async_save=True)
+            h = unickpt.save_async(src, path, step=i)
         dt, _, _ = timed(call)
         res["async_block"].append(dt)
         res["async_durable"].append(timed(lambda: h.wait())[0] + dt)

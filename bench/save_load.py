@@ -278,7 +278,7 @@ def rank_job(rank: int, world: int, cfg: dict) -> dict:
                 zero(flat)
             record(f"files_{op}", files_floor(path, rank, world, buf))  # its floor, right before it
             cold_barrier(path, rank)
-            r = record(op, timed(lambda: unickpt.load(tgt, path, verify=how)))
+            r = record(op, timed(lambda: unickpt.load(tgt, path, options=unickpt.LoadOptions(verify=how))))
             res[op]["phases"].append(r.phases)
             res[op]["bytes_read"].append(r.bytes_read)
             if i == 0:

@@ -47,7 +47,8 @@ def main() -> None:
             for zstd in (None, 3):
                 p = os.path.join(root, f"{quant}-{master}-{zstd}")
                 t0 = time.perf_counter()
-                unickpt.save(sd, p, compression=unickpt.Compression(quant=quant, master=master, zstd=zstd, eps=t.optim.eps))
+                unickpt.save(sd, p, options=unickpt.SaveOptions(
+                    compression=unickpt.Compression(quant=quant, master=master, zstd=zstd, eps=t.optim.eps)))
                 secs = time.perf_counter() - t0
                 _, man = unickpt.read_manifest(p)
                 by = man.bytes_by_role()

@@ -218,7 +218,7 @@ class Target:
 
     def save(self, state: dict, path: str, step: int):
         if self.lib == "unickpt":
-            return unickpt.save(state, path, step=step, storage_options=self.options)
+            return unickpt.save(state, path, step=step, options=unickpt.SaveOptions(storage_options=self.options))
         import torch.distributed.checkpoint as dcp
 
         if self.backend == "local":
@@ -231,7 +231,7 @@ class Target:
 
     def load(self, state: dict, path: str):
         if self.lib == "unickpt":
-            return unickpt.load(state, path, storage_options=self.options)
+            return unickpt.load(state, path, options=unickpt.LoadOptions(storage_options=self.options))
         import torch.distributed.checkpoint as dcp
 
         if self.backend == "local":
