@@ -513,10 +513,20 @@ def decode_range(tag: dict, parts: dict[str, torch.Tensor], lo: int, hi: int,
     codes = parts["codes"]
     if codec == "q8_sym":
         codes = codes.view(torch.int8)
-    if codec == "q4_logm":
-        return _c.decode_mlog(codes, parts["scales"].view(torch.float32), g, tag["ratio"], lo, hi - lo)
-    if codec.endswith("sym"):
-        return _c.decode_m(codes, parts["scales"].view(torch.float32), bits, g, lo, hi - lo)
+    if codec == "q4_logm" or codec.endswith("sym"):
+        scale = parts["scales"].view(torch.float32)
+        if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
+            raise FormatError(f"codec {codec}: a group's scale (absmax) of elements [{lo}, {hi}) is negative or not "
+                              "finite: no encoder writes one")
+        if codec == "q4_logm":
+            return _c.decode_mlog(codes, scale, g, tag["ratio"], lo, hi - lo)
+        return _c.decode_m(codes, scale, bits, g, lo, hi - lo)
     sc = parts["scales"].view(torch.float32).view(-1, 2)
+    # w = sqrt(v) + eps >= eps (in fp32; a hair of slack for the rounding of eps); r = 1/w > 0
+    floor = float(torch.tensor(tag["eps"], dtype=torch.float32)) * (1 - 2 ** -20) if codec.endswith("logw") else 0.0
+    if not bool(torch.isfinite(sc).all()) or bool((sc[:, 0] > sc[:, 1]).any()) or bool((sc[:, 0] < floor).any()) \
+            or (floor == 0.0 and bool((sc[:, 0] <= 0).any())):
+        raise FormatError(f"codec {codec}: a group's range [lo, hi] of elements [{lo}, {hi}) is not finite, inverted "
+                          f"or below {'eps' if floor else 'zero'}: no encoder writes one")
     dec = _c.decode_w if codec.endswith("logw") else _c.decode_v
     return dec(codes, sc[:, 0], sc[:, 1], bits, g, tag["eps"], lo, hi - lo)

@@ -1108,7 +1108,10 @@ def _read_coded(e: Entry, st: TensorEntry, man: Manifest, files: "_Files", verif
             got[p] = buf[b - eb : end - eb]
         windows += 1
         mt = got.pop("model").view(torch_dtype(model.dtype)) if model is not None else None
-        vals = decode_range(tag, got, lo, hi, mt, exc).to(local.dtype)
+        try:
+            vals = decode_range(tag, got, lo, hi, mt, exc).to(local.dtype)
+        except FormatError as e:
+            raise FormatError(f"{st.file}: tensor {st.role}/{st.name}: {e}") from None
         copy_runs(as_bytes(vals), starts[i:j] - lo, dest, locs[i:j], lengths[i:j], isz)
         i = j
     if not direct:

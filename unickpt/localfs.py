@@ -159,8 +159,42 @@ def check_private_dir(path: str, what: str) -> os.stat_result | None:
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
         raise InvalidArgumentError(f"{path}: the {what} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}, "
                                    "no sticky bit): they could plant or replace snapshots; chmod go-w it")
+    _check_links(path, what)
     _check_ancestors(path, what)
     return st
+
+
+def _check_links(path: str, what: str) -> None:
+    """The path as given, component by component: a symbolic link on the way must belong to
+    root or this user (the user's own choice), or its owner could point it elsewhere between
+    a check and a use, and :func:`_check_ancestors` would have checked where it pointed then."""
+    me = os.geteuid()
+    todo = os.path.abspath(path).split(os.sep)[1:]
+    cur, hops = os.sep, 0
+    while todo:
+        part = todo.pop(0)
+        if part in ("", "."):
+            continue
+        nxt = os.path.dirname(cur) if part == ".." else os.path.join(cur, part)
+        try:
+            st = os.lstat(nxt)
+        except FileNotFoundError:
+            return  # (created later under checked parents)
+        except OSError as e:
+            raise StorageError(e.errno, e.strerror, nxt) from None
+        if not stat.S_ISLNK(st.st_mode):
+            cur = nxt
+            continue
+        if st.st_uid not in (0, me):
+            raise InvalidArgumentError(
+                f"{path}: the {what} is reached through {nxt}, a symbolic link of another user (uid {st.st_uid}): they "
+                "could point it at any directory of yours; give the real path")
+        hops += 1
+        if hops > 40:
+            raise InvalidArgumentError(f"{path}: the {what} is reached through too many symbolic links")
+        target = os.readlink(nxt)
+        todo = [x for x in target.split(os.sep) if x] + todo
+        cur = os.sep if os.path.isabs(target) else cur
 
 
 def _check_ancestors(path: str, what: str) -> None:

@@ -246,9 +246,9 @@ class Manifest:
         count its save recorded (``compression.lossy_generations``), else 1 when it holds
         quantized tensors (checkpoints before the count), else 0."""
         g = self.compression.get("lossy_generations")
-        if type(g) is int and g >= 0:
-            return g
-        return max((t.args.get("generations", 1) for t in self.tensors.values() if t.codec in QUANT), default=0)
+        per_tensor = max((t.args.get("generations", 1) for t in self.tensors.values() if t.codec in QUANT), default=0)
+        # (the larger: a manifest whose record says fewer cycles than its tensors must not reset the budget)
+        return max(g, per_tensor) if type(g) is int and g >= 0 else per_tensor
 
     def bytes_by_role(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -390,11 +390,12 @@ def _check_quant_record(args: dict, codec: str, w: str) -> None:
         raise FormatError(f"{w}: codec {codec}: seed must be an integer in [0, 2^63), got {seed!r}")
     gen = args.get("generations", 1)
     if type(gen) is not int or not 0 <= gen < 1 << 31:
-        raise FormatError(f"{w}: codec {codec}: generations must be an integer >= 0, got {gen!r}")
+        raise FormatError(f"{w}: codec {codec}: generations must be an integer in [0, 2^31), got {gen!r}")
     err = args.get("error", {})
     if not isinstance(err, dict) or set(err) - {"rel_l2", "max_abs", "bias"} or not all(
-            type(v) in (int, float) and math.isfinite(v) for v in err.values()):
-        raise FormatError(f"{w}: codec {codec}: error must hold numbers rel_l2, max_abs, bias, got {err!r}")
+            type(v) in (int, float) and math.isfinite(v) and (k == "bias" or v >= 0) for k, v in err.items()):
+        raise FormatError(f"{w}: codec {codec}: error must hold finite numbers rel_l2 >= 0, max_abs >= 0, bias, "
+                          f"got {err!r}")
 
 
 def _parts(t: dict, codec: str, args: dict, dtype: str, shape: tuple[int, ...], fe: FileEntry, w: str,

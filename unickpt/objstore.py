@@ -71,6 +71,11 @@ CONNECT_TIMEOUT = 10.0
 CALL_SLACK = 5.0
 """Seconds beyond ``OBJECT_TIMEOUT`` a whole call of an asynchronous fsspec client (s3fs:
 its attempts and botocore's backoff between them) may take before it is cancelled."""
+LIST_MAX = 500_000
+"""Objects one listing may return: a server answering page after page without end fails the
+listing (:class:`StorageError`) before it fills the memory."""
+LIST_SECONDS_PER_OBJECT_TIMEOUT = 10
+"""A whole listing (every page) may take this many ``OBJECT_TIMEOUT`` s."""
 
 
 class Conflict(Exception):
@@ -140,6 +145,11 @@ class _Client:
     def head(self, key: str) -> Meta | None: ...
     def list(self, prefix: str) -> list[Meta]: ...
     def children(self, prefix: str) -> list[str]: ...
+
+    def nonempty(self, prefix: str) -> bool:
+        """At least one object under ``prefix``."""
+        return bool(self.children(prefix))
+
     def get_ranges(self, key: str, starts: list[int], ends: list[int]) -> list: ...
     def delete(self, keys: list[str]) -> None: ...
     def upload(self, key: str, part_size: int) -> "_Upload": ...
@@ -200,6 +210,10 @@ class _Bounded:
             return await asyncio.gather(*(one(p, a, b) for p, a, b in zip(paths, starts, ends)))
 
         return sync(self.fs.loop, each)
+
+
+class ListingTooLong(Exception):
+    """A listing beyond :data:`LIST_MAX` objects (``_typed`` makes it a StorageError naming the URL)."""
 
 
 class CallTimeout(Exception):
@@ -332,12 +346,56 @@ class _S3fsClient(_FsspecClient):
         self.fs.invalidate_cache(key)
 
     def list(self, prefix):
-        self.fs.invalidate_cache(prefix)
-        return self._check_bucket(prefix, super().list(prefix))
+        bucket = self._bk(prefix)[0]
+        out = [Meta(f"{bucket}/{o['Key']}", int(o.get("Size") or 0), o.get("ETag"), _ts(o.get("LastModified")))
+               for r in self._pages(prefix) for o in r.get("Contents", ())]
+        return self._check_bucket(prefix, out)
 
     def children(self, prefix):
-        self.fs.invalidate_cache(prefix)
-        return self._check_bucket(prefix, super().children(prefix))
+        k = self._bk(prefix.strip("/"))[1]
+        cut = len(k) + 1 if k else 0
+        names = set()
+        for r in self._pages(prefix, delimiter="/"):
+            names |= {c["Prefix"][cut:].rstrip("/") for c in r.get("CommonPrefixes", ())}
+            names |= {o["Key"][cut:] for o in r.get("Contents", ())}
+        return self._check_bucket(prefix, sorted(n for n in names if n and "/" not in n))
+
+    def nonempty(self, prefix):
+        return self._check_bucket(prefix, [r for r in self._pages(prefix, first_page=True)
+                                           if r.get("Contents") or r.get("CommonPrefixes")]) != []
+
+    def _pages(self, prefix, delimiter: str | None = None, first_page: bool = False):
+        """ListObjectsV2 pages under ``prefix`` (one bounded request each), within
+        :data:`LIST_MAX` objects and :data:`LIST_SECONDS_PER_OBJECT_TIMEOUT` x
+        ``OBJECT_TIMEOUT`` s for the whole listing (s3fs's own listing follows the pages
+        without end)."""
+        import time
+
+        bucket, k = self._bk(prefix.strip("/"))
+        kw: dict[str, Any] = {"Bucket": bucket, "Prefix": k + "/" if k else ""}
+        if delimiter:
+            kw["Delimiter"] = delimiter
+        seconds = LIST_SECONDS_PER_OBJECT_TIMEOUT * OBJECT_TIMEOUT
+        deadline = time.monotonic() + seconds
+        n = 0
+        while True:
+            try:
+                r = self.fs.call_s3("list_objects_v2", **kw)
+            except FileNotFoundError:
+                return
+            n += len(r.get("Contents", ())) + len(r.get("CommonPrefixes", ()))
+            if n > LIST_MAX:
+                raise ListingTooLong(f"the listing holds more than {LIST_MAX} objects (a server that never ends its "
+                                     "listing?)")
+            yield r
+            if first_page or not r.get("IsTruncated"):
+                return
+            if not r.get("NextContinuationToken"):
+                raise ListingTooLong("a truncated listing page without a continuation token")
+            kw["ContinuationToken"] = r["NextContinuationToken"]
+            if time.monotonic() > deadline:
+                raise CallTimeout(f"the listing did not end within {seconds:g} s ({LIST_SECONDS_PER_OBJECT_TIMEOUT} x "
+                                  "UNICKPT_OBJECT_TIMEOUT_S)")
 
     def _check_bucket(self, key: str, listing: list) -> list:
         """``listing``; if empty, a missing bucket is an error, not an empty root."""
@@ -432,19 +490,39 @@ class _ObstoreClient(_Client):
         return Meta(key, int(m["size"]), m.get("e_tag"), _ts(m.get("last_modified")))
 
     def list(self, prefix):
-        p = prefix.strip("/")
-        out = []
-        for batch in self.obs.list(self.store, prefix=(p + "/") if p else None):
-            for m in batch:
-                out.append(Meta(m["path"], int(m["size"]), m.get("e_tag"), _ts(m.get("last_modified"))))
-        return out
+        return [Meta(m["path"], int(m["size"]), m.get("e_tag"), _ts(m.get("last_modified"))) for m in self._pages(prefix)]
 
     def children(self, prefix):
+        # from the bounded page stream, not list_with_delimiter: that one gathers every page in
+        # Rust, so a server that never ends its listing grows the process until it aborts
         p = prefix.strip("/")
-        r = self.obs.list_with_delimiter(self.store, prefix=(p + "/") if p else None)
-        names = {c.rstrip("/").rsplit("/", 1)[-1] for c in r["common_prefixes"]}
-        names |= {m["path"].rsplit("/", 1)[-1] for m in r["objects"]}
-        return sorted(names)
+        cut = len(p) + 1 if p else 0
+        return sorted({m["path"][cut:].split("/", 1)[0] for m in self._pages(prefix) if len(m["path"]) > cut})
+
+    def nonempty(self, prefix):
+        return any(True for _ in self._pages(prefix, first_page=True))
+
+    def _pages(self, prefix, first_page: bool = False):
+        """Every object under ``prefix``, page by page, within :data:`LIST_MAX` objects and
+        :data:`LIST_SECONDS_PER_OBJECT_TIMEOUT` x ``OBJECT_TIMEOUT`` s (each request is bounded
+        by the client's own timeout)."""
+        import time
+
+        p = prefix.strip("/")
+        seconds = LIST_SECONDS_PER_OBJECT_TIMEOUT * OBJECT_TIMEOUT
+        deadline = time.monotonic() + seconds
+        n = 0
+        for batch in self.obs.list(self.store, prefix=(p + "/") if p else None):
+            n += len(batch)
+            if n > LIST_MAX:
+                raise ListingTooLong(f"the listing holds more than {LIST_MAX} objects (a server that never ends its "
+                                     "listing?)")
+            if time.monotonic() > deadline:
+                raise CallTimeout(f"the listing did not end within {seconds:g} s ({LIST_SECONDS_PER_OBJECT_TIMEOUT} x "
+                                  "UNICKPT_OBJECT_TIMEOUT_S)")
+            yield from batch
+            if first_page:
+                return
 
     def get_ranges(self, key, starts, ends):
         return self.obs.get_ranges(self.store, key, starts=list(starts), ends=list(ends))
@@ -575,7 +653,7 @@ class ObjectStorage:
     def isdir(self, path: str) -> bool:
         """A prefix holding at least one object."""
         with _typed(path, "listing"):
-            return bool(self.client.children(self._k(path)))
+            return self.client.nonempty(self._k(path))
 
     def isfile(self, path: str) -> bool:
         with _typed(path, "head"):

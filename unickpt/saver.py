@@ -170,6 +170,9 @@ class SaveOptions:
             put("timeout_s", resolve_timeout(self.timeout_s))
         put("replicas", _whole("replicas", self.replicas, 0))
         put("lossy_generations", _whole("lossy_generations", self.lossy_generations, 0))
+        if self.lossy_generations >= MAX_GENERATIONS:
+            raise InvalidArgumentError(f"lossy_generations must be below {MAX_GENERATIONS} (a save adds one, and "
+                                       f"manifests hold counts below 2^31), got {self.lossy_generations}")
         if self.compression is not None:  # the error budget: "refuse" raises here, before anything is written
             self.compression.quant_for(self.lossy_generations)
         if self.storage_options is not None:
@@ -210,6 +213,9 @@ class SaveOptions:
             raise InvalidArgumentError(f"unknown save options {sorted(unknown)}")
         return cls(**d)
 
+
+MAX_GENERATIONS = (1 << 31) - 1
+"""Bound of ``SaveOptions.lossy_generations``: the count after a lossy save stays below 2^31."""
 
 def _whole(name: str, v: Any, lo: int) -> int:
     if not isinstance(v, bool):
