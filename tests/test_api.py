@@ -340,3 +340,83 @@ def test_the_manager_checks_its_arguments(tmp_path):
                      (dict(eps=0.0), "eps")):
         with pytest.raises((InvalidArgumentError, ValueError), match=what):
             unickpt.UnifiedCheckpoint(str(tmp_path / "ck"), **kw)
+
+
+# -- what DCP and torchtitan users do ------------------------------------------------------------
+
+
+def test_torchtitans_unpadded_step_names_are_steps_and_one_step_has_one_checkpoint(tmp_path):
+    m = _model()
+    unickpt.save({"model": m}, tmp_path / "step-7")  # torchtitan's spelling records step 7
+    unickpt.save({"model": m}, tmp_path / "step-12")
+    assert unickpt.latest(tmp_path).endswith("step-12")
+    assert unickpt.read_manifest(tmp_path / "step-7")[1].step == 7
+    with pytest.raises(unickpt.errors.CheckpointExistsError, match="already committed as step-12"):
+        unickpt.save({"model": m}, tmp_path / "step-00000012")
+    assert not (tmp_path / "step-00000012").exists()
+    import shutil  # planted by hand: which one is step 12 is not guessed
+
+    shutil.copytree(tmp_path / "step-12", tmp_path / "step-00000012")
+    with pytest.raises(unickpt.errors.FormatError, match="two committed checkpoints name step 12"):
+        unickpt.latest(tmp_path)
+
+
+def test_empty_containers_of_a_target_are_not_missing_after_a_dcp_save(tmp_path):
+    """LambdaLR's ``lr_lambdas`` is ``[{}]`` (torchtitan's schedulers): DCP's flattening keeps
+    no trace of empty containers, so the checkpoint cannot hold them; they are not missing."""
+    import torch.distributed.checkpoint as dcp
+
+    import unickpt.dcp
+
+    m = _model()
+    sd = {"model": m.state_dict(), "sched": {"lr_lambdas": [{}], "last_epoch": 3, "empty": {}}, "blob": b"\x80\x04x"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP: "assuming the intent is to save in a single process"
+        dcp.save(sd, storage_writer=unickpt.dcp.StorageWriter(tmp_path / "step-5"))
+    t = {"model": _model(1).state_dict(), "sched": {"lr_lambdas": [{}], "last_epoch": 0, "empty": {}}, "blob": b""}
+    res = unickpt.load(t, tmp_path)
+    assert res.missing == [] and t["sched"]["last_epoch"] == 3 and t["blob"] == b"\x80\x04x"
+    t["sched"]["gone"] = [{"x": 1}]  # a value the checkpoint lacks is still missing
+    with pytest.raises(TensorMissingError, match="sched.gone"):
+        unickpt.load(t, tmp_path)
+
+
+def test_the_dcp_reader_reports_the_checkpoint_and_its_lossy_generations(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    import unickpt.dcp
+
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters())
+    _train(m, opt)
+    opts = unickpt.SaveOptions(compression=unickpt.Compression(quant="O1"), lossy_generations=2)
+    unickpt.save({"model": m, "optim": opt}, tmp_path / "step-00000003", options=opts)
+    r = unickpt.dcp.StorageReader(tmp_path)
+    with pytest.raises(InvalidArgumentError, match="nothing read yet"):
+        r.lossy_generations
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": m.state_dict()}, storage_reader=r)
+    assert r.lossy_generations == 3 and r.checkpoint.endswith("step-00000003")
+
+
+def test_the_dcp_writer_pickles_without_its_group_and_names_bytes_in_its_refusal(tmp_path):
+    """Process-mode dcp.async_save pickles the writer into DCP's checkpoint process."""
+    import io
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import unickpt.dcp
+
+    w = unickpt.dcp.StorageWriter(tmp_path / "a", options=unickpt.SaveOptions(step=1), process_group=object())
+    w._comm = object()
+    back = pickle.loads(pickle.dumps(w))
+    assert back.process_group is None and back._comm is None and back.opts.step == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        with pytest.raises(CheckpointException) as ei:  # (a BaseException) failures[rank]: the typed error
+            dcp.save({"buf": io.BytesIO(b"x")}, storage_writer=unickpt.dcp.StorageWriter(tmp_path / "b"))
+    err = ei.value.failures[0][0]  # (exception, traceback) per rank
+    assert isinstance(err, unickpt.errors.StateDictError) and "holds a BytesIO" in str(err), err
+    assert "bytes (e.g. pickle.dumps of your own object" in str(err) and "getvalue()" in str(err), err

@@ -407,14 +407,14 @@ def test_a_damaged_newest_step_fails_its_load_naming_the_older_ones(tmp_path):
 def test_a_step_directory_must_hold_its_step_or_it_is_neither_loaded_nor_kept_as_the_newest(tmp_path):
     """A copy of an older step under a newer step's name once passed for the newest: load(root)
     took it and retention deleted the real newest behind it. Names other than step_dirname's
-    (step-13, other digits) are no step; a step-* name whose manifest says another step is
-    refused by load(root) and stops retention."""
+    and torchtitan's unpadded one (step-013, other digits) are no step; a step-* name whose
+    manifest says another step is refused by load(root) and stops retention."""
     import shutil
 
     root = tmp_path / "root"
     for step in (2, 4):
         unickpt.save({"model": {"w": torch.full((4,), float(step))}}, root / f"step-{step:08d}", step=step)
-    shutil.copytree(root / "step-00000002", root / "step-13")
+    shutil.copytree(root / "step-00000002", root / "step-013")
     shutil.copytree(root / "step-00000002", root / "step-\u0661\u0663")  # Arabic-Indic digits
     assert unickpt.latest(root).endswith("step-00000004")
     t = {"model": {"w": torch.zeros(4)}}
@@ -424,6 +424,10 @@ def test_a_step_directory_must_hold_its_step_or_it_is_neither_loaded_nor_kept_as
         unickpt.load(t, root)
     assert unickpt.retain(root, 1) == []  # nothing deleted behind it
     assert (root / "step-00000004").is_dir() and (root / "step-00000002").is_dir()
+    shutil.rmtree(root / "step-00000013")
+    shutil.copytree(root / "step-00000002", root / "step-13")  # torchtitan's spelling of step 13: checked alike
+    with pytest.raises(FormatError, match="named step 13, but its manifest says step 2"):
+        unickpt.load(t, root)
 
 
 def test_export_never_replaces_a_checkpoint_or_its_root(ck, tmp_path):

@@ -27,7 +27,7 @@ from .storage import Storage
 __all__ = ["step_dirname", "step_of_name", "is_committed", "committed_under", "committed_steps", "check_step_name",
            "check_destination", "resolve", "read_manifest_bytes", "open_checkpoint", "newest"]
 
-_STEP = re.compile(r"^step-([0-9]{8,})$")  # as step_dirname writes it (ASCII digits; checked below)
+_STEP = re.compile(r"^step-([0-9]+)$")  # ASCII digits; the two spellings of a step checked below
 
 
 def step_dirname(step: int) -> str:
@@ -35,10 +35,14 @@ def step_dirname(step: int) -> str:
 
 
 def step_of_name(name: str) -> int | None:
-    """The step a checkpoint directory's name gives (``step-00000012``: 12), or None
-    (``step-013`` or ``step-0000000013`` is no step's name)."""
+    """The step a checkpoint directory's name gives: unickpt's ``step-00000012`` or
+    torchtitan's ``step-12`` (both 12); None for any other spelling (``step-013``,
+    ``step-0000000013``), so that a step has at most two names."""
     m = _STEP.match(name)
-    return int(m.group(1)) if m and name == step_dirname(int(m.group(1))) else None
+    if m is None or len(m.group(1)) > 20:
+        return None
+    n = int(m.group(1))
+    return n if name in (step_dirname(n), f"step-{n}") else None
 
 
 def is_committed(storage: Storage, path: str) -> bool:
@@ -74,14 +78,17 @@ def committed_steps(storage: Storage, root: str) -> list[tuple[int, str]]:
     """``(step, path)`` of committed ``step-*`` checkpoints under ``root``, oldest first
     (links are not followed: a checkpoint is a real directory under its root). Names only:
     :func:`open_checkpoint` checks that one holds the step its name says."""
-    out = []
+    out: dict[int, str] = {}
     for name in storage.listdir(root):
         step = step_of_name(name)
         if step is not None:
             p = storage.join(root, name)
             if is_committed(storage, p):
-                out.append((step, p))
-    return sorted(out)
+                if step in out:  # step-12 and step-00000012: which one is step 12 is not for us to guess
+                    raise FormatError(f"{root}: two committed checkpoints name step {step}: "
+                                      f"{os.path.basename(out[step].rstrip('/'))} and {name}; remove or rename one")
+                out[step] = p
+    return sorted(out.items())
 
 
 def check_step_name(path: str, saved: int | None) -> None:

@@ -160,6 +160,21 @@ class StorageReader(_dcp_storage.StorageReader):
         self._rank = 0
         self._comm: Comm | None = None
 
+    @property
+    def checkpoint(self) -> str | None:
+        """The checkpoint read (a root resolves to its newest committed step), once
+        ``dcp.load`` has read its metadata; else None."""
+        return None if self._ckpt is None else str(self._ckpt)
+
+    @property
+    def lossy_generations(self) -> int:
+        """Lossy save/resume cycles the values read have been through (docs/compression.md,
+        the error budget): pass them to the next save of this state,
+        ``StorageWriter(path, options=unickpt.SaveOptions(lossy_generations=...))``."""
+        if self._man is None:
+            raise InvalidArgumentError("unickpt.dcp.StorageReader: nothing read yet (call dcp.load with it first)")
+        return self._man.lossy_generations
+
     # DCP's interface, in its call order
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -378,8 +393,16 @@ class StorageWriter(_dcp_storage.StorageWriter):
     whole tensors, written once, checksummed and committed atomically inside ``write_data``.
     The result loads with :func:`unickpt.load`, :class:`StorageReader`, ``safetensors`` and
     the CLI. Non-tensor values must be JSON values (None, bool, int, float, str, lists and
-    dicts of them): they go into the manifest's state; anything else raises
-    :class:`~unickpt.errors.StateDictError` naming the key (nothing is pickled).
+    dicts of them) or ``bytes`` (stored verbatim, at most 4 MiB each: a data loader's pickled
+    state comes back as the same bytes, for its owner to unpickle): they go into the
+    manifest's state; anything else raises :class:`~unickpt.errors.StateDictError` naming the
+    key (nothing is pickled).
+
+    With ``dcp.async_save`` (thread mode) on several ranks, the save runs on DCP's background
+    thread: give it a group of its own (``pg = dist.new_group(backend="gloo")``), as
+    ``process_group=pg`` to both ``dcp.async_save`` and this writer, or the thread's collectives
+    would interleave with the training loop's on the default group (without one, a warning
+    says so).
 
     Args:
         path: the checkpoint directory (URLs and ``{node}`` paths as for :func:`unickpt.save`);
@@ -418,6 +441,16 @@ class StorageWriter(_dcp_storage.StorageWriter):
                                                           **dict(options.strategy or {})})
         self.last_result: SaveResult | None = None
         self._comm: Comm | None = None
+        self._warned_thread = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Process-mode ``dcp.async_save`` pickles the writer into its checkpointing process:
+        a process group does not travel (that process has its own), nor do open handles."""
+        state = dict(self.__dict__)
+        state["_comm"] = None
+        if state.get("process_group") not in (None, "local", "world"):
+            state["process_group"] = None
+        return state
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
@@ -425,6 +458,7 @@ class StorageWriter(_dcp_storage.StorageWriter):
         self._comm = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._check_thread()
         self._comm = Comm(self.process_group, timeout_s=self.opts.timeout_s)
         rank = kwargs.get("rank")
         if type(rank) is int and rank != self._comm.rank:
@@ -445,6 +479,7 @@ class StorageWriter(_dcp_storage.StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         """Collective (every rank of ``dcp.save`` is here): this rank's chunks and JSON values
         go through unickpt's save pipeline, committed before this returns."""
+        self._check_thread()
         comm = self._comm if self._comm is not None else Comm(self.process_group, timeout_s=self.opts.timeout_s)
         err: BaseException | None = None
         entries: list[Entry] = []
@@ -469,6 +504,27 @@ class StorageWriter(_dcp_storage.StorageWriter):
         self.last_result = save_entries(comm, (entries, json_state), None, self.path, self.opts)
         return _done(results)
 
+    def _check_thread(self) -> None:
+        """Off the main thread (``dcp.async_save``'s thread mode) on several ranks, the default
+        group carries this save's collectives: any collective the loop runs meanwhile on that
+        group interleaves with them (gloo aborts a process on a mismatch). Said once per
+        writer, as a warning (a loop that waits for the save before its next collective is
+        safe, as with DCP's own writer)."""
+        import threading
+
+        import torch.distributed as dist
+
+        if (self.process_group is None and not self._warned_thread
+                and threading.current_thread() is not threading.main_thread()
+                and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            self._warned_thread = True
+            warnings.warn(
+                "unickpt.dcp.StorageWriter runs on a background thread (dcp.async_save) over the default process "
+                "group: a collective the training loop runs on that group before the save ends interleaves with the "
+                "save's (gloo then aborts a process). Give the save a group of its own: pg = "
+                "torch.distributed.new_group(backend='gloo'), passed as process_group=pg to both dcp.async_save and "
+                "StorageWriter", UserWarning, stacklevel=2)
+
     def _collect(self, plan: SavePlan, planner: SavePlanner) -> tuple[list[Entry], list[list], list[WriteResult]]:
         mappings = getattr(planner, "mappings", None) or {}
         entries: list[Entry] = []
@@ -482,8 +538,9 @@ class StorageWriter(_dcp_storage.StorageWriter):
                 obj = planner.lookup_object(item.index)
                 if not is_state_value(obj):
                     raise StateDictError(
-                        f"{fqn!r} holds a {type(obj).__name__}, which unickpt cannot store: use tensors or JSON values "
-                        "(None, bool, int, float, str, lists and dicts of them); nothing is pickled")
+                        f"{fqn!r} holds a {type(obj).__name__}, which unickpt cannot store: use tensors, bytes (e.g. "
+                        "pickle.dumps of your own object, stored verbatim; a BytesIO's getvalue()) or JSON values "
+                        "(None, bool, int, float, str, lists and dicts of them); nothing is pickled by unickpt")
                 v = to_json(obj, fqn)  # tuples -> lists, infinities encoded, as in the manifest
                 values.append([list(path), v])
                 results.append(WriteResult(index=item.index, size_in_bytes=len(json.dumps(v)),

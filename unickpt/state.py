@@ -527,7 +527,7 @@ def json_missing(target: Any, saved: Any, where: str = "") -> list[str]:
             if _contains_tensor(v) and not isinstance(v, (Mapping, list, tuple)):
                 continue
             if not isinstance(saved, Mapping) or str(k) not in saved:
-                if not _contains_tensor(v) and not (isinstance(v, (Mapping, list, tuple)) and not v):
+                if not _contains_tensor(v) and _has_json_leaf(v):
                     out.append(path)
                 elif isinstance(v, (Mapping, list, tuple)):
                     out += json_missing(v, _ABSENT, path)
@@ -540,11 +540,21 @@ def json_missing(target: Any, saved: Any, where: str = "") -> list[str]:
         for i, v in enumerate(target):
             path = f"{where}.{i}" if where else str(i)
             if i >= len(saved):
-                if not _contains_tensor(v):
+                if not _contains_tensor(v) and _has_json_leaf(v):
                     out.append(path)
                 continue
             out += json_missing(v, saved[i], path)
     return out
+
+
+def _has_json_leaf(v: Any) -> bool:
+    """``v`` holds a value, not only empty containers (``[{}]``: a scheduler's ``lr_lambdas``;
+    DCP's flattening, and so a checkpoint written through it, keeps no trace of them)."""
+    if isinstance(v, Mapping):
+        return any(_has_json_leaf(x) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return any(_has_json_leaf(x) for x in v)
+    return True
 
 
 def _is_leaf_list(v: Any) -> bool:
