@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test bench gpu-check clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,6 +29,14 @@ test: $(STAMP)
 # `make bench`: every bench, ~2 GB state (bench/run_all.py); `make bench QUICK=1`: 0.25 GB, a few minutes
 bench: $(STAMP)
 	$(BIN)/python bench/run_all.py $(if $(QUICK),--quick)
+
+# On a machine with a GPU (the device tool lends one to some tasks): the CUDA tests, then the
+# GPU bench (async save of device state, staging behind compute, loads into GPU tensors), one
+# command sized to fit a 10-minute device call; results in bench/results/
+gpu-check: $(STAMP)
+	$(BIN)/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu-check: no CUDA device')"
+	$(BIN)/python -m pytest -q -x -p no:cacheprovider tests/test_cuda.py
+	$(BIN)/python bench/cuda_async.py --gb $(or $(GB),1) --repeats 3
 
 clean:
 	rm -rf $(VENV) runs bench/out
