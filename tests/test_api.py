@@ -420,3 +420,4 @@ def test_the_dcp_writer_pickles_without_its_group_and_names_bytes_in_its_refusal
     err = ei.value.failures[0][0]  # (exception, traceback) per rank
     assert isinstance(err, unickpt.errors.StateDictError) and "holds a BytesIO" in str(err), err
     assert "bytes (e.g. pickle.dumps of your own object" in str(err) and "getvalue()" in str(err), err
+
