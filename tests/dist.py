@@ -165,3 +165,25 @@ def run(fn: Callable, world: int, *args: Any, timeout: float = 180, env: dict | 
     if errors:
         raise AssertionError("\n".join(errors))
     return [results.get(r) for r in range(world)]
+
+
+def kill_tree(procs) -> None:
+    """SIGKILL every process of a job at once (``subprocess.Popen``s and all their
+    descendants: launchers, ranks, asynchronous writers), then reap the Popens."""
+    import signal
+
+    import psutil
+
+    victims = []
+    for p in procs:
+        try:
+            victims += [p.pid] + [c.pid for c in psutil.Process(p.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            pass
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for p in procs:
+        p.wait()

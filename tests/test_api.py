@@ -5,7 +5,6 @@ the deprecated forms still working with a warning that names the replacement, an
 
 import dataclasses
 import inspect
-import json
 import os
 import pickle
 import subprocess

@@ -5,12 +5,10 @@ closing, and resumed again on 1 rank (the same losses up to the reduction order)
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 
 from tests import dist
@@ -57,19 +55,6 @@ def _losses(lines):
     return {x["step"]: x["loss"] for x in lines if "loss" in x}
 
 
-def _kill_tree(p):
-    victims = [p.pid]
-    try:
-        victims += [c.pid for c in psutil.Process(p.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        pass
-    for pid in victims:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    p.wait()
-
 
 def test_own_loop_survives_kill_9_and_resumes_on_2_and_1_ranks(tmp_path, shm):
     tmp = str(tmp_path)
@@ -86,7 +71,7 @@ def test_own_loop_survives_kill_9_and_resumes_on_2_and_1_ranks(tmp_path, shm):
             break
         assert p.poll() is None and time.monotonic() < deadline, text[-3000:]
         time.sleep(0.05)
-    _kill_tree(p)
+    dist.kill_tree([p])
     killed_at = max(_losses(lines))
 
     lines, _ = _finish(_start(tmp, "b", 2, ck, mem, "--stop-at", "8"), tmp, "b")

@@ -13,12 +13,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 
 from tests import dist
@@ -60,23 +58,6 @@ def _wait(procs, timeout=240) -> None:
         assert p.returncode == 0, f"agent exited with {p.returncode}"
 
 
-def _kill_tree(procs) -> None:
-    """SIGKILL every process of the job at once: agents, workers, async writers."""
-    victims = []
-    for p in procs:
-        try:
-            victims += [p.pid] + [c.pid for c in psutil.Process(p.pid).children(recursive=True)]
-        except psutil.NoSuchProcess:
-            pass
-    for pid in victims:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    for p in procs:
-        p.wait()
-
-
 def _events(metrics: str) -> list[dict]:
     if not os.path.exists(metrics):
         return []
@@ -109,7 +90,7 @@ def test_whole_job_killed_resumes_from_memory_then_from_a_replica_on_one_node(tm
     while not any(e.get("event") == "save" and e.get("tier") == "memory" and e["step"] >= 7 for e in _events(metrics)):
         assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the job ended before step 7"
         time.sleep(0.02)
-    _kill_tree(procs)
+    dist.kill_tree(procs)
     durable = _committed(os.path.join(tmp, "durable"))
     mem = {i: _committed(os.path.join(shm, f"agent{i}", f"node{i}")) for i in (0, 1)}
     newest = max(set(mem[0]) & set(mem[1]))

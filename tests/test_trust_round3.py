@@ -9,7 +9,6 @@ import os
 import socket
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ import torch
 import unickpt
 from tests.dist import apply_env
 from tests.s3server import LoopbackServer, offline_env
+from tests.test_trust_round2 import _TRICKLE_CALL
 from unickpt.errors import InvalidArgumentError
 
 HANG_GUARD_S = 300  # a hang guard only: the calls below fail within seconds
@@ -105,15 +105,8 @@ class _EndlessLister(LoopbackServer):
             c.close()
 
 
-_LIST_CALL = textwrap.dedent("""
-    import json, sys, unickpt, unickpt.objstore as o
-    o.LIST_MAX = 20_000
-    try:
-        unickpt.latest("s3://bucket/run", storage_options={"client": sys.argv[1]})
-        print(json.dumps({"type": None}))
-    except Exception as e:
-        print(json.dumps({"type": type(e).__name__, "message": str(e)}))
-""")
+# the trickling server's call (tests/test_trust_round2.py), with a smaller object bound
+_LIST_CALL = "import unickpt.objstore as o\no.LIST_MAX = 20_000\n" + _TRICKLE_CALL
 
 
 @pytest.mark.parametrize("client", ["obstore", "s3fs"])

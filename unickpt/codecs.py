@@ -417,22 +417,26 @@ def _w_groups(v: torch.Tensor, a: int, b: int, group: int, eps: float, buf: torc
     return g.sqrt_().add_(eps), g0
 
 
+def _v_outputs(v: torch.Tensor, bits: int, group: int, eps: float, what: str, of: str):
+    """The second-moment encoders' inputs and outputs: ``v`` flat fp32 (``eps`` > 0 checked),
+    levels, length, per-group lo/hi, codes and a group-aligned scratch buffer."""
+    v = v.reshape(-1).float()
+    if not eps > 0:
+        raise CodecError(f"{what}: eps must be > 0 to quantize {of}, got {eps}")
+    n = v.numel()
+    n_groups = -(-n // group)
+    codes = torch.empty(n, dtype=torch.uint8) if bits == 8 else torch.empty(-(-n // 2), dtype=torch.uint8)
+    return (v, (1 << bits) - 1, n, torch.empty(n_groups, dtype=torch.float32), torch.empty(n_groups, dtype=torch.float32),
+            codes, torch.empty(max(group, (CHUNK // group) * group) + group))
+
+
 def encode_w(v: torch.Tensor, bits: int, group: int, eps: float, what: str = "exp_avg_sq", base: int = 0,
              seed: int | None = None, stats: list | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Whole groups of ``v`` -> (codes uint8 (packed for 4 bits), per-group min ``w``,
     per-group max ``w``) of ``w = sqrt(v) + eps`` on the geometric grid of the module doc.
     ``seed``: stochastic rounding with ``E[1/w'] = 1/w`` (the update Adam makes is unbiased);
     else to the nearest level in log space."""
-    v = v.reshape(-1).float()
-    if not eps > 0:
-        raise CodecError(f"{what}: eps must be > 0 to quantize sqrt(v) + eps, got {eps}")
-    levels = (1 << bits) - 1
-    n = v.numel()
-    n_groups = -(-n // group)
-    lo_all = torch.empty(n_groups, dtype=torch.float32)
-    hi_all = torch.empty(n_groups, dtype=torch.float32)
-    codes = torch.empty(n, dtype=torch.uint8) if bits == 8 else torch.empty(-(-n // 2), dtype=torch.uint8)
-    buf = torch.empty(max(group, (CHUNK // group) * group) + group)
+    v, levels, n, lo_all, hi_all, codes, buf = _v_outputs(v, bits, group, eps, what, "sqrt(v) + eps")
     low = torch.empty_like(buf) if seed is not None else None  # the lower level of each value
     for a, b in _aligned_chunks(0, n, group):
         k = b - a
@@ -489,16 +493,7 @@ def decode_w(codes, lo, hi, bits: int, group: int, eps: float, start: int, count
 def encode_v(v: torch.Tensor, bits: int, group: int, eps: float, what: str = "exp_avg_sq", base: int = 0):
     """Whole groups of ``v`` -> (codes uint8 (packed for 4 bits), per-group min, per-group max) of r
     (``what``, ``base``: as :func:`encode_m`'s)."""
-    v = v.reshape(-1).float()
-    if not eps > 0:
-        raise CodecError(f"{what}: eps must be > 0 to quantize 1/(sqrt(v)+eps), got {eps}")
-    levels = (1 << bits) - 1
-    n = v.numel()
-    n_groups = -(-n // group)
-    lo_all = torch.empty(n_groups, dtype=torch.float32)
-    hi_all = torch.empty(n_groups, dtype=torch.float32)
-    codes = torch.empty(n, dtype=torch.uint8) if bits == 8 else torch.empty(-(-n // 2), dtype=torch.uint8)
-    buf = torch.empty(max(group, (CHUNK // group) * group) + group)
+    v, levels, n, lo_all, hi_all, codes, buf = _v_outputs(v, bits, group, eps, what, "1/(sqrt(v)+eps)")
     for a, b in _aligned_chunks(0, n, group):
         k = b - a
         g, _, g0 = _per_group(v[a:b], a, group, buf)
