@@ -420,3 +420,77 @@ def test_the_dcp_writer_pickles_without_its_group_and_names_bytes_in_its_refusal
     assert isinstance(err, unickpt.errors.StateDictError) and "holds a BytesIO" in str(err), err
     assert "bytes (e.g. pickle.dumps of your own object" in str(err) and "getvalue()" in str(err), err
 
+
+
+def test_resume_raises_when_the_state_does_not_fit_instead_of_falling_back_to_an_older_step(tmp_path):
+    """A state that does not fit the newest checkpoint (here: fp32 against a bf16 save) would
+    not fit an older one either; resuming from one anyway let the next save replace the newer,
+    sound checkpoint. Only damage makes way for an older step."""
+    from unickpt.errors import DtypeMismatchError
+
+    m = _model().to(torch.bfloat16)
+    ck = unickpt.UnifiedCheckpoint(tmp_path, every=2)
+    for s in (2, 4):
+        ck.step(s, {"model": m})
+    ck.close()
+    before = unickpt.read_manifest(tmp_path / "step-00000004")[1].created
+    again = unickpt.UnifiedCheckpoint(tmp_path, every=2)
+    with pytest.raises(DtypeMismatchError):
+        again.resume({"model": _model()})  # fp32
+    again.close(final_save=False)
+    assert unickpt.read_manifest(tmp_path / "step-00000004")[1].created == before
+    # damage does make way: the newest step's data flipped, the older one is resumed
+    f = next((tmp_path / "step-00000004").glob("model-*.safetensors"))
+    raw = bytearray(f.read_bytes())
+    raw[-1] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    third = unickpt.UnifiedCheckpoint(tmp_path, every=2)
+    assert third.resume({"model": _model().to(torch.bfloat16)}) == 2
+    third.close(final_save=False)
+
+
+@pytest.mark.parametrize("call", [
+    lambda p: unickpt.UnifiedCheckpoint(""),
+    lambda p: unickpt.UnifiedCheckpoint(None),
+    lambda p: unickpt.UnifiedCheckpoint(p, storage_options="x"),
+    lambda p: unickpt.UnifiedCheckpoint(p, timeout_s=-1),
+    lambda p: unickpt.UnifiedCheckpoint(p, timeout_s=float("nan")),
+    lambda p: unickpt.UnifiedCheckpoint(p, on_event=5),
+    lambda p: unickpt.UnifiedCheckpoint(p, memory_dir=123),
+    lambda p: unickpt.UnifiedCheckpoint(p / "shm" / "ckpt", memory_dir=p / "shm"),
+    lambda p: unickpt.load({}, p, options=unickpt.SaveOptions()),
+    lambda p: unickpt.load({}, p, progress=5),
+    lambda p: unickpt.load({}, None),
+    lambda p: unickpt.latest(5),
+    lambda p: unickpt.LoadOptions(storage_options="x"),
+    lambda p: unickpt.partition_flat([(4,)], 0, 0),
+    lambda p: unickpt.partition_flat([(4,)], 2, 3),
+    lambda p: unickpt.partition_flat("abc", 2, 0),
+    lambda p: unickpt.load_for_inference(p, dtype=torch.int8),
+    lambda p: unickpt.load_for_inference(p, dtype="bf16"),
+    lambda p: unickpt.load_for_inference(p, keys="weight"),
+    lambda p: unickpt.load_for_inference(p, tp_dim=5),
+    lambda p: unickpt.load_for_inference(p, device="tpu"),
+    lambda p: unickpt.save_async({"w": torch.ones(2)}, p / "a", also=str(p / "b")),
+    lambda p: unickpt.SaveOptions(step=-1),
+    lambda p: unickpt.dcp.StorageReader(p, timeout_s=-1),
+], ids=lambda f: "")
+def test_bad_arguments_get_typed_errors_when_given(tmp_path, call):
+    """Every public argument is checked where it is given (not at first use), with a
+    unickpt error naming it (a new user's attack on docs/api.md's surface)."""
+    import unickpt.dcp  # noqa: F401
+
+    with pytest.raises(unickpt.errors.UnickptError):
+        call(tmp_path)
+
+
+def test_steps_only_go_forward_and_a_closed_manager_is_done(tmp_path):
+    ck = unickpt.UnifiedCheckpoint(tmp_path, every=1)
+    m = _model()
+    ck.step(5, {"model": m})
+    with pytest.raises(InvalidArgumentError, match="steps only go forward"):
+        ck.step(3, {"model": m})
+    ck.close()
+    with pytest.raises(InvalidArgumentError, match="closed"):
+        ck.step(6, {"model": m})
+    assert unickpt.latest(tmp_path).endswith("step-00000005")

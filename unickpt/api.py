@@ -140,6 +140,8 @@ def _save(state_dict, path, step, group, options, progress, *, async_save: bool,
         if extra_files is not opts.extra_files:
             opts = replace(opts, extra_files=extra_files)
         state_dict = for_save(state_dict)
+        if isinstance(also, (str, bytes, os.PathLike)):
+            raise InvalidArgumentError(f"also must be a list of paths, got one path {also!r}: pass [path]")
         also = tuple(also)
         for p in (path, *also):
             check_destination(p, opts.step)

@@ -68,7 +68,7 @@ import torch
 from . import shm
 from ._metrics import log
 from ._writer_main import BOOT
-from .errors import AsyncSaveError, DistributedError, UnickptError, async_error
+from .errors import AsyncSaveError, DistributedError, InvalidArgumentError, UnickptError, async_error
 from .format import dtype_name, torch_dtype
 from .layout import Layout
 from .manifest import MANIFEST_NAME
@@ -299,6 +299,9 @@ class AsyncSave:
         Raises :class:`AsyncSaveError` if it failed on any rank or a writer died, or if it is
         not over after ``timeout`` seconds (a background copy included).
         """
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout >= 0):
+            raise InvalidArgumentError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
         self.wait_staged(timeout)
         if not self._finished:

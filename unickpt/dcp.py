@@ -148,6 +148,12 @@ class StorageReader(_dcp_storage.StorageReader):
         self.storage_options = storage_options
         self.verify = verify
         self.process_group = process_group
+        if timeout_s is not None:
+            from .transport import resolve_timeout
+
+            resolve_timeout(timeout_s)  # (InvalidArgumentError: not a positive, finite number of seconds)
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise InvalidArgumentError(f"storage_options must be a dict or None, got {storage_options!r}")
         self.timeout_s = timeout_s
         self._clear()
 

@@ -60,6 +60,17 @@ def load_for_inference(
     """
     if (tp_rank is None) != (tp_size is None):
         raise InvalidArgumentError("give both tp_rank and tp_size, or neither")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise InvalidArgumentError(f"dtype must be a floating torch.dtype (torch.bfloat16...) or None, got {dtype!r}: "
+                                   "weights are not converted to integers")
+    if not callable(tp_dim):
+        raise InvalidArgumentError(f"tp_dim must be a callable (name, shape) -> dimension or None, got {tp_dim!r}")
+    if isinstance(keys, (str, bytes)):
+        raise InvalidArgumentError(f"keys must be a list of names or patterns, got one string {keys!r}: pass [{keys!r}]")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise InvalidArgumentError(f"device: {e}") from None
     if tp_size is not None and not (type(tp_size) is int and tp_size >= 1 and type(tp_rank) is int and 0 <= tp_rank < tp_size):
         raise InvalidArgumentError(f"need an integer tp_size >= 1 and 0 <= tp_rank < tp_size, got tp_rank={tp_rank!r}, tp_size={tp_size!r}")
     ckpt, man = read_manifest(path, storage_options=storage_options)

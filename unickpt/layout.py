@@ -298,6 +298,12 @@ def partition_flat(
     hint naming their unit, and a save describes this rank's pieces of the unit by one rule
     (O(1) per rank in the plan exchange instead of one row per piece).
     """
+    if type(world) is not int or type(rank) is not int or world < 1 or not 0 <= rank < world:
+        raise LayoutError(f"partition_flat: need an integer world >= 1 and 0 <= rank < world, got world={world!r}, "
+                          f"rank={rank!r}")
+    if isinstance(shapes, (str, bytes)) or not all(
+            isinstance(s, (list, tuple, torch.Size)) and all(type(d) is int and d >= 0 for d in s) for s in shapes):
+        raise LayoutError(f"partition_flat: shapes must be a list of shapes (tuples of ints >= 0), got {shapes!r}")
     if boxes is None:
         boxes = [((0,) * len(s), tuple(s), 0) for s in shapes]
     boxes = [(tuple(int(o) for o in b[0]), tuple(int(z) for z in b[1]), int(b[2])) for b in boxes]

@@ -151,6 +151,8 @@ class LoadOptions:
             raise InvalidArgumentError(f"bucket_bytes must be a positive integer, got {self.bucket_bytes!r}")
         if self.timeout_s is not None:
             resolve_timeout(self.timeout_s)
+        if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
+            raise InvalidArgumentError(f"storage_options must be a dict or None, got {self.storage_options!r}")
         if isinstance(self.avoid_local, str) or not all(isinstance(f, str) for f in self.avoid_local):
             raise InvalidArgumentError(f"avoid_local must be file names, got {self.avoid_local!r}")
         object.__setattr__(self, "avoid_local", tuple(self.avoid_local))
@@ -220,6 +222,10 @@ def load(
         raise InvalidArgumentError(f"unexpected must be 'ignore', 'warn' or 'error', got {unexpected!r}")
     if type(cast) is not bool:
         raise InvalidArgumentError(f"cast must be True or False, got {cast!r}")
+    if options is not None and not isinstance(options, LoadOptions):
+        raise InvalidArgumentError(f"options must be a unickpt.LoadOptions or None, got {type(options).__name__}")
+    if progress is not None and not callable(progress):
+        raise InvalidArgumentError(f"progress must be a callable (bytes_done, bytes_total) or None, got {progress!r}")
     o = options or LoadOptions()
     try:
         return _load(state_dict, path, group=group, verify=o.verify, missing=missing, unexpected=unexpected, cast=cast,
@@ -357,7 +363,8 @@ def _load(state_dict, path, *, group, verify, missing, unexpected, cast, progres
     bad = list(dict.fromkeys(bad))  # (a model weight read for itself and for its master: once)
     if bad and err is None:  # (one agreement for the reads and their checksums, unless verify="full")
         err = _changed(storage, ckpt, man) or ChecksumError(
-            "checksum mismatch: " + "; ".join(f"tensor {n!r} in {f}" for f, n in bad), bad)
+            f"{ckpt}: checksum mismatch: " + "; ".join(f"tensor {n!r} in {f}" for f, n in bad)
+            + ": the checkpoint is damaged; do not use it (an older step, or another copy)", bad)
     comm.agree(err, "load (reading)" if verify != "full" else "load (checksums)")
     for target, read, _ in casts:  # (cast=True: read in the stored dtype, converted into the target now)
         target.copy_(read)

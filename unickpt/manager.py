@@ -111,6 +111,8 @@ class UnifiedCheckpoint:
                 raise errors.InvalidArgumentError(f"{name} must be an integer >= {lo}, got {v!r}")
             return v
 
+        if not isinstance(dir, (str, os.PathLike)) or not os.fspath(dir) or not isinstance(os.fspath(dir), str):
+            raise errors.InvalidArgumentError(f"dir must be a non-empty path or URL, got {dir!r}")
         self.dir = os.fspath(dir)
         self.every, self.keep = whole("every", every, 0), whole("keep", keep, 0)
         for name, v in (("async_save", async_save), ("overlap", overlap), ("memory_skip_busy", memory_skip_busy)):
@@ -123,6 +125,9 @@ class UnifiedCheckpoint:
         self.eps = None if eps is None else float(eps)
         self.memory_dir: str | None = None
         if memory_dir is not None:
+            if not isinstance(memory_dir, (str, os.PathLike)) or not isinstance(os.fspath(memory_dir), str) \
+                    or not os.fspath(memory_dir):
+                raise errors.InvalidArgumentError(f"memory_dir must be a non-empty local path or None, got {memory_dir!r}")
             md = os.fspath(memory_dir)
             if "://" in md:
                 raise errors.InvalidArgumentError(f"memory_dir must be a local (tmpfs) path, got {md!r}")
@@ -134,7 +139,27 @@ class UnifiedCheckpoint:
         if memory_budget is not None:
             whole("memory_budget", memory_budget, 1)
         self.memory_budget = memory_budget
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise errors.InvalidArgumentError(f"storage_options must be a dict or None, got {storage_options!r}")
         self.storage_options = dict(storage_options) if storage_options is not None else None
+        if timeout_s is not None:
+            from .transport import resolve_timeout
+
+            resolve_timeout(timeout_s)  # (InvalidArgumentError: not a positive, finite number of seconds)
+        if on_event is not None and not callable(on_event):
+            raise errors.InvalidArgumentError(f"on_event must be a callable taking one dict, or None, got {on_event!r}")
+        if memory_dir is None:
+            given = [n for n, v, d in (("memory_every", memory_every, 1), ("memory_replicas", memory_replicas, None),
+                                       ("memory_keep", memory_keep, 2), ("memory_budget", memory_budget, None),
+                                       ("memory_skip_busy", memory_skip_busy, True)) if v != d]
+            if given:
+                log.warning("UnifiedCheckpoint: %s set without memory_dir: the memory tier is off, they do nothing",
+                            ", ".join(given))
+        if self.memory_dir is not None and not is_url(self.dir):
+            mem_root = os.path.realpath(self.memory_dir.split("{node}")[0])
+            if os.path.realpath(self.dir) == mem_root or os.path.realpath(self.dir).startswith(mem_root.rstrip("/") + "/"):
+                raise errors.InvalidArgumentError(f"dir {self.dir!r} lies inside memory_dir {memory_dir!r}: the durable "
+                                                  "tier must be another place than the memory snapshots")
         self.timeout_s, self.group, self.on_event = timeout_s, group, on_event
         self.extra: dict[str, Any] = {}
         """Added to every checkpoint's manifest ``extra`` (the trainer records its model config)."""
@@ -148,6 +173,7 @@ class UnifiedCheckpoint:
         """Lossy save/resume cycles the live state has been through (the error budget)."""
         self.resumed_step: int | None = None
         self._started = False
+        self._closed = False
         self._pending: Any = None  # the asynchronous save in flight (unickpt.AsyncSave)
         self._pending_tiers: list[str] = []
         self._pending_t0 = self._pending_block = 0.0
@@ -165,7 +191,13 @@ class UnifiedCheckpoint:
         ``state`` (in place, as :func:`unickpt.load`); return its step, or None when there is
         none (``state`` untouched). ``check(path, manifest)``, called before a candidate is
         read, may raise a :class:`~unickpt.errors.UnickptError` to refuse it (the next one is
-        tried) or return the state to load it into instead (a trimmed copy of ``state``)."""
+        tried) or return the state to load it into instead (a trimmed copy of ``state``).
+
+        Only a candidate that is damaged, incomplete or unreadable (checksums, format, missing
+        files, storage errors) or refused by ``check`` makes way for the next one. A state that
+        does not fit the newest checkpoint (another dtype without ``cast``, other shapes, keys
+        it lacks) raises: an older step would not fit either, and resuming from one would let
+        the next save replace the newer, sound checkpoint."""
         from . import memtier
 
         self._start(state)
@@ -186,11 +218,26 @@ class UnifiedCheckpoint:
                     step = self._load(state, cand.path, cand.tier, avoid, check)
                     self.resumed_step = step
                     self._last = (step, state)  # close() makes it durable if only memory holds it
+                    if cand.tier == "durable" and step == self.durable_step:
+                        self._retain_after_resume()
                     return step
                 except errors.UnickptError as e:
+                    # the state does not fit this checkpoint (on any rank: the others see a
+                    # DistributedError): an older one would not fit either, and falling back
+                    # would let a later save replace a sound checkpoint
+                    if self._any_rank(isinstance(e, _MISFITS)):
+                        raise
+                    if isinstance(e, _Refused):
+                        last = e.error
+                        if self._comm.rank == 0:
+                            log.warning("resume: %s step %d at %s refused by check (%s)", cand.tier, cand.step,
+                                        expand_node(cand.path), e.error)
+                        break
+                    # damaged, incomplete or unreadable: the next candidate
                     last = e
                     if self._comm.rank == 0:
-                        log.warning("resume: %s step %d at %s does not load (%s)", cand.tier, cand.step, cand.path, e)
+                        log.warning("resume: %s step %d at %s does not load (%s)", cand.tier, cand.step,
+                                    expand_node(cand.path), e)
                     if cand.tier == "durable":  # close() must not count on it
                         failed.add(cand.step)
                         self.durable_step = durable_step()
@@ -214,6 +261,7 @@ class UnifiedCheckpoint:
         """After optimizer step ``step`` (collective): a memory snapshot, a durable save or
         nothing, by policy (module doc); reports a finished asynchronous save. Returns once
         the state is staged, or sooner with ``overlap``."""
+        self._check_step(step)
         self._start(state)
         self._last = (step, state)
         self.poll()
@@ -228,6 +276,7 @@ class UnifiedCheckpoint:
         or with ``async_save`` the :class:`~unickpt.AsyncSave` (reported when committed)."""
         from . import api
 
+        self._check_step(step)
         self._start(state)
         self._last = (step, state)
         path = join_path(self.dir, f"step-{step:08d}")
@@ -244,6 +293,15 @@ class UnifiedCheckpoint:
         total = time.perf_counter() - t0
         self._after_save(res, total, total, "durable")
         return res
+
+    def _check_step(self, step: int) -> None:
+        if type(step) is not int or step < 0:
+            raise errors.InvalidArgumentError(f"step must be an integer >= 0, got {step!r}")
+        if self._last is not None and step < self._last[0]:
+            raise errors.InvalidArgumentError(f"step {step} after step {self._last[0]}: steps only go forward (a new "
+                                              "run resumes with resume(), in a new UnifiedCheckpoint)")
+        if self._closed:
+            raise errors.InvalidArgumentError("this UnifiedCheckpoint is closed: make a new one")
 
     def start(self, state: Mapping[str, Any]) -> None:
         """Optional (collective): what the first :meth:`resume` or :meth:`step` does first,
@@ -296,6 +354,7 @@ class UnifiedCheckpoint:
         if self._started:
             self._comm.barrier("checkpoint close (writers stopped)")
         self._started = False
+        self._closed = True
         self._comm = None  # (holds no process group past close: destroy_process_group frees them)
 
     # -- start -------------------------------------------------------------------------------
@@ -422,6 +481,20 @@ class UnifiedCheckpoint:
         self._pending_tiers = ["memory"] + (["durable"] if durable else [])
         self._pending_t0, self._pending_block = t0, time.perf_counter() - t0
 
+    def _retain_after_resume(self) -> None:
+        """A run that died between a commit and its retention left more than ``keep``: once the
+        newest durable step has loaded (read and verified), retention runs (never when an
+        older step was resumed: the newer ones may be damaged, and would count as kept)."""
+        if not (self._dir_rank and self.keep):
+            return
+        from . import retain
+
+        try:
+            for old in retain(self.dir, self.keep, storage_options=self.storage_options, timeout_s=self.timeout_s):
+                log.info("retention: deleted %s", old)
+        except errors.UnickptError as e:  # (this rank alone: the next commit's retention tries again)
+            log.warning("retention after resume failed: %s", e)
+
     def _after_save(self, res: Any, blocking: float, total: float, tier: str) -> None:
         from . import retain
 
@@ -452,7 +525,10 @@ class UnifiedCheckpoint:
                                          storage_options=self.storage_options)
         target = state
         if check is not None:
-            got = check(ckpt, man)
+            try:
+                got = check(ckpt, man)
+            except errors.UnickptError as e:
+                raise _Refused(e) from e
             if got is not None:
                 target = got
         res = loader.load(target, ckpt, group=self.group,
@@ -483,6 +559,20 @@ class UnifiedCheckpoint:
     def _emit(self, rec: dict) -> None:
         if self.on_event is not None:
             self.on_event(rec)
+
+
+class _Refused(errors.UnickptError):
+    """A candidate refused by ``resume``'s ``check`` (the next one is tried)."""
+
+    def __init__(self, error: errors.UnickptError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+#: errors that say the state does not fit a checkpoint, not that the checkpoint is damaged:
+#: ``resume`` raises them instead of trying an older step
+_MISFITS = (errors.DtypeMismatchError, errors.ShapeMismatchError, errors.TensorMissingError, errors.LayoutError,
+            errors.StateDictError, errors.InvalidArgumentError, errors.NotSupportedError, errors.MemoryBudgetError)
 
 
 def _optimizer_eps(state: Mapping[str, Any]) -> float | None:

@@ -286,8 +286,9 @@ class Manifest:
             raise FormatError(f"{where}: manifest is damaged (its checksum does not match its content)")
         if isinstance(obj, dict) and type(obj.get("format_version")) is int and 2 <= obj["format_version"] <= FORMAT_VERSION:
             if m is None:
-                raise FormatError(f"{where}: manifest of format {obj['format_version']} lacks its checksum "
-                                  f"({DIGEST_KEY!r} as its last member): damaged or truncated")
+                raise FormatError(f"{where}: manifest of format {obj['format_version']} does not end with its "
+                                  f"checksum ({DIGEST_KEY!r} as the last member of the bytes unickpt wrote): damaged, "
+                                  "truncated or re-serialised")
             if not digest_ok:
                 raise FormatError(f"{where}: manifest is damaged (its checksum does not match its content)")
         try:

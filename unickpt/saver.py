@@ -130,6 +130,8 @@ class SaveOptions:
             raise StateDictError(f"step must be an int or None, got {type(self.step).__name__} {self.step!r}")
         if self.step is not None and not -(1 << 63) <= self.step < 1 << 63:
             raise StateDictError(f"step must be an int (64-bit) or None, got an int of {self.step.bit_length()} bits")
+        if self.step is not None and self.step < 0:
+            raise StateDictError(f"step must be an int >= 0 or None, got {self.step}")
         for name, what in (("extra", "(None, bool, int, float, str, lists, dicts)"), ("strategy", "")):
             v = getattr(self, name)
             if v is not None:

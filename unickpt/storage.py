@@ -218,6 +218,8 @@ def expand_node(path: str | os.PathLike) -> str:
 def storage_for(path: str | os.PathLike, storage_options: Mapping[str, Any] | None = None) -> tuple["Storage", str]:
     """The storage for ``path`` and the path in that storage's terms (``{node}`` expanded).
     ``storage_options`` go to the fsspec file system of a URL (ignored for local paths)."""
+    if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str) or not os.fspath(path):
+        raise InvalidArgumentError(f"a checkpoint path must be a non-empty str or os.PathLike, got {path!r}")
     p = expand_node(path)
     if is_url(p):
         scheme, rest = p.split("://", 1)
