@@ -93,7 +93,7 @@ def latest(root, *, storage_options=None) -> str | None:
 
 def __dir__() -> list[str]:
     """The public names, the lazily imported ones included (``dir(unickpt)``, completion)."""
-    return sorted(set(globals()) | set(_LAZY) | {"dcp"})
+    return sorted({n for n in globals() if n.startswith("__")} | set(__all__) | {"dcp"})
 
 
 def __getattr__(name: str):
