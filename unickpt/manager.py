@@ -22,7 +22,9 @@ decides, in order:
   the staging allocated, so the first save costs what every later one does.
 * **resume**: the newest step complete in either tier (memory first at equal steps); one that
   does not load (damaged, incomplete, refused by ``check``) is logged and the next tried; a
-  damaged memory copy is retried once from the nodes that hold another copy.
+  damaged memory copy is retried once from the nodes that hold another copy. A state that
+  does not fit (dtype, shapes, keys) raises: an older step would not fit either. Once the
+  newest durable step has loaded, retention runs (``keep``).
 * **step(n)**: a memory snapshot every ``memory_every`` steps (skipped while the previous save
   is still being written, with ``memory_skip_busy``), which also writes the durable checkpoint
   when one is due; else a durable save every ``every`` steps. Asynchronous saves return after
