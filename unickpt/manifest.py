@@ -24,6 +24,8 @@ import xxhash
 
 from .errors import FormatError
 from .format import DTYPES, MAX_DIMS, itemsize, valid_shape
+from .names import (_RESERVED, BYTES_KEY, FLOAT_KEY, FLOAT_NAMES, MAX_BYTES, MAX_DEPTH, PER_RANK_KEY, RANK_VALUE_KEY,
+                    RESERVED, name_problem)
 
 __all__ = ["Manifest", "FileEntry", "TensorEntry", "FORMAT_VERSION", "MANIFEST_NAME", "INDEX_NAME"]
 
@@ -39,29 +41,6 @@ _AUX = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 CODECS = ("raw", "q8_sym", "q8_logw", "q4_logm", "q4_logw", "q4_sym", "q8_rinv", "q4_rinv", "residual16", "from_model")
 QUANT = ("q8_sym", "q8_logw", "q4_logm", "q4_logw", "q4_sym", "q8_rinv", "q4_rinv")
 MAX_BLOCK = 1 << 20  # largest O2 block a reader accepts (bounds decoding scratch memory)
-
-RESERVED = "::"  # separates a coded tensor's name from its part in safetensors keys
-_BAD_NAME = re.compile(r"[\x00-\x1f\x7f]")
-NAME_LIMIT = 4096
-
-
-def name_problem(name: str) -> str | None:
-    """Why ``name`` cannot name a stored tensor, or None: empty, ``__metadata__``, contains
-    the reserved separator ``::`` or control characters, or longer than NAME_LIMIT."""
-    if not name or name == "__metadata__":
-        return f"{name!r} is reserved by safetensors"
-    if RESERVED in name:
-        return f"{name!r} contains '{RESERVED}', which unickpt reserves for the parts of coded tensors"
-    if _BAD_NAME.search(name):
-        return f"{name!r} contains control characters"
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        return f"{name!r} is not valid Unicode text (it holds a lone surrogate)"
-    if len(name) > NAME_LIMIT:
-        return f"a name of {len(name)} characters is longer than the {NAME_LIMIT} allowed"
-    return None
-
 
 _FILE = re.compile(r"^[a-z][a-z0-9_]{0,31}-\d{5,}-of-\d{5,}(\.[0-9a-f]{16})?\.safetensors$")
 _ROLE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
@@ -559,7 +538,6 @@ def _parse(obj: Any, where: str) -> Manifest:
     state, extra, saved_by = obj.get("state", {}), obj.get("extra", {}), obj.get("saved_by", {})
     if not isinstance(state, dict) or not isinstance(extra, dict) or not isinstance(saved_by, dict):
         raise FormatError(f"{where}: 'state', 'extra' and 'saved_by' must be objects")
-    from .state import _RESERVED
 
     bad = sorted(k for k in state if k in _RESERVED)
     if bad:
@@ -629,10 +607,9 @@ def _check_state_values(obj, world, where: str, depth: int = 0, in_rank: bool = 
     """Per-rank JSON values (``{"__unickpt_per_rank__": [...]}``) hold one value per saving
     rank; floats JSON cannot hold are ``{"__unickpt_float__": "inf" | "-inf" | "nan"}``
     alone; no other use of the reserved keys; nesting no deeper than saves write
-    (:data:`~unickpt.state.MAX_DEPTH` and the two levels of a per-rank value, with room to
+    (:data:`~unickpt.names.MAX_DEPTH` and the two levels of a per-rank value, with room to
     spare), before the loader's recursive code walks it (a hostile manifest may nest as
     deep as the JSON parser goes)."""
-    from .state import BYTES_KEY, FLOAT_KEY, FLOAT_NAMES, MAX_BYTES, MAX_DEPTH, PER_RANK_KEY, RANK_VALUE_KEY
 
     if depth > MAX_DEPTH + 8 and isinstance(obj, (dict, list)):
         raise FormatError(f"{where if len(where) < 160 else where[:120] + '...'}: nested deeper than {MAX_DEPTH + 8} "

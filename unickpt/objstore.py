@@ -34,7 +34,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from .errors import CheckpointExistsError, CheckpointNotFoundError, FormatError, InvalidArgumentError, StorageError
-from .storage import Capabilities
+from .capabilities import Capabilities
 
 __all__ = ["ObjectStorage", "object_storage", "PART", "READ_CHUNK"]
 

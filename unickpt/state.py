@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from .errors import StateDictError
-from .manifest import name_problem
+from .names import (_RESERVED, BYTES_KEY, FLOAT_KEY, FLOAT_NAMES, MAX_BYTES, MAX_DEPTH, PER_RANK_KEY,  # noqa: F401
+                    RANK_VALUE_KEY, name_problem)
 from .layout import Layout, ShardedTensor, _is_dtensor, layout_of
 
 __all__ = ["Entry", "PerRank", "per_rank", "flatten", "tie", "apply_json_state", "PER_RANK_KEY", "RANK_VALUE_KEY",
@@ -37,30 +38,15 @@ __all__ = ["Entry", "PerRank", "per_rank", "flatten", "tie", "apply_json_state",
 _ROLE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 OTHER_ROLE = "other"
 _JSON_SCALARS = (type(None), bool, int, float, str)
-PER_RANK_KEY = "__unickpt_per_rank__"
-"""In the manifest's JSON state, ``{PER_RANK_KEY: [value of rank 0, value of rank 1, ...]}``
-stands for a :func:`per_rank` JSON value."""
-RANK_VALUE_KEY = "__unickpt_rank_value__"
-"""``{RANK_VALUE_KEY: value}``: one rank's :func:`per_rank` JSON value before the save gathers
-every rank's (never in a manifest)."""
-FLOAT_KEY = "__unickpt_float__"
-"""``{FLOAT_KEY: "inf" | "-inf" | "nan"}`` stands for a float that strict JSON cannot hold
-(``ReduceLROnPlateau``'s ``best`` starts at ``inf``): :func:`to_json`, :func:`from_json`."""
-BYTES_KEY = "__unickpt_bytes__"
-"""``{BYTES_KEY: "<base64>"}`` stands for a ``bytes`` value (a data loader's pickled state,
-which the caller unpickles itself: unickpt stores the bytes verbatim, inside the checksummed
-manifest, and never unpickles them)."""
-MAX_BYTES = 4 << 20
-"""Bytes a ``bytes`` value (each) may hold: they live in the manifest; larger binary state
-belongs in a uint8 tensor."""
-_RESERVED = (PER_RANK_KEY, RANK_VALUE_KEY, FLOAT_KEY, BYTES_KEY)
-FLOAT_NAMES = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
-MAX_DEPTH = 100
-"""Levels of nesting a state dict may have (roles, dicts, lists): saves refuse deeper ones
-and manifests are refused with a few levels more (per-rank values add two), so the
-recursive code on both sides stays far from Python's recursion limit."""
 _MAX_INT_BITS = 13_000
 """Larger integers (about 3,900 digits) are refused: Python's JSON reader stops at 4,300 digits."""
+
+
+def is_stateful(v: Any) -> bool:
+    """True for values whose state unickpt saves through ``state_dict()``."""
+    if isinstance(v, (Mapping, torch.Tensor)):
+        return False
+    return callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None))
 
 
 class PerRank:
@@ -87,7 +73,6 @@ class PerRank:
 
 
 def _stateful(v: Any) -> bool:
-    from .stateful import is_stateful
 
     return is_stateful(v)
 

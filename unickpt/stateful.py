@@ -29,16 +29,11 @@ from typing import Any, Callable
 
 import torch
 
+from .state import PerRank, is_stateful  # noqa: F401 (is_stateful: re-exported)
+
 __all__ = ["is_stateful", "for_save", "for_load"]
 
 _WRAPPERS = {"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"}
-
-
-def is_stateful(v: Any) -> bool:
-    """True for values whose state unickpt saves through ``state_dict()``."""
-    if isinstance(v, (Mapping, torch.Tensor)):
-        return False
-    return callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None))
 
 
 def _modules(state_dict: Mapping[str, Any]) -> list[torch.nn.Module]:
@@ -102,7 +97,6 @@ def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
 def _unwrap(value: Any) -> Any:
     """A stateful object's loaded state dict with each :func:`~unickpt.per_rank` wrapper its
     ``state_dict()`` returned replaced by the value (what it put in is what it gets back)."""
-    from .state import PerRank
 
     if isinstance(value, PerRank):
         return value.value
@@ -120,7 +114,6 @@ def for_save(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
         return state_dict
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    from .state import PerRank
 
     modules = _modules(state_dict)
     out: dict[str, Any] = {}
@@ -146,7 +139,6 @@ def for_save(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def _stateful_per_rank(v: Any) -> bool:
     """``per_rank(obj)`` of a stateful object (a data loader)."""
-    from .state import PerRank
 
     return isinstance(v, PerRank) and is_stateful(v.value)
 
@@ -173,7 +165,6 @@ def for_load(state_dict: Mapping[str, Any], stored_roles: set[str] | None = None
     ``state_dict()``, as ``dcp.save`` stores an optimizer object) is loaded the same way."""
     if not isinstance(state_dict, Mapping) or not any(is_stateful(v) or _stateful_per_rank(v) for v in state_dict.values()):
         return state_dict, lambda: None
-    from .state import PerRank
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
