@@ -487,18 +487,15 @@ class StorageWriter(_dcp_storage.StorageWriter):
         go through unickpt's save pipeline, committed before this returns."""
         self._check_thread()
         comm = self._comm if self._comm is not None else Comm(self.process_group, timeout_s=self.opts.timeout_s)
-        err: BaseException | None = None
-        entries: list[Entry] = []
-        values: list[list] = []
-        results: list[WriteResult] = []
-        try:
-            entries, values, results = self._collect(plan, planner)
+
+        def read_plan() -> tuple[list[Entry], list[list], list[WriteResult]]:
             from .api import _check_shared
 
+            got = self._collect(plan, planner)
             _check_shared(self.path, self.opts.storage_options, False, comm.group if comm.active else "local")
-        except Exception as e:  # agreed below: no rank may leave the others in the save's collectives
-            err = e
-        comm.agree(err, "dcp save (reading the plan)")
+            return got
+
+        entries, values, results = comm.step("dcp save (reading the plan)", read_plan)
         json_state: dict[str, Any] = {}
         if comm.world > 1:
             gathered = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(values).encode(), "dcp save (the state's values)")]

@@ -372,16 +372,15 @@ class UnifiedCheckpoint:
         me = self._comm.rank
         self._dir_rank = (nodes.index(nodes[me]) == me) if per_node(self.dir) else me == 0
         async_save.sweep_segments()
-        err = None
-        if self._dir_rank:
-            try:
-                from . import sweep
 
+        def sweep_dir() -> None:
+            from . import sweep
+
+            if self._dir_rank:
                 for p in sweep(self.dir, storage_options=self.storage_options, timeout_s=self.timeout_s):
                     log.info("removed %s, left by an interrupted save", p)
-            except Exception as e:
-                err = e
-        self._comm.agree(err, "checkpoint start (sweeping)")
+
+        self._comm.step("checkpoint start (sweeping)", sweep_dir)
         if self.memory_dir is not None:
             self._setup_memory_tier(state, [n.decode() for n in nodes])
         if self.async_save or self.memory_dir is not None:
@@ -421,15 +420,14 @@ class UnifiedCheckpoint:
                                      sum(r["local"] for r in everyone if r["node"] == me["node"]))
         memtier.check_budget(comm, self.memory_dir, budget, self.memory_budget)
         self._mem_pids = [r["pid"] for r in everyone if r["node"] == me["node"]]
-        err = None
-        if self._mem_rank:
-            try:
+        def claim() -> None:
+            assert self.memory_dir is not None
+            if self._mem_rank:
                 memtier.claim(self.memory_dir, self._mem_job, self._mem_pids)
                 for p in sweep(self.memory_dir):
                     log.info("memory tier: removed %s, left by an interrupted snapshot", p)
-            except Exception as e:
-                err = e
-        comm.agree(err, "checkpoint start (claiming the memory directories)")
+
+        comm.step("checkpoint start (claiming the memory directories)", claim)
         if comm.rank == 0:
             log.info("memory tier: %d node(s), %d replica(s); per node %s", len(alive), self._mem_replicas,
                      budget.describe())

@@ -157,19 +157,18 @@ def candidates(comm: Comm, memory_dir: str | None, durable_dir: str | None, stor
     job hold all its files (counting copies on other nodes) and every node that has it holds
     the same manifest; durable steps are every committed ``step-*`` under ``durable_dir`` (a
     load verifies them)."""
-    err = None
-    mine: dict = {}
-    steps: list[int] = []  # durable steps this rank sees (a node-local durable_dir: its node's)
-    try:
+    def listing() -> tuple[dict, list[int]]:
+        mine: dict = {}
+        steps: list[int] = []  # durable steps this rank sees (a node-local durable_dir: its node's)
         if memory_dir is not None:
             mine = _step_report(memory_dir)
         if durable_dir is not None and (comm.rank == 0 or per_node(durable_dir)):
             storage, root = storage_for(durable_dir, storage_options)
             if storage.isdir(root):
                 steps = [s for s, _ in _catalog.committed_steps(storage, root)]
-    except (UnickptError, OSError) as e:
-        err = e
-    comm.agree(err, "resume (listing checkpoints)")
+        return mine, steps
+
+    mine, steps = comm.step("resume (listing checkpoints)", listing)
     reports = [json.loads(b) for b in comm.all_gather_bytes(
         json.dumps({"node": node_id(), "steps": mine, "durable": steps}).encode(), "resume (checkpoints to resume from)")]
     # a durable step as the caller names it ({node} kept: the load finds the node that holds it)

@@ -37,7 +37,7 @@ import os
 import socket
 import time
 import traceback
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,8 @@ import xxhash
 from torch._C import _distributed_c10d as _c10d
 
 from .errors import DistributedError, InvalidArgumentError, UnickptError, as_typed
+
+_T = TypeVar("_T")
 
 __all__ = ["Comm", "node_id", "LOCAL", "DEFAULT_TIMEOUT_S", "resolve_timeout"]
 
@@ -258,6 +260,19 @@ class Comm:
         self._run("all_reduce", what, lambda: g.allreduce([both], opts))
         n = values.numel()
         return both[:n], -both[n:]
+
+    def step(self, what: str, fn: Callable[[], _T], same: Mapping[str, Any] | None = None) -> _T:
+        """Collective: run ``fn`` on this rank, then agree on its outcome (DCP's
+        ``_DistWrapper`` idea): its result when no rank failed; else every rank raises (see
+        :meth:`agree`). ``fn`` may do nothing on some ranks (return None there)."""
+        out: Any = None
+        err: Exception | None = None
+        try:
+            out = fn()
+        except Exception as e:  # agreed below: no rank goes on alone into the next collective
+            err = e
+        self.agree(err, what, same=same)
+        return out
 
     def agree(self, error: BaseException | None, what: str, same: Mapping[str, Any] | None = None) -> None:
         """Collective: raise on every rank if any rank failed.
