@@ -988,7 +988,9 @@ def writer_path(path) -> str:
     return p if "://" in p else os.path.abspath(p)
 
 
-_CHECKPOINTERS: dict[int, Checkpointer] = {}
+_CHECKPOINTERS: list[tuple[Any, Checkpointer]] = []
+"""``(group, checkpointer)``, found by identity (``is``): an ``id()`` is reused once a group
+is gone, and would hand a new group the checkpointer of a destroyed one."""
 
 
 def checkpointer(group=None) -> Checkpointer:
@@ -998,22 +1000,22 @@ def checkpointer(group=None) -> Checkpointer:
 
     if group is not None and dist.is_available() and dist.is_initialized() and group is dist.group.WORLD:
         group = None
-    key = id(group)
-    c = _CHECKPOINTERS.get(key)
+    c = next((c for g, c in _CHECKPOINTERS if g is group), None)
     if c is None:
         if not _CHECKPOINTERS:
             atexit.register(shutdown)
             # a trainer that is itself a multiprocessing child skips atexit: run at its exit too
             mp_util.Finalize(None, shutdown, exitpriority=100)
             sweep_segments()
-        c = _CHECKPOINTERS[key] = Checkpointer(group)
+        c = Checkpointer(group)
+        _CHECKPOINTERS.append((group, c))
     return c
 
 
 def shutdown() -> None:
     """Wait for pending saves, stop writer processes and free staging memory."""
     while _CHECKPOINTERS:
-        _, c = _CHECKPOINTERS.popitem()
+        _, c = _CHECKPOINTERS.pop()
         try:
             c.close()
         except Exception as e:  # at exit: report, do not raise

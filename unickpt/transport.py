@@ -37,6 +37,7 @@ import os
 import socket
 import time
 import traceback
+import weakref
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import torch
@@ -56,7 +57,9 @@ DEFAULT_TIMEOUT_S = 600.0
 LOCAL = "local"
 """Pass as ``group`` to load in this process alone, even under torch.distributed."""
 
-_SIDE_GROUPS: dict[int, object] = {}
+_SIDE_GROUPS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+"""A NCCL group's gloo twin, kept with the group (weakly: it goes with it; never by ``id()``,
+which a later group may reuse)."""
 
 
 def node_id() -> str:
@@ -144,11 +147,12 @@ class Comm:
         if "gloo" in backend:
             self.p2p_group = self.group
         else:  # NCCL & co: host tensors travel on a gloo group over the same ranks
-            key = id(self.group)
-            if key not in _SIDE_GROUPS:  # only the group's members call this: local synchronization
+            side = _SIDE_GROUPS.get(self.group)
+            if side is None:  # only the group's members call this: local synchronization
                 ranks = dist.get_process_group_ranks(self.group)
-                _SIDE_GROUPS[key] = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
-            self.p2p_group = _SIDE_GROUPS[key]
+                side = _SIDE_GROUPS[self.group] = dist.new_group(ranks=ranks, backend="gloo",
+                                                                  use_local_synchronization=True)
+            self.p2p_group = side
 
     # -- small collectives ---------------------------------------------------------------
 
