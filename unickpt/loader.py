@@ -276,6 +276,32 @@ def _note_older_steps(e: BaseException, path, storage_options) -> None:
         _catalog.note_older(e, storage, os.fspath(path), ckpt)
 
 
+@dataclass
+class _Target:
+    """The target of a load matched to its checkpoint (the validate stage's outcome)."""
+
+    state_dict: Any  # stateful objects replaced by their state dicts
+    saved_state: Any  # the manifest's JSON state (NaN and infinities as floats)
+    finish: Callable[[], None]  # hands the loaded state to the stateful objects
+    entries: list[Entry]  # tensors to read
+    missing: list[str]
+    skipped: list[str]
+    covered: set[tuple[str, str]]  # (role, name) the targets ask for
+    casts: list[tuple[torch.Tensor, torch.Tensor, str]]
+    roles: set[str]
+    objects: set[str]  # top-level keys holding stateful objects
+
+
+def _match_target(state_dict, man: Manifest, ckpt: str, comm: Comm, cast: bool) -> _Target:
+    objects = {k for k, v in state_dict.items() if is_stateful(v)} if isinstance(state_dict, Mapping) else set()
+    saved_state = from_json(man.state)
+    state_dict, finish = for_load(state_dict, {r for r, _ in man.tensors}, saved_state)
+    entries, _ = flatten(state_dict, comm.rank, comm.world)
+    entries, missing, skipped, covered, casts = _validate(entries, man, ckpt, comm.world, cast)
+    missing += json_missing(state_dict, saved_state)  # JSON values the checkpoint does not hold
+    return _Target(state_dict, saved_state, finish, entries, missing, skipped, covered, casts, _roles(state_dict), objects)
+
+
 def _load(state_dict, path, *, group, verify, missing, unexpected, cast, progress, bucket_bytes, timeout_s,
           storage_options, avoid_local) -> LoadResult:
     on_missing, on_unexpected = missing, unexpected
@@ -293,28 +319,13 @@ def _load(state_dict, path, *, group, verify, missing, unexpected, cast, progres
         ckpt, _, man = _find(comm, storage, p, node_local, same=same)
 
     with ph.phase("validate"):
-        entries: list[Entry] = []
-        missing: list[str] = []
-        skipped: list[str] = []
-        covered: set[tuple[str, str]] = set()
-        roles: set[str] = set()
-        objects: set[str] = set()
-        finish = None
-        try:
-            objects = {k for k, v in state_dict.items() if is_stateful(v)} if isinstance(state_dict, Mapping) else set()
-            saved_state = from_json(man.state)  # (NaN and infinities as floats)
-            state_dict, finish = for_load(state_dict, {r for r, _ in man.tensors}, saved_state)
-            entries, _ = flatten(state_dict, comm.rank, comm.world)
-            entries, missing, skipped, covered, casts = _validate(entries, man, ckpt, comm.world, cast)
-            missing += json_missing(state_dict, saved_state)  # JSON values the checkpoint does not hold
-            roles = _roles(state_dict)
-        except Exception as e:
-            err = e
-        comm.agree(err, "load (checking the target state dict)")
-        unexpected = _unexpected(comm, man, covered, roles)
+        t = comm.step("load (checking the target state dict)", lambda: _match_target(state_dict, man, ckpt, comm, cast))
+        state_dict, saved_state, finish, entries, missing, skipped, casts = (
+            t.state_dict, t.saved_state, t.finish, t.entries, t.missing, t.skipped, t.casts)
+        unexpected = _unexpected(comm, man, t.covered, t.roles)
         if (missing and on_missing == "error") or (unexpected and on_unexpected == "error"):
             err = _mismatch(ckpt, man, missing if on_missing == "error" else [],
-                            unexpected if on_unexpected == "error" else [], objects)
+                            unexpected if on_unexpected == "error" else [], t.objects)
         comm.agree(err, "load (matching the target to the checkpoint)")
 
     bytes_read = 0
@@ -370,11 +381,7 @@ def _load(state_dict, path, *, group, verify, missing, unexpected, cast, progres
         target.copy_(read)
     apply_json_state(state_dict, saved_state, comm.rank, comm.world, skipped,
                      top_level=any(not isinstance(v, Mapping) for v in state_dict.values()))
-    try:  # stateful objects take what was loaded (load_state_dict)
-        finish()
-    except Exception as e:
-        err = e
-    comm.agree(err, "load (handing the loaded state to the stateful objects)")
+    comm.step("load (handing the loaded state to the stateful objects)", finish)  # (load_state_dict)
     if on_unexpected == "ignore" and unexpected and comm.rank == 0:
         # ignored, but never silently when a whole role of the checkpoint fed nothing (the
         # state dict of an optimizer whose state does not exist yet)
@@ -386,7 +393,7 @@ def _load(state_dict, path, *, group, verify, missing, unexpected, cast, progres
             unused[u.split("/", 1)[0]] = unused.get(u.split("/", 1)[0], 0) + 1
         for role in sorted(r for r, n in unused.items() if n == stored.get(r)):
             hint = (" (an optimizer whose state does not exist yet? pass the optimizer object itself: unickpt creates "
-                    "its state)") if role not in objects else ""
+                    "its state)") if role not in t.objects else ""
             log.warning("load %s: none of the %d tensor(s) of role %r is in the target, nothing of it was loaded%s; "
                         "LoadResult.unexpected lists them", ckpt, stored[role], role, hint)
     for what, keys in (("not in the checkpoint", missing),
