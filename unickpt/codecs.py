@@ -400,9 +400,9 @@ def decode_mlog(codes: torch.Tensor, scale: torch.Tensor, group: int, ratio: flo
 # -- second moment: w = sqrt(v) + eps on a geometric grid -----------------------------------------
 
 
-def _w_groups(v: torch.Tensor, a: int, b: int, group: int, eps: float, buf: torch.Tensor, what: str, base: int):
-    """Groups of ``w = sqrt(v) + eps`` for ``v[a:b]`` (whole groups; the last one padded
-    with a real value, so padding never widens its range): ``(groups, first group)``."""
+def _v_groups(v: torch.Tensor, a: int, b: int, group: int, buf: torch.Tensor, what: str, base: int):
+    """Groups of ``v[a:b]`` (whole groups; the last one padded with a real value, so padding
+    never widens its range), checked finite and >= 0: ``(groups, first group, min, max)``."""
     k = b - a
     g, _, g0 = _per_group(v[a:b], a, group, buf)
     flat = g.view(-1)
@@ -414,6 +414,12 @@ def _w_groups(v: torch.Tensor, a: int, b: int, group: int, eps: float, buf: torc
     if bool((vmin < 0).any()):
         bad = int((v[a:b] < 0).nonzero()[0, 0]) + a + base
         raise CodecError(f"{what}: negative second moment at element {bad}")
+    return g, g0, vmin, vmax
+
+
+def _w_groups(v: torch.Tensor, a: int, b: int, group: int, eps: float, buf: torch.Tensor, what: str, base: int):
+    """Groups of ``w = sqrt(v) + eps`` for ``v[a:b]`` (:func:`_v_groups`): ``(groups, first group)``."""
+    g, g0, _, _ = _v_groups(v, a, b, group, buf, what, base)
     return g.sqrt_().add_(eps), g0
 
 
@@ -496,16 +502,8 @@ def encode_v(v: torch.Tensor, bits: int, group: int, eps: float, what: str = "ex
     v, levels, n, lo_all, hi_all, codes, buf = _v_outputs(v, bits, group, eps, what, "1/(sqrt(v)+eps)")
     for a, b in _aligned_chunks(0, n, group):
         k = b - a
-        g, _, g0 = _per_group(v[a:b], a, group, buf)
+        g, g0, vmin, vmax = _v_groups(v, a, b, group, buf, what, base)
         flat = g.view(-1)
-        if k % group:  # padding must not widen the last group's range: repeat a real value
-            flat[k:] = flat[k - 1]
-        vmin, vmax = g.amin(dim=1), g.amax(dim=1)
-        if not bool(torch.isfinite(vmax).all()):
-            _check_finite(v[a:b], what, base + a)
-        if bool((vmin < 0).any()):
-            bad = int((v[a:b] < 0).nonzero()[0, 0]) + a + base
-            raise CodecError(f"{what}: negative second moment at element {bad}")
         # r is decreasing in v: its group extremes are the transforms of v's, bit for bit
         lo = vmax.sqrt_().add_(eps).reciprocal_()
         hi = vmin.sqrt_().add_(eps).reciprocal_()
