@@ -61,15 +61,12 @@ def replicate(comm: Comm, plan: SavePlan, storage: Storage, tmp: str, name_of: C
     [nodes holding a copy]}`` (the same on every rank). Raises (on every rank) when the
     copies could not all be made."""
     nodes = list(dict.fromkeys(plan.nodes))
-    err: BaseException | None = None
-    mine = {}
-    try:
+
+    def my_sizes() -> dict[str, int]:
         sizes = storage.file_sizes(tmp)
-        for f in plan.files_of(comm.rank):
-            mine[f.name] = sizes[name_of(f.name)]
-    except Exception as e:
-        err = e
-    comm.agree(err, "save (replicas: sizes of the files written)")
+        return {f.name: sizes[name_of(f.name)] for f in plan.files_of(comm.rank)}
+
+    mine = comm.step("save (replicas: sizes of the files written)", my_sizes)
     size = {}
     for blob in comm.all_gather_bytes(json.dumps(mine).encode(), "save (replicas)"):
         size.update(json.loads(blob))
@@ -83,9 +80,10 @@ def replicate(comm: Comm, plan: SavePlan, storage: Storage, tmp: str, name_of: C
             q = pairs.setdefault((f.writer, dst), [])
             n = size[f.name]
             q += [(f.name, a, min(CHUNK, n - a)) for a in range(0, n, CHUNK)] or [(f.name, 0, 0)]
-    readers, writers = {}, {}
-    err = None
-    try:
+    readers: dict = {}
+    writers: dict = {}
+
+    def create_copies() -> None:
         if dir_rank:  # this node's copies: files created at their size, filled below
             for (src, dst), chunks in pairs.items():
                 if dst == comm.rank:
@@ -93,9 +91,9 @@ def replicate(comm: Comm, plan: SavePlan, storage: Storage, tmp: str, name_of: C
                         p = storage.join(tmp, name_of(name))
                         storage.create_file(p, size[name])
                         writers[name] = storage.open_writer(p, direct=False, size=size[name])
-    except Exception as e:
-        err = e
-    comm.agree(err, "save (replicas: creating the copies)")
+
+    comm.step("save (replicas: creating the copies)", create_copies)
+    err: BaseException | None = None
     steps = max((len(c) for c in pairs.values()), default=0)
     for t in range(steps):  # step t: every pair moves its t-th chunk
         sends, recvs, fills = [], [], []
