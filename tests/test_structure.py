@@ -101,3 +101,12 @@ def test_the_import_graph_has_no_cycles():
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_validation_trainer_uses_only_public_names():
+    """unickpt.train is a user of the library (#37): it imports ``unickpt``, ``unickpt.errors``
+    and its own modules, nothing internal."""
+    graph = import_graph(typing_only=True)
+    internal = {m for m in graph if m.startswith("unickpt.") and not m.startswith("unickpt.train")} - {"unickpt.errors"}
+    used = {m: sorted(graph[m] & internal) for m in graph if m.startswith("unickpt.train")}
+    assert not any(used.values()), used

@@ -693,7 +693,7 @@ def test_keys_no_client_can_delete_are_refused_before_any_write():
 
 
 def test_the_trainer_metrics_file_is_never_waited_on(tmp_path):
-    from unickpt.localfs import append_text
+    from unickpt.train.metrics import append_line as append_text
 
     fifo = _fifo(tmp_path / "metrics.jsonl")
     with pytest.raises(FormatError, match="FIFO"):

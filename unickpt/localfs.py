@@ -17,7 +17,7 @@ import uuid
 
 from .errors import CheckpointNotFoundError, FormatError, InvalidArgumentError, StorageError
 
-__all__ = ["open_regular", "read_regular", "append_text", "replace_file", "check_private_dir"]
+__all__ = ["open_regular", "read_regular", "replace_file", "check_private_dir"]
 
 _READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
@@ -89,26 +89,6 @@ def read_json_record(path: str, limit: int = 1 << 16) -> dict | None:
     except (OSError, ValueError, RecursionError, FormatError, CheckpointNotFoundError, StorageError):
         return None
     return rec if isinstance(rec, dict) else None
-
-
-def append_text(path: str, text: str) -> None:
-    """Append ``text`` to the file the user named (a metrics log): created if absent; a FIFO,
-    socket or device there is refused at once (``O_NONBLOCK``, then ``fstat``), never waited on."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), 0o644)
-    except OSError as e:
-        if e.errno == errno.ENXIO:  # a FIFO without reader
-            raise FormatError(f"{path}: is a FIFO, not a regular file") from None
-        raise StorageError(e.errno, e.strerror, path) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise FormatError(f"{path}: is {kind_of(st.st_mode)}, not a regular file")
-        view = memoryview(text.encode())
-        while view:
-            view = view[os.write(fd, view):]
-    finally:
-        os.close(fd)
 
 
 def replace_file(directory: str, name: str, data: bytes, mode: int = 0o600) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from unickpt.layout import Layout, ShardedTensor
+from unickpt import Layout, ShardedTensor
 
 __all__ = ["TPGroup", "Mesh", "copy_to_tp", "reduce_from_tp", "FlatUnit", "zero3_apply"]
 

@@ -21,6 +21,7 @@ import unickpt
 from unickpt import UnifiedCheckpoint
 
 from .data import TextData
+from .metrics import append_line
 from .model import Llama, LlamaConfig, hf_config
 from .parallel import FlatUnit, Mesh, zero3_apply
 
@@ -345,6 +346,4 @@ class Trainer:
     def _emit(self, rec: dict) -> None:
         self.history.append(rec)
         if self.metrics_jsonl:
-            from unickpt.localfs import append_text
-
-            append_text(self.metrics_jsonl, json.dumps(rec) + "\n")  # (a FIFO there is refused, never waited on)
+            append_line(self.metrics_jsonl, json.dumps(rec) + "\n")  # (a FIFO there is refused, never waited on)
