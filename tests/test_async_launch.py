@@ -264,14 +264,15 @@ def _subgroup_async(rank, world, root):
     from unickpt import async_save
 
     group = tdist.new_group([1, 2])  # collective: every rank creates it; its rank 0 is the job's rank 1
-    if rank == 0:
-        return None
-    g = rank - 1
-    sd = {"model": {"w": unickpt.shard(torch.full((4, 3), float(g)), (8, 3), offsets=(4 * g, 0))}}
-    unickpt.save(sd, os.path.join(root, "a"), step=1, async_save=True, group=group).wait()
-    c = async_save.checkpointer(group)
-    served = c._rendezvous is not None  # by the subgroup's rank 0 (the job's rank 1), not the job's rank 0
-    async_save.shutdown()
+    served = None
+    if rank != 0:
+        g = rank - 1
+        sd = {"model": {"w": unickpt.shard(torch.full((4, 3), float(g)), (8, 3), offsets=(4 * g, 0))}}
+        unickpt.save_async(sd, os.path.join(root, "a"), step=1, group=group).wait()
+        c = async_save.checkpointer(group)
+        served = c._rendezvous is not None  # by the subgroup's rank 0 (the job's rank 1), not the job's rank 0
+        async_save.shutdown()
+    tdist.barrier()  # (rank 0 must not exit while the others' gloo pairs still connect to it)
     return served
 
 
@@ -296,6 +297,7 @@ def _subgroup_addr_override(rank, world, root):
 
     group = tdist.new_group([1, 2])
     if rank == 0:
+        tdist.barrier()  # (rank 0 must not exit while the others' gloo pairs still connect to it)
         return None
     if rank == 1:  # the subgroup's rank 0 says it is reached at an address nobody answers on
         os.environ["UNICKPT_WRITER_ADDR"] = "192.0.2.1"  # TEST-NET-1 (RFC 5737)
@@ -305,8 +307,9 @@ def _subgroup_addr_override(rank, world, root):
     os.environ.pop("UNICKPT_WRITER_ADDR", None)
     g = rank - 1
     sd = {"model": {"w": unickpt.shard(torch.full((4, 3), float(g)), (8, 3), offsets=(4 * g, 0))}}
-    unickpt.save(sd, os.path.join(root, "a"), step=1, async_save=True, group=group).wait()  # writers restarted
+    unickpt.save_async(sd, os.path.join(root, "a"), step=1, group=group).wait()  # writers restarted
     async_save.shutdown()
+    tdist.barrier()
     return said
 
 
