@@ -55,7 +55,7 @@ def save(
             place at commit. Refuses to replace a committed checkpoint unless
             ``options.overwrite``. A path containing ``{node}`` names node-local storage: each
             node writes its files into the path with ``{node}`` replaced by its node id
-            (``UNICKPT_NODE_ID``, the launcher's node rank, or the host name), and every node's
+            (``UNICKPT_NODE_ID``, else the host name), and every node's
             directory gets the complete manifest. A URL (``scheme://...``) is kept as given.
         step: recorded in the manifest (a ``step-N`` directory records N when it is not given;
             every reader checks the name against it).
