@@ -420,6 +420,7 @@ class UnifiedCheckpoint:
                                      sum(r["local"] for r in everyone if r["node"] == me["node"]))
         memtier.check_budget(comm, self.memory_dir, budget, self.memory_budget)
         self._mem_pids = [r["pid"] for r in everyone if r["node"] == me["node"]]
+
         def claim() -> None:
             assert self.memory_dir is not None
             if self._mem_rank:
