@@ -87,9 +87,10 @@ def cases(size: int):
     yield "manifest huge_dims attack", len(m), _refusing(lambda: _mf.Manifest.from_json(m, "x")), OLD_DOS_LIMIT
     for codec in _cp.QUANT_CODECS:
         group = 1 << 40 if codec.startswith("q8") else _cp.MAX_BLOCK
-        tag = {"codec": codec, "group": group, "eps": 1e-8}
+        tag = {"codec": codec, "group": group, "eps": 1e-8, "ratio": 1.5}
         lo, hi = group - 3, group + 2
         parts = {p: torch.full((e - b,), 7, dtype=torch.uint8) for p, (b, e) in _cp.byte_ranges(tag, lo, hi).items()}
+        parts["scales"] = torch.ones(parts["scales"].numel() // 4).view(torch.uint8)  # scales a load accepts
         n = sum(p.numel() for p in parts.values())
         yield (f"decode long group {codec}", n, lambda t=tag, p=parts, a=lo, b=hi: _cp.decode_range(t, p, a, b),
                OLD_LIMIT)

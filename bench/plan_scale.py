@@ -128,6 +128,8 @@ def rank_layouts(layout: str, tensors, world: int, rank: int) -> list[tuple[str,
                 out.append((unit[i][0], lay))
     elif layout == "tp8-zero":
         dp, tp = divmod(rank, TP)
+        if dp >= world // TP:  # ranks beyond the last whole TP group hold nothing
+            return out
         for unit in units(tensors):
             boxes = [tp_box(s, split, tp) for _, s, split in unit]
             for i, lay, _, _ in partition_flat([s for _, s, _ in unit], world // TP, dp, boxes=boxes,
