@@ -221,6 +221,25 @@ class CallTimeout(Exception):
     turn that into an ``FSTimeoutError`` without its message)."""
 
 
+def _bounded_listing(pages, count):
+    """The pages of one listing (each counted by ``count``), within :data:`LIST_MAX` objects
+    and :data:`LIST_SECONDS_PER_OBJECT_TIMEOUT` x ``OBJECT_TIMEOUT`` s for all of them (each
+    request is bounded by its client): a server paging without end fails the listing."""
+    import time
+
+    seconds = LIST_SECONDS_PER_OBJECT_TIMEOUT * OBJECT_TIMEOUT
+    deadline = time.monotonic() + seconds
+    n = 0
+    for page in pages:
+        n += count(page)
+        if n > LIST_MAX:
+            raise ListingTooLong(f"the listing holds more than {LIST_MAX} objects (a server that never ends its listing?)")
+        if time.monotonic() > deadline:
+            raise CallTimeout(f"the listing did not end within {seconds:g} s ({LIST_SECONDS_PER_OBJECT_TIMEOUT} x "
+                              "UNICKPT_OBJECT_TIMEOUT_S)")
+        yield page
+
+
 async def _within(coro, seconds: float):
     try:
         return await asyncio.wait_for(coro, seconds)
@@ -369,33 +388,25 @@ class _S3fsClient(_FsspecClient):
         :data:`LIST_MAX` objects and :data:`LIST_SECONDS_PER_OBJECT_TIMEOUT` x
         ``OBJECT_TIMEOUT`` s for the whole listing (s3fs's own listing follows the pages
         without end)."""
-        import time
-
         bucket, k = self._bk(prefix.strip("/"))
         kw: dict[str, Any] = {"Bucket": bucket, "Prefix": k + "/" if k else ""}
         if delimiter:
             kw["Delimiter"] = delimiter
-        seconds = LIST_SECONDS_PER_OBJECT_TIMEOUT * OBJECT_TIMEOUT
-        deadline = time.monotonic() + seconds
-        n = 0
-        while True:
-            try:
-                r = self.fs.call_s3("list_objects_v2", **kw)
-            except FileNotFoundError:
-                return
-            n += len(r.get("Contents", ())) + len(r.get("CommonPrefixes", ()))
-            if n > LIST_MAX:
-                raise ListingTooLong(f"the listing holds more than {LIST_MAX} objects (a server that never ends its "
-                                     "listing?)")
-            yield r
-            if first_page or not r.get("IsTruncated"):
-                return
-            if not r.get("NextContinuationToken"):
-                raise ListingTooLong("a truncated listing page without a continuation token")
-            kw["ContinuationToken"] = r["NextContinuationToken"]
-            if time.monotonic() > deadline:
-                raise CallTimeout(f"the listing did not end within {seconds:g} s ({LIST_SECONDS_PER_OBJECT_TIMEOUT} x "
-                                  "UNICKPT_OBJECT_TIMEOUT_S)")
+
+        def pages():
+            while True:
+                try:
+                    r = self.fs.call_s3("list_objects_v2", **kw)
+                except FileNotFoundError:
+                    return
+                yield r
+                if first_page or not r.get("IsTruncated"):
+                    return
+                if not r.get("NextContinuationToken"):
+                    raise ListingTooLong("a truncated listing page without a continuation token")
+                kw["ContinuationToken"] = r["NextContinuationToken"]
+
+        return _bounded_listing(pages(), lambda r: len(r.get("Contents", ())) + len(r.get("CommonPrefixes", ())))
 
     def _check_bucket(self, key: str, listing: list) -> list:
         """``listing``; if empty, a missing bucket is an error, not an empty root."""
@@ -506,20 +517,8 @@ class _ObstoreClient(_Client):
         """Every object under ``prefix``, page by page, within :data:`LIST_MAX` objects and
         :data:`LIST_SECONDS_PER_OBJECT_TIMEOUT` x ``OBJECT_TIMEOUT`` s (each request is bounded
         by the client's own timeout)."""
-        import time
-
         p = prefix.strip("/")
-        seconds = LIST_SECONDS_PER_OBJECT_TIMEOUT * OBJECT_TIMEOUT
-        deadline = time.monotonic() + seconds
-        n = 0
-        for batch in self.obs.list(self.store, prefix=(p + "/") if p else None):
-            n += len(batch)
-            if n > LIST_MAX:
-                raise ListingTooLong(f"the listing holds more than {LIST_MAX} objects (a server that never ends its "
-                                     "listing?)")
-            if time.monotonic() > deadline:
-                raise CallTimeout(f"the listing did not end within {seconds:g} s ({LIST_SECONDS_PER_OBJECT_TIMEOUT} x "
-                                  "UNICKPT_OBJECT_TIMEOUT_S)")
+        for batch in _bounded_listing(self.obs.list(self.store, prefix=(p + "/") if p else None), len):
             yield from batch
             if first_page:
                 return
