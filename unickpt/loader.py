@@ -211,13 +211,9 @@ def load(
         CheckpointNotFoundError, TensorMissingError, UnexpectedTensorError, ShapeMismatchError,
         DtypeMismatchError (before any target is written), ChecksumError, FormatError.
     """
-    options, missing = _legacy_load(options, missing, unexpected, deprecated)
+    options, missing, unexpected = _legacy_load(options, missing, unexpected, deprecated)
     if missing not in ("error", "warn"):
         raise InvalidArgumentError(f"missing must be 'error' or 'warn', got {missing!r}")
-    if isinstance(deprecated.get("strict"), bool) and not deprecated["strict"]:
-        unexpected = "ignore"
-    elif deprecated.get("strict") is True:
-        unexpected = "error"
     if unexpected not in ("ignore", "warn", "error"):
         raise InvalidArgumentError(f"unexpected must be 'ignore', 'warn' or 'error', got {unexpected!r}")
     if type(cast) is not bool:
@@ -236,11 +232,12 @@ def load(
         raise
 
 
-def _legacy_load(options: LoadOptions | None, missing: str, unexpected: str, kw: dict) -> tuple[LoadOptions | None, str]:
+def _legacy_load(options: LoadOptions | None, missing: str, unexpected: str,
+                 kw: dict) -> tuple[LoadOptions | None, str, str]:
     """The keywords of ``load`` before its options object: still taken, with a
     ``DeprecationWarning`` naming the replacement (removed in the next release)."""
     if not kw:
-        return options, missing
+        return options, missing, unexpected
     import warnings
 
     unknown = sorted(set(kw) - _LOAD_LEGACY - {"strict"})
@@ -260,8 +257,8 @@ def _legacy_load(options: LoadOptions | None, missing: str, unexpected: str, kw:
             raise InvalidArgumentError(f"strict must be True or False, got {strict!r}")
         warnings.warn(f"load(strict={strict}) is deprecated: pass missing={'error' if strict else 'warn'!r}, "
                       f"unexpected={'error' if strict else 'ignore'!r}", DeprecationWarning, stacklevel=3)
-        missing = "error" if strict else "warn"
-    return options, missing
+        missing, unexpected = ("error", "error") if strict else ("warn", "ignore")
+    return options, missing, unexpected
 
 
 def _note_older_steps(e: BaseException, path, storage_options) -> None:

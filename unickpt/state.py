@@ -60,7 +60,7 @@ class PerRank:
         if isinstance(value, PerRank):
             value = value.value
         if not (isinstance(value, torch.Tensor) and not _is_dtensor(value)) and not is_state_value(value) \
-                and not _stateful(value):
+                and not is_stateful(value):
             raise StateDictError(
                 f"per_rank() takes a plain tensor, a JSON value (None, bool, int, float, str, bytes, lists and dicts of "
                 f"them) or, at the top level of a state dict, an object with state_dict() and load_state_dict() "
@@ -70,11 +70,6 @@ class PerRank:
     def __repr__(self) -> str:
         v = self.value
         return f"per_rank({f'tensor {list(v.shape)} {v.dtype}' if isinstance(v, torch.Tensor) else repr(v)[:60]})"
-
-
-def _stateful(v: Any) -> bool:
-
-    return is_stateful(v)
 
 
 def per_rank(value: Any) -> PerRank:
