@@ -24,7 +24,7 @@ from .errors import CheckpointNotFoundError, FormatError, InvalidArgumentError
 from .manifest import MANIFEST_NAME, Manifest, data_file_name, manifest_cap
 from .storage import Storage
 
-__all__ = ["step_dirname", "step_of_name", "is_committed", "committed_under", "committed_steps", "check_step_name",
+__all__ = ["step_dirname", "step_names", "step_of_name", "is_committed", "committed_under", "committed_steps", "check_step_name",
            "check_destination", "resolve", "read_manifest_bytes", "open_checkpoint", "newest"]
 
 _STEP = re.compile(r"^step-([0-9]+)$")  # ASCII digits; the two spellings of a step checked below
@@ -32,6 +32,12 @@ _STEP = re.compile(r"^step-([0-9]+)$")  # ASCII digits; the two spellings of a s
 
 def step_dirname(step: int) -> str:
     return f"step-{step:08d}"
+
+
+def step_names(step: int) -> tuple[str, ...]:
+    """The names of step ``step``'s directory: unickpt's ``step-%08d`` and torchtitan's
+    ``step-%d`` (one name from step 10^7 on)."""
+    return tuple(dict.fromkeys((step_dirname(step), f"step-{step}")))
 
 
 def step_of_name(name: str) -> int | None:
@@ -42,7 +48,7 @@ def step_of_name(name: str) -> int | None:
     if m is None or len(m.group(1)) > 20:
         return None
     n = int(m.group(1))
-    return n if name in (step_dirname(n), f"step-{n}") else None
+    return n if name in step_names(n) else None
 
 
 def is_committed(storage: Storage, path: str) -> bool:

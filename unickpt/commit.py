@@ -47,7 +47,7 @@ from .errors import (CheckpointExistsError, CheckpointNotFoundError, InvalidArgu
                      UnickptError)
 from . import liveness
 from .catalog import (check_destination, committed_steps, committed_under, is_committed, open_checkpoint, parse_checked,
-                      read_manifest_bytes, step_dirname, step_of_name)
+                      read_manifest_bytes, step_names, step_of_name)
 from .manifest import INDEX_NAME, MANIFEST_NAME
 from .liveness import record_alive
 from .storage import MarkerStorage, Storage
@@ -329,7 +329,7 @@ class Transaction:
         s, final = self.storage, self.final
         step = None if self.folder else step_of_name(self.name)
         if step is not None:  # step-12 and step-00000012 are both step 12: one of them at most
-            for other in {step_dirname(step), f"step-{step}"} - {self.name}:
+            for other in set(step_names(step)) - {self.name}:
                 if is_committed(s, s.join(self.parent, other)):
                     raise CheckpointExistsError(f"{final}: step {step} is already committed as {other} beside it; a "
                                                 "root holds one checkpoint per step (save under that name, with "
