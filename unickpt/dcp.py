@@ -142,18 +142,12 @@ class StorageReader(_dcp_storage.StorageReader):
 
     def __init__(self, path: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None,
                  verify: str = "auto", process_group=None, timeout_s: float | None = None) -> None:
-        if verify not in ("auto", "full", "none"):
-            raise InvalidArgumentError(f"verify must be 'auto', 'full' or 'none', got {verify!r}")
+        # checked as unickpt.load checks them (typed errors naming the argument)
+        _loader.LoadOptions(verify=verify, storage_options=storage_options, timeout_s=timeout_s)  # type: ignore[arg-type]
         self.path = path
         self.storage_options = storage_options
         self.verify = verify
         self.process_group = process_group
-        if timeout_s is not None:
-            from .transport import resolve_timeout
-
-            resolve_timeout(timeout_s)  # (InvalidArgumentError: not a positive, finite number of seconds)
-        if storage_options is not None and not isinstance(storage_options, Mapping):
-            raise InvalidArgumentError(f"storage_options must be a dict or None, got {storage_options!r}")
         self.timeout_s = timeout_s
         self._clear()
 
