@@ -28,7 +28,7 @@ synthesised from the rules (every rank's real ``summarize`` would be O(pieces) t
 For each it prints what one rank computes: its summary (bytes), decoding every
 rank's summary, ``make_plan`` and its own ``SavePlan.schedule`` (time and peak Python
 memory, tracemalloc), summary bytes in total (what the all-gathers move to every rank), the
-manifest size (built by the saver's ``_manifest`` from the plan and one checksum range per
+manifest size (built by the save's ``build_manifest`` from the plan and one checksum range per
 1 MiB block), and the load side at a changed world size (W/2: manifest parse plus the runs
 and byte ranges of every target of a sampled rank). Ratios are to the issue's targets:
 planning time per rank < 1 s, peak planner memory per rank < 256 MiB, manifest size
@@ -335,11 +335,11 @@ def run_rules(layout: str, world: int, layers: int, bucket: int, mem: bool) -> N
 
 
 def manifest_blob(plan: SavePlan) -> bytes:
-    """The manifest rank 0 would write for this plan: the saver's own ``_manifest``, fed one
+    """The manifest rank 0 would write for this plan: the save's own ``build_manifest``, fed one
     report with the checksum ranges the writers would produce (1 MiB blocks of each tensor,
     cut again at every in-place run start)."""
     from unickpt.format import CHECK_BLOCK
-    from unickpt.saver import _manifest
+    from unickpt.saving.to_manifest import build_manifest
 
     checks = {}
     for t in plan.tensors.values():
@@ -349,7 +349,7 @@ def manifest_blob(plan: SavePlan) -> bytes:
         c = sorted(cuts)
         checks[f"{t.role}/{t.name}"] = [[a, b, "0123456789abcdef"] for a, b in zip(c, c[1:])]
     rep = {"checksums": checks, "files": {f.name: f.size for f in plan.files}}
-    return _manifest(plan, [rep], 1, {}, {}, {}).to_json()
+    return build_manifest(plan, [rep], 1, {}, {}, {}).to_json()
 
 
 def main() -> None:

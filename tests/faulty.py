@@ -231,7 +231,7 @@ def _is_direct(fd: int) -> bool:
 def install(config: dict) -> Faults:
     """Put a :class:`FaultyStorage` with ``config`` behind the storage seam of this process."""
     import unickpt.loader
-    import unickpt.saver
+    import unickpt.saving.pipeline
 
     uninstall()
     faults = Faults(config)
@@ -242,7 +242,7 @@ def install(config: dict) -> Faults:
         return (FaultyStorage(faults) if type(storage) is _st.LocalStorage else storage), p
 
     _REAL["storage_for"] = real
-    for mod in (_st, unickpt.saver, unickpt.loader):
+    for mod in (_st, unickpt.saving.pipeline, unickpt.loader):
         setattr(mod, "storage_for", storage_for)
     if config.get("short_writes") or config.get("pwrite_error"):
         _REAL["pwrite"], _REAL["write"] = os.pwrite, os.write
@@ -271,11 +271,11 @@ def _failing_fallocate(faults: Faults, code: int):
 
 def uninstall() -> None:
     import unickpt.loader
-    import unickpt.saver
+    import unickpt.saving.pipeline
 
     real = _REAL.pop("storage_for", None)
     if real is not None:
-        for mod in (_st, unickpt.saver, unickpt.loader):
+        for mod in (_st, unickpt.saving.pipeline, unickpt.loader):
             setattr(mod, "storage_for", real)
     if "pwrite" in _REAL:
         os.pwrite, os.write = _REAL.pop("pwrite"), _REAL.pop("write")

@@ -229,12 +229,12 @@ def test_old_checkpoints_with_the_linear_code_still_load_and_count_one_generatio
 def test_saves_at_other_steps_reuse_the_cached_plan(tmp_path, monkeypatch):
     """The rounding seed changes with the step, but it is not part of the plan: a trainer
     saving quantized every N steps keeps reusing its plan (planning is the cost at scale)."""
-    from unickpt import saver
+    from unickpt.saving import pipeline
 
     made = []
-    real = saver.make_plan
-    monkeypatch.setattr(saver, "make_plan", lambda *a, **kw: made.append(1) or real(*a, **kw))
-    saver._PLAN_CACHE.clear()
+    real = pipeline.make_plan
+    monkeypatch.setattr(pipeline, "make_plan", lambda *a, **kw: made.append(1) or real(*a, **kw))
+    pipeline._PLAN_CACHE.clear()
     sd = _moments()
     for step in (10, 20, 30):
         unickpt.save(sd, tmp_path / f"step-{step:08d}", step=step, quant="O2")

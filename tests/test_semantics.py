@@ -351,11 +351,11 @@ def _per_rank_save(rank, world, root):
     # a tensor one rank holds on the host and another on an accelerator (simulated: rank 1
     # fingerprints it as it would on a device, a weighted sum instead of xxh3): equal values
     # save, different ones are still refused
-    from unickpt import saver
+    from unickpt.saving import checks
 
-    was = saver._on_device
+    was = checks._on_device
     if rank == 1:
-        saver._on_device = lambda t: True
+        checks._on_device = lambda t: True
     try:
         unickpt.save({"model": {"w": torch.arange(4096.0), "b": torch.arange(4097.0).bfloat16()[1:]}},
                      os.path.join(root, "mixed"))  # (b: a view at an odd offset, fingerprinted aligned)
@@ -365,7 +365,7 @@ def _per_rank_save(rank, world, root):
         except StateDictError as e:
             mixed_refused = str(e)
     finally:
-        saver._on_device = was
+        checks._on_device = was
     assert mixed_refused and "rank 0 holds one value, rank 1 another" in mixed_refused, mixed_refused
     assert not os.path.exists(os.path.join(root, "mixed2"))
     return torch.get_rng_state().tolist(), refused, refused_async, os.path.exists(os.path.join(root, "bad"))

@@ -32,7 +32,7 @@ from . import errors
 _LAZY = {
     "Layout": ".layout", "ShardedTensor": ".layout", "partition_flat": ".layout", "shard": ".layout",
     "LoadResult": ".loader", "LoadOptions": ".loader", "load": ".loader", "read_manifest": ".loader",
-    "AsyncSave": ".async_save", "load_for_inference": ".inference", "SaveResult": ".saver", "SaveOptions": ".saver",
+    "AsyncSave": ".async_save", "load_for_inference": ".inference", "SaveResult": ".saving", "SaveOptions": ".saving",
     "save": ".api", "save_async": ".api", "start_async_writer": ".api", "UnifiedCheckpoint": ".manager",
     "Compression": ".compress", "PerRank": ".state", "per_rank": ".state",
 }
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from .layout import Layout, ShardedTensor, partition_flat, shard
     from .loader import LoadOptions, LoadResult, load, read_manifest
     from .manager import UnifiedCheckpoint
-    from .saver import SaveOptions, SaveResult
+    from .saving import SaveOptions, SaveResult
     from .state import PerRank, per_rank
 
 

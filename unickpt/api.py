@@ -1,8 +1,8 @@
 """``unickpt.save``: checks the options once, then saves in this process or hands the state to
 the rank's asynchronous writer.
 
-It lives here, not in :mod:`unickpt.saver`, so the dependency is one way:
-``api -> async_save -> saver`` and ``api -> saver``; the save pipeline knows nothing of the
+It lives here, not in :mod:`unickpt.saving`, so the dependency is one way:
+``api -> async_save -> saving`` and ``api -> saving``; the save pipeline knows nothing of the
 asynchronous machinery that runs it in a writer process.
 """
 
@@ -18,7 +18,7 @@ from .async_save import AsyncSave, checkpointer
 from .catalog import check_destination
 from .errors import InvalidArgumentError
 from .format import Hasher
-from .saver import ProgressFn, SaveOptions, SaveResult, save_entries
+from .saving import ProgressFn, SaveOptions, SaveResult, save_entries
 from .stateful import for_save
 from .storage import compared_path, per_node
 from .transport import Comm

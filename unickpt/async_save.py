@@ -72,7 +72,7 @@ from .errors import AsyncSaveError, DistributedError, InvalidArgumentError, Unic
 from .format import dtype_name, torch_dtype
 from .layout import Layout
 from .manifest import MANIFEST_NAME
-from .saver import ProgressFn, SaveOptions, SaveResult, save_entries
+from .saving import ProgressFn, SaveOptions, SaveResult, save_entries
 from .state import Entry, flatten
 from .stateful import for_save
 from .storage import FROM_MEMORY_MIN

@@ -66,7 +66,7 @@ from .errors import (
 from .format import torch_dtype
 from .layout import Layout
 from .manifest import Manifest, name_problem
-from .saver import DEFAULT_BUCKET, SaveOptions, SaveResult, save_entries
+from .saving import DEFAULT_BUCKET, SaveOptions, SaveResult, save_entries
 from .state import _ROLE, OTHER_ROLE, Entry, from_json, is_state_value, like_target, set_json_path, tie, to_json
 from .storage import per_node, storage_for
 from .transport import Comm

@@ -436,7 +436,7 @@ class UnifiedCheckpoint:
     # -- saves -------------------------------------------------------------------------------
 
     def _options(self, step: int, state: Mapping[str, Any]):
-        from .saver import SaveOptions
+        from .saving import SaveOptions
 
         comp = self.compression
         eps = self.eps if self.eps is not None else _optimizer_eps(state)

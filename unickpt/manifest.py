@@ -296,7 +296,7 @@ def density_problem(data: bytes, allowance: int = DENSE_ALLOWANCE, more: tuple[i
     """Why ``data`` (JSON text) holds too many objects and arrays for its size to be parsed
     within the bound above, or None. Brackets inside strings count too (a cheap, conservative
     count before any parse); saves check their JSON state with the same count
-    (:func:`unickpt.saver.save_entries`), so what a save commits a load parses. ``more``:
+    (:func:`unickpt.saving.save_entries`), so what a save commits a load parses. ``more``:
     ``(brackets, bytes)`` of text counted elsewhere, to be added."""
     containers = data.count(b"{") + data.count(b"[") + more[0]
     size = len(data) + more[1]

@@ -65,7 +65,7 @@ class TensorPlan:
     copies: list = field(default_factory=list)
     """Blocks that several ranks presented as the saved copy (replica 0) and the plan made
     copies of (:func:`_mark_copies`): ``(offsets, sizes, flat, ranks)``, the first rank's
-    block saved; the save compares the others' values with it (``saver._check_replicas``)."""
+    block saved; the save compares the others' values with it (``saving.checks.check_replicas``)."""
     rules: list = field(default_factory=list)
     """``(unit, slot)`` of the rules whose members hold pieces of this tensor (lazy pieces:
     never materialised in the plan); empty once the tensor is planned from explicit pieces."""
@@ -203,7 +203,7 @@ class SavePlan:
     claims: list[list[tuple["UnitSet", int]]] | None = None
     """Per rank, its rule claims ``(set, index)``: its other pieces, computed on demand."""
     _schedules: dict[int, list[Step]] = field(default_factory=dict)
-    _replica_groups: list | None = None  # saver._replica_groups, once per (cached) plan
+    _replica_groups: list | None = None  # saving.checks._replica_groups, once per (cached) plan
 
     @property
     def n_steps(self) -> int:
