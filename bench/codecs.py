@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from unickpt.codecs import (decode_m, decode_mlog, decode_v, decode_w, encode_m, encode_mlog, encode_v, encode_w, group_size,
+from unickpt.codecs.kernels import (decode_m, decode_mlog, decode_v, decode_w, encode_m, encode_mlog, encode_v, encode_w, group_size,
                             merge_master, split_master)
 
 

@@ -44,7 +44,8 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from unickpt import codecs, compress  # noqa: E402
+from unickpt import compress  # noqa: E402
+from unickpt.codecs import kernels as codecs  # noqa: E402
 from unickpt import UnifiedCheckpoint  # noqa: E402
 from unickpt.train import LlamaConfig, OptimConfig, TextData, Trainer  # noqa: E402
 

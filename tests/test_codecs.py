@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from unickpt.codecs import (
+from unickpt.codecs.kernels import (
     CodecError,
     decode_m,
     decode_v,

@@ -54,7 +54,9 @@ from hypothesis.control import currently_in_test_context  # noqa: E402
 
 import unickpt  # noqa: E402
 import unickpt.cli  # noqa: E402
-from unickpt import compress as _cp  # noqa: E402
+from unickpt import codecs as _cp  # noqa: E402 (the codec registry)
+
+QUANT_CODECS = tuple(n for n in _cp.names(tags=True) if _cp.get(n).quantized)
 from unickpt import container as _ct  # noqa: E402
 from unickpt import format as _fmt  # noqa: E402
 from unickpt import manifest as _mf  # noqa: E402
@@ -75,7 +77,7 @@ CALL_SLACK = 20_000
 # in-place results excluded): decoding needs a few times the bytes it reads and writes, plus
 # a few chunk buffers (codecs.CHUNK fp32 elements, 1 MiB, even for an empty range).
 TORCH_FACTOR = 16
-TORCH_SLACK = 4 * 4 * unickpt.codecs.CHUNK
+TORCH_SLACK = 4 * 4 * unickpt.codecs.kernels.CHUNK
 
 
 def n_examples(default: int) -> int:
@@ -393,7 +395,7 @@ def json_edits(draw, doc, max_edits: int = 3):
             edits[p] = ("dup", draw(st.one_of(st.just(json.dumps(v)), st.just(near_miss(draw, v, pool)), FRAGMENTS)))
         elif op == "add":
             key = draw(st.sampled_from(sorted(HOT_KEYS) + ["x", ""]) | st.sampled_from(pool[:100]))
-            value = st.sampled_from(list(_mf.CODECS) + pool[:100]).map(json.dumps)
+            value = st.sampled_from(list(_cp.names()) + pool[:100]).map(json.dumps)
             edits[p] = ("add", (key, draw(value | FRAGMENTS)))
         else:
             edits[p] = ("rename", draw(st.sampled_from(["", p[-1] + "x", p[-1].upper(), "../x"] + pool[:100])))
@@ -715,7 +717,7 @@ def test_manifest_structured(manifests, data, which, fmt1):
     _check_manifest(text if fmt1 else seal(text))
 
 
-@pytest.mark.parametrize("value", list(_mf.CODECS + (5, None, "")))
+@pytest.mark.parametrize("value", list(_cp.names() + (5, None, "")))
 def test_manifest_codec_args_cannot_change_codec(manifests, value):
     """``codec_args`` holding a ``codec`` of its own, in every coded tensor: refused, or the
     tensor decodes with its own codec (a residual16 master whose tag says from_model crashes
@@ -922,7 +924,7 @@ def test_container_bombs(kind):
 
 # == 4. codec metadata ========================================================================================
 
-CODEC_NAMES = list(_cp.QUANT_CODECS) + ["residual16", "from_model", "raw", "", "q8", "q16_sym", 5, None, ["q8_sym"]]
+CODEC_NAMES = list(QUANT_CODECS) + ["residual16", "from_model", "raw", "", "q8", "q16_sym", 5, None, ["q8_sym"]]
 GROUPS = st.one_of(st.integers(-3, 70), st.sampled_from([2**20, 2**20 + 2, 2**40, 2**70, True, False, 1.5, None, "64", [64]]))
 EPS = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0, 1, -1, None, "1e-8", True]))
 
@@ -969,14 +971,14 @@ def test_codec_hostile_tags(tag, shape, data):
     right size (never KeyError, ZeroDivisionError, AttributeError...)."""
     shape = tuple(shape)
     n = math.prod(shape)
-    bounded("compress.parts_of", 64, _cp.parts_of, tag, shape, mem=False, tensors=True)
+    bounded("codecs.parts_of", 64, _cp.parts_of, tag, shape, mem=False, tensors=True)
     lo = data.draw(st.integers(0, n))
     hi = data.draw(st.integers(lo, n))
-    ranges, err = bounded("compress.byte_ranges", 64, _cp.byte_ranges, tag, lo, hi, mem=False, tensors=True)
+    ranges, err = bounded("codecs.byte_ranges", 64, _cp.byte_ranges, tag, lo, hi, mem=False, tensors=True)
     if err is not None:
         return
     parts, model, exc = _decode_inputs(tag, shape, lo, hi, data)
-    out, err = bounded("compress.decode_range", _io_bytes(lo, hi, parts, model, exc), _cp.decode_range, tag, parts,
+    out, err = bounded("codecs.decode_range", _io_bytes(lo, hi, parts, model, exc), _cp.decode_range, tag, parts,
                        lo, hi, model, exc, mem=False, tensors=True)
     if out is not None:
         assert out.numel() == hi - lo and out.dtype == torch.float32
@@ -984,12 +986,12 @@ def test_codec_hostile_tags(tag, shape, data):
 
 @st.composite
 def valid_tags(draw):
-    codec = draw(st.sampled_from(list(_cp.QUANT_CODECS) + ["residual16"]))
+    codec = draw(st.sampled_from(list(QUANT_CODECS) + ["residual16"]))
     shape = tuple(draw(st.lists(st.integers(0, 30), min_size=1, max_size=3)))
     if codec == "residual16":
         return {"codec": codec, "model": "w"}, shape
     bits = 8 if codec.startswith("q8") else 4
-    g = unickpt.codecs.group_size(shape, bits, draw(st.sampled_from([2, 4, 64, 6])))
+    g = unickpt.codecs.kernels.group_size(shape, bits, draw(st.sampled_from([2, 4, 64, 6])))
     tag = {"codec": codec, "group": g}
     if codec.endswith(("rinv", "logw")):
         tag["eps"] = draw(st.sampled_from([1e-8, 1e-30, 1e30, 5e-324]))
@@ -1011,7 +1013,7 @@ def test_codec_valid_tags_hostile_bytes(ts, data):
     hi = data.draw(st.integers(lo, n))
     inputs = _decode_inputs(tag, shape, lo, hi, data)
     assert set(inputs[0]) == set(parts)
-    out, err = bounded("compress.decode_range", _io_bytes(lo, hi, inputs), _cp.decode_range, tag, *inputs[:1], lo, hi,
+    out, err = bounded("codecs.decode_range", _io_bytes(lo, hi, inputs), _cp.decode_range, tag, *inputs[:1], lo, hi,
                        *inputs[1:], mem=False, tensors=True)
     if err is not None:
         assert isinstance(err, FormatError) and "no encoder writes one" in str(err), err
@@ -1021,11 +1023,11 @@ def test_codec_valid_tags_hostile_bytes(ts, data):
         p = data.draw(st.sampled_from(sorted(inputs[0])))
         bad = dict(inputs[0])
         bad[p] = torch.cat([bad[p], torch.zeros(1, dtype=torch.uint8)]) if data.draw(st.booleans()) else bad[p][:-1]
-        bounded("compress.decode_range", _io_bytes(lo, hi, bad, inputs[1:]), _cp.decode_range, tag, bad, lo, hi,
+        bounded("codecs.decode_range", _io_bytes(lo, hi, bad, inputs[1:]), _cp.decode_range, tag, bad, lo, hi,
                 *inputs[1:], mem=False, tensors=True)
 
 
-@pytest.mark.parametrize("codec", _cp.QUANT_CODECS)
+@pytest.mark.parametrize("codec", QUANT_CODECS)
 def test_codec_long_groups_bounded(codec):
     """A group longer than a decoding chunk (a long q8 row; a hostile group up to MAX_GROUP):
     decoding a few elements needs scratch for those elements, not for the group (it used
@@ -1050,7 +1052,7 @@ def test_codec_long_groups_bounded(codec):
     assert alloc.largest <= 4096 and alloc.bytes <= 64 << 10, (alloc.bytes, alloc.largest)
     assert peak <= 1 << 20, peak
     # bit-identical to the buffered path on a long (but allocatable) row
-    C = unickpt.codecs
+    C = unickpt.codecs.kernels
     g = torch.Generator().manual_seed(3)
     bits = 8 if codec.startswith("q8") else 4
     group = C.CHUNK + 6

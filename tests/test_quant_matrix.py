@@ -54,9 +54,9 @@ def expected(ref, quant, dropped=(), step=None):
         for k, x in ref["optimizer"][kind].items():
             tag = compress.tag_for("optimizer", f"{kind}.{k}", "F32", tuple(x.shape), comp)
             tag = {**tag, **compress.save_args(tag, "optimizer", f"{kind}.{k}", comp, step)}
-            parts = {p: torch.cat([d for q, _, d in compress.encode_chunk(tag, x, 0) if q == p])
+            parts = {p: torch.cat([d for q, _, d in codecs.encode_chunk(tag, x, 0) if q == p])
                      for p in ("codes", "scales")}
-            out["optimizer"][kind][k] = compress.decode_range(tag, parts, 0, x.numel()).view(x.shape)
+            out["optimizer"][kind][k] = codecs.decode_range(tag, parts, 0, x.numel()).view(x.shape)
     return out
 
 

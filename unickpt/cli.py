@@ -175,11 +175,9 @@ def _quant_by_role(man) -> dict:
     """Per role: the quantized tensors' lossy generations (the most any has) and their
     recorded errors (the largest relative L2 and max abs error; checkpoints that recorded
     none show None)."""
-    from .compress import QUANT_CODECS
-
     out: dict[str, dict] = {}
     for (role, _), t in man.tensors.items():
-        if t.codec not in QUANT_CODECS:
+        if not t.coder.quantized:
             continue
         q = out.setdefault(role, {"tensors": 0, "generations": 0, "max_rel_l2": None, "max_abs": None})
         q["tensors"] += 1
@@ -242,7 +240,7 @@ def _inspect(args):
         lines.append(f"  {role:<11}{human_bytes(n):>12}  {roles.get(role, 0)} tensors{err}")
     if args.tensors:
         for (role, name), t in sorted(man.tensors.items()):
-            codec = "" if t.codec == "raw" else f"  [{t.codec}]"
+            codec = f"  [{t.codec}]" if t.coder.coded else ""
             sums = [c[2] for *_, cs in t.stored() for c in cs]
             lines.append(f"  {role}/{_safe(name)}  {t.dtype}{list(t.shape)}{codec}  {t.file}  "
                          f"{' '.join(sums[:4])}{' ...' if len(sums) > 4 else ''}")

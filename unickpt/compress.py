@@ -26,28 +26,19 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from . import codecs as _c
-from .errors import FormatError, InvalidArgumentError, StateDictError
+from .codecs import get
+from .codecs import kernels as _k
+from .codecs.master import Residual16
+from .codecs.moments import MAX_BLOCK, saved_codec
+from .errors import InvalidArgumentError, StateDictError
 from .layout import Layout
 from .state import Entry
 
-__all__ = ["Compression", "QUANT_CODECS", "tag_for", "prepare", "encode_chunk", "parts_of", "stored_parts", "decode_range",
-           "check_tag"]
+__all__ = ["Compression", "error_record", "merge_error", "prepare", "save_args", "tag_for"]
 
-_QUANT = {  # codec: (moment, bits, bytes of scales per group)
-    "q8_sym": ("m", 8, 4), "q4_logm": ("m", 4, 4), "q8_logw": ("v", 8, 8), "q4_logw": ("v", 4, 8),
-    "q4_sym": ("m", 4, 4), "q8_rinv": ("v", 8, 8), "q4_rinv": ("v", 4, 8),
-}
-QUANT_CODECS = tuple(_QUANT)
-"""Moment codecs this unickpt decodes. Saves write ``q8_sym``/``q4_logm`` (first moment) and
-``q8_logw``/``q4_logw`` (second); ``q4_sym`` and ``*_rinv`` are those of earlier checkpoints
-(docs/compression.md, "Fidelity")."""
-MASTER_CODECS = ("residual16", "from_model")
 _FLOAT = ("F32", "BF16", "F16", "F64")
 EXCEPTION_WARN = 1 / 4096  # residual exceptions beyond this fraction: the model is not bf16(master)
 EXCEPTION_LIMIT = 1 / 1024  # beyond this on any rank: stored in full (ties alone are ~1/2^17; keeps manifests small)
-MAX_GROUP = 1 << 48  # elements per quantization group a reader accepts (index arithmetic stays in int64)
-MAX_BLOCK = 1 << 20  # largest O2 block (as Compression.block)
 
 
 @dataclass(frozen=True)
@@ -96,7 +87,7 @@ class Compression:
             raise InvalidArgumentError(f"zstd must be None or a level 1..22, got {self.zstd!r}")
         if not (isinstance(self.eps, (int, float)) and math.isfinite(self.eps) and self.eps > 0):
             raise InvalidArgumentError(f"eps must be a finite number > 0, got {self.eps!r}")
-        if type(self.block) is not int or not 2 <= self.block <= 1 << 20 or self.block % 2:
+        if type(self.block) is not int or not 2 <= self.block <= MAX_BLOCK or self.block % 2:
             raise InvalidArgumentError(f"block must be an even integer in 2..2^20, got {self.block!r}")
         if self.rounding not in ("stochastic", "nearest"):
             raise InvalidArgumentError(f"rounding must be 'stochastic' or 'nearest', got {self.rounding!r}")
@@ -161,20 +152,13 @@ def tag_for(role: str, name: str, dtype: str, shape: tuple[int, ...], comp: Comp
     kind = moment_kind(role, name)
     if kind is None:
         return None
-    g = _c.group_size(tuple(shape), comp.bits, comp.block)
-    if kind == "m":
-        tag = {"codec": "q8_sym" if comp.bits == 8 else "q4_logm", "group": g}
-        if comp.bits == 4:
-            tag["ratio"] = _c.M_RATIO
-    else:
-        tag = {"codec": f"q{comp.bits}_logw", "group": g, "eps": float(comp.eps)}
-    return tag
+    return saved_codec(kind, comp.bits).tag(_k.group_size(tuple(shape), comp.bits, comp.block), float(comp.eps))
 
 
 def save_args(tag: dict, role: str, name: str, comp: Compression, step: int | None) -> dict:
     """What a save at ``step`` adds to a quantized tensor's tag: the stochastic rounding's
     ``seed`` of the second moment (:func:`rounding_seed`)."""
-    if comp.rounding == "stochastic" and tag["codec"].endswith("logw"):
+    if comp.rounding == "stochastic" and get(tag["codec"]).seeded:
         return {"seed": rounding_seed(role, name, step)}
     return {}
 
@@ -187,75 +171,6 @@ def rounding_seed(role: str, name: str, step: int | None) -> int:
 
     text = f"{role}\0{name}\0{step if step is not None else ''}"
     return xxhash.xxh64_intdigest(text.encode("utf-8", "surrogatepass")) >> 1
-
-
-def _bits(codec: str) -> int:
-    return _QUANT[codec][1]
-
-
-def check_tag(tag) -> str:
-    """Validate a codec tag (``{"codec": ..., **codec_args}``, as read from a manifest) before
-    it turns into decoding work; return its codec. Raises :class:`FormatError`."""
-    if not isinstance(tag, dict):
-        raise FormatError(f"codec tag must be an object, got {type(tag).__name__}")
-    codec = tag.get("codec")
-    if not isinstance(codec, str) or codec not in QUANT_CODECS + MASTER_CODECS:
-        raise FormatError(f"unknown codec {codec!r} (this unickpt decodes {', '.join(QUANT_CODECS + MASTER_CODECS)})")
-    if codec in QUANT_CODECS:
-        g = tag.get("group")
-        if type(g) is not int or not 1 <= g <= MAX_GROUP or (_bits(codec) == 4 and (g < 2 or g % 2 or g > MAX_BLOCK)):
-            raise FormatError(f"codec {codec}: invalid group {g!r}")
-        if _QUANT[codec][0] == "v":
-            eps = tag.get("eps")
-            if type(eps) not in (int, float) or not math.isfinite(eps) or eps <= 0:
-                raise FormatError(f"codec {codec}: eps must be a finite number > 0, got {eps!r}")
-        if codec == "q4_logm":
-            r = tag.get("ratio")
-            if type(r) not in (int, float) or not 1 < r <= 16:
-                raise FormatError(f"codec {codec}: ratio must be a number in (1, 16], got {r!r}")
-        seed = tag.get("seed", 0)
-        if type(seed) is not int or not 0 <= seed < 1 << 63:
-            raise FormatError(f"codec {codec}: seed must be an integer in [0, 2^63), got {seed!r}")
-    elif not isinstance(tag.get("model", ""), str):
-        raise FormatError(f"codec {codec}: 'model' must name a tensor, got {tag.get('model')!r}")
-    return codec
-
-
-def _check_shape(shape) -> None:
-    if not isinstance(shape, (tuple, list)) or not all(type(s) is int and s >= 0 for s in shape):
-        raise FormatError(f"shape must be non-negative integers, got {shape!r}")
-
-
-def _check_range(lo, hi) -> None:
-    if type(lo) is not int or type(hi) is not int or not 0 <= lo <= hi:
-        raise FormatError(f"invalid element range [{lo!r}, {hi!r})")
-
-
-def parts_of(tag: dict, shape: tuple[int, ...]) -> list[tuple[str, str, tuple[int, ...]]]:
-    """Stored parts of a quantized tensor: ``(suffix, dtype, shape)``."""
-    if check_tag(tag) not in QUANT_CODECS:
-        raise FormatError(f"codec {tag['codec']} has no quantized parts")
-    _check_shape(shape)
-    n = math.prod(shape)
-    codec, g = tag["codec"], tag["group"]
-    ng = -(-n // g)
-    bits = _bits(codec)
-    codes = (n,) if bits == 8 else (-(-n // 2),)
-    cdt = "I8" if codec == "q8_sym" else "U8"
-    scales = (ng,) if _QUANT[codec][0] == "m" else (ng, 2)
-    return [("codes", cdt, codes), ("scales", "F32", scales)]
-
-
-def stored_parts(name: str, dtype: str, shape: tuple[int, ...], tag: dict | None) -> list[tuple[str, str, str, tuple[int, ...]]]:
-    """``(part, safetensors key, dtype, shape)`` a file holds for a tensor with codec ``tag``
-    (part ``""``: the tensor itself, stored as is)."""
-    if tag is None:
-        return [("", name, dtype, tuple(shape))]
-    if tag["codec"] in QUANT_CODECS:
-        return [(p, f"{name}::{p}", dt, sh) for p, dt, sh in parts_of(tag, tuple(shape))]
-    if tag["codec"] == "residual16":
-        return [("low16", f"{name}::low16", "I16", tuple(shape))]
-    return []  # from_model: nothing stored
 
 
 # -- save side ------------------------------------------------------------------------------------
@@ -382,7 +297,7 @@ def prepare(entries: list[Entry], comp: Compression, gather_json) -> tuple[list[
         low, idx, bits = split[e.name]  # chosen and held here: eligible here (else refused above)
         exceptions[e.key] = (idx, bits)
         out.append(Entry(e.role, e.name, low, e.layout, e.aliases, e.per_rank))
-        tags[e.key] = {"codec": "residual16", "model": e.name}
+        tags[e.key] = {"codec": Residual16.name, "model": e.name}
     return out, tags, exceptions, dropped
 
 
@@ -403,7 +318,7 @@ def _residual_local(master: Entry, model: Entry) -> tuple[torch.Tensor, np.ndarr
         hb = src[g0 : g0 + flat.numel()]
     else:
         hb = src[off : off + flat.numel()]
-    res = _c.split_master(flat, hb)
+    res = _k.split_master(flat, hb)
     low = res.low.view(loc.shape)
     li = res.exc_index.cpu().numpy()
     if len(li):  # local element -> global element, through the runs
@@ -413,35 +328,6 @@ def _residual_local(master: Entry, model: Entry) -> tuple[torch.Tensor, np.ndarr
     else:
         gi = np.zeros(0, np.int64)
     return low, gi.astype(np.int64), res.exc_bits.cpu().numpy().astype(np.int32)
-
-
-def encode_chunk(tag: dict, x: torch.Tensor, start: int, what: str = "", stats: list | None = None
-                 ) -> list[tuple[str, int, torch.Tensor]]:
-    """Encode elements ``[start, start+len(x))`` of a moment (``start`` on a group boundary,
-    the chunk whole groups or the tensor's end): ``(part, byte offset in part, bytes)``.
-    ``what``: the tensor, as errors name it. ``stats``: the chunk's quantization error is
-    added to it (computed by the encoder from the codes it made, while the chunk is in
-    cache; :func:`merge_error`, :func:`error_record`)."""
-    codec, g = tag["codec"], tag["group"]
-    bits = _bits(codec)
-    if start % g:
-        raise ValueError(f"chunk start {start} is not on a group boundary ({g})")
-    x = x.reshape(-1).float()
-    coff = start if bits == 8 else start // 2
-    soff = (start // g) * _QUANT[codec][2]
-    if codec == "q4_logm":
-        codes, scales = _c.encode_mlog(x, g, tag["ratio"], what or "exp_avg", start, stats)
-    elif _QUANT[codec][0] == "m":
-        codes, scales = _c.encode_m(x, bits, g, what or "exp_avg", start, stats)
-    elif codec.endswith("logw"):
-        codes, lo, hi = _c.encode_w(x, bits, g, tag["eps"], what or "exp_avg_sq", start, tag.get("seed"), stats)
-        scales = torch.stack([lo, hi], dim=1)
-    else:  # (earlier checkpoints' second-moment code: offline rewrites of one)
-        codes, lo, hi = _c.encode_v(x, bits, g, tag["eps"], what or "exp_avg_sq", start)
-        scales = torch.stack([lo, hi], dim=1)
-        if stats is not None:
-            _c._tally(stats, _c.decode_v(codes, lo, hi, bits, g, tag["eps"], start, x.numel()), x)
-    return [("codes", coff, codes.reshape(-1).view(torch.uint8)), ("scales", soff, scales.reshape(-1).view(torch.uint8))]
 
 
 def merge_error(into: list, other: list) -> None:
@@ -460,73 +346,3 @@ def error_record(stats: list) -> dict:
     the max abs error (exact)."""
     sse, ss, mx, _, _ = stats
     return {"rel_l2": float(f"{math.sqrt(sse / ss):.4g}") if ss > 0 else 0.0, "max_abs": mx}
-
-
-def chunk_elems(tag: dict, bucket_elems: int) -> int:
-    """Elements per gathered chunk of a quantized tensor: whole groups, at least one."""
-    g = tag["group"]
-    return max(g, (bucket_elems // g) * g)
-
-
-# -- load side --------------------------------------------------------------------------------
-
-
-def byte_ranges(tag: dict, lo: int, hi: int) -> dict[str, tuple[int, int]]:
-    """Byte ranges of each part needed to decode elements ``[lo, hi)``."""
-    codec = check_tag(tag)
-    _check_range(lo, hi)
-    if codec == "from_model":
-        return {}
-    if codec == "residual16":
-        return {"low16": (2 * lo, 2 * hi)}
-    g = tag["group"]
-    bits = _bits(codec)
-    c = (lo, hi) if bits == 8 else (lo // 2, (hi + 1) // 2)
-    w = _QUANT[codec][2]
-    s = ((lo // g) * w, (-(-hi // g)) * w) if hi > lo else (0, 0)
-    return {"codes": c, "scales": s}
-
-
-def decode_range(tag: dict, parts: dict[str, torch.Tensor], lo: int, hi: int,
-                 model: torch.Tensor | None = None, exceptions: tuple | None = None) -> torch.Tensor:
-    """fp32 elements ``[lo, hi)`` from the bytes of :func:`byte_ranges` (and, for master
-    codecs, the model weight's elements ``[lo, hi)``). Parts of other lengths than
-    :func:`byte_ranges` says, or a missing model weight, raise :class:`FormatError`."""
-    codec = tag.get("codec") if isinstance(tag, dict) else None
-    for p, (b, e) in byte_ranges(tag, lo, hi).items():
-        x = parts.get(p) if isinstance(parts, dict) else None
-        if not isinstance(x, torch.Tensor) or x.numel() * x.element_size() != e - b:
-            got = "missing" if not isinstance(x, torch.Tensor) else f"{x.numel() * x.element_size()} bytes"
-            raise FormatError(f"codec {codec}: part {p!r} of elements [{lo}, {hi}) needs {e - b} bytes, {got}")
-    if codec in MASTER_CODECS and (not isinstance(model, torch.Tensor) or model.numel() != hi - lo
-                                   or (codec == "residual16" and model.element_size() != 2)):
-        raise FormatError(f"codec {codec}: decoding elements [{lo}, {hi}) needs the model weight's {hi - lo} elements"
-                          f"{' (16-bit)' if codec == 'residual16' else ''}")
-    if codec == "from_model":
-        return model.float()
-    if codec == "residual16":
-        low = parts["low16"].view(torch.int16)
-        idx, bits = exceptions if exceptions is not None else (torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32))
-        return _c.merge_master(model.view(torch.bfloat16), low, idx, bits, start=lo)
-    g = tag["group"]
-    bits = _bits(codec)
-    codes = parts["codes"]
-    if codec == "q8_sym":
-        codes = codes.view(torch.int8)
-    if codec == "q4_logm" or codec.endswith("sym"):
-        scale = parts["scales"].view(torch.float32)
-        if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
-            raise FormatError(f"codec {codec}: a group's scale (absmax) of elements [{lo}, {hi}) is negative or not "
-                              "finite: no encoder writes one")
-        if codec == "q4_logm":
-            return _c.decode_mlog(codes, scale, g, tag["ratio"], lo, hi - lo)
-        return _c.decode_m(codes, scale, bits, g, lo, hi - lo)
-    sc = parts["scales"].view(torch.float32).view(-1, 2)
-    # w = sqrt(v) + eps >= eps (in fp32; a hair of slack for the rounding of eps); r = 1/w > 0
-    floor = float(torch.tensor(tag["eps"], dtype=torch.float32)) * (1 - 2 ** -20) if codec.endswith("logw") else 0.0
-    if not bool(torch.isfinite(sc).all()) or bool((sc[:, 0] > sc[:, 1]).any()) or bool((sc[:, 0] < floor).any()) \
-            or (floor == 0.0 and bool((sc[:, 0] <= 0).any())):
-        raise FormatError(f"codec {codec}: a group's range [lo, hi] of elements [{lo}, {hi}) is not finite, inverted "
-                          f"or below {'eps' if floor else 'zero'}: no encoder writes one")
-    dec = _c.decode_w if codec.endswith("logw") else _c.decode_v
-    return dec(codes, sc[:, 0], sc[:, 1], bits, g, tag["eps"], lo, hi - lo)

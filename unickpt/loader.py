@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from . import catalog as _catalog
+from . import codecs
 from ._copy import Windows, as_bytes, copy_runs, copy_window
 from ._metrics import Phases, gbps, human_bytes, log
 from .errors import (
@@ -785,7 +786,7 @@ def _read_all(entries, man: Manifest, storage, ckpt, verify, progress, rank=0, w
         ``shared``: read node-shared, when the tensor can be)."""
         for e in todo:
             st = man.tensors[e.key]
-            if st.codec != "raw":
+            if st.coder.coded:
                 failed, n_checked = _read_coded(e, st, man, files, verify)
                 counts["verified"] += n_checked
                 bad.extend(failed)
@@ -1069,16 +1070,15 @@ def _read_coded(e: Entry, st: TensorEntry, man: Manifest, files: "_Files", verif
     low halves and model weights) of each window are read, checked as they stream, decoded.
     Returns the ``(file, tensor)`` whose bytes failed their checks (the model weight's own,
     for a master decoded from it) and the bytes checked."""
-    from .compress import byte_ranges, decode_range
-
     local = e.local.detach()
     isz = local.element_size()
     direct = local.device.type == "cpu" and local.is_contiguous()
     out = local if direct else torch.empty(local.shape, dtype=local.dtype)
     dest = as_bytes(out)
-    tag = st.tag
-    model = man.tensors[("model", st.args["model"])] if st.codec in ("residual16", "from_model") else None
-    exc = st.exceptions if st.codec == "residual16" else None
+    tag, coder = st.tag, st.coder
+    model_name = coder.model_of(st.args)
+    model = man.tensors[("model", model_name)] if model_name is not None else None
+    exc = st.exceptions if coder.exceptions else None
     regions = [(p, man.files[st.file].data_start + part.begin, _StreamCheck(part.checksums)) for p, part in st.parts.items()]
     if model is not None:
         regions.append(("model", man.files[model.file].data_start + model.begin, _StreamCheck(model.checksums)))
@@ -1092,7 +1092,7 @@ def _read_coded(e: Entry, st: TensorEntry, man: Manifest, files: "_Files", verif
         lo = int(starts[i])
         j = max(i + 1, int(np.searchsorted(ends, lo + CODED_WINDOW, side="right")))
         hi = int(ends[j - 1])
-        ranges = byte_ranges(tag, lo, hi) if st.codec != "from_model" else {}
+        ranges = coder.byte_ranges(tag, lo, hi)
         if model is not None:
             misz = torch_dtype(model.dtype).itemsize
             ranges["model"] = (lo * misz, hi * misz)
@@ -1120,7 +1120,7 @@ def _read_coded(e: Entry, st: TensorEntry, man: Manifest, files: "_Files", verif
         windows += 1
         mt = got.pop("model").view(torch_dtype(model.dtype)) if model is not None else None
         try:
-            vals = decode_range(tag, got, lo, hi, mt, exc).to(local.dtype)
+            vals = codecs.decode_range(tag, got, lo, hi, mt, exc).to(local.dtype)
         except FormatError as e:
             raise FormatError(f"{st.file}: tensor {st.role}/{st.name}: {e}") from None
         copy_runs(as_bytes(vals), starts[i:j] - lo, dest, locs[i:j], lengths[i:j], isz)
@@ -1135,11 +1135,12 @@ def read_whole(storage, ckpt: str, man: Manifest, role: str, name: str, readers:
     """One stored tensor, whole (coded tensors decoded), with every checksum range verified
     (offline tools). ``readers`` caches open files (headers checked once); the caller closes them."""
     st = man.tensors[(role, name)]
-    files = [st.file] + ([man.tensors[("model", st.args["model"])].file] if st.codec in ("residual16", "from_model") else [])
+    model_name = st.coder.model_of(st.args)
+    files = [st.file] + ([man.tensors[("model", model_name)].file] if model_name is not None else [])
     for f in files:
         if f not in readers:
             readers[f] = open_file(storage, ckpt, man, f)
-    if st.codec != "raw":
+    if st.coder.coded:
         x = torch.empty(st.shape, dtype=torch_dtype(st.dtype))
         shim = _Files(storage, ckpt, man)
         shim.readers = readers
@@ -1194,7 +1195,7 @@ def _verify_share(man: Manifest, storage, ckpt, comm: Comm, already: set, sees: 
     else:  # node-local: every rank takes part, whatever it sees
         sees_all = [set(json.loads(b)) for b in comm.all_gather_bytes(json.dumps(sorted(sees)).encode(), "load (the files each node sees)")]
     for t in sorted(man.tensors.values(), key=lambda t: (-t.nbytes, t.role, t.name)):
-        if t.codec == "from_model":
+        if not t.coder.stores:
             continue
         cands = [k for k in range(comm.world) if t.file in sees_all[k]] or list(range(comm.world))
         r = min(cands, key=lambda k: (loads[k], k))

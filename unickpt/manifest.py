@@ -22,6 +22,8 @@ from typing import Any
 
 import xxhash
 
+from . import codecs
+from .codecs import MAX_BLOCK, Codec, Raw
 from .errors import FormatError
 from .format import DTYPES, MAX_DIMS, itemsize, valid_shape
 from .names import (_RESERVED, BYTES_KEY, FLOAT_KEY, FLOAT_NAMES, MAX_BYTES, MAX_DEPTH, PER_RANK_KEY, RANK_VALUE_KEY,
@@ -38,9 +40,6 @@ MANIFEST_BASE = 16 << 20  # a manifest may always be this large; beyond, 4 bytes
 DIGEST_KEY = "manifest_xxh3_128"
 _DIGEST_TAIL = re.compile(rb',"manifest_xxh3_128":"([0-9a-f]{32})"\}\s*\Z')
 _AUX = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
-CODECS = ("raw", "q8_sym", "q8_logw", "q4_logm", "q4_logw", "q4_sym", "q8_rinv", "q4_rinv", "residual16", "from_model")
-QUANT = ("q8_sym", "q8_logw", "q4_logm", "q4_logw", "q4_sym", "q8_rinv", "q4_rinv")
-MAX_BLOCK = 1 << 20  # largest O2 block a reader accepts (bounds decoding scratch memory)
 
 _FILE = re.compile(r"^[a-z][a-z0-9_]{0,31}-\d{5,}-of-\d{5,}(\.[0-9a-f]{16})?\.safetensors$")
 _ROLE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
@@ -106,21 +105,27 @@ class TensorEntry:
     begin: int  # byte offsets inside the file's data section (as in the safetensors header)
     end: int
     checksums: tuple[tuple[int, int, str], ...]  # (begin, end, xxh3) tiling the stored bytes
-    codec: str = "raw"
+    codec: str = Raw.name  # the name of its codec (unickpt.codecs; ``coder`` is the object)
     writer: int = 0
     parts: dict[str, Part] = field(default_factory=dict)  # coded tensors: codes/scales, low16
     args: dict[str, Any] = field(default_factory=dict)  # codec arguments (group, eps, model...)
 
     @property
+    def coder(self) -> Codec:
+        """The codec object of ``codec`` (:mod:`unickpt.codecs`; the name is checked when the
+        manifest is parsed)."""
+        return codecs.get(self.codec)
+
+    @property
     def nbytes(self) -> int:
         """Stored bytes (all parts of a coded tensor; 0 for masters rebuilt from the model)."""
-        if self.codec != "raw":
+        if self.coder.coded:
             return sum(p.nbytes for p in self.parts.values())
         return self.end - self.begin
 
     def stored(self) -> list[tuple[str, str, str, tuple[int, ...], int, int, tuple]]:
         """``(part, header key, dtype, shape, begin, end, checksums)`` of the bytes stored."""
-        if self.codec == "raw":
+        if not self.coder.coded:
             return [("", self.name, self.dtype, self.shape, self.begin, self.end, self.checksums)]
         return [(k, p.key, p.dtype, p.shape, p.begin, p.end, p.checksums) for k, p in sorted(self.parts.items())]
 
@@ -154,7 +159,7 @@ class TensorEntry:
             "codec": self.codec,
             "writer": self.writer,
         }
-        if self.codec != "raw":
+        if self.coder.coded:
             out["parts"] = {k: p.to_json() for k, p in sorted(self.parts.items())}
             out["codec_args"] = self.args
         return out
@@ -225,7 +230,7 @@ class Manifest:
         count its save recorded (``compression.lossy_generations``), else 1 when it holds
         quantized tensors (checkpoints before the count), else 0."""
         g = self.compression.get("lossy_generations")
-        per_tensor = max((t.args.get("generations", 1) for t in self.tensors.values() if t.codec in QUANT), default=0)
+        per_tensor = max((t.args.get("generations", 1) for t in self.tensors.values() if t.coder.quantized), default=0)
         # (the larger: a manifest whose record says fewer cycles than its tensors must not reset the budget)
         return max(g, per_tensor) if type(g) is int and g >= 0 else per_tensor
 
@@ -360,65 +365,15 @@ def _checksums(raw: list, nbytes: int, where: str) -> tuple[tuple[int, int, str]
     return tuple(out)
 
 
-def _check_quant_record(args: dict, codec: str, w: str) -> None:
-    """The optional record a quantized tensor carries: its rounding ``seed``, the lossy
-    ``generations`` its values have been through and its quantization ``error``."""
-    if codec == "q4_logm" and not (type(args.get("ratio")) is float and 1 < args["ratio"] <= 16):
-        raise FormatError(f"{w}: codec {codec} needs a ratio in (1, 16], got {args.get('ratio')!r}")
-    seed = args.get("seed", 0)
-    if type(seed) is not int or not 0 <= seed < 1 << 63:
-        raise FormatError(f"{w}: codec {codec}: seed must be an integer in [0, 2^63), got {seed!r}")
-    gen = args.get("generations", 1)
-    if type(gen) is not int or not 0 <= gen < 1 << 31:
-        raise FormatError(f"{w}: codec {codec}: generations must be an integer in [0, 2^31), got {gen!r}")
-    err = args.get("error", {})
-    if not isinstance(err, dict) or set(err) - {"rel_l2", "max_abs", "bias"} or not all(
-            type(v) in (int, float) and math.isfinite(v) and (k == "bias" or v >= 0) for k, v in err.items()):
-        raise FormatError(f"{w}: codec {codec}: error must hold finite numbers rel_l2 >= 0, max_abs >= 0, bias, "
-                          f"got {err!r}")
-
-
-def _parts(t: dict, codec: str, args: dict, dtype: str, shape: tuple[int, ...], fe: FileEntry, w: str,
+def _parts(t: dict, codec: Codec, args: dict, dtype: str, shape: tuple[int, ...], fe: FileEntry, w: str,
            name: str) -> dict[str, Part]:
     """Validate a coded tensor's arguments and parts against what its codec needs."""
-    from .compress import parts_of
-
-    n = math.prod(shape)
-    if codec in QUANT:
-        from .codecs import group_size
-
-        g = args.get("group")
-        if codec.startswith("q8"):
-            ok = g == group_size(shape, 8)  # one row (2048 for 1-D): fixed by the shape
-        else:
-            ok = type(g) is int and 2 <= g <= MAX_BLOCK and g % 2 == 0
-        if type(g) is not int or not ok:
-            raise FormatError(f"{w}: codec {codec} needs group {group_size(shape, 8) if codec.startswith('q8') else 'even, 2..' + str(MAX_BLOCK)} for shape {list(shape)}, got {g!r}")
-        if codec.endswith(("logw", "rinv")):
-            eps = args.get("eps")
-            if not (type(eps) is float and math.isfinite(eps) and eps > 0):
-                raise FormatError(f"{w}: codec {codec} needs eps > 0, got {eps!r}")
-        _check_quant_record(args, codec, w)
-        if dtype not in ("F32", "BF16", "F16", "F64"):
-            raise FormatError(f"{w}: codec {codec} stores a floating tensor, not {dtype}")
-        expect = {p: (dt, sh) for p, dt, sh in parts_of({"codec": codec, **args}, shape)}
-    elif codec == "residual16":
-        if dtype != "F32":
-            raise FormatError(f"{w}: codec residual16 stores an F32 tensor, not {dtype}")
-        expect = {"low16": ("I16", shape)}
-        exc = args.get("exceptions", [[], []])
-        if not (isinstance(exc, list) and len(exc) == 2 and all(isinstance(x, list) for x in exc)
-                and len(exc[0]) == len(exc[1]) and all(type(i) is int and 0 <= i < n for i in exc[0])
-                and all(a < b for a, b in zip(exc[0], exc[0][1:]))
-                and all(type(b) is int and -(1 << 31) <= b < (1 << 31) for b in exc[1])):
-            raise FormatError(f"{w}: residual16 exceptions must be [[increasing indices < {n}], [int32 bits]] of equal length")
-    else:  # from_model
-        expect = {}
+    expect = codec.check_record(args, dtype, shape, w)
     if not isinstance(args.get("model", ""), str):
         raise FormatError(f"{w}: codec_args.model must be a tensor name")
     raw = t.get("parts", {})
     if not isinstance(raw, dict) or set(raw) != set(expect):
-        raise FormatError(f"{w}: codec {codec} has parts {sorted(expect)}, the manifest lists {sorted(raw) if isinstance(raw, dict) else raw!r}")
+        raise FormatError(f"{w}: codec {codec.name} has parts {sorted(expect)}, the manifest lists {sorted(raw) if isinstance(raw, dict) else raw!r}")
     out = {}
     for p, (dt, sh) in expect.items():
         pw = f"{w} part {p!r}"
@@ -433,7 +388,7 @@ def _parts(t: dict, codec: str, args: dict, dtype: str, shape: tuple[int, ...], 
         psh = tuple(psh_raw)
         offs = _req(pj, "offsets", list, pw)
         if pdt != dt or psh != tuple(sh):
-            raise FormatError(f"{pw}: stored as {pdt} {list(psh)}, codec {codec} needs {dt} {list(sh)}")
+            raise FormatError(f"{pw}: stored as {pdt} {list(psh)}, codec {codec.name} needs {dt} {list(sh)}")
         if len(offs) != 2 or not all(type(o) is int for o in offs):
             raise FormatError(f"{pw}: offsets must be two integers")
         b, e = offs
@@ -506,35 +461,37 @@ def _parse(obj: Any, where: str) -> Manifest:
             offs = _req(t, "offsets", list, w)
             if len(offs) != 2 or not all(type(o) is int for o in offs):
                 raise FormatError(f"{w}: offsets must be two integers")
-            codec = t.get("codec", "raw")
-            if codec not in CODECS:
-                raise FormatError(f"{w}: unknown codec {codec!r} (this unickpt knows {', '.join(CODECS)})")
+            codec = t.get("codec", Raw.name)
+            if codec not in codecs.names():
+                raise FormatError(f"{w}: unknown codec {codec!r} (this unickpt knows {', '.join(codecs.names())})")
+            coder = codecs.get(codec)
             b, e = offs
             fe = files[fname]
             if not (0 <= b <= e <= fe.size - fe.data_start):
                 raise FormatError(f"{w}: offsets [{b}, {e}) fall outside file {fname!r}")
-            if codec == "raw" and e - b != math.prod(shape) * itemsize(dtype):
+            if not coder.coded and e - b != math.prod(shape) * itemsize(dtype):
                 raise FormatError(f"{w}: {e - b} bytes stored, expected {math.prod(shape) * itemsize(dtype)} for {dtype} {shape}")
             parts: dict[str, Part] = {}
             args: dict = {}
-            if codec == "raw":
+            if not coder.coded:
                 checksums = _checksums(_req(t, "checksums", list, w), e - b, w)
             else:
                 checksums = ()
                 args = _req(t, "codec_args", dict, w)
                 if "codec" in args:
                     raise FormatError(f"{w}: codec_args may not name a codec (the entry's 'codec' does)")
-                parts = _parts(t, codec, args, dtype, tuple(shape), fe, w, name)
+                parts = _parts(t, coder, args, dtype, tuple(shape), fe, w, name)
             tensors[(role, name)] = TensorEntry(
                 role, name, fname, dtype, tuple(shape), b, e, checksums, codec, _int(t.get("writer", 0), w), parts, args
             )
     for (role, name), t in tensors.items():
-        if t.codec in ("residual16", "from_model"):
+        c = t.coder
+        if c.needs_model:
             w = f"{where}: tensor {name!r} (role {role})"
             m = tensors.get(("model", t.args.get("model")))
-            if m is None or m.codec != "raw" or m.shape != t.shape or (t.codec == "residual16" and m.dtype != "BF16"):
+            if m is None or m.coder.coded or m.shape != t.shape or (c.model_dtype is not None and m.dtype != c.model_dtype):
                 raise FormatError(f"{w}: codec {t.codec} needs a raw model tensor {t.args.get('model')!r} of the same shape"
-                                  f"{' in BF16' if t.codec == 'residual16' else ''}")
+                                  f"{f' in {c.model_dtype}' if c.model_dtype else ''}")
     state, extra, saved_by = obj.get("state", {}), obj.get("extra", {}), obj.get("saved_by", {})
     if not isinstance(state, dict) or not isinstance(extra, dict) or not isinstance(saved_by, dict):
         raise FormatError(f"{where}: 'state', 'extra' and 'saved_by' must be objects")

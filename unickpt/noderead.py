@@ -139,7 +139,7 @@ def eligible(st: TensorEntry, isz: int, long: bool = False,
     targets (shared only for the access pattern) at most 1 MiB: larger ranges (format 1: one
     per tensor) would size each rank's part of the segment by the largest one. ``be``: its
     :func:`bounds`, when already known."""
-    if st.codec != "raw" or not st.checksums:
+    if st.coder.coded or not st.checksums:
         return False
     b, e = be if be is not None else bounds(st)
     return bool(int((e - b).max()) <= (CHECK_BLOCK if long else ROUND // 4) and not (b % isz).any())

@@ -26,9 +26,11 @@ from ._metrics import gbps, human_bytes, log
 from .errors import FormatError, InvalidArgumentError, StateDictError, UnickptError
 from .format import Hasher, block_sums, build_header, dtype_name, itemsize, order_key, torch_dtype
 from .loader import open_files, read_manifest, read_side_file, read_whole
-from .codecs import split_master
+from .codecs.kernels import split_master
 from .catalog import step_of_name
-from .compress import QUANT_CODECS, Compression, chunk_elems, encode_chunk, error_record, save_args, stored_parts, tag_for
+from . import codecs
+from .codecs import FromModel, Raw, Residual16, chunk_elems, encode_chunk, stored_parts
+from .compress import Compression, error_record, save_args, tag_for
 from .container import ZstdWriter
 from .manifest import INDEX_NAME, MANIFEST_NAME, FileEntry, name_problem, Manifest, Part, TensorEntry
 from .storage import storage_for
@@ -41,7 +43,7 @@ Progress = Callable[[int, int], None] | None
 
 class _Writer:
     """A new checkpoint written tensor by tensor, committed at the end. Tensors may carry a
-    codec tag (:mod:`unickpt.compress`): quantized moments are encoded whole, residual
+    codec tag (:mod:`unickpt.codecs`): quantized moments are encoded whole, residual
     masters are split against their model weight; ``zstd`` frames every non-model file."""
 
     def __init__(self, dst, overwrite: bool, zstd: int | None = None, step: int | None = None) -> None:
@@ -113,9 +115,10 @@ class _Writer:
     def write(self, role: str, name: str, x: torch.Tensor, model: torch.Tensor | None = None) -> None:
         """Store full tensor ``x`` as its tag says (``model``: the bf16 weight of a residual master)."""
         tag = self.meta[(role, name)][2]
-        if tag is None:
+        codec = codecs.get(tag["codec"]) if tag is not None else None
+        if codec is None:
             self._put(role, name, "", x)
-        elif tag["codec"] in QUANT_CODECS:
+        elif codec.quantized:
             step = chunk_elems(tag, 1 << 24)  # bounded temporaries for huge tensors
             flat = x.reshape(-1)
             stats: list = []
@@ -123,7 +126,7 @@ class _Writer:
                 for part, off, data in encode_chunk(tag, flat[a : a + step], a, f"tensor {name!r} (role {role})", stats):
                     self._put(role, name, part, data, off)
             self.args.setdefault((role, name), {})["error"] = error_record(stats)
-        elif tag["codec"] == "residual16":
+        elif codec.exceptions:  # a residual master
             res = split_master(x, model)
             self._put(role, name, "low16", res.low)
             self.args[(role, name)] = {"exceptions": [res.exc_index.tolist(), res.exc_bits.tolist()]}
@@ -145,9 +148,9 @@ class _Writer:
         self.writers.clear()
         tensors = {}
         for (role, name), (dt, shape, tag) in self.meta.items():
-            if tag is not None and tag["codec"] == "from_model":
+            if tag is not None and not codecs.get(tag["codec"]).stores:  # a dropped master: its model's file
                 m = tensors.get(("model", tag["model"])) or self._entry("model", tag["model"])
-                tensors[(role, name)] = TensorEntry(role, name, m.file, dt, shape, 0, 0, (), "from_model", 0, {},
+                tensors[(role, name)] = TensorEntry(role, name, m.file, dt, shape, 0, 0, (), tag["codec"], 0, {},
                                                     {"model": tag["model"]})
             else:
                 tensors[(role, name)] = self._entry(role, name)
@@ -187,7 +190,7 @@ class _Writer:
 
         if tag is None:
             info = infos[""]
-            return TensorEntry(role, name, fname, info.dtype, info.shape, info.begin, info.end, sums("", info.nbytes), "raw", 0)
+            return TensorEntry(role, name, fname, info.dtype, info.shape, info.begin, info.end, sums("", info.nbytes), Raw.name, 0)
         parts = {p: Part(i.name, i.dtype, i.shape, i.begin, i.end, sums(p, i.nbytes)) for p, i in infos.items()}
         args = {k: v for k, v in tag.items() if k != "codec"}
         args.update(self.args.get((role, name), {}))
@@ -269,23 +272,23 @@ def reshard_offline(
         m = models.get(t.name)
         if t.role == "master" and m is not None and m.shape == t.shape:
             if master == "drop":
-                tag = {"codec": "from_model", "model": t.name}
+                tag = {"codec": FromModel.name, "model": t.name}
             elif master == "residual" and t.dtype == "F32" and m.dtype == "BF16":
-                tag = {"codec": "residual16", "model": t.name}
+                tag = {"codec": Residual16.name, "model": t.name}
         entries.append((t.role, t.name, t.dtype, t.shape, tag))
-    applied = {tag["codec"] for *_, tag in entries if tag}
-    if master != "full" and not applied & {"residual16", "from_model"}:  # recorded as it was applied
+    applied = {codecs.get(tag["codec"]) for *_, tag in entries if tag}
+    if master != "full" and not any(c.needs_model for c in applied):  # recorded as it was applied
         log.warning("reshard %s: master=%r applies to no tensor (no master role, or no master of a model weight of "
                     "its name and shape%s): masters are stored as they are", ckpt, master,
                     ", bf16 for residual" if master == "residual" else "")
         comp = dataclasses.replace(comp, master="full")
-    if quant in ("O1", "O2") and not applied & set(QUANT_CODECS):
+    if quant in ("O1", "O2") and not any(c.quantized for c in applied):
         log.warning("reshard %s: quant=%r applies to no tensor (no Adam moments, exp_avg/exp_avg_sq, in the "
                     "optimizer role): stored as they are", ckpt, quant)
         comp = dataclasses.replace(comp, quant="O0")
     readers: dict = {}  # every source file checked before anything of the claimed size is created
-    open_files(src_storage, ckpt, man, {man.tensors[(t.role, t.name)].file for t in keep if t.codec != "from_model"}
-               | {man.tensors[("model", t.args["model"])].file for t in keep if t.codec in ("residual16", "from_model")},
+    open_files(src_storage, ckpt, man, {man.tensors[(t.role, t.name)].file for t in keep if t.coder.stores}
+               | {man.tensors[("model", m)].file for t in keep for m in [t.coder.model_of(t.args)] if m is not None},
                readers)
     try:
         w = _Writer(dst, overwrite, zstd, step=man.step)
@@ -296,9 +299,10 @@ def reshard_offline(
     total, done = sum(math.prod(t.shape) * itemsize(t.dtype) for t in keep), 0
     try:
         for role, name, dt, shape, tag in w.layout(entries, max_file_bytes):
-            if tag is None or tag["codec"] != "from_model":
+            codec = codecs.get(tag["codec"]) if tag is not None else None
+            if codec is None or codec.stores:
                 x = read_whole(src_storage, ckpt, man, role, name, readers)
-                model = read_whole(src_storage, ckpt, man, "model", name, readers) if tag and tag["codec"] == "residual16" else None
+                model = read_whole(src_storage, ckpt, man, "model", name, readers) if codec and codec.needs_model else None
                 w.write(role, name, x, model)
             done += math.prod(shape) * itemsize(dt)
             if progress:
@@ -353,7 +357,7 @@ def _compression_record(comp: Compression, generations: int, entries: list) -> d
     """The manifest's ``compression``: the options applied and the lossy generations of the
     values (one more when this rewrite quantizes)."""
     rec = comp.to_json() if comp.active else {}
-    g = generations + (1 if any(tag and tag["codec"] in QUANT_CODECS for *_, tag in entries) else 0)
+    g = generations + (1 if any(tag and codecs.get(tag["codec"]).quantized for *_, tag in entries) else 0)
     if g:
         rec["lossy_generations"] = g
     return rec or None

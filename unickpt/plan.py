@@ -24,7 +24,8 @@ import zstandard
 
 from .errors import LayoutError
 from .format import build_header, itemsize, order_key
-from .compress import QUANT_CODECS, stored_parts
+from . import codecs
+from .codecs import stored_parts
 from .layout import FlatUnit, Layout, Runs, intersect
 from .rules import FlatGeo, Unit, UnitSet, boxes_tile
 from .state import Entry
@@ -59,7 +60,7 @@ class TensorPlan:
     begin: int = 0  # byte offsets inside the file's data section
     end: int = 0
     direct: bool = False  # holders write their own runs in place; nothing travels
-    codec: dict | None = None  # codec tag (unickpt.compress); None: stored as is
+    codec: dict | None = None  # codec tag (unickpt.codecs); None: stored as is
     parts: dict[str, tuple[str, str, tuple[int, ...], int, int]] = field(default_factory=dict)
     """Quantized tensors: part -> (header key, dtype, shape, begin, end) in the file."""
     copies: list = field(default_factory=list)
@@ -112,7 +113,7 @@ class TensorPlan:
 
     @property
     def quantized(self) -> bool:
-        return self.codec is not None and self.codec["codec"] in QUANT_CODECS
+        return self.codec is not None and codecs.get(self.codec["codec"]).quantized
 
     def stored(self) -> list[tuple[str, str, str, tuple[int, ...]]]:
         """``(part, header key, dtype, shape)`` of what the file holds for this tensor."""

@@ -31,9 +31,10 @@ __all__ = ["files_needed", "load_remote"]
 
 def files_needed(man: Manifest, key: tuple[str, str]) -> set[str]:
     st = man.tensors[key]
-    out = {st.file} if st.codec != "from_model" else set()
-    if st.codec in ("residual16", "from_model"):
-        out.add(man.tensors[("model", st.args["model"])].file)
+    out = {st.file} if st.coder.stores else set()
+    model = st.coder.model_of(st.args)
+    if model is not None:
+        out.add(man.tensors[("model", model)].file)
     return out
 
 
@@ -61,18 +62,8 @@ def _boundaries(man: Manifest, key: tuple[str, str]) -> np.ndarray:
     """Global element indices where a checksummed range of the stored tensor starts (the
     primary region: raw bytes, codes, low halves, or the model weight of a dropped master)."""
     st = man.tensors[key]
-    if st.codec == "raw":
-        sums, per = st.checksums, torch_dtype(st.dtype).itemsize
-    elif st.codec == "from_model":
-        m = man.tensors[("model", st.args["model"])]
-        sums, per = m.checksums, torch_dtype(m.dtype).itemsize
-    elif st.codec == "residual16":
-        m = man.tensors[("model", st.args["model"])]
-        low = {b // 2 for b, _, _ in st.parts["low16"].checksums}
-        return np.array(sorted(low | {b // torch_dtype(m.dtype).itemsize for b, _, _ in m.checksums}), dtype=np.int64)
-    else:
-        sums, per = st.parts["codes"].checksums, (1 if st.codec.startswith("q8") else 0.5)
-    return np.array(sorted({int(b / per) for b, _, _ in sums}), dtype=np.int64)
+    model = st.coder.model_of(st.args)
+    return st.coder.range_starts(st, man.tensors[("model", model)] if model is not None else None)
 
 
 def _chunks(lay: Layout, bounds: np.ndarray, isz: int, bucket: int) -> list[tuple[int, int]]:

@@ -9,6 +9,7 @@ from typing import Mapping
 import torch
 
 from .._metrics import log
+from ..codecs import FromModel, Raw, get
 from ..compress import EXCEPTION_WARN, Compression, error_record, merge_error
 from ..errors import UnickptError
 from ..format import Hasher
@@ -77,12 +78,12 @@ def build_manifest(plan: SavePlan, reports: list[dict], step, json_state, extra,
         k = f"{t.role}/{t.name}"
         if t.codec is None:
             ext = _tiled(checksums.get(k, []), t.nbytes, what)
-            tensors[t.key] = TensorEntry(t.role, t.name, name_of(t.file), t.dtype, t.shape, t.begin, t.end, ext, "raw",
+            tensors[t.key] = TensorEntry(t.role, t.name, name_of(t.file), t.dtype, t.shape, t.begin, t.end, ext, Raw.name,
                                          t.writer)
             continue
         codec = t.codec["codec"]
         args = {a: v for a, v in t.codec.items() if a != "codec"}
-        if codec == "residual16":
+        if get(codec).exceptions:  # a residual master: every rank's exceptions, in index order
             idx, bits = excs.get(k, [[], []])
             order = sorted(range(len(idx)), key=idx.__getitem__)
             args["exceptions"] = [[idx[i] for i in order], [bits[i] for i in order]]
@@ -105,7 +106,7 @@ def build_manifest(plan: SavePlan, reports: list[dict], step, json_state, extra,
                                      parts, args)
     for (role, name), (dt, shape, model) in (dropped or {}).items():
         m = tensors[("model", model)]
-        tensors[(role, name)] = TensorEntry(role, name, m.file, dt, tuple(shape), 0, 0, (), "from_model", m.writer,
+        tensors[(role, name)] = TensorEntry(role, name, m.file, dt, tuple(shape), 0, 0, (), FromModel.name, m.writer,
                                             {}, {"model": model})
     files = {}
     for f in plan.files:

@@ -14,7 +14,8 @@ import torch
 
 from .._copy import as_bytes, copy_runs
 from .._metrics import log
-from ..compress import Compression, encode_chunk, save_args
+from ..codecs import encode_chunk
+from ..compress import Compression, save_args
 from ..container import ZstdWriter
 from ..errors import UnickptError
 from ..format import BlockHasher, block_sums, torch_dtype

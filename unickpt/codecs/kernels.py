@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .errors import UnickptError
+from ..errors import UnickptError
 
 __all__ = [
     "CodecError",
