@@ -21,7 +21,7 @@ _CTX = None
 #: ~1.5-2.3 s on a CI core, per rank and job), the FSDP2 tests transformers' Llama (~1.4 s)
 PRELOAD = ["torch", "torch.distributed", "torch._inductor", "torch.distributed.tensor", "torch.distributed.checkpoint",
            "torch.distributed.fsdp", "transformers.models.llama.modeling_llama", "psutil", "unickpt", "unickpt.train",
-           "unickpt.saving.pipeline", "unickpt.loader", "unickpt.async_save"]
+           "unickpt.saving.pipeline", "unickpt.loading", "unickpt.async_save"]
 
 
 def _ctx():

@@ -230,7 +230,8 @@ def _is_direct(fd: int) -> bool:
 
 def install(config: dict) -> Faults:
     """Put a :class:`FaultyStorage` with ``config`` behind the storage seam of this process."""
-    import unickpt.loader
+    import unickpt.loading.locate
+    import unickpt.loading.pipeline
     import unickpt.saving.pipeline
 
     uninstall()
@@ -242,7 +243,7 @@ def install(config: dict) -> Faults:
         return (FaultyStorage(faults) if type(storage) is _st.LocalStorage else storage), p
 
     _REAL["storage_for"] = real
-    for mod in (_st, unickpt.saving.pipeline, unickpt.loader):
+    for mod in (_st, unickpt.saving.pipeline, unickpt.loading.pipeline, unickpt.loading.locate):
         setattr(mod, "storage_for", storage_for)
     if config.get("short_writes") or config.get("pwrite_error"):
         _REAL["pwrite"], _REAL["write"] = os.pwrite, os.write
@@ -270,12 +271,13 @@ def _failing_fallocate(faults: Faults, code: int):
 
 
 def uninstall() -> None:
-    import unickpt.loader
+    import unickpt.loading.locate
+    import unickpt.loading.pipeline
     import unickpt.saving.pipeline
 
     real = _REAL.pop("storage_for", None)
     if real is not None:
-        for mod in (_st, unickpt.saving.pipeline, unickpt.loader):
+        for mod in (_st, unickpt.saving.pipeline, unickpt.loading.pipeline, unickpt.loading.locate):
             setattr(mod, "storage_for", real)
     if "pwrite" in _REAL:
         os.pwrite, os.write = _REAL.pop("pwrite"), _REAL.pop("write")

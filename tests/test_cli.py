@@ -279,13 +279,13 @@ def test_inspect_into_a_closed_pipe_exits_141_quietly(tmp_path, as_json):
 
 SLOW_VERIFY = """
 import sys, time
-import unickpt.loader
-real = unickpt.loader.check_stored
+import unickpt.loading.verify
+real = unickpt.loading.verify.check_stored
 def slow(*a, **k):
     print("checking", file=sys.stderr, flush=True)
     time.sleep(600)
     return real(*a, **k)
-unickpt.loader.check_stored = slow
+unickpt.loading.verify.check_stored = slow
 import unickpt.cli
 sys.exit(unickpt.cli.main(sys.argv[1:]))
 """

@@ -353,7 +353,7 @@ def _node_local_fails_on_rank_1(rank, world, root, where):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from unickpt import loader
+    import unickpt.dcp as loader  # (the reader's reads: unickpt.loading.session.read_all, as dcp calls it)
 
     os.environ["UNICKPT_NODE_ID"] = f"n{rank}"  # two "nodes", one rank each, each its own disk
     full = torch.arange(48, dtype=torch.float32).view(8, 6)
@@ -361,7 +361,7 @@ def _node_local_fails_on_rank_1(rank, world, root, where):
                  os.path.join(root, "{node}", "step-00000001"))
     reader = udcp.StorageReader(os.path.join(root, "{node}"), verify="full", timeout_s=600)
     if rank == 1 and where == "reading":  # its own reads fail: its peer must not wait in the verification
-        real, calls = loader._read_all, []
+        real, calls = loader.read_all, []
 
         def failing(*a, **k):  # its own reads come first; the reads it serves for its peer after
             calls.append(1)
@@ -369,7 +369,7 @@ def _node_local_fails_on_rank_1(rank, world, root, where):
                 raise OSError(5, "injected read failure")
             return real(*a, **k)
 
-        loader._read_all = failing
+        loader.read_all = failing
     if rank == 1 and where == "targets":  # a failure before its reads: its peer must not wait for them
         def broken(self, *a, **k):
             raise RuntimeError("injected planning failure")

@@ -740,7 +740,7 @@ def test_the_ranges_a_target_touches_are_those_its_byte_runs_overlap():
     import numpy as np
 
     from unickpt import noderead
-    from unickpt.loader import _StreamCheck
+    from unickpt.loading.verify import StreamCheck as _StreamCheck
 
     rng = np.random.default_rng(5)
     for trial in range(300):

@@ -286,9 +286,9 @@ def test_inspect_escapes_control_characters(ck):
 
 
 def test_a_load_racing_an_overwrite_says_the_checkpoint_changed(ck, monkeypatch):
-    from unickpt import loader
+    from unickpt.loading import target as loader
 
-    real = loader._validate
+    real = loader.validate
 
     def validate_then_overwrite(*a, **kw):
         out = real(*a, **kw)
@@ -297,7 +297,7 @@ def test_a_load_racing_an_overwrite_says_the_checkpoint_changed(ck, monkeypatch)
         unickpt.save({"model": {**other["model"], "big": other["model"]["big"]}}, ck, overwrite=True)
         return out
 
-    monkeypatch.setattr(loader, "_validate", validate_then_overwrite)
+    monkeypatch.setattr(loader, "validate", validate_then_overwrite)
     with pytest.raises(CheckpointChangedError, match="replaced"):
         unickpt.load({"model": {"big": torch.zeros(4 * H, H)}}, ck, group="local", strict=False)
 
@@ -542,7 +542,7 @@ def test_a_temporary_without_owner_record_is_swept_after_a_short_grace(tmp_path)
 def test_coded_windows_decode_only_verified_bytes(tmp_path, monkeypatch):
     """O1 moments read window by window (windows shrunk to force many): sliced loads equal the
     whole decode, and a flipped code byte in the slice is caught."""
-    from unickpt import loader
+    from unickpt.loading import coded
 
     g = torch.Generator().manual_seed(1)
     w = torch.randn(64, 96, generator=g)
@@ -552,7 +552,7 @@ def test_coded_windows_decode_only_verified_bytes(tmp_path, monkeypatch):
     unickpt.save(sd, p, quant="O1")
     whole = {"optimizer": {"w.exp_avg": torch.zeros(64, 96)}}
     unickpt.load(whole, p, group="local", strict=False)
-    monkeypatch.setattr(loader, "CODED_WINDOW", 200)
+    monkeypatch.setattr(coded, "CODED_WINDOW", 200)
     for target in (unickpt.shard(torch.zeros(64, 40), (64, 96), offsets=(0, 50)),
                    unickpt.shard(torch.zeros(1000), (64, 96), flat=(1234, 2234))):
         unickpt.load({"optimizer": {"w.exp_avg": target}}, p, group="local", strict=False)
@@ -569,11 +569,11 @@ def test_coded_windows_decode_only_verified_bytes(tmp_path, monkeypatch):
 
 
 def test_a_load_racing_retention_says_the_checkpoint_changed(tmp_path, monkeypatch):
-    from unickpt import loader
+    from unickpt.loading import target as loader
 
     root = tmp_path / "root"
     unickpt.save(_state(), root / "step-00000001", step=1)
-    real = loader._validate
+    real = loader.validate
 
     def validate_then_retire(*a, **kw):  # a newer save commits, retention removes the one being read
         out = real(*a, **kw)
@@ -581,7 +581,7 @@ def test_a_load_racing_retention_says_the_checkpoint_changed(tmp_path, monkeypat
         unickpt.retain(root, 1)
         return out
 
-    monkeypatch.setattr(loader, "_validate", validate_then_retire)
+    monkeypatch.setattr(loader, "validate", validate_then_retire)
     with pytest.raises(CheckpointChangedError, match="replaced or removed"):
         unickpt.load({"model": {"big": torch.zeros(4 * H, H)}}, root, group="local", strict=False)
 

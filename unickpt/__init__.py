@@ -31,7 +31,7 @@ from . import errors
 # before the CLI's ``main`` runs, so that a Ctrl-C while torch loads is handled there.
 _LAZY = {
     "Layout": ".layout", "ShardedTensor": ".layout", "partition_flat": ".layout", "shard": ".layout",
-    "LoadResult": ".loader", "LoadOptions": ".loader", "load": ".loader", "read_manifest": ".loader",
+    "LoadResult": ".loading", "LoadOptions": ".loading", "load": ".loading", "read_manifest": ".loading",
     "AsyncSave": ".async_save", "load_for_inference": ".inference", "SaveResult": ".saving", "SaveOptions": ".saving",
     "save": ".api", "save_async": ".api", "start_async_writer": ".api", "UnifiedCheckpoint": ".manager",
     "Compression": ".compress", "PerRank": ".state", "per_rank": ".state",
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from .compress import Compression
     from .inference import load_for_inference
     from .layout import Layout, ShardedTensor, partition_flat, shard
-    from .loader import LoadOptions, LoadResult, load, read_manifest
+    from .loading import LoadOptions, LoadResult, load, read_manifest
     from .manager import UnifiedCheckpoint
     from .saving import SaveOptions, SaveResult
     from .state import PerRank, per_rank

@@ -166,7 +166,7 @@ def _source(path: str, what: str = "checkpoint directory") -> str:
 
 
 def _read_manifest(path: str):
-    from .loader import read_manifest
+    from .loading import read_manifest
 
     return read_manifest(_source(path))
 
@@ -367,7 +367,8 @@ def verify_checkpoint(ckpt: str, man: Manifest, progress: Progress = None, node:
     import torch
 
     from .format import Hasher
-    from .loader import WINDOW, check_stored, open_file
+    from .loading.files import open_file
+    from .loading.verify import WINDOW, check_stored
     from .storage import storage_for
 
     storage, _ = storage_for(ckpt)
@@ -615,7 +616,7 @@ def _start_up() -> None:
     import importlib
 
     importlib.import_module("torch")
-    importlib.import_module(".loader", __package__)
+    importlib.import_module(".loading", __package__)
 
 
 def _cli_wording(message: str) -> str:

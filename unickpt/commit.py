@@ -245,7 +245,7 @@ def retain(storage: Storage, root: str, keep: int, node: str | None = None, time
     if type(keep) is not int or keep < 1:
         raise InvalidArgumentError(f"keep must be an integer of at least 1, got {keep!r}")
     steps = committed_steps(storage, root)
-    from .loader import open_files
+    from .loading.files import open_files
 
     for _, kept in steps[-keep:]:  # delete older ones only behind checkpoints that read
         try:

@@ -52,7 +52,10 @@ from torch.distributed.checkpoint.planner import (
 from torch.futures import Future
 
 from . import catalog as _catalog
-from . import loader as _loader
+from .loading import LoadOptions
+from .loading.locate import changed
+from .loading.session import read_all
+from .loading.verify import verify_share
 from .errors import (
     CheckpointChangedError,
     ChecksumError,
@@ -143,7 +146,7 @@ class StorageReader(_dcp_storage.StorageReader):
     def __init__(self, path: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None,
                  verify: str = "auto", process_group=None, timeout_s: float | None = None) -> None:
         # checked as unickpt.load checks them (typed errors naming the argument)
-        _loader.LoadOptions(verify=verify, storage_options=storage_options, timeout_s=timeout_s)  # type: ignore[arg-type]
+        LoadOptions(verify=verify, storage_options=storage_options, timeout_s=timeout_s)  # type: ignore[arg-type]
         self.path = path
         self.storage_options = storage_options
         self.verify = verify
@@ -316,7 +319,7 @@ class StorageReader(_dcp_storage.StorageReader):
             commits.append((ri, target))
 
     def _read(self, entries: list[Entry], plan: LoadPlan, err: BaseException | None = None) -> None:
-        """unickpt's reading path (loader._read_all; node-local: remote.load_remote), then the
+        """unickpt's reading path (loading.session.read_all; node-local: remote.load_remote), then the
         checksum verdict. Raises typed errors naming file and tensor. Node-local, it is
         collective: a rank that failed before (``err``) still serves its peers' reads and
         meets them in every agreement, then raises ``err``."""
@@ -337,14 +340,14 @@ class StorageReader(_dcp_storage.StorageReader):
             entries = local
         try:
             if err is None:
-                _, _, bad = _loader._read_all(entries, man, storage, ckpt, verify, None, rank, world)
+                _, _, bad = read_all(entries, man, storage, ckpt, verify, None, rank, world)
         except Exception as e:
-            err = _loader._changed(storage, ckpt, man) or e
+            err = changed(storage, ckpt, man) or e
         if comm is not None:  # collective (every rank of dcp.load is in read_data), also after a failure
             from .remote import load_remote
 
             def read_for_peers(proxies, mode):
-                return _loader._read_all(proxies, man, storage, ckpt, mode, None, comm.rank, comm.world)
+                return read_all(proxies, man, storage, ckpt, mode, None, comm.rank, comm.world)
 
             _, _, bad2, _, e2 = load_remote(comm, remote, man, sees, read_for_peers, DEFAULT_BUCKET, verify)
             bad += bad2
@@ -355,15 +358,15 @@ class StorageReader(_dcp_storage.StorageReader):
             try:
                 done = {e.key for e in entries if e.layout.is_full}
                 if comm is not None:
-                    _, _, bad3 = _loader._verify_share(man, storage, ckpt, comm, done, sees)
+                    _, _, bad3 = verify_share(man, storage, ckpt, comm, done, sees)
                 else:  # shared storage: the share is dealt without talking (every rank sees every file)
-                    _, _, bad3 = _loader._verify_share(man, storage, ckpt, types.SimpleNamespace(rank=rank, world=world),
+                    _, _, bad3 = verify_share(man, storage, ckpt, types.SimpleNamespace(rank=rank, world=world),
                                                        done)
                 bad += bad3
             except Exception as e:
                 err = e
         if err is None and bad:
-            err = _loader._changed(storage, ckpt, man) or ChecksumError(
+            err = changed(storage, ckpt, man) or ChecksumError(
                 f"{ckpt}: damaged checkpoint: stored bytes do not match the manifest's checksums: "
                 + "; ".join(f"tensor {n!r} in {f}" for f, n in bad)
                 + " (the target state dict now holds unverified values: do not use it)", bad)

@@ -29,7 +29,9 @@ from ._metrics import gbps, human_bytes, log
 from .errors import CheckpointNotFoundError, FormatError, InvalidArgumentError, StorageError, TensorMissingError
 from .format import build_header, dtype_name, order_key, torch_dtype
 from .localfs import read_regular
-from .loader import open_files, read_manifest, read_side_file, read_whole
+from .loading import read_manifest
+from .loading.coded import read_whole
+from .loading.files import open_files, read_side_file
 from .manifest import INDEX_NAME, _finite_float, _no_constant
 from .storage import storage_for
 

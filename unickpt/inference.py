@@ -14,7 +14,8 @@ from ._metrics import log
 from .errors import InvalidArgumentError, LayoutError, TensorMissingError
 from .format import torch_dtype
 from .layout import Layout, ShardedTensor
-from .loader import LoadOptions, load, open_files, read_manifest
+from .loading import LoadOptions, load, read_manifest
+from .loading.files import open_files
 from .storage import storage_for
 from .transport import LOCAL
 

@@ -518,7 +518,7 @@ class UnifiedCheckpoint:
     # -- loads -------------------------------------------------------------------------------
 
     def _load(self, state: Mapping[str, Any], path: str, tier: str, avoid: list[str], check: Check | None) -> int:
-        from . import loader
+        from . import loading as loader
 
         t0 = time.perf_counter()
         group = "world" if self.group is None else self.group

@@ -25,7 +25,9 @@ from . import commit as _commit
 from ._metrics import gbps, human_bytes, log
 from .errors import FormatError, InvalidArgumentError, StateDictError, UnickptError
 from .format import Hasher, block_sums, build_header, dtype_name, itemsize, order_key, torch_dtype
-from .loader import open_files, read_manifest, read_side_file, read_whole
+from .loading import read_manifest
+from .loading.coded import read_whole
+from .loading.files import open_files, read_side_file
 from .codecs.kernels import split_master
 from .catalog import step_of_name
 from . import codecs
