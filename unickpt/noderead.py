@@ -634,60 +634,129 @@ class _Status:
 
 def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[SharedJob], keys, index, man,
             files, pool, verify: bool) -> tuple[int, str]:
-    """The rounds. Round ``k`` lives in buffer ``k % buffers``. Each rank reads its part of
-    every round as soon as that buffer is free (every rank scattered the round it held) and
-    publishes the round once its reads of it are done and hashed; it scatters round ``k`` once
-    every rank published it. The ranks meet only through the status words (:class:`_Status`):
-    no message per round, so no rank waits for another's turn on a core except for bytes it
-    needs. A failure sets this rank's flag and stops every rank of the node at its next wait;
-    a peer that dies is noticed within a poll, one that hangs within ``comm.timeout_s``. No
-    rank reads into a buffer before the node's first rank reserved it (:class:`_Segment`).
+    """The rounds (:class:`_Rounds`). Returns ``(ranges verified, how)``: ``"done"`` (every
+    job marked done), ``"failed"`` (a rank of the node failed; nothing marked done) or
+    ``"alone"`` (/dev/shm ran out of space before the last buffer was reserved, so no rank of
+    the node can finish the rounds; nothing marked done: the jobs are read alone)."""
+    return _Rounds(comm, node, plan, seg, jobs, keys, index, man, files, pool, verify).run()
 
-    Returns ``(ranges verified, how)``: ``"done"`` (every job marked done), ``"failed"`` (a
-    rank of the node failed; nothing marked done) or ``"alone"`` (/dev/shm ran out of space
-    before the last buffer was reserved, so no rank of the node can finish the rounds;
-    nothing marked done: the jobs are read alone)."""
-    slot = int(plan.part[-1])  # one round's buffer: one part per rank
-    nbuf = plan.buffers
-    me = plan.ranks.index(comm.rank)
-    st = _Status(seg, plan.ranks, me)
-    seen = st.peers_seen()
-    by_tensor: dict[int, list[SharedJob]] = {}
-    for j in jobs:
-        by_tensor.setdefault(index[j.st.key], []).append(j)
-    bad: set[int] = set()
-    checked = 0
-    inflight: dict[int, list] = {}
-    mine = plan.reader == me
-    state: dict = {"submitted": 0, "published": 0, "error": None, "closing": False, "alone": False}
-    lock = threading.RLock()
-    stream = ThreadPoolExecutor(1, thread_name_prefix="unickpt-share-read")
 
-    def read_hash(reader, offset: int, at: int, n: int, rows: np.ndarray) -> tuple[int, list[int]]:
+class _Rounds:
+    """Round ``k`` lives in buffer ``k % buffers``. Each rank reads its part of every round as
+    soon as that buffer is free (every rank scattered the round it held) and publishes the
+    round once its reads of it are done and hashed; it scatters round ``k`` once every rank
+    published it. The ranks meet only through the status words (:class:`_Status`): no message
+    per round, so no rank waits for another's turn on a core except for bytes it needs. A
+    failure sets this rank's flag and stops every rank of the node at its next wait; a peer
+    that dies is noticed within a poll, one that hangs within ``comm.timeout_s``. No rank
+    reads into a buffer before the node's first rank reserved it (:class:`_Segment`)."""
+
+    def __init__(self, comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[SharedJob], keys, index, man,
+                 files, pool, verify: bool) -> None:
+        self.comm, self.node, self.plan, self.seg, self.jobs = comm, node, plan, seg, jobs
+        self.keys, self.index, self.man, self.files, self.pool, self.verify = keys, index, man, files, pool, verify
+        self.slot = int(plan.part[-1])  # one round's buffer: one part per rank
+        self.nbuf = plan.buffers
+        self.st = _Status(seg, plan.ranks, plan.ranks.index(comm.rank))
+        self.seen = self.st.peers_seen()
+        self.by_tensor: dict[int, list[SharedJob]] = {}
+        for j in jobs:
+            self.by_tensor.setdefault(index[j.st.key], []).append(j)
+        self.bad: set[int] = set()
+        self.checked = 0
+        self.inflight: dict[int, list] = {}
+        self.mine = plan.reader == self.st.me
+        self.submitted = self.published = 0
+        self.error: BaseException | None = None
+        self.closing = self.alone = False
+        self.lock = threading.RLock()
+        self.stream = ThreadPoolExecutor(1, thread_name_prefix="unickpt-share-read")
+
+    def run(self) -> tuple[int, str]:
+        plan, man, keys = self.plan, self.man, self.keys
+        try:
+            try:
+                # every file this rank reads, opened here: the read threads then only look readers up
+                # (opening one reads and checks its header, which must not happen under the lock)
+                for name in sorted({man.tensors[keys[int(t)]].file for t in np.unique(plan.tensor[self.mine])}):
+                    self.files.get(name)
+                how = self._all_rounds()
+            except BaseException:
+                self.st.set(_FAIL, 1)  # every rank of the node stops at its next wait
+                raise
+        finally:  # reads still in flight write into the segment: wait for them before it goes
+            self._close()
+        if self.error is not None:  # this rank's read failed (whatever the wait saw first): it says why
+            raise self.error
+        bad_all: set[int] = set()
+        if how == "bad":  # a range did not match its checksum: the node learns which
+            gathered = self.node.gather(json.dumps(sorted(self.bad)).encode())
+            bad_all = {t for b in gathered.values() for t in json.loads(b)}
+        elif how != "done":
+            return self.checked, how
+        for j in self.jobs:
+            j.done((self.index[j.st.key] not in bad_all, 0))
+        return self.checked, "done"
+
+    def _close(self) -> None:
+        with self.lock:
+            self.closing = True
+        for futs in list(self.inflight.values()):
+            for f in futs:
+                f.cancel()
+                try:
+                    f.result()
+                except BaseException:
+                    pass
+        self.inflight.clear()
+        self.stream.shutdown(wait=True)
+        self.st.w = None  # the mapping can go now
+
+    def _all_rounds(self) -> str:
+        st, plan = self.st, self.plan
+        for k in range(plan.rounds):
+            got = self._wait(lambda: st.low(_READ) > k, f"read round {k + 1} of {plan.rounds}",
+                             lambda i: st.w[i, _READ] <= k)
+            if got != "ready":  # a rank failed (it reports why): every rank stops here; or no space
+                return got
+            self._scatter(k)
+            st.set(_USED, k + 1)
+        st.set(_BAD, 1 if self.bad else 0)
+        st.set(_DONE, 1)
+        # every rank finished: nobody sets a failure flag after this, so every rank sees the
+        # same words and takes the same branch below
+        got = self._wait(lambda: st.low(_DONE) == 1, "finish the reads", lambda i: not st.w[i, _DONE])
+        if got != "ready":
+            return got
+        return "bad" if int(st.w[:, _BAD].max()) else "done"
+
+    def _read_hash(self, reader, offset: int, at: int, n: int, rows: np.ndarray) -> tuple[int, list[int]]:
         """One read into the segment, then the checksum of every range it holds."""
-        view = memoryview(seg.map)[at : at + n]
+        plan = self.plan
+        view = memoryview(self.seg.map)[at : at + n]
         try:
             reader.readinto(offset, view)
-            if not verify:
+            if not self.verify:
                 return 0, []
             wrong = []
             for r in rows.tolist():
                 t, i = int(plan.tensor[r]), int(plan.rng[r])
                 a = int(plan.seg[r]) - int(plan.seg[rows[0]])
-                if Hasher.of(view[a : a + int(plan.end[r] - plan.begin[r])]) != man.tensors[keys[t]].checksums[i][2]:
+                if Hasher.of(view[a : a + int(plan.end[r] - plan.begin[r])]) != self.man.tensors[self.keys[t]].checksums[i][2]:
                     wrong.append(t)
             return len(rows), wrong
         finally:
             view.release()
 
-    def submit(k: int) -> list:
+    def _submit(self, k: int) -> list:
         """Queue this rank's reads of round ``k``: consecutive ranges of one tensor in one read
         of at most PIECE bytes. Local files (readers with ``sequential``): on this rank's one
         read thread, in file order after the previous round's; reads of one share in flight on
         several threads at once reach the disk as requests of half the size (the kernel's
         read-ahead loses track of the stream) and took 1.4x as long here (docs/performance.md).
         Other readers (object stores: each read a ranged GET): on the pool, in parallel."""
-        sel = np.flatnonzero((plan.round == k) & mine)
+        plan = self.plan
+        sel = np.flatnonzero((plan.round == k) & self.mine)
         out = []
         i = 0
         while i < len(sel):
@@ -696,92 +765,98 @@ def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[Shar
                    and plan.end[sel[j]] - plan.begin[sel[i]] <= PIECE):
                 j += 1
             rows = sel[i:j]
-            ent = man.tensors[keys[int(plan.tensor[rows[0]])]]
+            ent = self.man.tensors[self.keys[int(plan.tensor[rows[0]])]]
             b, n = int(plan.begin[rows[0]]), int(plan.end[rows[-1]] - plan.begin[rows[0]])
-            base = man.files[ent.file].data_start + ent.begin
-            out.append((read_hash, files.get(ent.file), base + b,
-                        plan.header + (k % nbuf) * slot + int(plan.seg[rows[0]]), n, rows))
+            base = self.man.files[ent.file].data_start + ent.begin
+            out.append((self._read_hash, self.files.get(ent.file), base + b,
+                        plan.header + (k % self.nbuf) * self.slot + int(plan.seg[rows[0]]), n, rows))
             i = j
         if all(getattr(a[1], "sequential", False) for a in out):
-            return [stream.submit(_in_order, out)]
-        return [pool.submit(*a) for a in out]  # object stores: ranged GETs in parallel
+            return [self.stream.submit(_in_order, out)]
+        return [self.pool.submit(*a) for a in out]  # object stores: ranged GETs in parallel
 
-    def advance() -> None:
+    def _advance(self) -> None:
         """Publish this rank's finished rounds (in order) and start the reads whose buffer is
         free. Runs on the read threads as each read finishes (so a round is published, and the
         next read started, while this thread scatters) and on this thread while it waits."""
-        nonlocal checked
-        with lock:  # re-entered when a read has finished before its callback is added: state is re-read
+        with self.lock:  # re-entered when a read has finished before its callback is added: state is re-read
             try:
-                while state["error"] is None and not state["closing"]:
-                    k = state["published"]
-                    if k < state["submitted"] and all(f.done() for f in inflight[k]):
-                        got = [f.result() for f in inflight[k]]  # a read's error is raised here
-                        del inflight[k]
-                        for n, wrong in got:
-                            checked += n
-                            bad.update(wrong)
-                        state["published"] = k + 1
-                        st.set(_READ, k + 1)
-                        continue
-                    # round a reuses the buffer of round a - nbuf: free once every rank scattered that
-                    a = state["submitted"]
-                    if a >= min(st.low(_USED) + nbuf, plan.rounds):
+                while self.error is None and not self.closing:
+                    if not self._publish() and not self._start_next():
                         return
-                    reserved = int(st.w[0, _ALLOC])  # buffers the node's first rank has reserved so far
-                    if reserved == _NO_SPACE:
-                        state["alone"] = True  # /dev/shm ran out: no rank can finish the rounds
-                        return
-                    if a % nbuf >= reserved:  # its buffer is not reserved yet (first pass only)
-                        return
-                    inflight[a] = submit(a)
-                    state["submitted"] = a + 1
-                    for f in inflight[a]:
-                        f.add_done_callback(lambda _: advance())
             except BaseException as e:  # told to the node's ranks now; raised on this rank's thread
-                state["error"] = e
-                st.set(_FAIL, 1)
+                self.error = e
+                self.st.set(_FAIL, 1)
 
-    def pump() -> None:
-        advance()
-        if state["error"] is not None:
-            raise state["error"]
+    def _publish(self) -> bool:
+        k = self.published
+        if not (k < self.submitted and all(f.done() for f in self.inflight[k])):
+            return False
+        got = [f.result() for f in self.inflight[k]]  # a read's error is raised here
+        del self.inflight[k]
+        for n, wrong in got:
+            self.checked += n
+            self.bad.update(wrong)
+        self.published = k + 1
+        self.st.set(_READ, k + 1)
+        return True
 
-    def wait(ready: Callable[[], bool], what: str, behind: Callable[[int], bool]) -> str:
+    def _start_next(self) -> bool:
+        # round a reuses the buffer of round a - nbuf: free once every rank scattered that
+        a = self.submitted
+        if a >= min(self.st.low(_USED) + self.nbuf, self.plan.rounds):
+            return False
+        reserved = int(self.st.w[0, _ALLOC])  # buffers the node's first rank has reserved so far
+        if reserved == _NO_SPACE:
+            self.alone = True  # /dev/shm ran out: no rank can finish the rounds
+            return False
+        if a % self.nbuf >= reserved:  # its buffer is not reserved yet (first pass only)
+            return False
+        self.inflight[a] = self._submit(a)
+        self.submitted = a + 1
+        for f in self.inflight[a]:
+            f.add_done_callback(lambda _: self._advance())
+        return True
+
+    def _wait(self, ready: Callable[[], bool], what: str, behind: Callable[[int], bool]) -> str:
         """Until ``ready()`` ("ready"), a rank of the node failed ("failed") or /dev/shm ran out
-        of space for the segment ("alone"); meanwhile this rank's reads go on (:func:`pump`).
-        ``behind(i)``: node position ``i`` holds the wait up."""
+        of space for the segment ("alone"); meanwhile this rank's reads go on. ``behind(i)``:
+        node position ``i`` holds the wait up."""
+        st, timeout = self.st, self.comm.timeout_s
         last, t_last, pause, poll = None, time.monotonic(), 0.0, 0.0
         while True:
-            pump()
+            self._advance()
+            if self.error is not None:
+                raise self.error
             if st.failed():
                 return "failed"
             if ready():
                 return "ready"
-            if state["alone"]:
+            if self.alone:
                 return "alone"
             now = time.monotonic()
             progress = st.w[:, (_READ, _USED, _DONE, _ALLOC)].tobytes()  # any progress by any rank of the node
             if progress != last:
                 last, t_last = progress, now
-            elif now - t_last > comm.timeout_s:
-                slow = [plan.ranks[i] for i in range(st.m) if behind(i)]
+            elif now - t_last > timeout:
+                slow = [self.plan.ranks[i] for i in range(st.m) if behind(i)]
                 raise DistributedError(f"load (node-shared reads): rank(s) {slow} did not {what} within "
-                                       f"{comm.timeout_s:g} s (a peer is hung, stopped or far slower; set "
+                                       f"{timeout:g} s (a peer is hung, stopped or far slower; set "
                                        "timeout_s or UNICKPT_TIMEOUT_S if it was only slow)")
             if now - poll > 0.1:
                 poll = now
-                gone = st.dead(seen)
+                gone = st.dead(self.seen)
                 if gone:
-                    raise DistributedError(f"load (node-shared reads): rank(s) {[plan.ranks[i] for i in gone]} of "
+                    raise DistributedError(f"load (node-shared reads): rank(s) {[self.plan.ranks[i] for i in gone]} of "
                                            "this node exited during the reads")
             time.sleep(pause)
             pause = min(0.0005, pause * 2 or 0.00005)
 
-    def scatter(k: int) -> None:
+    def _scatter(self, k: int) -> None:
+        plan, seg = self.plan, self.seg
         sel = np.flatnonzero(plan.round == k)
         for t in np.unique(plan.tensor[sel]).tolist():
-            if t not in by_tensor:
+            if t not in self.by_tensor:
                 continue
             rows = sel[plan.tensor[sel] == t]
             # stretches of ranges adjacent in the tensor and in the buffer
@@ -789,58 +864,6 @@ def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[Shar
                                  | (plan.seg[rows[1:]] != plan.seg[rows[:-1]] + plan.end[rows[:-1]] - plan.begin[rows[:-1]])) + 1
             for part in np.split(rows, cut):
                 ub, ue = int(plan.begin[part[0]]), int(plan.end[part[-1]])
-                at = plan.header + (k % nbuf) * slot + int(plan.seg[part[0]])
-                for j in by_tensor[t]:
+                at = plan.header + (k % self.nbuf) * self.slot + int(plan.seg[part[0]])
+                for j in self.by_tensor[t]:
                     copy_window(seg.bytes[at : at + ue - ub], ub // j.isz, ue // j.isz, j.windows, j.dest, j.isz)
-
-    def run() -> str:
-        for k in range(plan.rounds):
-            got = wait(lambda: st.low(_READ) > k, f"read round {k + 1} of {plan.rounds}",
-                       lambda i: st.w[i, _READ] <= k)
-            if got != "ready":  # a rank failed (it reports why): every rank stops here; or no space
-                return got
-            scatter(k)
-            st.set(_USED, k + 1)
-        st.set(_BAD, 1 if bad else 0)
-        st.set(_DONE, 1)
-        # every rank finished: nobody sets a failure flag after this, so every rank sees the
-        # same words and takes the same branch below
-        got = wait(lambda: st.low(_DONE) == 1, "finish the reads", lambda i: not st.w[i, _DONE])
-        if got != "ready":
-            return got
-        return "bad" if int(st.w[:, _BAD].max()) else "done"
-
-    try:
-        try:
-            # every file this rank reads, opened here: the read threads then only look readers up
-            # (opening one reads and checks its header, which must not happen under the lock)
-            for name in sorted({man.tensors[keys[int(t)]].file for t in np.unique(plan.tensor[mine])}):
-                files.get(name)
-            how = run()
-        except BaseException:
-            st.set(_FAIL, 1)  # every rank of the node stops at its next wait
-            raise
-    finally:  # reads still in flight write into the segment: wait for them before it goes
-        with lock:
-            state["closing"] = True
-        for futs in list(inflight.values()):
-            for f in futs:
-                f.cancel()
-                try:
-                    f.result()
-                except BaseException:
-                    pass
-        inflight.clear()
-        stream.shutdown(wait=True)
-        st.w = None  # the mapping can go now (the closures above form a cycle that outlives this call)
-    if state["error"] is not None:  # this rank's read failed (whatever the wait saw first): it says why
-        raise state["error"]
-    bad_all: set[int] = set()
-    if how == "bad":  # a range did not match its checksum: the node learns which
-        gathered = node.gather(json.dumps(sorted(bad)).encode())
-        bad_all = {t for b in gathered.values() for t in json.loads(b)}
-    elif how != "done":
-        return checked, how
-    for j in jobs:
-        j.done((index[j.st.key] not in bad_all, 0))
-    return checked, "done"
