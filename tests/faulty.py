@@ -9,8 +9,8 @@
 * asynchronous writers: a rank whose environment holds ``UNICKPT_TEST_FAULTS`` (JSON faults)
   when its writer starts gets that writer's storage broken (after :func:`mark_fault_points`).
 * :func:`writer_cannot_join`, :func:`writer_exits`: asynchronous writers (the checkpointer's
-  ``_writer_main``, set on one rank) whose set-up fails as the real one reports it, or that
-  exit silently before joining the writers' group.
+  ``unickpt.async_save.writer.main``, set on one rank) whose set-up fails as the real one
+  reports it, or that exit silently before joining the writers' group.
 * :func:`mark_fault_points`: the ``UNICKPT_FAULT`` points (``unickpt.commit._fault_point``)
   of this process, and of the asynchronous writer processes it starts, act only once the
   file ``$UNICKPT_MARK_DIR/armed`` exists, and then first create
@@ -310,16 +310,16 @@ def mark_fault_points(writers: bool = True) -> None:
         fault_point._marked = True
         c._fault_point = fault_point
     if writers:
-        import unickpt.async_save as a
+        from unickpt.async_save import writer
 
-        if a._writer_main is not writer_main:
-            _REAL.setdefault("writer_main", a._writer_main)
-            a._writer_main = writer_main  # what Checkpointer spawns (pickled by reference)
+        if writer.main is not writer_main:
+            _REAL.setdefault("writer_main", writer.main)
+            writer.main = writer_main  # what Checkpointer spawns (started by name)
 
 
 def writer_main(*args) -> None:
     """The asynchronous writer process, with marked fault points."""
-    import unickpt.async_save as a
+    from unickpt.async_save import writer
 
     mark_fault_points(writers=False)
     cfg = os.environ.get("UNICKPT_TEST_FAULTS")
@@ -327,7 +327,7 @@ def writer_main(*args) -> None:
         import json
 
         install(json.loads(cfg))
-    (_REAL.get("writer_main") or a._writer_main)(*args)
+    (_REAL.get("writer_main") or writer.main)(*args)
 
 
 def writer_cannot_join(conn, *args) -> None:

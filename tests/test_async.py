@@ -102,13 +102,14 @@ def test_writer_killed_mid_write_raises_everywhere_and_later_saves_work(tmp_path
 
 def _copy_fails(rank, world, root, bg):
     import unickpt.async_save as a
+    from unickpt.async_save import staging
 
     sd = _state(rank, world, scale=64)
     sd["model"]["norm"] = torch.ones(40)  # plain: the writers compare its copies before writing (not staged on rank 1)
     unickpt.save(sd, os.path.join(root, "step-00000001"), step=1, async_save=True).wait(timeout=120)
     if rank == 1:
         real = a.Checkpointer._copy
-        a.STAGE_CHUNK = 256 << 10  # the writer is told every 256 KiB copied: it starts on the first two entries
+        staging.STAGE_CHUNK = 256 << 10  # the writer is told every 256 KiB copied: it starts on the first two entries
 
         def copy(self, entries, staged, tell=None):
             real(self, entries[:2], staged, tell)  # part of the state is staged, then the copy fails

@@ -153,6 +153,7 @@ def _started_early(rank, world, root):
     import pytest
 
     from unickpt import async_save
+    from unickpt.async_save import rendezvous, segment
     from unickpt.errors import AsyncSaveError
 
     sd = {"model": {"w": unickpt.shard(torch.full((4, 3), float(rank)), (4 * world, 3), offsets=(4 * rank, 0))}}
@@ -179,30 +180,30 @@ def _started_early(rank, world, root):
     assert (c._proc.pid, c._seg) == (proc.pid, seg)  # the save used both
     async_save.shutdown()
 
-    real = async_save._Segment.__init__
+    real = segment.StagingSegment.__init__
     if rank == 1:  # staging that cannot be allocated on one rank: every rank raises at once
         def no_room(self, name, size, create):
             raise AsyncSaveError("no room for the staging (injected)")
 
-        async_save._Segment.__init__ = no_room
+        segment.StagingSegment.__init__ = no_room
     try:
         with pytest.raises(AsyncSaveError, match="no room for the staging"):
             unickpt.start_async_writer(sd)
     finally:
-        async_save._Segment.__init__ = real
+        segment.StagingSegment.__init__ = real
     async_save.shutdown()
 
-    serve = async_save._serve_rendezvous
+    serve = rendezvous.serve
     if rank == 0:  # no rendezvous for the writers' group: every rank learns it, none waits in the broadcast
         def no_port(timeout_s):
             raise RuntimeError("injected: no free port")
 
-        async_save._serve_rendezvous = no_port
+        rendezvous.serve = no_port
     try:
         with pytest.raises(AsyncSaveError, match="could not serve the writers' rendezvous"):
             unickpt.start_async_writer()
     finally:
-        async_save._serve_rendezvous = serve
+        rendezvous.serve = serve
     async_save.shutdown()
     return sorted(os.listdir(root))
 
@@ -407,9 +408,10 @@ def test_start_async_writer_leaves_the_staging_of_a_save_in_flight_alone(tmp_pat
 
     from tests import faulty
     from unickpt import async_save
+    from unickpt.async_save import writer
 
     async_save.shutdown()
-    monkeypatch.setattr(async_save, "_writer_main", faulty.writer_main)  # the writer installs these faults
+    monkeypatch.setattr(writer, "main", faulty.writer_main)  # the writer installs these faults
     monkeypatch.setenv("UNICKPT_TEST_FAULTS", json.dumps({"fsync_delay": 1.0}))
     sd = {"model": {"w": torch.arange(3_000_000, dtype=torch.float32)}}
     unickpt.start_async_writer(sd)
@@ -462,21 +464,22 @@ def _writer_fails_at_set_up(rank, world, root):
 
     from tests import faulty
     from unickpt import async_save
+    from unickpt.async_save import writer
     from unickpt.errors import AsyncSaveError
 
     sd = {"model": {"w": unickpt.shard(torch.full((4, 3), float(rank)), (4 * world, 3), offsets=(4 * rank, 0))}}
-    real = async_save._writer_main
+    real = writer.main
     for bad, said in ((faulty.writer_cannot_join, "writer group setup failed: injected"),
                       (faulty.writer_exits, r"exited \(exit code 3\) before joining the writers' group")):
         if rank == 1:
-            async_save._writer_main = bad
+            writer.main = bad
         if rank == 0:  # its own writer may fail first, at the gate rank 1's trainer closed
             said = f"{said}|rank 1's writer process \\(pid \\d+\\) exited before it joined the writers' group"
         try:  # reported by start_async_writer on every rank (one error type), not left to the first save
             with pytest.raises(AsyncSaveError, match=said):
                 unickpt.start_async_writer(sd)
         finally:
-            async_save._writer_main = real
+            writer.main = real
         # the peers' writers wait for a group that cannot form: stopped on every rank
         assert async_save.checkpointer()._proc is None
     unickpt.start_async_writer(sd)
@@ -505,17 +508,18 @@ def _writer_killed_while_a_save_starts_it(rank, world, root):
 
     from tests import faulty
     from unickpt import async_save
+    from unickpt.async_save import writer
     from unickpt.errors import AsyncSaveError
 
     sd = {"model": {"w": unickpt.shard(torch.full((4, 3), float(rank)), (4 * world, 3), offsets=(4 * rank, 0))}}
     unickpt.save(sd, os.path.join(root, "a"), step=1)
-    real = async_save._writer_main
+    real = writer.main
     if rank == 1:
-        async_save._writer_main = faulty.writer_starts_slowly
+        writer.main = faulty.writer_starts_slowly
     try:  # no start_async_writer(): this save starts the writers and returns while they start
         h = unickpt.save(sd, os.path.join(root, "b"), step=2, async_save=True)
     finally:
-        async_save._writer_main = real
+        writer.main = real
     if rank == 1:
         os.kill(async_save.checkpointer()._proc.pid, signal.SIGKILL)
         said = "the writer process of this rank died"

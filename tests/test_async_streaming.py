@@ -72,8 +72,9 @@ def _die_mid_copy(rank, world, root):
     import signal
 
     import unickpt.async_save as a
+    from unickpt.async_save import staging
 
-    a.STAGE_CHUNK = 64 << 10
+    staging.STAGE_CHUNK = 64 << 10
     sd = {"model": {f"w{i}": torch.full((512, 64), float(i)) for i in range(8)}}
     unickpt.save(sd, os.path.join(root, "step-00000001"), step=1, async_save=True).wait(timeout=120)
     c = a.checkpointer()
@@ -123,8 +124,9 @@ def _writer_killed_mid_copy(rank, world, root):
     import signal
 
     import unickpt.async_save as a
+    from unickpt.async_save import staging
 
-    a.STAGE_CHUNK = 64 << 10
+    staging.STAGE_CHUNK = 64 << 10
     sd = {"model": {f"w{i}": unickpt.shard(torch.full((512, 64), float(i + rank)), (1024, 64), offsets=(512 * rank, 0))
                     for i in range(8)}}
     unickpt.save(sd, os.path.join(root, "step-00000001"), step=1, async_save=True).wait(timeout=120)
@@ -162,14 +164,15 @@ def test_writer_killed_mid_background_copy_says_so(tmp_path):
 
 def _writer_refuses(rank, world, root):
     import unickpt.async_save as a
+    from unickpt.async_save import segment, staging
 
-    a.STAGE_CHUNK = 64 << 10
+    staging.STAGE_CHUNK = 64 << 10
     sd = {"model": {f"w{i}": torch.full((512, 64), float(i)) for i in range(8)}}
     real_seg, real_copy = a.Checkpointer._ensure_segment, a.Checkpointer._copy
 
     def ensure(self, size):
         real_seg(self, size)
-        os.unlink(os.path.join(a.SHM_DIR, self._seg.name))  # the writer cannot map it: it answers an error, exits
+        os.unlink(os.path.join(segment.SHM_DIR, self._seg.name))  # the writer cannot map it: it answers an error, exits
 
     def copy(self, entries, staged, tell=None):
         def slow(end, done=False):
@@ -235,8 +238,9 @@ def _fsdp_save_streamed(rank, world, root):
     import unickpt.async_save as a
     from tests.hf_models import fsdp, llama
     from tests.test_semantics import _llama_state, _llama_steps
+    from unickpt.async_save import staging
 
-    a.STAGE_CHUNK = 4096  # the writer is told of every ~4 KiB copied: reads wait inside tensors
+    staging.STAGE_CHUNK = 4096  # the writer is told of every ~4 KiB copied: reads wait inside tensors
     model = fsdp(llama(), world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     _llama_steps(model, opt, 2)
@@ -269,8 +273,9 @@ def _streamed(rank, world, root):
     reads only what has arrived: the segment still holds the previous save's values, so a
     read ahead of the copy would store them (with matching checksums)."""
     import unickpt.async_save as a
+    from unickpt.async_save import staging
 
-    a.STAGE_CHUNK = 256 << 10  # the writer is told every 256 KiB copied (each tensor in 4 blocks of rows)
+    staging.STAGE_CHUNK = 256 << 10  # the writer is told every 256 KiB copied (each tensor in 4 blocks of rows)
     old = _state(rank, world, scale=64)
     unickpt.save(old, os.path.join(root, "step-00000001"), step=1, async_save=True).wait(timeout=120)
     new = _state(rank, world, scale=64)
@@ -317,9 +322,10 @@ def test_a_streamed_copy_tells_the_writer_every_chunk_whatever_the_shape(monkeyp
     row (a streamed copy used to cut tensors only between rows: a 1 x N tensor arrived whole,
     and the writer waited for all of it), and each told prefix of the segment holds the state."""
     import unickpt.async_save as a
+    from unickpt.async_save import staging
     from unickpt.state import flatten
 
-    monkeypatch.setattr(a, "STAGE_CHUNK", 64 << 10)
+    monkeypatch.setattr(staging, "STAGE_CHUNK", 64 << 10)
     sd = {"model": {"row": torch.randn(1, 100_000), "col": torch.randn(3, 50_000).t(), "flat": torch.randn(70_000),
                     "scalar": torch.tensor(2.0)}}
     entries, _ = flatten(sd, 0, 1)
@@ -331,7 +337,7 @@ def test_a_streamed_copy_tells_the_writer_every_chunk_whatever_the_shape(monkeyp
 
         def tell(end, done=False):
             for e, row in zip(entries, staged.entries):  # what is told is there already
-                off, n = row[5], row[6]
+                off, n = row.offset, row.nbytes
                 if off + n <= end:
                     got = c._seg.tensor[off : off + n].view(e.local.dtype).view(e.local.shape)
                     assert torch.equal(got, e.local), e.name
@@ -341,10 +347,10 @@ def test_a_streamed_copy_tells_the_writer_every_chunk_whatever_the_shape(monkeyp
         ends = [t for t, _ in told]
         assert ends == sorted(ends) and len(ends) >= (4 * (100_000 + 70_000 + 150_000)) // (64 << 10) - 4
         rows = {e.name: row for e, row in zip(entries, staged.entries)}
-        inside = [t for t in ends if rows["row"][5] < t < rows["row"][5] + rows["row"][6]]
+        inside = [t for t in ends if rows["row"].offset < t < rows["row"].offset + rows["row"].nbytes]
         assert len(inside) >= 400_000 // (64 << 10) - 1  # the 1 x N tensor is told in blocks
         for e, row in zip(entries, staged.entries):
-            got = c._seg.tensor[row[5] : row[5] + row[6]].view(e.local.dtype).view(e.local.shape)
+            got = c._seg.tensor[row.offset : row.offset + row.nbytes].view(e.local.dtype).view(e.local.shape)
             assert torch.equal(got, e.local), e.name
     finally:
         c.close()

@@ -638,16 +638,16 @@ def test_a_writer_killed_after_the_rename_says_the_checkpoint_is_committed(tmp_p
 def test_a_dead_writers_message_tells_an_overwrites_old_checkpoint_from_its_own(tmp_path, aws_offline):
     """What a rank whose writer died says of the path: nothing there; the checkpoint that was
     there before an overwrite (its manifest unchanged: not this save's); a new one."""
-    from unickpt.async_save import _committed_now, _manifest_stat
+    from unickpt.async_save.handle import committed_now, manifest_stat
 
     p = str(tmp_path / "ck")
-    assert "is not committed now" in _committed_now(p, _manifest_stat(p))
+    assert "is not committed now" in committed_now(p, manifest_stat(p))
     unickpt.save(_state(0, 1, 1), p, step=1)
-    before = _manifest_stat(p)
-    assert "still holds the checkpoint that was there before this save" in _committed_now(p, before)
+    before = manifest_stat(p)
+    assert "still holds the checkpoint that was there before this save" in committed_now(p, before)
     unickpt.save(_state(0, 1, 2), p, step=2, overwrite=True)
-    assert "is committed" in _committed_now(p, before)
-    assert "outcome is unknown" in _committed_now("s3://bucket/ck", None)
+    assert "is committed" in committed_now(p, before)
+    assert "outcome is unknown" in committed_now("s3://bucket/ck", None)
 
 
 def _async_writer_disk_full(rank, world, root):

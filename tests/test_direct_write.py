@@ -191,7 +191,7 @@ def _async_odd_pieces(rank, world, root):
     # after a save the writer's plan gives every large piece the page phase it has in its file
     sig, phases = cp._phases
     assert sig == staged[-1].signature and all(isinstance(p, int) for p in phases)
-    assert all(row[5] % PAGE == p for row, p in zip(staged[-1].entries, phases))
+    assert all(row.offset % PAGE == p for row, p in zip(staged[-1].entries, phases))
     return phases
 
 

@@ -485,7 +485,7 @@ def test_a_dead_segment_never_blocks_a_new_one_even_under_the_same_pid_and_name(
     """A segment left by a dead process whose pid this process now has (a container restarted
     in a fresh PID namespace), even under the very name the next segment would take: the new
     segment gets another name, the leftover is never written, and a sweep removes it once old."""
-    from unickpt import async_save
+    from unickpt.async_save import segment
 
     left = f"unickpt-stage-{os.getpid()}-{'ab' * 8}"
     path = os.path.join(shm.SHM_DIR, left)
@@ -494,7 +494,7 @@ def test_a_dead_segment_never_blocks_a_new_one_even_under_the_same_pid_and_name(
     names = iter([left])
     real = shm.new_name
     monkeypatch.setattr(shm, "new_name", lambda kind: next(names, None) or real(kind))
-    seg = async_save._new_segment(1 << 16)
+    seg = segment.new_segment(1 << 16)
     try:
         assert seg.name != left and seg.name.startswith(f"unickpt-stage-{os.getpid()}-")
         with open(path, "rb") as f:
@@ -515,7 +515,7 @@ def test_a_dead_segment_never_blocks_a_new_one_even_under_the_same_pid_and_name(
 
 @as_root
 def test_a_segment_name_pre_created_by_another_user_is_never_reused_or_swept(tmp_path, monkeypatch):
-    from unickpt import async_save
+    from unickpt.async_save import segment
 
     planted = f"unickpt-stage-{os.getpid()}-{'cd' * 8}"
     path = os.path.join(shm.SHM_DIR, planted)
@@ -528,7 +528,7 @@ def test_a_segment_name_pre_created_by_another_user_is_never_reused_or_swept(tmp
     real = shm.new_name
     monkeypatch.setattr(shm, "new_name", lambda kind: next(names, None) or real(kind))
     try:
-        seg = async_save._new_segment(1 << 16)
+        seg = segment.new_segment(1 << 16)
         assert seg.name != planted
         seg.close(unlink=True)
         with pytest.raises(OSError):  # opened by name as a peer would: another user's file is refused

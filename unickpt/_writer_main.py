@@ -17,7 +17,7 @@ the trainer does, wherever they come from) before importing this module, then ca
 * ``sentinel_fd``: the write end of a pipe that only this process holds: the trainer's
   read end becomes readable when this process exits, whatever kills it (the trainer's
   liveness check, as ``multiprocessing.Process.sentinel``);
-* ``target``: ``"module:function"`` of the writer loop (``unickpt.async_save:_writer_main``;
+* ``target``: ``"module:function"`` of the writer loop (``unickpt.async_save.writer:main``;
   a test may substitute one, resolved by name as ``multiprocessing`` resolves a target);
 * ``args``: its arguments after the connection (rank, world, address, port, timeout,
   parent pid, node, the write end of its "joined" pipe, the group's gate name).

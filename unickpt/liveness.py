@@ -1,5 +1,6 @@
 """Whether the process that owns something outside this process (a temporary directory, a
-memory-tier directory, a staging segment) still runs.
+memory-tier directory, a staging segment) still runs: commit's owner records, the memory
+tier's, and an asynchronous writer's watch on the trainer that started it.
 
 A process is named by ``(host, pid, start time)``, never by its pid alone: pids repeat (a
 container restarted in a fresh PID namespace gets the same small pids again), so a record
