@@ -27,7 +27,8 @@ import torch
 from . import commit as _commit
 from ._metrics import gbps, human_bytes, log
 from .errors import CheckpointNotFoundError, FormatError, InvalidArgumentError, StorageError, TensorMissingError
-from .format import build_header, dtype_name, order_key, torch_dtype
+from .fileset import FileSet, file_name, lay_out, split_by_size
+from .format import dtype_name, order_key, torch_dtype
 from .localfs import read_regular
 from .loading import read_manifest
 from .loading.coded import read_whole
@@ -133,43 +134,34 @@ def _write_shards(txn, storage, src_storage, ckpt: str, man, source: dict[str, s
     """The safetensors shards and the index into the transaction's folder: (files, bytes)."""
     nbytes = {n: man.tensors[("model", s)].numel * torch_dtype(out_dtype[n]).itemsize for n, s in source.items()}
     # shards: tensors in safetensors order, cut at max_shard_bytes
-    shards: list[list[str]] = [[]]
-    size = 0
-    for n in sorted(source, key=lambda n: order_key(out_dtype[n], n)):
-        if shards[-1] and size + nbytes[n] > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(n)
-        size += nbytes[n]
+    shards = split_by_size(sorted(source, key=lambda n: order_key(out_dtype[n], n)), nbytes.__getitem__, max_shard_bytes)
     total = sum(nbytes.values())
     done = 0
     weight_map = {}
+    out = FileSet(storage, txn.tmp)
     for i, names in enumerate(shards, start=1):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        header, infos = build_header(
-            ((n, out_dtype[n], man.tensors[("model", source[n])].shape) for n in names), {"format": "pt"}
-        )
-        path = storage.join(txn.tmp, fname)
+        fname = file_name("model", i, len(shards))
+        header, stored = lay_out(((n, out_dtype[n], man.tensors[("model", source[n])].shape, n) for n in names),
+                                 {"format": "pt"})
         fsize = len(header) + sum(nbytes[n] for n in names)
-        storage.create_file(path, fsize)
-        w = storage.open_writer(path, size=fsize)
+        out.create(fname, fsize)
         try:
-            w.write_at(0, memoryview(header))
-            for n, info in zip(names, infos):
+            out.open(fname, fname, fsize, header=header)
+            for n, _, _, _, info in stored:
                 x = read_whole(src_storage, ckpt, man, "model", source[n], readers)
                 if x.dtype != torch_dtype(out_dtype[n]):
                     x = x.to(torch_dtype(out_dtype[n]))
                 data = x.reshape(-1).view(torch.uint8) if x.numel() else torch.empty(0, dtype=torch.uint8)
-                w.write_at(len(header) + info.begin, memoryview(data.numpy()))
+                out.write(fname, info.begin, memoryview(data.numpy()))
                 weight_map[n] = fname
                 done += nbytes[n]
                 if progress is not None:
                     progress(done, total)
-            frags = w.close()
+            _, _, frags = out.close()
         except BaseException:
-            w.abort()
+            out.abort()
             raise
-        storage.finish_file(path, frags, fsize)
+        out.finish(fname, [(off, data) for _, off, data in frags], fsize)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     txn.put(INDEX_NAME, json.dumps(index, indent=2).encode())
     return len(shards), total

@@ -24,7 +24,7 @@ from . import __version__
 from . import commit as _commit
 from ._metrics import gbps, human_bytes, log
 from .errors import FormatError, InvalidArgumentError, StateDictError, UnickptError
-from .format import Hasher, block_sums, build_header, dtype_name, itemsize, order_key, torch_dtype
+from .format import Hasher, block_sums, dtype_name, itemsize, order_key, torch_dtype
 from .loading import read_manifest
 from .loading.coded import read_whole
 from .loading.files import open_files, read_side_file
@@ -32,8 +32,8 @@ from .codecs.kernels import split_master
 from .catalog import step_of_name
 from . import codecs
 from .codecs import FromModel, Raw, Residual16, chunk_elems, encode_chunk, stored_parts
+from .fileset import FileSet, file_name, lay_out, split_by_size
 from .compress import Compression, error_record, save_args, tag_for
-from .container import ZstdWriter
 from .manifest import INDEX_NAME, MANIFEST_NAME, FileEntry, name_problem, Manifest, Part, TensorEntry
 from .storage import storage_for
 from .transport import node_id
@@ -65,7 +65,7 @@ class _Writer:
         self.where: dict[tuple[str, str], tuple[str, dict]] = {}  # key -> (file, part -> TensorInfo)
         self.meta: dict[tuple[str, str], tuple[str, tuple[int, ...], dict | None]] = {}  # key -> (dtype, shape, tag)
         self.files: dict[str, tuple[str, bytes, int]] = {}  # name -> (role, header, size)
-        self.writers: dict = {}
+        self.out = FileSet(self.storage, self.tmp)  # (file names: the stored ones, self.txn.file_name's)
         self.sums: dict[tuple[str, str, str], list] = {}
         self.args: dict[tuple[str, str], dict] = {}
 
@@ -78,29 +78,20 @@ class _Writer:
             self.meta[(e[0], e[1])] = (e[2], tuple(e[3]), e[4])
         for role in sorted({e[0] for e in entries}):
             mine = sorted((e for e in entries if e[0] == role), key=lambda e: order_key(e[2], e[1]))
-            parts, cur, size = [], [], 0
-            for e in mine:
-                n = sum(math.prod(sh) * itemsize(dt) for _, _, dt, sh in stored_parts(e[1], e[2], e[3], e[4]))
-                if cur and max_file_bytes and size + n > max_file_bytes:
-                    parts.append(cur)
-                    cur, size = [], 0
-                cur.append(e)
-                size += n
-            parts = [p for p in parts + [cur] if any(stored_parts(*x[1:5]) for x in p)]
+            def size_of(e) -> int:
+                return sum(math.prod(sh) * itemsize(dt) for _, _, dt, sh in stored_parts(e[1], e[2], e[3], e[4]))
+
+            parts = [p for p in split_by_size(mine, size_of, max_file_bytes) if any(stored_parts(*x[1:5]) for x in p)]
             for i, part in enumerate(parts, start=1):
-                fname = self.txn.file_name(f"{role}-{i:05d}-of-{len(parts):05d}.safetensors")
-                stored = sorted(((k, dt, sh, e, pt) for e in part for pt, k, dt, sh in stored_parts(*e[1:5])),
-                                key=lambda x: order_key(x[1], x[0]))
-                header, infos = build_header(((k, dt, sh) for k, dt, sh, _, _ in stored), {"format": "pt", "unickpt_role": role})
-                size = len(header) + sum(info.nbytes for info in infos)
+                fname = self.txn.file_name(file_name(role, i, len(parts)))
+                header, stored = lay_out(((k, dt, sh, (e, pt)) for e in part for pt, k, dt, sh in stored_parts(*e[1:5])),
+                                         {"format": "pt", "unickpt_role": role})
+                size = len(header) + sum(info.nbytes for *_, info in stored)
                 self.files[fname] = (role, header, size)
-                path = self.storage.join(self.tmp, fname)
                 z = self.zstd if role != "model" else None
-                self.storage.create_file(path, 0 if z else size)
-                w = self.storage.open_writer(path, direct=False if z else None, size=None if z else size)
-                w = self.writers[fname] = ZstdWriter(w, z) if z else w
-                w.write_at(0, memoryview(header))
-                for (_, _, _, e, pt), info in zip(stored, infos):
+                self.out.create(fname, size, z)
+                self.out.open(fname, fname, size, header=header, zstd=z)
+                for _, _, _, (e, pt), info in stored:
                     self.where.setdefault((e[0], e[1]), (fname, {}))[1][pt] = info
             order += [e for p in parts for e in p if (e[0], e[1]) in self.where]
         order += [e for e in entries if (e[0], e[1]) not in self.where]  # from_model: nothing stored
@@ -108,11 +99,10 @@ class _Writer:
 
     def _put(self, role, name, part: str, x: torch.Tensor, offset: int = 0) -> None:
         fname, infos = self.where[(role, name)]
-        header = self.files[fname][1]
         if x.numel():
             mv = memoryview(x.contiguous().reshape(-1).view(torch.uint8).numpy())
             self.sums.setdefault((role, name, part), []).extend(block_sums(mv, offset))
-            self.writers[fname].write_at(len(header) + infos[part].begin + offset, mv)
+            self.out.write(fname, infos[part].begin + offset, mv)
 
     def write(self, role: str, name: str, x: torch.Tensor, model: torch.Tensor | None = None) -> None:
         """Store full tensor ``x`` as its tag says (``model``: the bf16 weight of a residual master)."""
@@ -140,14 +130,10 @@ class _Writer:
         bytes, checked already) written beside the data and listed in the manifest;
         ``world_size``: of the save that made the values (per-rank tensors hold a row per rank
         of it). The manifest is read back as a load reads it before anything is committed."""
-        framed = {}
-        for fname, w in self.writers.items():
-            frags = w.close()
-            if isinstance(w, ZstdWriter):
-                framed[fname] = w
-            else:
-                self.storage.finish_file(self.storage.join(self.tmp, fname), frags, self.files[fname][2])
-        self.writers.clear()
+        _, framed, fragments = self.out.close()
+        for fname, (_, _, size) in self.files.items():
+            if fname not in framed:  # (a framed file is written whole by its one writer)
+                self.out.finish(fname, [(off, data) for k, off, data in fragments if k == fname], size)
         tensors = {}
         for (role, name), (dt, shape, tag) in self.meta.items():
             if tag is not None and not codecs.get(tag["codec"]).stores:  # a dropped master: its model's file
@@ -205,12 +191,7 @@ class _Writer:
         on the way leaves a temporary the next write's sweep recognises as abandoned."""
         with _interrupts_held():
             try:
-                for w in self.writers.values():
-                    try:
-                        w.abort()
-                    except Exception:  # the temporary goes anyway
-                        pass
-                self.writers.clear()
+                self.out.abort()  # (best effort: the temporary goes anyway)
                 if self.storage.caps.atomic_rename:  # (object stores: the transaction picks this write's objects)
                     for fname in self.files:
                         self.storage.remove_file(self.storage.join(self.tmp, fname))

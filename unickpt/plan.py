@@ -23,7 +23,8 @@ import xxhash
 import zstandard
 
 from .errors import LayoutError
-from .format import build_header, itemsize, order_key
+from .fileset import file_name, lay_out, split_by_size
+from .format import itemsize, order_key
 from . import codecs
 from .codecs import stored_parts
 from .layout import FlatUnit, Layout, Runs, intersect
@@ -961,31 +962,19 @@ def _make_files(tensors, world, nodes, max_file_bytes) -> list[FilePlan]:
         owners: list[int] = []
         for w in sorted(grouped[role]):
             mine = sorted(grouped[role][w], key=lambda t: order_key(t.dtype, t.name))
-            cur: list[TensorPlan] = []
-            size = 0
-            for t in mine:
-                if cur and max_file_bytes and size + t.nbytes > max_file_bytes:
-                    parts.append(cur)
-                    owners.append(w)
-                    cur, size = [], 0
-                cur.append(t)
-                size += t.nbytes
-            parts.append(cur)
-            owners.append(w)
+            for part in split_by_size(mine, lambda t: t.nbytes, max_file_bytes):
+                parts.append(part)
+                owners.append(w)
         by_role[role] = parts
         writers_of[role] = owners
     files: list[FilePlan] = []
     for role, parts in by_role.items():
         n = len(parts)
         for i, (part, w) in enumerate(zip(parts, writers_of[role]), start=1):
-            name = f"{role}-{i:05d}-of-{n:05d}.safetensors"
-            meta = {"format": "pt", "unickpt_role": role}
-            stored = sorted(
-                ((key, dt, sh, t, p) for t in part for p, key, dt, sh in t.stored()),
-                key=lambda x: order_key(x[1], x[0]),
-            )
-            header, infos = build_header(((k, dt, sh) for k, dt, sh, _, _ in stored), meta)
-            for (key, dt, sh, t, p), info in zip(stored, infos):
+            name = file_name(role, i, n)
+            header, stored = lay_out(((key, dt, sh, (t, p)) for t in part for p, key, dt, sh in t.stored()),
+                                     {"format": "pt", "unickpt_role": role})
+            for key, dt, sh, (t, p), info in stored:
                 t.file = name
                 if t.quantized:
                     t.parts[p] = (key, dt, sh, info.begin, info.end)

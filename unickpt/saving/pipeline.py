@@ -26,6 +26,7 @@ from .._metrics import Phases, human_bytes, log
 from ..catalog import step_of_name
 from ..compress import Compression, prepare
 from ..errors import DistributedError, StateDictError
+from ..fileset import FileSet
 from ..format import dtype_name
 from ..manifest import INDEX_NAME, MANIFEST_NAME
 from ..plan import LocalSummary, SavePlan, assemble, make_plan, summarize
@@ -237,8 +238,9 @@ def open_stage(job: SaveJob) -> _commit.Transaction:
 
 
 def _create_files(job: SaveJob, txn: _commit.Transaction) -> None:
+    out = FileSet(job.storage, txn.tmp, txn.file_name)
     for f in job.plan.files_of(job.comm.rank):
-        job.storage.create_file(job.storage.join(txn.tmp, txn.file_name(f.name)), 0 if f.zstd else f.size)
+        out.create(f.name, f.size, f.zstd)
 
 
 # -- write ---------------------------------------------------------------------------------
@@ -252,8 +254,8 @@ def write_stage(job: SaveJob, txn: _commit.Transaction, progress: ProgressFn | N
         report, fragments = comm.step("save (writing)", lambda: _write(job, txn, progress))
         with ph.phase("finish"):
             blobs = comm.all_gather_bytes(encode_fragments(fragments), "save (page fragments)")
-            comm.step("save (writing)", lambda: finish_files(job.plan, comm.rank, job.storage, txn.tmp, blobs,
-                                                             txn.file_name))
+            comm.step("save (writing)", lambda: finish_files(job.plan, comm.rank, FileSet(job.storage, txn.tmp,
+                                                                                          txn.file_name), blobs))
     copies: dict[str, list[str]] = {}
     if job.opts.replicas:
         with ph.phase("replicate"):

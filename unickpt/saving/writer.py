@@ -16,8 +16,8 @@ from .._copy import as_bytes, copy_runs
 from .._metrics import log
 from ..codecs import encode_chunk
 from ..compress import Compression, save_args
-from ..container import ZstdWriter
 from ..errors import UnickptError
+from ..fileset import FileSet
 from ..format import BlockHasher, block_sums, torch_dtype
 from ..plan import SavePlan, Step, extents_of
 from ..state import Entry
@@ -52,7 +52,7 @@ class RankWriter:
                               key=lambda e: (e[0], e[1].begin + e[3] * e[1].itemsize))
         self.owned = [i for i, f in enumerate(files) if f.writer == self.rank]
         self.needed = sorted(set(self.owned) | {e[0] for e in self.extents})
-        self.writers: dict[int, object] = {}
+        self.out = FileSet(storage, tmp, name_of)
         self.hashers = {t.key: BlockHasher() for i in self.owned for t in files[i].tensors
                         if not t.direct and not t.quantized}
         self.checks: dict[str, list] = {}
@@ -84,8 +84,7 @@ class RankWriter:
                 for fut in self.pending:
                     if fut is not None:
                         fut.exception()
-                for w in self.writers.values():
-                    w.abort()
+                self.out.abort()
                 raise
         finally:
             io.shutdown(wait=True)
@@ -109,14 +108,14 @@ class RankWriter:
         return self.sources[key]
 
     def _open_files(self) -> None:
+        """Every file this rank writes into (its own, whose headers it writes, and those its
+        in-place runs fall into)."""
         try:
             for i in self.needed:
                 f = self.files[i]
-                path = self.storage.join(self.tmp, self.name_of(f.name))
-                if f.zstd:
-                    self.writers[i] = ZstdWriter(self.storage.open_writer(path, direct=False), f.zstd)
-                else:
-                    self.writers[i] = self.storage.open_writer(path, direct=self.direct_io, size=f.size)
+                mine = f.writer == self.rank
+                self.out.open(i, f.name, f.size, header=f.header if mine else None, header_len=len(f.header),
+                              zstd=f.zstd, direct=self.direct_io)
         except Exception as e:  # any error (not only OSError): the schedule must still be served
             self._fail(e)
 
@@ -135,15 +134,13 @@ class RankWriter:
             self._fail(fut.exception())
 
     def _write_in_place(self) -> None:
-        """The files' headers and this rank's runs of direct tensors (on the writer thread)."""
-        for i in self.owned:
-            self.writers[i].write_at(0, memoryview(self.files[i].header))
+        """This rank's runs of direct tensors (on the writer thread)."""
         for fi, t, lo, g, n in self.extents:
             isz = t.itemsize
             mv = memoryview(self._src(t.key).host_range(lo * isz, (lo + n) * isz).numpy())
             # sources do not change during a save (the view stays referenced by the write): the
             # writer may take the bytes straight from memory, while this thread hashes them
-            self.writers[fi].write_at(len(self.files[fi].header) + t.begin + g * isz, mv, stable=True)
+            self.out.write(fi, t.begin + g * isz, mv, stable=True)
             self.checks.setdefault(f"{t.role}/{t.name}", []).extend(block_sums(mv, g * isz))
 
     def _serve(self, io: ThreadPoolExecutor, slot: int, step: Step) -> None:
@@ -165,18 +162,15 @@ class RankWriter:
         except Exception as e:  # after the transfers: later steps are drained
             self._fail(e)
             return
-        self.pending[slot] = io.submit(_write_items, items, self.writers, self.hashers, self.files, self.checks,
-                                       self.qerr, self.step_args)
+        self.pending[slot] = io.submit(_write_items, items, self.out, self.hashers, self.checks, self.qerr,
+                                       self.step_args)
         self._note(sum(int(v.numel()) for _, _, v, _, _ in items))
 
     def _close(self) -> tuple[dict, list[tuple[int, int, bytes]]]:
-        written = {self.files[i].name: w.bytes_written for i, w in self.writers.items()}
-        framed = {self.files[i].name: w for i, w in self.writers.items() if isinstance(w, ZstdWriter)}
-        fragments = []
         with self.phase("fsync"):
-            for i, w in list(self.writers.items()):
-                fragments.extend((i, off, data) for off, data in w.close())
-                del self.writers[i]
+            written, framed, fragments = self.out.close()
+        written = {self.files[i].name: n for i, n in written.items()}
+        framed = {self.files[i].name: w for i, w in framed.items()}
         for k, h in self.hashers.items():
             self.checks[f"{k[0]}/{k[1]}"] = h.finish()
         zst = {n: {"stored": w.pos, "frames": w.frames} for n, w in framed.items()}
@@ -192,7 +186,9 @@ def encode_fragments(fragments: list[tuple[int, int, bytes]]) -> bytes:
     return bytes(out)
 
 
-def finish_files(plan: SavePlan, rank: int, storage: Storage, tmp: str, blobs: list[bytes], name_of=str) -> None:
+def finish_files(plan: SavePlan, rank: int, out: FileSet, blobs: list[bytes]) -> None:
+    """The files this rank owns: every rank's page fragments (``blobs``, as
+    :func:`encode_fragments` made them) merged, each file fsynced."""
     mine = {i for i, f in enumerate(plan.files) if f.writer == rank}
     frags: dict[int, list[tuple[int, bytes]]] = {i: [] for i in mine}
     for blob in blobs:
@@ -209,7 +205,7 @@ def finish_files(plan: SavePlan, rank: int, storage: Storage, tmp: str, blobs: l
             if frags[fi]:
                 raise UnickptError(f"{f.name}: framed file received in-place fragments")
             continue
-        storage.finish_file(storage.join(tmp, name_of(f.name)), frags[fi], f.size)
+        out.finish(f.name, frags[fi], f.size)
 
 
 class StagedBytes(Protocol):
@@ -344,13 +340,12 @@ def _finish_step(step: Step, src, bucket, scatters, offs):
     return items
 
 
-def _write_items(items, writers, hashers, files, checks, qerr, step_args) -> None:
+def _write_items(items, out: FileSet, hashers, checks, qerr, step_args) -> None:
     """Write one step's segments (runs on the writer thread); quantized segments (whole
     groups) are encoded here, so encoding overlaps the next step's gather."""
     for fi, t, view, offset, start in items:
         if view.numel() == 0:
             continue
-        hdr = len(files[fi].header)
         if t.quantized:
             if view.data_ptr() % 8:
                 view = view.clone()
@@ -362,9 +357,9 @@ def _write_items(items, writers, hashers, files, checks, qerr, step_args) -> Non
                     continue
                 mv = memoryview(data.numpy())
                 checks.setdefault(f"{t.role}/{t.name}#{part}", []).extend(block_sums(mv, poff))
-                writers[fi].write_at(hdr + t.parts[part][3] + poff, mv)
+                out.write(fi, t.parts[part][3] + poff, mv)
             continue
         mv = memoryview(view.numpy())
         hashers[t.key].update(mv)
-        writers[fi].write_at(hdr + offset, mv)
+        out.write(fi, offset, mv)
 
