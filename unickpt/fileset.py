@@ -7,6 +7,7 @@
 * :func:`file_name`: ``role-NNNNN-of-NNNNN.safetensors``;
 * :func:`lay_out`: a file's stored tensors in safetensors order, its header and where each
   one goes;
+* :func:`file_entry`, :func:`new_manifest`: the manifest's records of what was written;
 * :class:`FileSet`: files created at full size (so several writers can fill one in place),
   opened (framed by zstd where asked), written by offset into their data section, closed
   (fsynced), with the page fragments of O_DIRECT writes handed to the file's owner and
@@ -15,15 +16,18 @@
 
 from __future__ import annotations
 
+import datetime as _dt
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Sequence, TypeVar
 
 from .container import ZstdWriter
-from .format import TensorInfo, build_header, order_key
+from .format import Hasher, TensorInfo, build_header, order_key
+from .manifest import FileEntry, Manifest
+
 
 if TYPE_CHECKING:  # (the planner uses the functions without any storage)
     from .storage import ExtentWriter, Storage
 
-__all__ = ["FileSet", "file_name", "lay_out", "split_by_size"]
+__all__ = ["FileSet", "file_entry", "file_name", "lay_out", "new_manifest", "split_by_size"]
 
 T = TypeVar("T")
 
@@ -58,6 +62,27 @@ def lay_out(stored: Iterable[tuple[str, str, Sequence[int], Any]], metadata: dic
     items = sorted(((k, dt, tuple(sh), what) for k, dt, sh, what in stored), key=lambda x: order_key(x[1], x[0]))
     header, infos = build_header(((k, dt, sh) for k, dt, sh, _ in items), metadata)
     return header, [(*x, info) for x, info in zip(items, infos)]
+
+
+def file_entry(name: str, role: str, node: str, writer: int, size: int, header: bytes, stored: int | None = None,
+               frames: Iterable = ()) -> FileEntry:
+    """The manifest's record of a written file (``stored``, ``frames``: a zstd-framed one's)."""
+    if stored is not None:
+        return FileEntry(name, role, node, writer, size, len(header), "zstd", stored, tuple(sorted(frames)),
+                         Hasher.of(header))
+    return FileEntry(name, role, node, writer, size, len(header), header_xxh3=Hasher.of(header))
+
+
+def new_manifest(*, world_size: int, nodes: Iterable[str], strategy: dict, **fields: Any) -> Manifest:
+    """A manifest of what this unickpt and torch wrote now (``saved_by``, ``created``);
+    ``fields``: the rest of :class:`~unickpt.manifest.Manifest`'s."""
+    import torch
+
+    from . import __version__
+
+    return Manifest(saved_by={"world_size": world_size, "nodes": sorted(set(nodes)), "strategy": strategy,
+                              "unickpt_version": __version__, "torch_version": torch.__version__.split("+")[0]},
+                    created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), **fields)
 
 
 class FileSet:

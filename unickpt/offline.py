@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime as _dt
 import math
 import os
 import re
@@ -20,7 +19,6 @@ from typing import Callable, Iterable
 
 import torch
 
-from . import __version__
 from . import commit as _commit
 from ._metrics import gbps, human_bytes, log
 from .errors import FormatError, InvalidArgumentError, StateDictError, UnickptError
@@ -32,9 +30,9 @@ from .codecs.kernels import split_master
 from .catalog import step_of_name
 from . import codecs
 from .codecs import FromModel, Raw, Residual16, chunk_elems, encode_chunk, stored_parts
-from .fileset import FileSet, file_name, lay_out, split_by_size
+from .fileset import FileSet, file_entry, file_name, lay_out, new_manifest, split_by_size
 from .compress import Compression, error_record, save_args, tag_for
-from .manifest import INDEX_NAME, MANIFEST_NAME, FileEntry, name_problem, Manifest, Part, TensorEntry
+from .manifest import INDEX_NAME, MANIFEST_NAME, name_problem, Manifest, Part, TensorEntry
 from .storage import storage_for
 from .transport import node_id
 
@@ -142,20 +140,12 @@ class _Writer:
                                                     {"model": tag["model"]})
             else:
                 tensors[(role, name)] = self._entry(role, name)
-        files = {}
-        for n, (role, header, size) in self.files.items():
-            if n in framed:
-                files[n] = FileEntry(n, role, node_id(), 0, size, len(header), "zstd", framed[n].pos,
-                                     tuple(sorted(framed[n].frames)), Hasher.of(header))
-            else:
-                files[n] = FileEntry(n, role, node_id(), 0, size, len(header), header_xxh3=Hasher.of(header))
-        man = Manifest(
-            step=step, files=files, tensors=tensors, state=state, extra=extra,
-            saved_by={"world_size": world_size, "nodes": [node_id()], "strategy": strategy, "unickpt_version": __version__,
-                      "torch_version": torch.__version__.split("+")[0]},
-            created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            compression=compression or {}, aliases=dict(aliases or {}), per_rank=set(per_rank or ()),
-        )
+        files = {n: file_entry(n, role, node_id(), 0, size, header, *((framed[n].pos, framed[n].frames) if n in framed
+                                                                      else ()))
+                 for n, (role, header, size) in self.files.items()}
+        man = new_manifest(world_size=world_size, nodes=[node_id()], strategy=strategy, step=step, files=files,
+                           tensors=tensors, state=state, extra=extra, compression=compression or {},
+                           aliases=dict(aliases or {}), per_rank=set(per_rank or ()))
         side = dict(aux or {})
         idx = man.hf_index()
         if idx is not None:

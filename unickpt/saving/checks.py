@@ -19,11 +19,13 @@ from ..plan import SavePlan
 from ..state import PER_RANK_KEY, RANK_VALUE_KEY, Entry, from_json
 from ..transport import Comm
 
+
 if TYPE_CHECKING:
     from .options import SaveOptions
     from .writer import StagedBytes
 
 __all__ = ["check_density", "check_replicas", "gather_json", "gather_rank_state"]
+
 
 def check_density(json_state: dict[str, Any], opts: SaveOptions, names: list[str]) -> None:
     """Refuse JSON state (with ``extra``, ``strategy`` and the tensor names, which the

@@ -15,6 +15,7 @@ from ..manifest import INDEX_NAME, MANIFEST_NAME
 from ..state import _is_json, to_json
 from ..transport import resolve_timeout
 
+
 __all__ = ["DEFAULT_BUCKET", "MAX_GENERATIONS", "ProgressFn", "SaveOptions", "SaveResult"]
 
 DEFAULT_BUCKET = 256 << 20

@@ -38,6 +38,7 @@ from .options import ProgressFn, SaveOptions, SaveResult
 from .to_manifest import aux_entries, build_manifest, exception_report
 from .writer import RankWriter, StagedBytes, encode_fragments, finish_files, step_args
 
+
 __all__ = ["SaveJob", "save_entries"]
 
 _PLAN_CACHE: list[tuple[Any, tuple, SavePlan]] = []  # (group, key, plan): the group matched with `is`

@@ -3,20 +3,20 @@ checkpoint's manifest, on rank 0."""
 
 from __future__ import annotations
 
-import datetime as _dt
 from typing import Mapping
-
-import torch
 
 from .._metrics import log
 from ..codecs import FromModel, Raw, get
 from ..compress import EXCEPTION_WARN, Compression, error_record, merge_error
 from ..errors import UnickptError
+from ..fileset import file_entry, new_manifest
 from ..format import Hasher
-from ..manifest import FileEntry, Manifest, Part, TensorEntry
+from ..manifest import Manifest, Part, TensorEntry
 from ..plan import SavePlan
 
+
 __all__ = ["aux_entries", "build_manifest", "exception_report"]
+
 
 def aux_entries(files: Mapping[str, bytes], extra_files: Mapping[str, str] | None) -> dict[str, tuple[int, str]]:
     """Size and checksum of the checkpoint's other files (index, extra files), for the manifest."""
@@ -112,36 +112,13 @@ def build_manifest(plan: SavePlan, reports: list[dict], step, json_state, extra,
     for f in plan.files:
         if sizes.get(f.name) != f.size:
             raise UnickptError(f"{f.name}: writers reported {sizes.get(f.name)} bytes, planned {f.size}")
-        z = framed.get(f.name)
-        if z is not None:
-            frames = sorted(z["frames"])
-            files[name_of(f.name)] = FileEntry(name_of(f.name), f.role, f.node, f.writer, f.size, len(f.header), "zstd",
-                                               z["stored"], frames,
-                                      Hasher.of(f.header))
-        else:
-            files[name_of(f.name)] = FileEntry(name_of(f.name), f.role, f.node, f.writer, f.size, len(f.header),
-                                               header_xxh3=Hasher.of(f.header))
-    from .. import __version__
-
+        z = framed.get(f.name) or {}
+        files[name_of(f.name)] = file_entry(name_of(f.name), f.role, f.node, f.writer, f.size, f.header, z.get("stored"),
+                                            z.get("frames", ()))
     quantized = any(t.codec is not None and t.quantized for t in plan.tensors.values())
     generations = lossy_generations + (1 if quantized else 0)
     record = comp.to_json() if comp is not None and comp.active else {}
     if generations:  # (the state's history, also through lossless saves: the next resume carries it on)
         record["lossy_generations"] = generations
-    return Manifest(
-        compression=record,
-        step=step,
-        files=files,
-        tensors=tensors,
-        state=json_state,
-        extra=extra,
-        saved_by={
-            "world_size": plan.world,
-            "nodes": sorted(set(plan.nodes)),
-            "strategy": strategy,
-            "unickpt_version": __version__,
-            "torch_version": torch.__version__.split("+")[0],
-        },
-        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-    )
-
+    return new_manifest(world_size=plan.world, nodes=plan.nodes, strategy=strategy, compression=record, step=step,
+                        files=files, tensors=tensors, state=json_state, extra=extra)

@@ -24,6 +24,7 @@ from ..state import Entry
 from ..storage import Storage
 from ..transport import Comm
 
+
 if TYPE_CHECKING:
     from .options import ProgressFn, SaveOptions
 
