@@ -331,7 +331,7 @@ def test_a_streamed_copy_tells_the_writer_every_chunk_whatever_the_shape(monkeyp
     entries, _ = flatten(sd, 0, 1)
     c = a.Checkpointer()
     try:
-        staged = c._layout(entries)
+        staged = c._place(entries)
         c._ensure_segment(staged.size)
         told: list[tuple[int, bool]] = []
 

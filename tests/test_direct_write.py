@@ -186,7 +186,7 @@ def _async_odd_pieces(rank, world, root):
         sd = state(k)
         unickpt.save(sd, os.path.join(root, f"async-{k}"), step=k, async_save=True).wait(timeout=120)
         entries, _ = flatten(sd, rank, world)
-        staged.append(cp._layout(entries))
+        staged.append(cp._place(entries))
         unickpt.save(sd, os.path.join(root, f"sync-{k}"), step=k)
     # after a save the writer's plan gives every large piece the page phase it has in its file
     sig, phases = cp._phases

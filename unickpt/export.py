@@ -27,7 +27,7 @@ import torch
 from . import commit as _commit
 from ._metrics import gbps, human_bytes, log
 from .errors import CheckpointNotFoundError, FormatError, InvalidArgumentError, StorageError, TensorMissingError
-from .fileset import FileSet, file_name, lay_out, split_by_size
+from .fileset import FileSet, file_name, pack, split_by_size
 from .format import dtype_name, order_key, torch_dtype
 from .localfs import read_regular
 from .loading import read_manifest
@@ -141,7 +141,7 @@ def _write_shards(txn, storage, src_storage, ckpt: str, man, source: dict[str, s
     out = FileSet(storage, txn.tmp)
     for i, names in enumerate(shards, start=1):
         fname = file_name("model", i, len(shards))
-        header, stored = lay_out(((n, out_dtype[n], man.tensors[("model", source[n])].shape, n) for n in names),
+        header, stored = pack(((n, out_dtype[n], man.tensors[("model", source[n])].shape, n) for n in names),
                                  {"format": "pt"})
         fsize = len(header) + sum(nbytes[n] for n in names)
         out.create(fname, fsize)

@@ -5,7 +5,7 @@
 * :func:`split_by_size`: items cut into files of at most ``cap`` bytes (the first item of a
   file always fits: a tensor larger than the cap gets a file of its own);
 * :func:`file_name`: ``role-NNNNN-of-NNNNN.safetensors``;
-* :func:`lay_out`: a file's stored tensors in safetensors order, its header and where each
+* :func:`pack`: a file's stored tensors in safetensors order, its header and where each
   one goes;
 * :func:`file_entry`, :func:`new_manifest`: the manifest's records of what was written;
 * :class:`FileSet`: files created at full size (so several writers can fill one in place),
@@ -27,7 +27,7 @@ from .manifest import FileEntry, Manifest
 if TYPE_CHECKING:  # (the planner uses the functions without any storage)
     from .storage import ExtentWriter, Storage
 
-__all__ = ["FileSet", "file_entry", "file_name", "lay_out", "new_manifest", "split_by_size"]
+__all__ = ["FileSet", "file_entry", "file_name", "pack", "new_manifest", "split_by_size"]
 
 T = TypeVar("T")
 
@@ -54,7 +54,7 @@ def file_name(role: str, i: int, n: int) -> str:
     return f"{role}-{i:05d}-of-{n:05d}.safetensors"
 
 
-def lay_out(stored: Iterable[tuple[str, str, Sequence[int], Any]], metadata: dict[str, str]
+def pack(stored: Iterable[tuple[str, str, Sequence[int], Any]], metadata: dict[str, str]
             ) -> tuple[bytes, list[tuple[str, str, tuple[int, ...], Any, TensorInfo]]]:
     """A file holding ``stored`` (``(key, dtype, shape, what)``): its header, and each
     ``(key, dtype, shape, what, info)`` in safetensors order (by dtype size, then key), with

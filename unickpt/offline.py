@@ -30,7 +30,7 @@ from .codecs.kernels import split_master
 from .catalog import step_of_name
 from . import codecs
 from .codecs import FromModel, Raw, Residual16, chunk_elems, encode_chunk, stored_parts
-from .fileset import FileSet, file_entry, file_name, lay_out, new_manifest, split_by_size
+from .fileset import FileSet, file_entry, file_name, pack, new_manifest, split_by_size
 from .compress import Compression, error_record, save_args, tag_for
 from .manifest import INDEX_NAME, MANIFEST_NAME, name_problem, Manifest, Part, TensorEntry
 from .storage import storage_for
@@ -82,7 +82,7 @@ class _Writer:
             parts = [p for p in split_by_size(mine, size_of, max_file_bytes) if any(stored_parts(*x[1:5]) for x in p)]
             for i, part in enumerate(parts, start=1):
                 fname = self.txn.file_name(file_name(role, i, len(parts)))
-                header, stored = lay_out(((k, dt, sh, (e, pt)) for e in part for pt, k, dt, sh in stored_parts(*e[1:5])),
+                header, stored = pack(((k, dt, sh, (e, pt)) for e in part for pt, k, dt, sh in stored_parts(*e[1:5])),
                                          {"format": "pt", "unickpt_role": role})
                 size = len(header) + sum(info.nbytes for *_, info in stored)
                 self.files[fname] = (role, header, size)

@@ -23,7 +23,7 @@ import xxhash
 import zstandard
 
 from .errors import LayoutError
-from .fileset import file_name, lay_out, split_by_size
+from .fileset import file_name, pack, split_by_size
 from .format import itemsize, order_key
 from . import codecs
 from .codecs import stored_parts
@@ -972,7 +972,7 @@ def _make_files(tensors, world, nodes, max_file_bytes) -> list[FilePlan]:
         n = len(parts)
         for i, (part, w) in enumerate(zip(parts, writers_of[role]), start=1):
             name = file_name(role, i, n)
-            header, stored = lay_out(((key, dt, sh, (t, p)) for t in part for p, key, dt, sh in t.stored()),
+            header, stored = pack(((key, dt, sh, (t, p)) for t in part for p, key, dt, sh in t.stored()),
                                      {"format": "pt", "unickpt_role": role})
             for key, dt, sh, (t, p), info in stored:
                 t.file = name

@@ -29,7 +29,7 @@ from .lifecycle import WriterLifecycle
 from .protocol import (AbortSave, ProgressReport, ProtocolError, Ready, SaveCommand, SaveSucceeded, StagedUpTo,
                        decode_reply, encode, writer_path)
 from .segment import StagingSegment, new_segment, segment_bytes, sweep_segments
-from .staging import Staged, copy_into, lay_out, ready_events
+from .staging import Staged, copy_into, place, ready_events
 
 __all__ = ["Checkpointer", "checkpointer", "shutdown"]
 
@@ -44,7 +44,7 @@ class Checkpointer(WriterLifecycle):
         self._streams: dict = {}  # CUDA device -> the stream that stages its tensors (see staging.copy_into)
         self._lock = threading.Lock()
         # (signature of the staged entries, page phase of each or None): from the writer's
-        # plan of the last save of the same entries (see staging.lay_out)
+        # plan of the last save of the same entries (see staging.place)
         self._phases: tuple[str, list[int | None]] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -76,7 +76,7 @@ class Checkpointer(WriterLifecycle):
         if state_dict is not None and err is None:  # while the writer starts
             try:
                 entries, _ = flatten(for_save(state_dict), comm.rank, comm.world)
-                size = self._layout(entries).size
+                size = self._place(entries).size
                 if self._last is not None and not self._last.done():
                     log.info("start_async_writer: a save is in flight, so its staging is left as it is")
                 else:
@@ -178,7 +178,7 @@ class Checkpointer(WriterLifecycle):
             if self._start_error is not None:
                 raise self._start_error
             entries, json_state = flatten(state_dict, comm.rank, comm.world)
-            staged = self._layout(entries)
+            staged = self._place(entries)
             staged.ready = ready_events(entries)
             self._ensure_segment(staged.size)
         except Exception as e:
@@ -230,10 +230,10 @@ class Checkpointer(WriterLifecycle):
                 handle._error = AsyncSaveError(f"staging for {path} failed: {cause}")
                 handle._finished = True
 
-    def _layout(self, entries: list[Entry]) -> Staged:
-        """Where each entry goes in the segment (:func:`~.staging.lay_out`, following the
+    def _place(self, entries: list[Entry]) -> Staged:
+        """Where each entry goes in the segment (:func:`~.staging.place`, following the
         page phases of the writer's plan of the last save of the same entries)."""
-        return lay_out(entries, self._phases)
+        return place(entries, self._phases)
 
     def _ensure_segment(self, size: int, fault_in: bool = False) -> None:
         """A segment of at least ``size`` bytes (10% headroom when a new one is made:

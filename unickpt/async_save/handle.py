@@ -48,7 +48,7 @@ class AsyncSave:
         self._finished = False
         self._surfaced = False  # the error was raised to the caller once
         self.total_seconds: float | None = None
-        self._signature = ""  # of the staged entries (staging.lay_out)
+        self._signature = ""  # of the staged entries (staging.place)
         self._n_entries = 0
         self._before = manifest_stat(path)  # what stood at the path (an overwrite): told from this save's
 

@@ -120,7 +120,7 @@ class StagedEntry:
     state entry's (:class:`~unickpt.state.Entry`). On the wire, a list:
     ``[role, name, dtype, shape, layout, offset, nbytes, aliases, per_rank]``. (Not frozen:
     the trainer places its entries in the segment after it has made them, see
-    :func:`~.staging.lay_out`.)"""
+    :func:`~.staging.place`.)"""
 
     role: str
     name: str

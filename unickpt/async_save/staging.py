@@ -1,5 +1,5 @@
 """The trainer's copy of its state into the staging segment: where each entry sits in it
-(:func:`lay_out`) and the copy itself (:func:`copy_into`).
+(:func:`place`) and the copy itself (:func:`copy_into`).
 
 With ``background_staging`` the copy streams: every ~:data:`STAGE_CHUNK` bytes it tells the
 writer how far it has got, and the writer, which has the save's command already, writes
@@ -21,18 +21,18 @@ from ..state import Entry
 from .protocol import StagedEntry
 from .segment import ALIGN, StagingSegment
 
-__all__ = ["STAGE_CHUNK", "Staged", "lay_out", "ready_events", "copy_into"]
+__all__ = ["STAGE_CHUNK", "Staged", "place", "ready_events", "copy_into"]
 
 STAGE_CHUNK = 32 << 20  # the trainer tells its writer how far the copy has got every ~this many bytes
 
 
 @dataclass
 class Staged:
-    """The entries of one save as they sit in the segment (:func:`lay_out`)."""
+    """The entries of one save as they sit in the segment (:func:`place`)."""
 
     entries: list[StagedEntry]
     size: int
-    signature: str  # what the entries are, without where they sit (see lay_out)
+    signature: str  # what the entries are, without where they sit (see place)
     # per CUDA device of the state: an event on the caller's current stream at the save (see ready_events)
     ready: dict = dataclasses.field(default_factory=dict)
 
@@ -51,7 +51,7 @@ def ready_events(entries: list[Entry]) -> dict:
     return out
 
 
-def lay_out(entries: list[Entry], known: tuple[str, list[int | None]] | None) -> Staged:
+def place(entries: list[Entry], known: tuple[str, list[int | None]] | None) -> Staged:
     """Where each entry goes in the segment. Entries are 64-byte aligned, except those the
     writer's plan of the previous save of the same entries gave a page phase (``known``:
     that save's signature and the phase of each entry): they sit at that offset within a
