@@ -25,7 +25,7 @@ import traceback
 import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
-from . import __version__
+from ._version import __version__
 from ._metrics import gbps, human_bytes
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, FormatError, InvalidArgumentError, StorageError,
                      UnickptError)

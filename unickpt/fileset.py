@@ -20,6 +20,7 @@ import datetime as _dt
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Sequence, TypeVar
 
 from .container import ZstdWriter
+from ._version import __version__
 from .format import Hasher, TensorInfo, build_header, order_key
 from .manifest import FileEntry, Manifest
 
@@ -77,8 +78,6 @@ def new_manifest(*, world_size: int, nodes: Iterable[str], strategy: dict, **fie
     """A manifest of what this unickpt and torch wrote now (``saved_by``, ``created``);
     ``fields``: the rest of :class:`~unickpt.manifest.Manifest`'s."""
     import torch
-
-    from . import __version__
 
     return Manifest(saved_by={"world_size": world_size, "nodes": sorted(set(nodes)), "strategy": strategy,
                               "unickpt_version": __version__, "torch_version": torch.__version__.split("+")[0]},
