@@ -25,6 +25,13 @@ call                   who          what holds when it returns
 ``abort()``            coordinator  the temporary is removed (never the destination)
 =====================  ===========  ====================================================
 
+The table is the protocol of stores with an atomic rename (:class:`RenamePublish`). On object
+stores (:class:`MarkerPublish`) ``tmp`` is the final prefix, data files carry the write's
+token in their names, side files are put once the write has won, and the commit is the
+conditional put of the manifest. The transaction picks one of the two once, from
+``storage.caps.atomic_rename``; everything that differs between them is behind
+:class:`Publish`.
+
 A directory is a *committed* checkpoint iff its name is final and it holds ``unickpt.json``
 (:mod:`unickpt.catalog` lists them and picks the newest).
 
@@ -42,6 +49,7 @@ import os
 import re
 import time
 import uuid
+from typing import Protocol
 
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, InvalidArgumentError, StorageError,
                      UnickptError)
@@ -52,7 +60,7 @@ from .manifest import INDEX_NAME, MANIFEST_NAME
 from .liveness import record_alive
 from .storage import MarkerStorage, Storage
 
-__all__ = ["Transaction", "sweep_stale", "retain", "retire"]
+__all__ = ["Transaction", "Publish", "RenamePublish", "MarkerPublish", "sweep_stale", "retain", "retire"]
 
 _TMP = re.compile(r"^\.(.+)\.(tmp|old|del)-([0-9a-f]{8,32})$")
 OWNER = ".owner"
@@ -95,14 +103,18 @@ def sweep_stale(storage: Storage, root: str, final_name: str | None = None, time
     """Remove temporaries of interrupted writes under ``root`` (all, or those of one name)
     whose owner is provably gone, and put back checkpoints an interrupted overwrite moved
     aside. Returns the removed paths. Safe to call while other saves are in flight."""
-    removed = []
     if not storage.caps.atomic_rename:
-        names = [final_name] if final_name is not None else storage.listdir(root)
-        for name in names:
+        removed = []
+        for name in [final_name] if final_name is not None else storage.listdir(root):
             removed += _sweep_prefix(storage, storage.join(root, name))
         return removed
-    if not storage.isdir(root):
-        return removed
+    return _sweep_dir(storage, root, final_name, timeout_s) if storage.isdir(root) else []
+
+
+def _sweep_dir(storage: Storage, root: str, final_name: str | None, timeout_s: float | None) -> list[str]:
+    """Stores with an atomic rename: the temporaries (``.NAME.tmp-``, ``.old-``, ``.del-``)
+    in directory ``root``, under its lock."""
+    removed = []
     with storage.lock(root, timeout_s):
         now = time.time()
         names = storage.listdir(root)
@@ -274,6 +286,26 @@ def retain(storage: Storage, root: str, keep: int, node: str | None = None, time
     return out
 
 
+class Publish(Protocol):
+    """How a :class:`Transaction` publishes, chosen once from ``storage.caps.atomic_rename``:
+    :class:`RenamePublish` (a temporary sibling directory renamed into place) or
+    :class:`MarkerPublish` (objects under the final prefix, the manifest the commit marker).
+    One instance per transaction, called by it alone; it keeps what only it needs, the
+    transaction what both share (destination, token, what ``begin`` saw) and the call order."""
+
+    marker: bool  # the manifest is the commit marker (``Transaction.marker``)
+
+    def temporary(self, txn: Transaction) -> str: ...  # where the files go (``Transaction.tmp``)
+    def owner_name(self, txn: Transaction) -> str: ...  # the owner record's name, in ``temporary``
+    def file_name(self, txn: Transaction, name: str) -> str: ...  # ``Transaction.file_name``
+    def state(self, txn: Transaction) -> tuple | None: ...  # what the destination holds now
+    def check(self, txn: Transaction) -> None: ...  # what may stand there (after the shared checks)
+    def begin(self, txn: Transaction) -> None: ...
+    def put(self, txn: Transaction, name: str, data: bytes) -> None: ...
+    def commit(self, txn: Transaction, manifest: bytes | None) -> None: ...
+    def abort(self, txn: Transaction) -> None: ...  # only a write that began and did not commit
+
+
 class Transaction:
     """One atomic write of directory ``final`` (see the module doc for the call order).
 
@@ -289,17 +321,18 @@ class Transaction:
         self.timeout_s = timeout_s  # bounds the wait for the parent's commit lock (LockTimeoutError)
         self.token = token or new_token()
         self.parent, self.name = storage.parent(final), storage.basename(final)
-        # object stores (no atomic rename): objects go under the final prefix with names
-        # unique to this write; the manifest, written last, commits them
-        self.marker = not storage.caps.atomic_rename
-        self.tmp = final if self.marker else storage.join(self.parent, tmp_name(self.name, self.token))
-        self._owner = self.path(f".owner-{self.token}" if self.marker else OWNER)
+        self.publish: Publish = RenamePublish() if storage.caps.atomic_rename else MarkerPublish()
+        self.tmp = self.publish.temporary(self)
+        self._owner = self.path(self.publish.owner_name(self))
         self._seen: tuple | None = None
         self._began = False
-        self._old_files: set[str] = set()
-        self._side: dict[str, bytes] = {}  # object stores: side files, put after the commit
-        self._attempted = False  # the commit marker was sent: this write may be committed
         self._committed = False
+
+    @property
+    def marker(self) -> bool:
+        """Object stores (no atomic rename): objects go under the final prefix with names
+        unique to this write; the manifest, written last, commits them."""
+        return self.publish.marker
 
     def path(self, name: str) -> str:
         return self.storage.join(self.tmp, name)
@@ -308,22 +341,12 @@ class Transaction:
         """The name data file ``name`` is stored under: itself, or on object stores (unless
         an exported folder) ``STEM.TOKEN.safetensors``, so that a write never touches the
         objects of a committed checkpoint or of a concurrent write."""
-        if self.marker and not self.folder and name.endswith(".safetensors"):
-            return f"{name[: -len('.safetensors')]}.{self.token}.safetensors"
-        return name
+        return self.publish.file_name(self, name)
 
     def _state(self) -> tuple | None:
         """What the destination holds now: None (nothing), or an identity of the checkpoint
         (its manifest) or folder there."""
-        s = self.storage
-        if self.marker:  # object stores: only the manifest (the commit marker) counts
-            ident = None if self.folder else s.identity(s.join(self.final, MANIFEST_NAME))
-            return None if ident is None else ("checkpoint", ident)
-        if not s.exists(self.final):
-            return None
-        if self.folder or not is_committed(s, self.final):
-            return ("dir", s.identity(self.final))
-        return ("checkpoint", s.identity(s.join(self.final, MANIFEST_NAME)))
+        return self.publish.state(self)
 
     def _check_destination(self) -> None:
         s, final = self.storage, self.final
@@ -334,23 +357,82 @@ class Transaction:
                     raise CheckpointExistsError(f"{final}: step {step} is already committed as {other} beside it; a "
                                                 "root holds one checkpoint per step (save under that name, with "
                                                 "overwrite=True to replace it)")
-        if self.marker:
-            return self._check_prefix()
+        self.publish.check(self)
+
+    def _survey(self) -> None:
+        """``begin``'s first steps: sweep dead writes of this name, check the destination,
+        record what it holds."""
+        sweep_stale(self.storage, self.parent, self.name, self.timeout_s)  # first: it may put back a checkpoint moved aside
+        self._check_destination()
+        self._seen = self._state()
+
+    def _record_owner(self) -> None:
+        self._began = True
+        self.storage.write_bytes(self._owner, json.dumps(liveness.me()).encode())
+
+    def _check_unchanged(self) -> None:
+        if self._state() != self._seen:  # (what begin checked still holds when this does)
+            raise CheckpointExistsError(f"{self.final}: another write committed here while this one was running; "
+                                        "nothing of this one was published")
+
+    def begin(self) -> None:
+        self.publish.begin(self)
+
+    def put(self, name: str, data: bytes) -> None:
+        self.publish.put(self, name, data)
+
+    def commit(self, manifest: bytes | None = None) -> None:
+        self.publish.commit(self, manifest)
+
+    def abort(self) -> None:
+        """Remove what this write left, unless it committed (or may have: its objects are then
+        left to sweeps, which delete them only if no committed manifest lists them)."""
+        if not self._began or self._committed:
+            return
+        self.publish.abort(self)
+
+
+class RenamePublish:
+    """Stores with an atomic directory rename (POSIX): the files go into the hidden sibling
+    ``.NAME.tmp-TOKEN``, published by a rename that never replaces another directory (or by
+    an exchange, or aside-and-rename, under ``overwrite``), under the parent's lock."""
+
+    marker = False
+
+    def temporary(self, txn: Transaction) -> str:
+        return txn.storage.join(txn.parent, tmp_name(txn.name, txn.token))
+
+    def owner_name(self, txn: Transaction) -> str:
+        return OWNER
+
+    def file_name(self, txn: Transaction, name: str) -> str:
+        return name
+
+    def state(self, txn: Transaction) -> tuple | None:
+        s = txn.storage
+        if not s.exists(txn.final):
+            return None
+        if txn.folder or not is_committed(s, txn.final):
+            return ("dir", s.identity(txn.final))
+        return ("checkpoint", s.identity(s.join(txn.final, MANIFEST_NAME)))
+
+    def check(self, txn: Transaction) -> None:
+        s, final = txn.storage, txn.final
         if not s.exists(final):
             return
         if not s.isdir(final):
             raise CheckpointExistsError(f"{final}: exists and is not a directory")
-        if self.folder:
+        if txn.folder:
             found = committed_under(s, final)  # at any depth, under any name: a replaced folder goes whole
             if found is not None:
                 what = "is a checkpoint" if found == final else f"holds a committed checkpoint ({found})"
                 raise CheckpointExistsError(f"{final}: {what}; an export never replaces checkpoints (choose another "
                                             "destination)")
-            if not self.overwrite:
+            if not txn.overwrite:
                 raise CheckpointExistsError(f"{final}: already exists (use --overwrite / overwrite=True to replace it)")
             return
         if is_committed(s, final):
-            if not self.overwrite:
+            if not txn.overwrite:
                 raise CheckpointExistsError(
                     f"{final}: a committed checkpoint is already there (pass overwrite=True to replace it)")
             inner = committed_under(s, final, below=True)
@@ -360,23 +442,108 @@ class Transaction:
         elif s.listdir(final):
             raise CheckpointExistsError(f"{final}: exists, is not a checkpoint and is not empty; refusing to replace it")
 
-    def _check_prefix(self) -> None:
-        """Object stores: what may stand under the destination prefix."""
-        s, final = self.storage, self.final
+    def begin(self, txn: Transaction) -> None:
+        s = txn.storage
+        try:
+            if not s.isdir(txn.parent):
+                s.makedirs(txn.parent)
+            txn._survey()
+            with s.lock(txn.parent, txn.timeout_s):  # a sweep never sees the temporary without its owner record
+                s.makedirs(txn.tmp)
+                txn._record_owner()
+        except OSError as e:  # (a StorageError already names its path)
+            if isinstance(e, UnickptError):
+                raise
+            raise StorageError(e.errno, f"cannot write {txn.final}: {e.strerror or e}", e.filename) from None
+
+    def put(self, txn: Transaction, name: str, data: bytes) -> None:
+        txn.storage.write_bytes(txn.path(name), data)
+
+    def commit(self, txn: Transaction, manifest: bytes | None) -> None:
+        s = txn.storage
+        with s.lock(txn.parent, txn.timeout_s):
+            txn._check_unchanged()
+            if manifest is not None:
+                s.write_bytes(txn.path(MANIFEST_NAME), manifest)
+            s.remove_file(txn._owner)
+            s.fsync_dir(txn.tmp)
+            replaced = self._rename(txn)
+            txn._committed = True
+        if replaced is not None:  # the replaced directory, deleted outside the lock
+            s.remove_tree(replaced)
+
+    def _rename(self, txn: Transaction) -> str | None:
+        """Rename the temporary into place; return where a replaced directory now is."""
+        s, final, tmp = txn.storage, txn.final, txn.tmp
+        replaced = None
+        if not s.exists(final):
+            s.rename_dir(tmp, final)
+        elif not s.listdir(final) and not txn.folder:  # an empty directory stood there
+            s.remove_tree(final)
+            s.rename_dir(tmp, final)
+        elif s.exchange_dirs(tmp, final):
+            replaced = tmp  # now holds the replaced directory
+        else:  # no atomic exchange: move the old one aside (a sweep puts it back if we die here)
+            replaced = s.join(txn.parent, _aside_name(txn.name, txn.token))
+            s.rename_dir(final, replaced)
+            _fault_point("between-renames")
+            try:
+                s.rename_dir(tmp, final)
+            except BaseException:
+                s.rename_dir(replaced, final)
+                raise
+        _fsync_quietly(s, txn.parent)
+        return replaced
+
+    def abort(self, txn: Transaction) -> None:
+        txn.storage.remove_tree(txn.tmp)
+
+
+class MarkerPublish:
+    """Object stores (no rename): the objects go under the final prefix with names unique to
+    this write (``file_name``; fixed-name side files only once it has won); the manifest,
+    put last and conditionally, is the commit marker."""
+
+    marker = True
+
+    def __init__(self) -> None:
+        self.old_files: set[str] = set()  # an overwrite: the replaced checkpoint's files, deleted after the commit
+        self.side: dict[str, bytes] = {}  # side files, put after the commit
+        self.attempted = False  # the commit marker was sent: this write may be committed
+
+    def temporary(self, txn: Transaction) -> str:
+        return txn.final
+
+    def owner_name(self, txn: Transaction) -> str:
+        return f".owner-{txn.token}"
+
+    def file_name(self, txn: Transaction, name: str) -> str:
+        if not txn.folder and name.endswith(".safetensors"):
+            return f"{name[: -len('.safetensors')]}.{txn.token}.safetensors"
+        return name
+
+    def state(self, txn: Transaction) -> tuple | None:
+        s = txn.storage  # only the manifest (the commit marker) counts
+        ident = None if txn.folder else s.identity(s.join(txn.final, MANIFEST_NAME))
+        return None if ident is None else ("checkpoint", ident)
+
+    def check(self, txn: Transaction) -> None:
+        """What may stand under the destination prefix."""
+        s, final = txn.storage, txn.final
         objs = s.list_objects(final)
         if not objs:
             return
         committed = any(m.key == MANIFEST_NAME for m in objs)
-        if self.folder:
+        if txn.folder:
             if committed or any(m.key.endswith("/" + MANIFEST_NAME) for m in objs):
                 raise CheckpointExistsError(f"{final}: is a checkpoint or holds committed checkpoints; an export "
                                             "never replaces them (choose another destination)")
-            if not self.overwrite:
+            if not txn.overwrite:
                 raise CheckpointExistsError(f"{final}: already exists (use --overwrite / overwrite=True to replace it)")
             s.remove_tree(final)  # (not atomic on an object store: docs/storage.md)
             return
         if committed:
-            if not self.overwrite:
+            if not txn.overwrite:
                 raise CheckpointExistsError(
                     f"{final}: a committed checkpoint is already there (pass overwrite=True to replace it)")
             return
@@ -387,162 +554,91 @@ class Transaction:
             raise CheckpointExistsError(f"{final}: holds objects that are not a checkpoint (e.g. {foreign[0]!r}); "
                                         "refusing to write here")
 
-    def begin(self) -> None:
-        if self.marker:
-            return self._begin_marker()
-        try:
-            self._begin_dir()
-        except OSError as e:  # (a StorageError already names its path)
-            if isinstance(e, UnickptError):
-                raise
-            raise StorageError(e.errno, f"cannot write {self.final}: {e.strerror or e}", e.filename) from None
-
-    def _begin_dir(self) -> None:
-        s = self.storage
-        if not s.isdir(self.parent):
-            s.makedirs(self.parent)
-        sweep_stale(s, self.parent, self.name, self.timeout_s)  # first: it may put back a checkpoint moved aside
-        self._check_destination()
-        self._seen = self._state()
-        with s.lock(self.parent, self.timeout_s):  # a sweep never sees the temporary without its owner record
-            s.makedirs(self.tmp)
-            self._began = True
-            s.write_bytes(self.path(OWNER), json.dumps(liveness.me()).encode())
-
-    def _begin_marker(self) -> None:
-        s = self.storage
-        sweep_stale(s, self.parent, self.name, self.timeout_s)
-        self._check_destination()
-        self._seen = self._state()
-        if self._seen is not None and self._seen[0] == "checkpoint":  # an overwrite: remember what to delete
+    def begin(self, txn: Transaction) -> None:
+        txn._survey()
+        if txn._seen is not None and txn._seen[0] == "checkpoint":  # an overwrite: remember what to delete
             from .manifest import Manifest
 
             try:
-                old = Manifest.from_json(read_manifest_bytes(s, self.final), self.path(MANIFEST_NAME))
-                self._old_files = set(old.files)
+                old = Manifest.from_json(read_manifest_bytes(txn.storage, txn.final), txn.path(MANIFEST_NAME))
+                self.old_files = set(old.files)
             except Exception:  # unreadable: its objects are left for a sweep (they are not ours)
-                self._old_files = set()
-        self._began = True
-        s.write_bytes(self._owner, json.dumps(liveness.me()).encode())
+                self.old_files = set()
+        txn._record_owner()
 
-    def put(self, name: str, data: bytes) -> None:
-        if self.marker and not self.folder:  # fixed names: written only once this write has won
-            self._side[name] = bytes(data)
-            return
-        self.storage.write_bytes(self.path(name), data)
+    def put(self, txn: Transaction, name: str, data: bytes) -> None:
+        if txn.folder:
+            txn.storage.write_bytes(txn.path(name), data)
+        else:  # fixed names: written only once this write has won
+            self.side[name] = bytes(data)
 
-    def commit(self, manifest: bytes | None = None) -> None:
-        s = self.storage
-        if self.marker:
-            return self._commit_marker(manifest)
-        with s.lock(self.parent, self.timeout_s):
-            if self._state() != self._seen:  # (what begin checked still holds when this does)
-                raise CheckpointExistsError(
-                    f"{self.final}: another write committed here while this one was running; "
-                    "nothing of this one was published")
-            if manifest is not None:
-                s.write_bytes(self.path(MANIFEST_NAME), manifest)
-            s.remove_file(self.path(OWNER))
-            s.fsync_dir(self.tmp)
-            replaced = self._publish()
-            self._committed = True
-        if replaced is not None:  # the replaced directory, deleted outside the lock
-            s.remove_tree(replaced)
-
-    def _commit_marker(self, manifest: bytes | None) -> None:
-        """Object stores: the manifest is the commit marker, put only if the destination
-        still holds what ``begin`` saw (a conditional put where the store has one)."""
-        s = self.storage
-        if self._state() != self._seen:
-            raise CheckpointExistsError(f"{self.final}: another write committed here while this one was running; "
-                                        "nothing of this one was published")
+    def commit(self, txn: Transaction, manifest: bytes | None) -> None:
+        """The manifest is the commit marker, put only if the destination still holds what
+        ``begin`` saw (a conditional put where the store has one)."""
+        s = txn.storage
+        txn._check_unchanged()
         if manifest is not None:
-            etag = self._seen[1][1] if self._seen is not None and self._seen[0] == "checkpoint" else None
-            self._attempted = True
+            seen = txn._seen
+            etag = seen[1][1] if seen is not None and seen[0] == "checkpoint" else None
+            self.attempted = True
             try:
-                s.put_marker(self.path(MANIFEST_NAME), manifest, if_absent=etag is None, if_match=etag)
+                s.put_marker(txn.path(MANIFEST_NAME), manifest, if_absent=etag is None, if_match=etag)
             except BaseException as e:  # a lost answer, a retried put, a conflict: what is there now?
-                self._resolve_marker(manifest, e)
-        self._committed = True
+                self._resolve(txn, manifest, e)
+        txn._committed = True
+        self._after_commit(txn, manifest)
+
+    def _after_commit(self, txn: Transaction, manifest: bytes | None) -> None:
+        """Committed: the side files, then the owner record and the replaced checkpoint's
+        data go (failures are logged: what is left is swept later)."""
+        s = txn.storage
         try:
-            for name, data in self._side.items():  # index, config.json: only the winner writes them
-                s.write_bytes(self.path(name), data)
+            for name, data in self.side.items():  # index, config.json: only the winner writes them
+                s.write_bytes(txn.path(name), data)
         except Exception as e:
             from ._metrics import log
 
             log.warning("%s: committed, but writing %s failed (the checkpoint loads; verify and export will "
-                        "report it missing): %s", self.final, ", ".join(self._side), e)
+                        "report it missing): %s", txn.final, ", ".join(self.side), e)
         try:
-            s.remove_file(self._owner)
+            s.remove_file(txn._owner)
             if manifest is not None:  # the replaced checkpoint's data (never this write's: names differ by token)
-                s.remove_files([self.path(n) for n in sorted(self._old_files) if _token_of(n) != self.token])
+                s.remove_files([txn.path(n) for n in sorted(self.old_files) if _token_of(n) != txn.token])
         except Exception as e:  # committed: what is left is swept later
             from ._metrics import log
 
-            log.warning("%s: committed, but cleaning up after the commit failed: %s", self.final, e)
+            log.warning("%s: committed, but cleaning up after the commit failed: %s", txn.final, e)
 
-    def _resolve_marker(self, manifest: bytes, error: BaseException) -> None:
+    def _resolve(self, txn: Transaction, manifest: bytes, error: BaseException) -> None:
         """The conditional put of the manifest failed: committed if the manifest there now is
         this write's (its answer was lost and a retry found it); lost if it is another's;
         unknown if it cannot be read (then this write's objects are kept: ``abort`` leaves
         them to a sweep, which deletes them only if no manifest lists them)."""
-        s = self.storage
+        s = txn.storage
         try:
-            now = s.read_bytes(self.path(MANIFEST_NAME), max(len(manifest), 1) + 1)
+            now = s.read_bytes(txn.path(MANIFEST_NAME), max(len(manifest), 1) + 1)
         except CheckpointNotFoundError:
             now = None
         except Exception as e:
-            from .errors import StorageError
-
             raise StorageError(getattr(e, "errno", None) or 5,
                                f"the commit's outcome is unknown (putting the manifest failed: {error}; reading it "
                                f"back failed: {e}); check unickpt.latest() before relying on it",
-                               self.path(MANIFEST_NAME)) from error
+                               txn.path(MANIFEST_NAME)) from error
         if now == manifest:
             from ._metrics import log
 
             log.warning("%s: the manifest put reported %s, but the manifest there is this write's: committed",
-                        self.final, type(error).__name__)
+                        txn.final, type(error).__name__)
             return
-        self._attempted = False  # another write's manifest, or none: this write is not committed
+        self.attempted = False  # another write's manifest, or none: this write is not committed
         raise error
 
-    def _publish(self) -> str | None:
-        """Rename the temporary into place; return where a replaced directory now is."""
-        s, final, tmp = self.storage, self.final, self.tmp
-        replaced = None
-        if not s.exists(final):
-            s.rename_dir(tmp, final)
-        elif not s.listdir(final) and not self.folder:  # an empty directory stood there
-            s.remove_tree(final)
-            s.rename_dir(tmp, final)
-        elif s.exchange_dirs(tmp, final):
-            replaced = tmp  # now holds the replaced directory
-        else:  # no atomic exchange: move the old one aside (a sweep puts it back if we die here)
-            replaced = s.join(self.parent, _aside_name(self.name, self.token))
-            s.rename_dir(final, replaced)
-            _fault_point("between-renames")
-            try:
-                s.rename_dir(tmp, final)
-            except BaseException:
-                s.rename_dir(replaced, final)
-                raise
-        _fsync_quietly(s, self.parent)
-        return replaced
-
-    def abort(self) -> None:
-        """Remove what this write left, unless it committed (or may have: its objects are then
-        left to sweeps, which delete them only if no committed manifest lists them)."""
-        if not self._began or self._committed:
+    def abort(self, txn: Transaction) -> None:
+        if self.attempted:  # it may have committed: its objects are left to sweeps
             return
-        if not self.marker:
-            self.storage.remove_tree(self.tmp)
-            return
-        if self._attempted:
-            return
-        s = self.storage
-        mine = [m.key for m in s.list_objects(self.final) if _token_of(m.key) == self.token]
-        s.remove_files([self.path(n) for n in sorted(set(mine), key=lambda n: n.startswith(".owner-"))])
+        s = txn.storage
+        mine = [m.key for m in s.list_objects(txn.final) if _token_of(m.key) == txn.token]
+        s.remove_files([txn.path(n) for n in sorted(set(mine), key=lambda n: n.startswith(".owner-"))])
 
 
 def _fault_point(name: str) -> None:

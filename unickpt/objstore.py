@@ -2,9 +2,9 @@
 
 Paths are URLs (``s3://bucket/prefix/step-00000100``, ``memory://ckpt``); a "directory" is a
 key prefix. What an object store cannot do (rename a directory, let several ranks write one
-object, lock) is declared in :attr:`ObjectStorage.caps`; the planner and the write
-transaction (:mod:`unickpt.commit`) read those and use a commit marker written last instead
-of a rename, and one writer per object.
+object) is declared in :attr:`ObjectStorage.caps`; the planner and the write transaction
+(:mod:`unickpt.commit`) read those and use a commit marker written last instead of a
+rename, and one writer per object (nor can it lock: :meth:`ObjectStorage.lock` does nothing).
 
 Three clients sit behind one small :class:`_Client` interface:
 
@@ -590,9 +590,7 @@ class ObjectStorage:
 
     def __init__(self, client: _Client, scheme: str) -> None:
         self.client, self.scheme = client, scheme
-        self.caps = Capabilities(atomic_rename=False, shared_writes=False, direct_io=False, ranged_reads=True,
-                                 multipart=True, conditional_put=client.conditional, locks=False,
-                                 process_local=scheme == "memory")
+        self.caps = Capabilities(atomic_rename=False, shared_writes=False, process_local=scheme == "memory")
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._inflight = threading.BoundedSemaphore(CONCURRENCY * 2)
@@ -726,7 +724,7 @@ class ObjectStorage:
     def put_marker(self, path: str, data: bytes, *, if_absent: bool = False, if_match: str | None = None) -> None:
         """Put ``data`` only if the object is absent (``if_absent``) or still has the identity
         ``if_match``: :class:`CheckpointExistsError` otherwise. Without server-side conditions
-        (``caps.conditional_put`` False) the check and the put are two steps."""
+        (the client's ``conditional`` False) the check and the put are two steps."""
         try:
             with _typed(path, "conditional put"):
                 self.client.put(self._k(path), data, if_absent=if_absent,

@@ -245,8 +245,7 @@ def is_url(path: str | os.PathLike) -> bool:
 class LocalStorage:
     """POSIX file system. Writes are durable once ``close()`` returns (fsync)."""
 
-    caps = Capabilities(atomic_rename=True, shared_writes=True, direct_io=bool(_O_DIRECT), ranged_reads=True,
-                        multipart=False, conditional_put=False, locks=True)
+    caps = Capabilities(atomic_rename=True, shared_writes=True)
 
     def join(self, *parts: str) -> str:
         return os.path.join(*parts)
