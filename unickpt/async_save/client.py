@@ -173,18 +173,16 @@ class Checkpointer(WriterLifecycle):
     def _prepare(self, comm: Comm, state_dict: Mapping[str, Any]) -> tuple[list[Entry], Any, Staged]:
         """The state's entries, its JSON part and their places in a staging segment large
         enough, agreed over the group (so no writer is left waiting for a rank that failed)."""
-        err: BaseException | None = None
-        try:
+        def prepare() -> tuple[list[Entry], Any, Staged]:
             if self._start_error is not None:
                 raise self._start_error
             entries, json_state = flatten(state_dict, comm.rank, comm.world)
             staged = self._place(entries)
             staged.ready = ready_events(entries)
             self._ensure_segment(staged.size)
-        except Exception as e:
-            err = e
-        comm.agree(err, "asynchronous save (preparing the staging buffer)")  # no writer is left waiting
-        return entries, json_state, staged
+            return entries, json_state, staged
+
+        return comm.step("asynchronous save (preparing the staging buffer)", prepare)  # no writer is left waiting
 
     def _stage(self, handle: AsyncSave, cmd: SaveCommand, entries: list[Entry], staged: Staged, background: bool,
                writer: tuple, path) -> None:
