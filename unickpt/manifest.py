@@ -399,6 +399,10 @@ def _parts(t: dict, codec: Codec, args: dict, dtype: str, shape: tuple[int, ...]
 
 
 def _parse(obj: Any, where: str) -> Manifest:
+    """A manifest from its parsed JSON, every field checked (FormatError naming ``where``
+    and the field): its files, tensors (their codecs' records, :mod:`unickpt.codecs`), state,
+    side files, aliases and per-rank tensors, in that order (each check may rely on the
+    earlier ones)."""
     if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
         raise FormatError(f"{where}: not a unickpt manifest (field 'format' must be {FORMAT_NAME!r})")
     version = _req(obj, "format_version", int, where)
@@ -409,6 +413,33 @@ def _parse(obj: Any, where: str) -> Manifest:
     step = obj.get("step")
     if step is not None and type(step) is not int:
         raise FormatError(f"{where}: field 'step' must be an integer or null")
+    files = _parse_files(obj, version, where)
+    tensors = _parse_tensors(obj, files, where)
+    state, extra, saved_by = obj.get("state", {}), obj.get("extra", {}), obj.get("saved_by", {})
+    if not isinstance(state, dict) or not isinstance(extra, dict) or not isinstance(saved_by, dict):
+        raise FormatError(f"{where}: 'state', 'extra' and 'saved_by' must be objects")
+
+    bad = sorted(k for k in state if k in _RESERVED)
+    if bad:
+        raise FormatError(f"{where}: state: the top-level key {bad[0]!r} is reserved by unickpt")
+    _typed_fields(saved_by, _SAVED_BY, f"{where}: saved_by")
+    compression = obj.get("compression") or {}
+    if not isinstance(compression, dict):
+        raise FormatError(f"{where}: 'compression' must be an object")
+    _typed_fields(compression, _COMPRESSION, f"{where}: compression")
+    if not isinstance(obj.get("created", ""), str) or not isinstance(obj.get("checksum_algo", ""), str):
+        raise FormatError(f"{where}: 'created' and 'checksum_algo' must be strings")
+    aux = _parse_aux(obj, where)
+    aliases = _parse_aliases(obj, tensors, where)
+    world = saved_by.get("world_size")
+    _check_state_values(state, world, f"{where}: state")
+    per_rank = _parse_per_rank(obj, tensors, world, where)
+    return Manifest(step=step, files=files, tensors=tensors, state=state, extra=extra, saved_by=saved_by,
+                    created=str(obj.get("created", "")), checksum_algo=str(obj.get("checksum_algo", "xxh3_64")),
+                    format_version=version, compression=compression, aux=aux, aliases=aliases, per_rank=per_rank)
+
+
+def _parse_files(obj: dict, version: int, where: str) -> dict[str, FileEntry]:
     files: dict[str, FileEntry] = {}
     for name, f in _req(obj, "files", dict, where).items():
         w = f"{where}: file {name!r}"
@@ -440,6 +471,10 @@ def _parse(obj: Any, where: str) -> Manifest:
                                     header_xxh3=hx, replicas=tuple(replicas))
         else:
             raise FormatError(f"{w}: unknown container {container!r} (this unickpt knows plain, zstd)")
+    return files
+
+
+def _parse_tensors(obj: dict, files: dict[str, FileEntry], where: str) -> dict[tuple[str, str], TensorEntry]:
     tensors: dict[tuple[str, str], TensorEntry] = {}
     for role, group in _req(obj, "tensors", dict, where).items():
         if not _ROLE.fullmatch(role) or not isinstance(group, dict):
@@ -492,26 +527,20 @@ def _parse(obj: Any, where: str) -> Manifest:
             if m is None or m.coder.coded or m.shape != t.shape or (c.model_dtype is not None and m.dtype != c.model_dtype):
                 raise FormatError(f"{w}: codec {t.codec} needs a raw model tensor {t.args.get('model')!r} of the same shape"
                                   f"{f' in {c.model_dtype}' if c.model_dtype else ''}")
-    state, extra, saved_by = obj.get("state", {}), obj.get("extra", {}), obj.get("saved_by", {})
-    if not isinstance(state, dict) or not isinstance(extra, dict) or not isinstance(saved_by, dict):
-        raise FormatError(f"{where}: 'state', 'extra' and 'saved_by' must be objects")
+    return tensors
 
-    bad = sorted(k for k in state if k in _RESERVED)
-    if bad:
-        raise FormatError(f"{where}: state: the top-level key {bad[0]!r} is reserved by unickpt")
-    _typed_fields(saved_by, _SAVED_BY, f"{where}: saved_by")
-    compression = obj.get("compression") or {}
-    if not isinstance(compression, dict):
-        raise FormatError(f"{where}: 'compression' must be an object")
-    _typed_fields(compression, _COMPRESSION, f"{where}: compression")
-    if not isinstance(obj.get("created", ""), str) or not isinstance(obj.get("checksum_algo", ""), str):
-        raise FormatError(f"{where}: 'created' and 'checksum_algo' must be strings")
+
+def _parse_aux(obj: dict, where: str) -> dict[str, tuple[int, str]]:
     aux: dict[str, tuple[int, str]] = {}
     for n, v in (obj.get("aux") or {}).items() if isinstance(obj.get("aux") or {}, dict) else [(None, None)]:
         if not (isinstance(n, str) and _AUX.fullmatch(n) and n != MANIFEST_NAME and isinstance(v, list) and len(v) == 2
                 and type(v[0]) is int and v[0] >= 0 and isinstance(v[1], str) and _HEX.fullmatch(v[1])):
             raise FormatError(f"{where}: 'aux' must map bare file names to [size, xxh3] (entry {n!r})")
         aux[n] = (v[0], v[1])
+    return aux
+
+
+def _parse_aliases(obj: dict, tensors: dict, where: str) -> dict[tuple[str, str], str]:
     aliases: dict[tuple[str, str], str] = {}
     raw_al = obj.get("aliases") or {}
     if not isinstance(raw_al, dict):
@@ -525,8 +554,10 @@ def _parse(obj: Any, where: str) -> Manifest:
                 raise FormatError(f"{where}: alias {name!r} (role {role!r}) must name a tensor the checkpoint does not "
                                   f"store and point to one it stores (got {str(target)[:80]!r})")
             aliases[(role, name)] = target
-    world = saved_by.get("world_size")
-    _check_state_values(state, world, f"{where}: state")
+    return aliases
+
+
+def _parse_per_rank(obj: dict, tensors: dict, world: Any, where: str) -> set[tuple[str, str]]:
     per_rank: set[tuple[str, str]] = set()
     raw_pr = obj.get("per_rank") or {}
     if not isinstance(raw_pr, dict):
@@ -540,21 +571,7 @@ def _parse(obj: Any, where: str) -> Manifest:
                 raise FormatError(f"{where}: per-rank tensor {name!r} (role {role!r}) must be a stored tensor with "
                                   f"one row per saving rank ({world})")
             per_rank.add((role, name))
-    return Manifest(
-        step=step,
-        files=files,
-        tensors=tensors,
-        state=state,
-        extra=extra,
-        saved_by=saved_by,
-        created=str(obj.get("created", "")),
-        checksum_algo=str(obj.get("checksum_algo", "xxh3_64")),
-        format_version=version,
-        compression=compression,
-        aux=aux,
-        aliases=aliases,
-        per_rank=per_rank,
-    )
+    return per_rank
 
 
 _BASE64 = re.compile(r"(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?")
