@@ -1039,7 +1039,8 @@ def test_codec_long_groups_bounded(codec):
     lo, hi = group - 3, group + 2  # across a group boundary
     parts = {p: torch.full((e - b,), 7, dtype=torch.uint8) for p, (b, e) in _cp.byte_ranges(tag, lo, hi).items()}
     parts["scales"] = torch.ones(parts["scales"].numel() // 4).view(torch.uint8)  # valid scales (m), w in [1, 1]
-    _cp.decode_range(tag, parts, lo, hi)  # once untraced: first-call imports and caches are not scratch
+    with TorchAllocations():  # once untraced: first-call imports (the dispatch mode's: torch._dynamo) are not scratch
+        _cp.decode_range(tag, parts, lo, hi)
     tracemalloc.start()
     try:
         with TorchAllocations() as alloc:
