@@ -54,6 +54,36 @@ __all__ = ["UnifiedCheckpoint"]
 Check = Callable[[str, Any], "Mapping[str, Any] | None"]
 
 
+def _whole(name: str, v: Any, lo: int) -> int:
+    """``v``, an int of at least ``lo`` (else InvalidArgumentError naming ``name``)."""
+    if type(v) is not int or v < lo:
+        raise errors.InvalidArgumentError(f"{name} must be an integer >= {lo}, got {v!r}")
+    return v
+
+
+def _memory_dir(memory_dir: Any) -> str | None:
+    """The memory tier's path per node (``{node}`` appended when absent), checked local."""
+    if memory_dir is None:
+        return None
+    if not isinstance(memory_dir, (str, os.PathLike)) or not isinstance(os.fspath(memory_dir), str) \
+            or not os.fspath(memory_dir):
+        raise errors.InvalidArgumentError(f"memory_dir must be a non-empty local path or None, got {memory_dir!r}")
+    md = os.fspath(memory_dir)
+    if "://" in md:
+        raise errors.InvalidArgumentError(f"memory_dir must be a local (tmpfs) path, got {md!r}")
+    return md if "{node}" in md else os.path.join(md, "{node}")
+
+
+def _check_apart(durable: str, memory: str | None, given: Any) -> None:
+    """The durable tier must not lie inside the memory tier's root."""
+    if memory is None or is_url(durable):
+        return
+    mem_root = os.path.realpath(memory.split("{node}")[0])
+    if os.path.realpath(durable) == mem_root or os.path.realpath(durable).startswith(mem_root.rstrip("/") + "/"):
+        raise errors.InvalidArgumentError(f"dir {durable!r} lies inside memory_dir {given!r}: the durable "
+                                          "tier must be another place than the memory snapshots")
+
+
 class UnifiedCheckpoint:
     """The checkpoint policy of a training loop (see the module doc)."""
 
@@ -108,15 +138,10 @@ class UnifiedCheckpoint:
             group: the process group (None: the default group, or one process).
             on_event: called with each event (a dict; see the module doc).
         """
-        def whole(name: str, v: Any, lo: int) -> int:
-            if type(v) is not int or v < lo:
-                raise errors.InvalidArgumentError(f"{name} must be an integer >= {lo}, got {v!r}")
-            return v
-
         if not isinstance(dir, (str, os.PathLike)) or not os.fspath(dir) or not isinstance(os.fspath(dir), str):
             raise errors.InvalidArgumentError(f"dir must be a non-empty path or URL, got {dir!r}")
         self.dir = os.fspath(dir)
-        self.every, self.keep = whole("every", every, 0), whole("keep", keep, 0)
+        self.every, self.keep = _whole("every", every, 0), _whole("keep", keep, 0)
         for name, v in (("async_save", async_save), ("overlap", overlap), ("memory_skip_busy", memory_skip_busy)):
             if type(v) is not bool:
                 raise errors.InvalidArgumentError(f"{name} must be True or False, got {v!r}")
@@ -125,21 +150,13 @@ class UnifiedCheckpoint:
         if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0):
             raise errors.InvalidArgumentError(f"eps must be a number > 0 or None, got {eps!r}")
         self.eps = None if eps is None else float(eps)
-        self.memory_dir: str | None = None
-        if memory_dir is not None:
-            if not isinstance(memory_dir, (str, os.PathLike)) or not isinstance(os.fspath(memory_dir), str) \
-                    or not os.fspath(memory_dir):
-                raise errors.InvalidArgumentError(f"memory_dir must be a non-empty local path or None, got {memory_dir!r}")
-            md = os.fspath(memory_dir)
-            if "://" in md:
-                raise errors.InvalidArgumentError(f"memory_dir must be a local (tmpfs) path, got {md!r}")
-            self.memory_dir = md if "{node}" in md else os.path.join(md, "{node}")
-        self.memory_every, self.memory_keep = whole("memory_every", memory_every, 1), whole("memory_keep", memory_keep, 1)
+        self.memory_dir = _memory_dir(memory_dir)
+        self.memory_every, self.memory_keep = _whole("memory_every", memory_every, 1), _whole("memory_keep", memory_keep, 1)
         if memory_replicas is not None:
-            whole("memory_replicas", memory_replicas, 0)
+            _whole("memory_replicas", memory_replicas, 0)
         self.memory_replicas = memory_replicas
         if memory_budget is not None:
-            whole("memory_budget", memory_budget, 1)
+            _whole("memory_budget", memory_budget, 1)
         self.memory_budget = memory_budget
         if storage_options is not None and not isinstance(storage_options, Mapping):
             raise errors.InvalidArgumentError(f"storage_options must be a dict or None, got {storage_options!r}")
@@ -157,11 +174,7 @@ class UnifiedCheckpoint:
             if given:
                 log.warning("UnifiedCheckpoint: %s set without memory_dir: the memory tier is off, they do nothing",
                             ", ".join(given))
-        if self.memory_dir is not None and not is_url(self.dir):
-            mem_root = os.path.realpath(self.memory_dir.split("{node}")[0])
-            if os.path.realpath(self.dir) == mem_root or os.path.realpath(self.dir).startswith(mem_root.rstrip("/") + "/"):
-                raise errors.InvalidArgumentError(f"dir {self.dir!r} lies inside memory_dir {memory_dir!r}: the durable "
-                                                  "tier must be another place than the memory snapshots")
+        _check_apart(self.dir, self.memory_dir, memory_dir)
         self.timeout_s, self.group, self.on_event = timeout_s, group, on_event
         self.extra: dict[str, Any] = {}
         """Added to every checkpoint's manifest ``extra`` (the trainer records its model config)."""
@@ -174,6 +187,10 @@ class UnifiedCheckpoint:
         self.lossy_generations = 0
         """Lossy save/resume cycles the live state has been through (the error budget)."""
         self.resumed_step: int | None = None
+        self._init_run_state()
+
+    def _init_run_state(self) -> None:
+        """What the manager learns while it runs (set by :meth:`start` and the saves)."""
         self._started = False
         self._closed = False
         self._pending: Any = None  # the asynchronous save in flight (unickpt.AsyncSave)
