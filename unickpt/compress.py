@@ -201,34 +201,15 @@ def prepare(entries: list[Entry], comp: Compression, gather_json) -> tuple[list[
     ``dropped[key]`` = (dtype, shape, model name). ``gather_json(obj)`` all-gathers a JSON
     value over the group (eligibility must be agreed: every rank transforms the same set).
     """
-    from .format import dtype_name
-
     tags: dict[tuple[str, str], dict] = {}
-    bad: list[str] = []
     cand: dict[str, Entry] = {}
     models: dict[str, Entry] = {}
+    bad: list[str] = []
     error: BaseException | None = None
     try:  # nothing may skip the collectives below on one rank only: errors wait until after them
-        for e in entries:
-            t = tag_for(e.role, e.name, dtype_name(e.local.dtype), e.layout.shape, comp)
-            if t is not None:
-                tags[e.key] = t
+        tags = _moment_tags(entries, comp)
         if comp.master != "full":
-            models = {e.name: e for e in entries if e.role == "model"}
-            for e in entries:
-                if e.role != "master":
-                    continue
-                m = models.get(e.name)
-                mdt = dtype_name(m.local.dtype) if m is not None else None
-                edt = dtype_name(e.local.dtype)
-                ok = (
-                    m is not None
-                    and m.layout.shape == e.layout.shape
-                    and edt in _FLOAT
-                    and (mdt == "BF16" and edt == "F32" if comp.master == "residual" else mdt in _FLOAT)
-                    and _model_offset(m.layout, e.layout) is not None
-                )
-                (cand.__setitem__(e.name, e) if ok else bad.append(e.name))
+            models, cand, bad = _master_candidates(entries, comp)
     except Exception as ex:
         error = ex
     if comp.master == "full":
@@ -249,28 +230,80 @@ def prepare(entries: list[Entry], comp: Compression, gather_json) -> tuple[list[
             f"{sorted(refused)[:5]}",
             stacklevel=3,
         )
-    out, exceptions, dropped = [], {}, {}
     if comp.master == "drop":
-        differ = []  # masters of this rank that their model weight (same dtype, same piece) does not equal
-        for e in entries:
-            if e.role == "master" and e.name in chosen:
-                dropped[e.key] = (dtype_name(e.local.dtype), list(e.layout.shape), e.name)
-                m = models[e.name]
-                if m.local.dtype == e.local.dtype and m.layout == e.layout and not torch.equal(m.local, e.local):
-                    differ.append(e.name)
-        # every rank must list every dropped tensor, also those it holds no piece of
-        agreed = gather_json({"d": [[k[0], k[1], *v] for k, v in dropped.items()], "differ": differ})
-        for x in agreed:
-            for role, name, dt, shape, model in x["d"]:
-                dropped[(role, name)] = (dt, shape, model)
-        differ = sorted(set().union(*(set(x.get("differ") or ()) for x in agreed)))
-        if differ:
-            warnings.warn(
-                f"master='drop': {len(differ)} master tensor(s) are not equal to their model weights of the same "
-                f"dtype, and a load restores the model's values in their place: {differ[:5]} (master='full' or "
-                "'residual' keeps them)", stacklevel=3)
-        return [e for e in entries if e.key not in dropped], tags, {}, dropped
-    # residual: split locally; a failure must not skip the collective below (peers would hang)
+        kept, dropped = _drop_masters(entries, models, chosen, gather_json)
+        return kept, tags, {}, dropped
+    out, exceptions = _residual_masters(entries, models, cand, chosen, tags, gather_json)
+    return out, tags, exceptions, {}
+
+
+def _moment_tags(entries: list[Entry], comp: Compression) -> dict[tuple[str, str], dict]:
+    from .format import dtype_name
+
+    tags = {}
+    for e in entries:
+        t = tag_for(e.role, e.name, dtype_name(e.local.dtype), e.layout.shape, comp)
+        if t is not None:
+            tags[e.key] = t
+    return tags
+
+
+def _master_candidates(entries: list[Entry], comp: Compression) -> tuple[dict[str, Entry], dict[str, Entry], list[str]]:
+    """This rank's model weights by name, the masters the policy can apply to here, and
+    those it cannot (no model weight of the same name, shape, dtype and piece)."""
+    from .format import dtype_name
+
+    models = {e.name: e for e in entries if e.role == "model"}
+    cand: dict[str, Entry] = {}
+    bad: list[str] = []
+    for e in entries:
+        if e.role != "master":
+            continue
+        m = models.get(e.name)
+        mdt = dtype_name(m.local.dtype) if m is not None else None
+        edt = dtype_name(e.local.dtype)
+        ok = (
+            m is not None
+            and m.layout.shape == e.layout.shape
+            and edt in _FLOAT
+            and (mdt == "BF16" and edt == "F32" if comp.master == "residual" else mdt in _FLOAT)
+            and _model_offset(m.layout, e.layout) is not None
+        )
+        (cand.__setitem__(e.name, e) if ok else bad.append(e.name))
+    return models, cand, bad
+
+
+def _drop_masters(entries: list[Entry], models: dict[str, Entry], chosen: set[str], gather_json
+                  ) -> tuple[list[Entry], dict]:
+    """master="drop": the entries without the chosen masters, and every dropped tensor (every
+    rank lists every one, also those it holds no piece of)."""
+    from .format import dtype_name
+
+    dropped: dict = {}
+    differ = []  # masters of this rank that their model weight (same dtype, same piece) does not equal
+    for e in entries:
+        if e.role == "master" and e.name in chosen:
+            dropped[e.key] = (dtype_name(e.local.dtype), list(e.layout.shape), e.name)
+            m = models[e.name]
+            if m.local.dtype == e.local.dtype and m.layout == e.layout and not torch.equal(m.local, e.local):
+                differ.append(e.name)
+    agreed = gather_json({"d": [[k[0], k[1], *v] for k, v in dropped.items()], "differ": differ})
+    for x in agreed:
+        for role, name, dt, shape, model in x["d"]:
+            dropped[(role, name)] = (dt, shape, model)
+    differ = sorted(set().union(*(set(x.get("differ") or ()) for x in agreed)))
+    if differ:
+        warnings.warn(
+            f"master='drop': {len(differ)} master tensor(s) are not equal to their model weights of the same "
+            f"dtype, and a load restores the model's values in their place: {differ[:5]} (master='full' or "
+            "'residual' keeps them)", stacklevel=4)
+    return [e for e in entries if e.key not in dropped], dropped
+
+
+def _residual_masters(entries: list[Entry], models: dict[str, Entry], cand: dict[str, Entry], chosen: set[str],
+                      tags: dict, gather_json) -> tuple[list[Entry], dict]:
+    """master="residual": the chosen masters split locally into their low 16 bits (tagged in
+    ``tags``) and exceptions; a failure must not skip the collective (peers would hang)."""
     split: dict[str, tuple] = {}
     error: BaseException | None = None
     try:
@@ -281,15 +314,16 @@ def prepare(entries: list[Entry], comp: Compression, gather_json) -> tuple[list[
         error = ex
     excess = sorted(n for n, (_, gi, _) in split.items() if len(gi) > max(16, cand[n].layout.numel * EXCEPTION_LIMIT))
     everyone = gather_json({"excess": excess})
-    if error is not None:  # the last collective here: the saver's agreement pairs the rest
+    if error is not None:  # the last collective here: the save's agreement pairs the rest
         raise error
     too_many = set().union(*(set(x["excess"]) for x in everyone))
     if too_many:
         warnings.warn(
             f"master='residual': {len(too_many)} master tensor(s) are not the bf16 rounding of their model weights "
             f"(more than 1/1024 of the elements would be exceptions), stored in full: {sorted(too_many)[:5]}",
-            stacklevel=3,
+            stacklevel=4,
         )
+    out, exceptions = [], {}
     for e in entries:
         if e.role != "master" or e.name not in chosen or e.name in too_many:
             out.append(e)
@@ -298,7 +332,7 @@ def prepare(entries: list[Entry], comp: Compression, gather_json) -> tuple[list[
         exceptions[e.key] = (idx, bits)
         out.append(Entry(e.role, e.name, low, e.layout, e.aliases, e.per_rank))
         tags[e.key] = {"codec": Residual16.name, "model": e.name}
-    return out, tags, exceptions, dropped
+    return out, exceptions
 
 
 def _residual_local(master: Entry, model: Entry) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
