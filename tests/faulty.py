@@ -11,11 +11,14 @@
 * :func:`writer_cannot_join`, :func:`writer_exits`: asynchronous writers (the checkpointer's
   ``unickpt.async_save.writer.main``, set on one rank) whose set-up fails as the real one
   reports it, or that exit silently before joining the writers' group.
-* :func:`mark_fault_points`: the ``UNICKPT_FAULT`` points (``unickpt.commit._fault_point``)
-  of this process, and of the asynchronous writer processes it starts, act only once the
-  file ``$UNICKPT_MARK_DIR/armed`` exists, and then first create
-  ``$UNICKPT_MARK_DIR/at-NAME-PID``, so a test knows every process is parked there before it
-  kills them.
+* :func:`mark_fault_points`: fault points in this process, and in the asynchronous writer
+  processes it starts: every storage behind the seam becomes a :class:`Parking`, which parks
+  the process at the point ``$FAULTY_PARK`` (``NAME:SECONDS[:FILE]``) names (after-create,
+  after-data, before-commit, after-commit, between-renames, retention: the storage call that
+  follows each). With ``$FAULTY_MARK_DIR`` set, a point acts only once the file
+  ``$FAULTY_MARK_DIR/armed`` exists, and then first creates ``$FAULTY_MARK_DIR/at-NAME-PID``,
+  so a test knows every process is parked there before it kills them. The library itself has
+  no fault hooks: a process the test starts (a rank, ``python -c``) calls this first.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import time
 
 import unickpt.storage as _st
 
-__all__ = ["Faults", "FaultyStorage", "install", "uninstall", "mark_fault_points", "writer_main",
+__all__ = ["Faults", "FaultyStorage", "Parking", "install", "uninstall", "mark_fault_points", "writer_main",
            "writer_cannot_join", "writer_exits"]
 
 
@@ -179,6 +182,34 @@ class FaultyStorage(_st.LocalStorage):
 
 _REAL = {}
 _ACTIVE: list[Faults] = []
+_PARKING: list[bool] = []  # mark_fault_points was called: every storage behind the seam parks
+_SEAM = ("unickpt.storage", "unickpt.saving.pipeline", "unickpt.loading.pipeline", "unickpt.loading.locate")
+
+
+def _storage_for(path, storage_options=None):
+    """``storage_for`` as save, load, sweep and retain find it in this process: the real
+    one's storage, sick (:func:`install`, local storage only) and parking
+    (:func:`mark_fault_points`, any storage)."""
+    storage, p = _REAL["storage_for"](path, storage_options)
+    if _ACTIVE and type(storage) is _st.LocalStorage:
+        storage = FaultyStorage(_ACTIVE[-1])
+    if _PARKING:
+        storage = Parking(storage)
+    return storage, p
+
+
+def _seam(on: bool) -> None:
+    import importlib
+
+    mods = [importlib.import_module(m) for m in _SEAM]
+    if on and "storage_for" not in _REAL:
+        _REAL["storage_for"] = _st.storage_for
+        for mod in mods:
+            setattr(mod, "storage_for", _storage_for)
+    elif not on and "storage_for" in _REAL:
+        real = _REAL.pop("storage_for")
+        for mod in mods:
+            setattr(mod, "storage_for", real)
 
 
 def _short_pwrite(real):
@@ -230,21 +261,9 @@ def _is_direct(fd: int) -> bool:
 
 def install(config: dict) -> Faults:
     """Put a :class:`FaultyStorage` with ``config`` behind the storage seam of this process."""
-    import unickpt.loading.locate
-    import unickpt.loading.pipeline
-    import unickpt.saving.pipeline
-
     uninstall()
     faults = Faults(config)
-    real = _st.storage_for
-
-    def storage_for(path, storage_options=None):
-        storage, p = real(path, storage_options)
-        return (FaultyStorage(faults) if type(storage) is _st.LocalStorage else storage), p
-
-    _REAL["storage_for"] = real
-    for mod in (_st, unickpt.saving.pipeline, unickpt.loading.pipeline, unickpt.loading.locate):
-        setattr(mod, "storage_for", storage_for)
+    _seam(True)
     if config.get("short_writes") or config.get("pwrite_error"):
         _REAL["pwrite"], _REAL["write"] = os.pwrite, os.write
         os.pwrite, os.write = _short_pwrite(os.pwrite), _short_write(os.write)
@@ -271,14 +290,9 @@ def _failing_fallocate(faults: Faults, code: int):
 
 
 def uninstall() -> None:
-    import unickpt.loading.locate
-    import unickpt.loading.pipeline
-    import unickpt.saving.pipeline
-
-    real = _REAL.pop("storage_for", None)
-    if real is not None:
-        for mod in (_st, unickpt.saving.pipeline, unickpt.loading.pipeline, unickpt.loading.locate):
-            setattr(mod, "storage_for", real)
+    """The faults of :func:`install` gone (parking, if :func:`mark_fault_points` set it, stays)."""
+    if not _PARKING:
+        _seam(False)
     if "pwrite" in _REAL:
         os.pwrite, os.write = _REAL.pop("pwrite"), _REAL.pop("write")
     if "fallocate" in _REAL:
@@ -290,25 +304,123 @@ def uninstall() -> None:
     _ACTIVE.clear()
 
 
-# -- fault points that tell the test where the process is ----------------------------------
+# -- fault points: a process parked at a named moment, for the test to kill or time it -----
+
+PARK = "FAULTY_PARK"
+"""``NAME:SECONDS`` parks at point NAME for SECONDS; ``NAME:SECONDS:FILE`` until FILE exists
+(at most SECONDS), so a test orders two processes without betting on their speed. Read at
+each storage call, so a process may set it between two saves (asynchronous writers: in the
+rank's environment before they start)."""
+
+MARKS = "FAULTY_MARK_DIR"
+"""Where set, the points act only once ``$FAULTY_MARK_DIR/armed`` exists, and first create
+``$FAULTY_MARK_DIR/at-NAME-PID``."""
+
+
+class Parking:
+    """One storage from the seam (``storage_for`` is called once per save, load, sweep or
+    retention) that parks the process at the point :data:`PARK` names, each at most once,
+    just before (or, ``after-commit``, just after) the storage call that follows it:
+
+    * ``after-create``: the save's first ``open_writer`` (its files are created, no data written);
+    * ``after-data``: the storage's ``close()``, which every rank calls once its writers are
+      done (a rank other than the directory's makes no other call after its data), or else
+      the first write of a non-data file (index, extra files, manifest) or the commit;
+    * ``before-commit``: the commit: its ``lock()`` of the parent (before the manifest goes
+      into the temporary, which is then renamed into place), on object stores ``put_marker``;
+    * ``after-commit``: once the temporary was renamed (or exchanged) into place, on object
+      stores once the manifest marker is put;
+    * ``between-renames``: an overwrite without an atomic exchange, after the old checkpoint
+      was moved aside (renamed to ``.old-``), before the temporary is renamed into place;
+    * ``retention``: before an old checkpoint is retired (its rename to a hidden ``.del-``,
+      on object stores the removal of its manifest).
+    """
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.wrote = False  # a data file was opened for writing: this is a save, past its creates
+        self.aside = False  # the commit moved the old checkpoint aside
+        self.parked: set[str] = set()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def park(self, name: str) -> None:
+        spec = os.environ.get(PARK, "")
+        if name in self.parked or not spec.startswith(name + ":"):
+            return
+        marks = os.environ.get(MARKS)
+        if marks:
+            if not os.path.exists(os.path.join(marks, "armed")):
+                return
+            open(os.path.join(marks, f"at-{name}-{os.getpid()}"), "w").close()
+        self.parked.add(name)
+        secs, _, until = spec.split(":", 1)[1].partition(":")
+        deadline = time.monotonic() + float(secs)
+        if not until:
+            time.sleep(float(secs))
+            return
+        while not os.path.exists(until) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def open_writer(self, path: str, **kw):
+        if not self.wrote:
+            self.park("after-create")
+            self.wrote = True
+        return self.inner.open_writer(path, **kw)
+
+    def close(self) -> None:
+        if self.wrote:
+            self.park("after-data")
+        self.inner.close()
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        if self.wrote:
+            self.park("after-data")
+        self.inner.write_bytes(path, data)
+
+    def lock(self, path: str, timeout_s: float | None = None):
+        if self.wrote:
+            self.park("after-data")
+            self.park("before-commit")
+        return self.inner.lock(path, timeout_s)
+
+    def put_marker(self, path: str, data: bytes, **kw) -> None:
+        if self.wrote:
+            self.park("after-data")
+            self.park("before-commit")
+        self.inner.put_marker(path, data, **kw)
+        self.park("after-commit")
+
+    def rename_dir(self, src: str, dst: str) -> None:
+        if ".del-" in self.inner.basename(dst):
+            self.park("retention")
+        if self.aside:
+            self.park("between-renames")
+        self.inner.rename_dir(src, dst)
+        if ".old-" in self.inner.basename(dst):
+            self.aside = True
+        if _is_tmp(src):
+            self.park("after-commit")
+
+    def exchange_dirs(self, a: str, b: str) -> bool:
+        done = self.inner.exchange_dirs(a, b)
+        if done and _is_tmp(a):
+            self.park("after-commit")
+        return done
+
+    def remove_file(self, path: str) -> None:
+        if not self.inner.caps.atomic_rename and self.inner.basename(path) == "unickpt.json":
+            self.park("retention")
+        self.inner.remove_file(path)
 
 
 def mark_fault_points(writers: bool = True) -> None:
-    """Fault points act only once ``$UNICKPT_MARK_DIR/armed`` exists, and say so first."""
-    import unickpt.commit as c
-
-    if not getattr(c._fault_point, "_marked", False):
-        orig = c._fault_point
-
-        def fault_point(name: str) -> None:
-            d = os.environ.get("UNICKPT_MARK_DIR")
-            spec = os.environ.get("UNICKPT_FAULT", "")
-            if d and spec.startswith(name + ":") and os.path.exists(os.path.join(d, "armed")):
-                open(os.path.join(d, f"at-{name}-{os.getpid()}"), "w").close()
-                orig(name)
-
-        fault_point._marked = True
-        c._fault_point = fault_point
+    """The fault points (:class:`Parking`) behind the storage seam of this process, and, with
+    ``writers``, of the asynchronous writer processes it starts (:func:`writer_main`)."""
+    if not _PARKING:
+        _PARKING.append(True)
+    _seam(True)
     if writers:
         from unickpt.async_save import writer
 
@@ -318,7 +430,7 @@ def mark_fault_points(writers: bool = True) -> None:
 
 
 def writer_main(*args) -> None:
-    """The asynchronous writer process, with marked fault points."""
+    """The asynchronous writer process, with the fault points."""
     from unickpt.async_save import writer
 
     mark_fault_points(writers=False)

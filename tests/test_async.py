@@ -10,7 +10,7 @@ import torch
 import xxhash
 
 import unickpt
-from tests import dist
+from tests import dist, faulty
 from unickpt.errors import AsyncSaveError
 
 
@@ -62,7 +62,8 @@ def test_bytes_are_the_state_at_call_time_and_equal_a_sync_save(tmp_path):
 
 
 def _writer_killed(rank, world, root):
-    os.environ["UNICKPT_FAULT"] = "after-create:3"
+    faulty.mark_fault_points()  # in the writers this rank starts
+    os.environ["FAULTY_PARK"] = "after-create:3"
     from unickpt.async_save import checkpointer
 
     sd = _state(rank, world)
@@ -77,7 +78,7 @@ def _writer_killed(rank, world, root):
         err = str(e)
     else:
         err = None
-    os.environ["UNICKPT_FAULT"] = ""
+    os.environ["FAULTY_PARK"] = ""
     committed = unickpt.latest(root)
     h = unickpt.save(sd, os.path.join(root, "step-00000003"), step=3, async_save=True)  # writers restart
     h.wait(timeout=120)
@@ -157,11 +158,12 @@ def _tiny_trainer(root, **kw):
 
 
 def _train_then_die(rank, world, root):
+    faulty.mark_fault_points()  # in the writers this rank starts
     t = _tiny_trainer(root)
     t.train_step(), t.train_step()
     t.save()
     t.wait_save()
-    os.environ["UNICKPT_FAULT"] = "after-create:30"  # the next save hangs inside its write
+    os.environ["FAULTY_PARK"] = "after-create:30"  # the next save hangs inside its write
     from unickpt.async_save import checkpointer
 
     checkpointer()._stop_writer(graceful=True)  # restart writers so they see the fault

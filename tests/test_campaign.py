@@ -4,7 +4,8 @@ previous checkpoint, and leaves only temporaries that a sweep removes once their
 are dead; every rank of a failed save raises a typed error within a bounded time.
 
 1. kill -9 of the whole job (2 real gloo ranks; sync, and async with writer processes) while
-   it is parked at each fault point of ``unickpt.commit._fault_point``;
+   it is parked at each fault point (``tests/faulty.py``: a storage wrapper behind the
+   storage seam parks the process at the storage call that follows the point);
 2. one rank dies (SIGKILL) or hangs during a 2-rank save: the others raise
    ``DistributedError`` at once, or after ``timeout_s``. No test measures how long that took:
    each shows which cause the error names (a dead peer, the timeout, a peer's own error) and,
@@ -242,8 +243,9 @@ def test_kill9_at_each_phase_keeps_the_previous_checkpoint(tmp_path, phase, mode
     root, marks = str(tmp_path / "ck"), str(tmp_path / "marks")
     os.makedirs(marks)
     job = _Job(_save_then_park, 2, root, marks, mode,
-               env={"UNICKPT_FAULT": f"{phase}:300", "UNICKPT_MARK_DIR": marks})
-    _kill_parked(job, marks, phase, parked=2)
+               env={"FAULTY_PARK": f"{phase}:300", "FAULTY_MARK_DIR": marks})
+    # before-commit: rank 0 (or its writer) alone commits; rank 1's waits for it in the commit's agreement
+    _kill_parked(job, marks, phase, parked=1 if phase == "before-commit" else 2)
 
     names = os.listdir(root)
     assert "step-00000002" not in names
@@ -303,7 +305,7 @@ def _train_then_park_in_retention(rank, world, root, marks, mode, where):
 
     asy = mode == "async"
     if where == "delete":
-        os.environ["UNICKPT_FAULT"] = ""
+        os.environ["FAULTY_PARK"] = ""
         _slow_delete(marks)
     t = _tiny_trainer(root, asy)
     t.train_step()
@@ -342,7 +344,7 @@ def test_kill9_during_retention_never_leaves_half_a_checkpoint(tmp_path, mode, w
     root, marks = str(tmp_path / "ck"), str(tmp_path / "marks")
     os.makedirs(marks)
     job = _Job(_train_then_park_in_retention, 2, root, marks, mode, where,
-               env={"UNICKPT_FAULT": "retention:300", "UNICKPT_MARK_DIR": marks})
+               env={"FAULTY_PARK": "retention:300", "FAULTY_MARK_DIR": marks})
     _kill_parked(job, marks, "retention", parked=1)  # rank 0 manages the directory
 
     committed = _committed(root)
@@ -387,7 +389,7 @@ def interrupted_overwrite(tmp_path_factory):
     open(os.path.join(marks, "armed"), "w").close()
     path = os.path.join(root, "step-00000001")
     unickpt.save(_whole(1), path, step=1)
-    env = dict(os.environ, UNICKPT_NO_RENAMEAT2="1", UNICKPT_FAULT="between-renames:300", UNICKPT_MARK_DIR=marks,
+    env = dict(os.environ, UNICKPT_NO_RENAMEAT2="1", FAULTY_PARK="between-renames:300", FAULTY_MARK_DIR=marks,
                OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-c", _OVERWRITE.format(root=ROOT, path=path)], env=env, cwd=ROOT)
     try:
@@ -481,7 +483,8 @@ def _hang_one_rank(rank, world, root, timeout_s):
     unickpt.save(_state(rank, world, 1), os.path.join(root, "step-00000001"), step=1)
     hung = rank == int(os.environ["HANG_RANK"])
     if hung:
-        os.environ["UNICKPT_FAULT"] = os.environ["HANG_AT"]
+        faulty.mark_fault_points(writers=False)
+        os.environ["FAULTY_PARK"] = os.environ["HANG_AT"]
     try:
         unickpt.save(_state(rank, world, 2), os.path.join(root, "step-00000002"), step=2, timeout_s=timeout_s)
         out = (None, "")
@@ -549,7 +552,7 @@ def _async_writer_hangs(rank, world, root, marks):
 
     release = os.path.join(marks, "release")
     if rank == 1:  # inherited by this rank's writer process (spawned by the first save)
-        os.environ["UNICKPT_FAULT"] = f"after-data:300:{release}"
+        os.environ["FAULTY_PARK"] = f"after-data:300:{release}"
 
     unickpt.save(_state(rank, world, 1), os.path.join(root, "step-00000001"), step=1, async_save=True).wait(timeout=120)
     _arm(rank, marks)
@@ -577,7 +580,7 @@ def test_hung_async_writer_fails_every_rank_within_the_timeout(tmp_path):
     root, marks = str(tmp_path / "ck"), str(tmp_path / "marks")
     os.makedirs(marks)
     # timeout=150: a hang guard only (a rank 0 that waited for the parked writer would never release it)
-    out = dist.run(_async_writer_hangs, 2, root, marks, timeout=150, env={"UNICKPT_MARK_DIR": marks})
+    out = dist.run(_async_writer_hangs, 2, root, marks, timeout=150, env={"FAULTY_MARK_DIR": marks})
     (e0, _, ok0), (e1, released1, ok1) = out
     assert e0 and "did not answer within 2 s" in e0, e0  # rank 0: the timeout, its peer's writer still parked
     # rank 1: failed once its writer was released, at the writers' next collective (gloo had
@@ -594,21 +597,24 @@ def _async_writer_killed_after_the_rename(rank, world, root, marks):
     import psutil
     import torch.distributed as tdist
 
-    if rank == 1:  # rank 1's writer parks before the commit's agreement; rank 0's renames meanwhile
-        os.environ["UNICKPT_FAULT"] = "before-commit:60"
+    release = os.path.join(marks, "release")
+    if rank == 0:  # rank 0's writer parks once it has renamed the checkpoint into place, before the
+        # commit's agreement, until rank 1's writer (waiting in that agreement) is killed
+        os.environ["FAULTY_PARK"] = f"after-commit:60:{release}"
     unickpt.save(_state(rank, world, 1), os.path.join(root, "step-00000001"), step=1, async_save=True).wait(timeout=120)
     _arm(rank, marks)
     final = os.path.join(root, "step-00000002")
     h = unickpt.save(_state(rank, world, 2), final, step=2, async_save=True)
     if rank == 1:
         deadline = time.monotonic() + 60  # a hang guard only
-        while not (any(n.startswith("at-before-commit-") for n in os.listdir(marks))
+        while not (any(n.startswith("at-after-commit-") for n in os.listdir(marks))
                    and os.path.exists(os.path.join(final, "unickpt.json"))):
             assert time.monotonic() < deadline, "the writers never reached the commit"
             time.sleep(0.02)
         for c in psutil.Process().children():
             if any("_writer_main" in a for a in c.cmdline()):
                 os.kill(c.pid, signal.SIGKILL)
+        open(release, "w").close()  # rank 0's writer goes on: its peer is dead
     try:
         h.wait(timeout=120)
         err = None
@@ -622,13 +628,13 @@ def _async_writer_killed_after_the_rename(rank, world, root, marks):
 
 
 def test_a_writer_killed_after_the_rename_says_the_checkpoint_is_committed(tmp_path):
-    """The writers of rank 0 renamed the checkpoint into place; rank 1's, parked before the
-    commit's last agreement, is killed. The checkpoint is complete: rank 1 (whose writer died)
+    """The writer of rank 0 renamed the checkpoint into place (and parks there); rank 1's,
+    waiting in the commit's last agreement, is killed. The checkpoint is complete: rank 1 (whose writer died)
     says it is committed, never that nothing was; rank 0 says the outcome is unknown."""
     root, marks = str(tmp_path / "ck"), str(tmp_path / "marks")
     os.makedirs(marks)
     out = dist.run(_async_writer_killed_after_the_rename, 2, root, marks, timeout=150,
-                   env={"UNICKPT_MARK_DIR": marks, "UNICKPT_TIMEOUT_S": "60"})
+                   env={"FAULTY_MARK_DIR": marks, "UNICKPT_TIMEOUT_S": "60"})
     (e0, ok0), (e1, ok1) = out
     assert e1 and "died" in e1 and "is committed" in e1 and "nothing was committed" not in e1, e1
     assert e0 and "outcome is unknown" in e0 and "was committed by this rank" in e0, e0

@@ -294,14 +294,22 @@ def test_clean_memory_command_refuses_a_live_job_and_cleans_a_dead_one(tmp_path,
     assert not os.path.exists(node)
 
 
-def test_a_busy_writer_skips_snapshots_and_never_a_durable_checkpoint(tmp_path, shm, monkeypatch):
+def _slow_writers(rank, world, *args):
+    """The writer processes of this rank take 0.5 s more per save (parked once their data is written)."""
+    from tests import faulty
+
+    faulty.mark_fault_points()  # in the writers this rank starts
+    os.environ["FAULTY_PARK"] = "after-data:0.5"  # which inherit it
+    return _on_nodes(rank, world, *args)
+
+
+def test_a_busy_writer_skips_snapshots_and_never_a_durable_checkpoint(tmp_path, shm):
     """Writers slowed down (0.5 s per save): with the default memory_skip_busy the snapshots
     due meanwhile are skipped (reported), the loop does not wait for them, and the durable
     checkpoint due at step 4 is still written."""
-    monkeypatch.setenv("UNICKPT_FAULT", "after-data:0.5")  # the ranks' writer processes inherit it
     d = str(tmp_path / "ck")
     metrics = str(tmp_path / "m.jsonl")
-    out = dist.run(_on_nodes, 2, ["n0", "n1"], 1, 1, 5, d, shm, 4, False, {"memory_skip_busy": True}, metrics)
+    out = dist.run(_slow_writers, 2, ["n0", "n1"], 1, 1, 5, d, shm, 4, False, {"memory_skip_busy": True}, metrics)
     assert all(isinstance(o[0], list) for o in out), out
     ev = _events(metrics)
     skipped = [e["step"] for e in ev if e.get("event") == "snapshot_skipped"]

@@ -201,15 +201,20 @@ def test_two_writes_to_one_prefix_commit_once(s3, client):
 
 
 _KILLED = """
-import sys, torch, unickpt
+import sys
+sys.path.insert(0, sys.argv[2])
+import torch, unickpt
+from tests import faulty
+faulty.mark_fault_points(writers=False)
 unickpt.save({"model": {"w": torch.ones(256, 256)}}, sys.argv[1])
 """
 
 
 def test_a_save_killed_before_its_commit_is_invisible_and_swept(s3):
     url = s3.bucket("ck-kill") + "/run/step-00000001"
-    env = s3.environ({"UNICKPT_FAULT": "before-commit:600"})  # parked until killed
-    p = subprocess.Popen([sys.executable, "-c", _KILLED, url], env=env)
+    env = s3.environ({"FAULTY_PARK": "before-commit:600"})  # parked at the manifest's put until killed
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.Popen([sys.executable, "-c", _KILLED, url, root], env=env)
     deadline = time.monotonic() + 60  # a hang guard only
     while time.monotonic() < deadline and not any(o.endswith(".safetensors") for o in _objects(url)):
         time.sleep(0.2)

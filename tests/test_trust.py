@@ -307,7 +307,10 @@ def test_a_load_racing_an_overwrite_says_the_checkpoint_changed(ck, monkeypatch)
 
 def _save_proc(path, value, overwrite, fault, q, done=None):
     if fault:
-        os.environ["UNICKPT_FAULT"] = fault
+        from tests import faulty
+
+        faulty.mark_fault_points(writers=False)
+        os.environ["FAULTY_PARK"] = fault
     try:
         unickpt.save({"model": {"w": torch.full((4,), float(value))}}, path, overwrite=overwrite)
         q.put((value, "ok"))

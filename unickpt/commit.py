@@ -45,7 +45,6 @@ without an atomic exchange) is put back; the newest committed checkpoint is neve
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 import uuid
@@ -486,7 +485,6 @@ class RenamePublish:
         else:  # no atomic exchange: move the old one aside (a sweep puts it back if we die here)
             replaced = s.join(txn.parent, _aside_name(txn.name, txn.token))
             s.rename_dir(final, replaced)
-            _fault_point("between-renames")
             try:
                 s.rename_dir(tmp, final)
             except BaseException:
@@ -639,22 +637,6 @@ class MarkerPublish:
         s = txn.storage
         mine = [m.key for m in s.list_objects(txn.final) if _token_of(m.key) == txn.token]
         s.remove_files([txn.path(n) for n in sorted(set(mine), key=lambda n: n.startswith(".owner-"))])
-
-
-def _fault_point(name: str) -> None:
-    """Fault injection for tests: ``UNICKPT_FAULT=NAME:SECONDS`` sleeps at the named point
-    (after-create, after-data, before-commit, between-renames, ...) so that a test can kill
-    the process there; ``NAME:SECONDS:FILE`` waits there until FILE exists (at most SECONDS),
-    so a test orders two processes without betting on their speed."""
-    spec = os.environ.get("UNICKPT_FAULT", "")
-    if spec.startswith(name + ":"):
-        secs, _, until = spec.split(":", 1)[1].partition(":")
-        deadline = time.monotonic() + float(secs)
-        if not until:
-            time.sleep(float(secs))
-            return
-        while not os.path.exists(until) and time.monotonic() < deadline:
-            time.sleep(0.02)
 
 
 def _fsync_quietly(storage: Storage, parent: str) -> None:

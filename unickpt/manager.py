@@ -524,9 +524,6 @@ class UnifiedCheckpoint:
         else:
             self.durable_step = max(self.durable_step, res.step if res.step is not None else -1)
             if self._dir_rank and self.keep:
-                from .commit import _fault_point
-
-                _fault_point("retention")
                 for old in retain(self.dir, self.keep, storage_options=self.storage_options, timeout_s=self.timeout_s):
                     log.info("retention: deleted %s", old)
         self._emit({"event": "save", "tier": tier, "step": res.step, "blocking_s": blocking, "total_s": total,

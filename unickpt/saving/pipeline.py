@@ -230,7 +230,6 @@ def open_stage(job: SaveJob) -> _commit.Transaction:
     try:
         with job.ph.phase("create"):
             comm.step("save (creating files)", lambda: _create_files(job, txn))
-            _commit._fault_point("after-create")
     except BaseException:
         if job.dir_rank:
             txn.abort()
@@ -263,7 +262,6 @@ def write_stage(job: SaveJob, txn: _commit.Transaction, progress: ProgressFn | N
             from ..replicate import replicate
 
             copies = replicate(comm, job.plan, job.storage, txn.tmp, txn.file_name, job.opts.replicas, job.dir_rank)
-    _commit._fault_point("after-data")
     return report, copies
 
 
@@ -300,7 +298,6 @@ def commit_stage(job: SaveJob, txn: _commit.Transaction, report: dict, copies: d
                                                           what="save (the extra files)"))
         comm.step("save (writing the manifest)",
                   lambda: _put_side_files(job, txn, blob, idx, extra_files) if job.dir_rank else None)
-        _commit._fault_point("before-commit")
         _publish(job, txn, blob)
     return reports
 
