@@ -56,7 +56,8 @@ import torch
 from unickpt.layout import Layout, partition_flat
 from unickpt import rules as _rules
 from unickpt.manifest import Manifest
-from unickpt.plan import LocalSummary, SavePlan, _digest, assemble, decode_summary, extents_of, make_plan, summarize
+from unickpt.plan import LocalSummary, SavePlan, assemble, decode_summary, extents_of, make_plan, summarize
+from unickpt.plan.summary import _digest
 from unickpt.state import Entry
 
 TARGET_S = 1.0
@@ -247,7 +248,7 @@ def rule_inputs(layout: str, tensors, world: int) -> tuple[list[bytes], list[byt
         worst = max(worst, time.perf_counter() - t0)
         assert real.claims == local[r].claims and not real.rows, r
     heads = [x.head() for x in local]
-    from unickpt.plan import _claim_owners
+    from unickpt.plan.summary import _claim_owners
 
     owners = _claim_owners(heads)
     return heads, [x.payload(heads, r, owners) for r, x in enumerate(local)], worst

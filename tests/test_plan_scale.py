@@ -18,7 +18,8 @@ import torch
 
 from unickpt.errors import LayoutError
 from unickpt.layout import Layout, partition_flat
-from unickpt.plan import _claim_owners, _rows, assemble, extents_of, make_plan, summarize
+from unickpt.plan import assemble, extents_of, make_plan, summarize
+from unickpt.plan.summary import _claim_owners, _rows
 from unickpt.state import Entry
 
 WORLD = 10_000
@@ -353,7 +354,7 @@ def test_writer_loads_stay_within_the_balance_bound(plan):
 def test_rule_writer_choice_equals_the_general_rule_under_any_loads():
     """``_pick_rules`` (level by level of held size) against ``_pick_any`` over every holder,
     with random loads and caps: fitting holders, lower-held holders, non-holders, nobody."""
-    from unickpt.plan import _pick_any, _pick_rules
+    from unickpt.plan.make import _pick_any, _pick_rules
 
     def holders(t):  # every holder once, with the most it holds (from the rules' arrays)
         held: dict[int, int] = {}
@@ -393,7 +394,7 @@ def test_rule_plan_of_scalar_grid_tensors_equals_explicit_plan():
 
 def _source_runs_match(t) -> None:
     """The vectorised runs of a rule tensor's sources equal its sources' Layout runs."""
-    from unickpt.plan import _rule_source_runs
+    from unickpt.plan.model import _rule_source_runs
 
     piece, ranks, starts, lengths, local = _rule_source_runs(t)
     want = [(r, lay.runs()) for r, lay in t.sources()]
@@ -424,7 +425,7 @@ def test_each_units_digest_is_the_digest_of_its_body():
     a text shared by the tensors of one geometry, role, dtype and tag: the digests are those
     of the whole bodies, for names that JSON escapes, per-tensor tags and several roles; a
     layout that is not its rule's piece is sent as a row."""
-    from unickpt.plan import _digest
+    from unickpt.plan.summary import _digest
 
     mesh, pl = (2, 4), (0, 1)
     names = ['w"0', "w\\1", "é2", "w\u00003", "plain"]

@@ -27,17 +27,17 @@ def _save_all(rank, world, root):
 
     ref = reference()
     out = {}
-    default = unickpt.plan.DIRECT_MIN_RUN
+    default = unickpt.plan.make.DIRECT_MIN_RUN
     for name, (w, _) in LAYOUTS.items():
         if w != world:
             continue
         for suffix, min_run in (("", default), ("-direct", 1)):
-            unickpt.plan.DIRECT_MIN_RUN = min_run
+            unickpt.plan.make.DIRECT_MIN_RUN = min_run
             sd = build(name, ref, rank, world)
             sd["step"] = 5
             r = unickpt.save(sd, os.path.join(root, name + suffix), step=5, bucket_bytes=4096, strategy={"layout": name})
             out[name + suffix] = r.files
-    unickpt.plan.DIRECT_MIN_RUN = default
+    unickpt.plan.make.DIRECT_MIN_RUN = default
     return out
 
 

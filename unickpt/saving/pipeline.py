@@ -198,9 +198,9 @@ def _agree_plan(comm: Comm, summary: LocalSummary, bucket_bytes: int, max_file_b
     summary is unchanged, otherwise exchange the payloads (explicit rows, each rule body
     once, sent by its lowest claimant) and plan again."""
     digests = tuple(comm.all_gather_bytes(summary.head(), "save (planning: summaries' digests)"))
-    from .. import plan as _plan
+    from ..plan import make as _make
 
-    key = (comm.world, digests, bucket_bytes, max_file_bytes, zstd, _plan.DIRECT_MIN_RUN, shared_writes)
+    key = (comm.world, digests, bucket_bytes, max_file_bytes, zstd, _make.DIRECT_MIN_RUN, shared_writes)
     plan = next((p for g, k, p in _PLAN_CACHE if g is comm.group and k == key), None)
     # caches are per process: reuse only if every rank has the plan, so all run the same collectives
     hits = comm.all_gather_bytes(b"1" if plan is not None else b"0", "save (planning: cached plans)")
