@@ -533,13 +533,13 @@ def _small_rounds_in(path, rank):
     import unickpt.noderead as nr
 
     nr.SHM_DIR, nr.ROUND = path, 4 << 20
-    real = nr._reserve
+    real = shm._reserve_chunks
 
     def reserve(fd, chunks, word):
         real(fd, chunks, word)
         os.environ["UNICKPT_TEST_RESERVED"] = "ran"
 
-    nr._reserve = reserve
+    shm._reserve_chunks = reserve
 
 
 def _load_columns_reserving(rank, world, root, path):
@@ -643,14 +643,15 @@ def test_a_zombie_is_a_dead_process():
     import subprocess
     import sys
 
-    import unickpt.noderead as nr
+    from unickpt import liveness
 
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT)  # until it exited, left unreaped: a zombie
     with open(f"/proc/{p.pid}/stat", "rb") as f:
         assert f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-    assert nr._proc_start(p.pid) is None
-    assert nr._proc_start(os.getpid()) is not None
+    assert liveness.start_ticks(p.pid) is None  # (what the node's status words are checked with)
+    assert liveness.start_ticks(os.getpid()) is not None
+    assert liveness.start_time(p.pid) is None  # (and what owner records are checked with)
     p.wait()
 
 

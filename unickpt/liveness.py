@@ -1,6 +1,8 @@
 """Whether the process that owns something outside this process (a temporary directory, a
-memory-tier directory, a staging segment) still runs: commit's owner records, the memory
-tier's, and an asynchronous writer's watch on the trainer that started it.
+memory-tier directory, a staging segment) still runs: commit's owner records (:func:`me`,
+:func:`record_alive`), the memory tier's (:func:`group_record`, :func:`group_alive`), an
+asynchronous writer's watch on the trainer that started it, and node-shared reads' watch on
+the node's other ranks (:func:`start_ticks`).
 
 A process is named by ``(host, pid, start time)``, never by its pid alone: pids repeat (a
 container restarted in a fresh PID namespace gets the same small pids again), so a record
@@ -13,7 +15,7 @@ import os
 import socket
 import time
 
-__all__ = ["start_time", "me", "runs", "record_alive"]
+__all__ = ["start_time", "start_ticks", "me", "runs", "record_alive", "group_record", "group_alive"]
 
 SAME_START_S = 1.0
 """Start times that differ by less than this name the same process (clock granularity)."""
@@ -33,6 +35,21 @@ def start_time(pid: int) -> float | None:
         return None
     except psutil.Error:  # (access denied: it runs, its start time unknown)
         return float("nan")
+
+
+def start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started as the kernel counts it (clock ticks after boot, from
+    ``/proc/PID/stat``), or None when no such process runs here (or it is a zombie: it has
+    exited). Exact: two processes of one host that read it for the same process read the
+    same number, so it can be compared for equality (shared-memory status words), where
+    :func:`start_time` (seconds since the epoch: the boot time, read anew each time, may
+    move by a second) needs :data:`SAME_START_S`. Linux only (None elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return None if fields[0] in (b"Z", b"X", b"x") else int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def me() -> dict:
@@ -65,3 +82,30 @@ def record_alive(rec, mtime: float, now: float, *, grace: float, stale: float) -
     if host != socket.gethostname():
         return now - mtime < stale
     return runs(pid, started)
+
+
+def group_record(pids: list[int]) -> dict:
+    """The record of several processes of this host (a job's ranks on one node):
+    ``{"host", "pids": sorted, "started": {"PID": start time}}``, the start times that are
+    known (pids repeat across PID namespaces)."""
+    started = {str(p): start_time(p) for p in sorted(pids)}
+    return {"host": socket.gethostname(), "pids": sorted(pids),
+            "started": {p: t for p, t in started.items() if t is not None and t == t}}
+
+
+def group_alive(rec) -> list[int]:
+    """The pids of a :func:`group_record` (or a dict with its keys) that still run on this
+    host, this process left out: the same processes (pid and start time; a pid without a
+    start time is judged by pid). None, another host's record, or fields that do not parse:
+    no live pid."""
+    if not isinstance(rec, dict) or rec.get("host") != socket.gethostname():
+        return []
+    started = rec.get("started")
+    started = started if isinstance(started, dict) else {}
+    live = []
+    for pid in rec.get("pids", []) if isinstance(rec.get("pids"), list) else []:
+        if type(pid) is int and 0 < pid != os.getpid():
+            t = started.get(str(pid))
+            if runs(pid, float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else None):
+                live.append(pid)
+    return live

@@ -207,9 +207,7 @@ def write_owner(memory_dir: str, pids: list[int], job: str | None = None) -> Non
     here = expand_node(memory_dir)
     os.makedirs(here, mode=0o700, exist_ok=True)
     check_private_dir(here, "memory directory")
-    started = {str(p): liveness.start_time(p) for p in sorted(pids)}
-    rec = {"host": socket.gethostname(), "pids": sorted(pids), "job": job,
-           "started": {p: t for p, t in started.items() if t is not None and t == t}}
+    rec = {**liveness.group_record(pids), "job": job}  # (the format of earlier versions: they read it, it reads theirs)
     replace_file(here, OWNER_FILE, json.dumps(rec).encode())
 
 
@@ -233,18 +231,8 @@ def _owner(here: str) -> dict | None:
 
 def _live_owner(here: str, rec: dict | None = None) -> list[int]:
     """The pids of the record's job that still run on this host (the same processes: pid and
-    start time; a record without start times is judged by pid)."""
-    rec = rec if rec is not None else _owner(here)
-    if not rec or rec.get("host") != socket.gethostname():
-        return []
-    started = rec.get("started") if isinstance(rec.get("started"), dict) else {}
-    live = []
-    for pid in rec.get("pids", []) if isinstance(rec.get("pids"), list) else []:
-        if type(pid) is int and 0 < pid != os.getpid():
-            t = started.get(str(pid))
-            if liveness.runs(pid, float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else None):
-                live.append(pid)
-    return live
+    start time; a record without start times is judged by pid: :func:`unickpt.liveness.group_alive`)."""
+    return liveness.group_alive(rec if rec is not None else _owner(here))
 
 
 def _snapshots(here: str) -> list[str]:

@@ -56,7 +56,6 @@ than x86-64 (see :class:`_Status`), every rank reads alone: sharing changes spee
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import platform
 import threading
@@ -68,7 +67,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import shm
+from . import liveness, shm
 from ._copy import Windows, copy_window
 from ._metrics import log
 from .errors import DistributedError
@@ -94,7 +93,7 @@ long-run bytes in stretches of the files shorter than this, skipping the bytes b
 SHM_DIR = shm.SHM_DIR
 # the status words (:class:`_Status`): one line of _WORDS int64 per rank of the node
 _WORDS, _READ, _USED, _FAIL, _PID, _START, _BAD, _DONE, _ALLOC = 8, 0, 1, 2, 3, 4, 5, 6, 7
-_NO_SPACE = 255  # the reserved-buffers byte (_ALLOC) when /dev/shm ran out (BUFFERS stays below it)
+_NO_SPACE = shm.NO_SPACE  # the reserved-buffers byte (_ALLOC) when /dev/shm ran out (BUFFERS stays below it)
 
 
 def enabled() -> bool:
@@ -318,106 +317,13 @@ def _prefetch(plan: _NodePlan, me: int, keys: list, man: Manifest, files, pool) 
         pool.submit(give)
 
 
-class _Segment:
-    """The node's shared buffers: created by the node's first rank, mapped by the others.
-
-    ftruncate reserves nothing on tmpfs, and a read into a page ``/dev/shm`` has no room for
-    fails (EFAULT) or kills the process (SIGBUS): no rank reads into a page before it is
-    reserved. The creator reserves the first ``now`` bytes (the status words and the first
-    round's buffer) before anyone maps the segment, and ``chunks`` (the other buffers) on a
-    thread while the first rounds are read (:func:`_reserve`). The byte at ``word`` counts
-    the chunks reserved so far, the first ``now`` bytes as one, or holds :data:`_NO_SPACE`."""
-
-    def __init__(self, path: str, size: int, create: bool, now: int = 0, chunks: list[tuple[int, int]] = (),
-                 word: int = 0) -> None:
-        self.path, self.size, self.created = path, size, create
-        self.map: mmap.mmap | None = None
-        self._lock = -1  # the creator's descriptor holding the segment's lock (unickpt.shm), until unlink
-        fd = shm.create(path) if create else shm.open_existing(path)
-        try:
-            if create:
-                self._lock = os.dup(fd)
-                os.posix_fallocate(fd, 0, now or size)
-                if now and now < size:
-                    os.ftruncate(fd, size)
-                os.pwrite(fd, bytes([1]), word)  # the first ``now`` bytes: one chunk
-            if os.fstat(fd).st_size != size:
-                raise OSError(f"{path}: not the segment this load created")
-            self.map = mmap.mmap(fd, size)
-            self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
-            if create and chunks:
-                threading.Thread(target=_reserve, args=(os.dup(fd), list(chunks), word), name="unickpt-shm-reserve",
-                                 daemon=True).start()
-        except BaseException:
-            self.close()  # nothing left behind in /dev/shm by a segment that failed
-            raise
-        finally:
-            os.close(fd)
-
-    def unlink(self, background: bool = False) -> None:
-        """Remove the segment's name (its pages stay while mapped). ``background``: on a
-        thread, because the unlink waits for the inode lock that the reservation thread
-        (:func:`_reserve`) holds while it zeroes each buffer: 10-35 ms here, which the node's
-        first rank would otherwise spend before its first read, and every rank after it. The
-        thread is not a daemon, so a process that exits normally unlinks first; one killed
-        before leaves the name, with no lock on it, for :func:`unickpt.shm.sweep`."""
-        if not self.created:
-            return
-        self.created = False
-        lock, self._lock = self._lock, -1
-
-        def remove() -> None:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-            if lock >= 0:
-                os.close(lock)
-
-        if background:
-            threading.Thread(target=remove, name="unickpt-shm-unlink").start()
-        else:
-            remove()
-
-    def close(self, background: bool = False) -> None:
-        """Unmap (``background``: on a thread, since returning ~100 MiB of pages takes tens of
-        milliseconds that the load need not wait for; the segment is unlinked already)."""
-        self.unlink()
-        self.bytes = None
-        m, self.map = self.map, None
-        if m is None:
-            return
-
-        def unmap() -> None:
-            try:
-                m.close()
-            except BufferError:  # a view still exists: the mapping goes with the last one
-                pass
-
-        if background:
-            threading.Thread(target=unmap, name="unickpt-unmap", daemon=True).start()
-        else:
-            unmap()
-
-
-def _reserve(fd: int, chunks: list[tuple[int, int]], word: int) -> None:
-    """Reserve ``chunks`` of the segment in order, storing how many are reserved (the
-    creator's first one included) in the byte at ``word`` (the low byte of the creator's
-    :data:`_ALLOC` status word); :data:`_NO_SPACE` when /dev/shm runs out. Through the file,
-    not the mapping: the load may be over (and unmapped) before this ends. One byte, so no
-    reader sees a store half done."""
-    try:
-        for i, (off, n) in enumerate(chunks):
-            try:
-                os.posix_fallocate(fd, off, n)
-                done = i + 2
-            except OSError:
-                done = _NO_SPACE
-            os.pwrite(fd, bytes([done]), word)
-            if done == _NO_SPACE:
-                return
-    finally:
-        os.close(fd)
+def _open_segment(path: str, size: int) -> shm.SharedFile:
+    """The node's segment, created by its first rank (:func:`read_shared`), as another rank
+    maps it (:func:`unickpt.shm.open_existing` checks the file it opens: this user's, not a
+    link, of ``size`` bytes; the size is looked at first only to say what is wrong)."""
+    if os.stat(path, follow_symlinks=False).st_size != size:
+        raise OSError(f"{path}: not the segment this load created")
+    return shm.SharedFile(path, size)
 
 
 class _Node:
@@ -519,7 +425,7 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
     _prefetch(plan, plan.ranks.index(comm.rank), keys, man, files, pool)
 
     # the segment: created by the node's first rank, opened by the others, then unlinked
-    seg: _Segment | None = None
+    seg: shm.SharedFile | None = None
     err = False
     size = plan.size
     path = os.path.join(SHM_DIR, plan.token)
@@ -528,15 +434,20 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
             if comm.rank == plan.ranks[0]:
                 shm.sweep(SHM_DIR)
                 slot = int(plan.part[-1])
-                seg = _Segment(path, size, create=True, now=plan.header + slot, word=_ALLOC * 8,
-                               chunks=[(plan.header + b * slot, slot) for b in range(1, plan.buffers)])
+                # ftruncate reserves nothing on tmpfs, and a read into a page /dev/shm has no room
+                # for fails (EFAULT) or kills the process (SIGBUS): the status words and the first
+                # round's buffer are reserved before anyone maps the segment, the other buffers on a
+                # thread while the first rounds are read, counted in the low byte of this rank's
+                # _ALLOC word (no rank reads into a buffer before; _NO_SPACE: /dev/shm ran out)
+                seg = shm.SharedFile(path, size, create=True, reserve=plan.header + slot, progress=_ALLOC * 8,
+                                     chunks=[(plan.header + b * slot, slot) for b in range(1, plan.buffers)])
         except OSError as e:
             log.info("node-shared reads off: cannot create %s (%s)", path, e)
             err = True
         if not node.any_failed(err):
             try:
                 if seg is None:
-                    seg = _Segment(path, size, create=False)
+                    seg = _open_segment(path, size)
                 _Status(seg, plan.ranks, plan.ranks.index(comm.rank)).register()  # before the exchange below
             except OSError as e:
                 log.info("node-shared reads off: cannot map %s (%s)", path, e)
@@ -581,17 +492,6 @@ def _in_order(reads: list) -> tuple[int, list[int]]:
     return n, wrong
 
 
-def _proc_start(pid: int) -> int | None:
-    """Start time (clock ticks after boot) of process ``pid`` as this process sees it, or None
-    when there is no such process here, or it has exited (a zombie not yet reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return None if fields[0] in (b"Z", b"X", b"x") else int(fields[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 class _Status:
     """The status words at the head of the node's segment, :data:`_WORDS` int64 per rank of
     the node (one 64-byte line each): rounds read and hashed, rounds scattered, a failure
@@ -604,22 +504,22 @@ class _Status:
     x86-64, seen by other cores in program order (TSO), which is all this protocol needs:
     :func:`enabled` keeps node-shared reads to x86-64."""
 
-    def __init__(self, seg: "_Segment", ranks: list[int], me: int) -> None:
+    def __init__(self, seg: shm.SharedFile, ranks: list[int], me: int) -> None:
         self.m, self.me = len(ranks), me
         self.w = np.frombuffer(seg.map, dtype=np.int64, count=self.m * _WORDS).reshape(self.m, _WORDS)
 
     def register(self) -> None:
         self.w[self.me, _PID] = os.getpid()
-        self.w[self.me, _START] = _proc_start(os.getpid()) or -1
+        self.w[self.me, _START] = liveness.start_ticks(os.getpid()) or -1
 
     def peers_seen(self) -> list[int]:
         """Node positions of the peers whose process this process can watch (same pid
         namespace: the pid it wrote is a live process here with the start time it wrote)."""
         return [i for i in range(self.m) if i != self.me and self.w[i, _START] != -1
-                and _proc_start(int(self.w[i, _PID])) == int(self.w[i, _START])]
+                and liveness.start_ticks(int(self.w[i, _PID])) == int(self.w[i, _START])]
 
     def dead(self, seen: list[int]) -> list[int]:
-        return [i for i in seen if _proc_start(int(self.w[i, _PID])) != int(self.w[i, _START])]
+        return [i for i in seen if liveness.start_ticks(int(self.w[i, _PID])) != int(self.w[i, _START])]
 
     def set(self, word: int, value: int) -> None:
         self.w[self.me, word] = value
@@ -632,7 +532,7 @@ class _Status:
 
 
 
-def _rounds(comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[SharedJob], keys, index, man,
+def _rounds(comm, node: "_Node", plan: _NodePlan, seg: shm.SharedFile, jobs: list[SharedJob], keys, index, man,
             files, pool, verify: bool) -> tuple[int, str]:
     """The rounds (:class:`_Rounds`). Returns ``(ranges verified, how)``: ``"done"`` (every
     job marked done), ``"failed"`` (a rank of the node failed; nothing marked done) or
@@ -649,9 +549,9 @@ class _Rounds:
     per round, so no rank waits for another's turn on a core except for bytes it needs. A
     failure sets this rank's flag and stops every rank of the node at its next wait; a peer
     that dies is noticed within a poll, one that hangs within ``comm.timeout_s``. No rank
-    reads into a buffer before the node's first rank reserved it (:class:`_Segment`)."""
+    reads into a buffer before the node's first rank reserved it (:class:`unickpt.shm.SharedFile`)."""
 
-    def __init__(self, comm, node: "_Node", plan: _NodePlan, seg: _Segment, jobs: list[SharedJob], keys, index, man,
+    def __init__(self, comm, node: "_Node", plan: _NodePlan, seg: shm.SharedFile, jobs: list[SharedJob], keys, index, man,
                  files, pool, verify: bool) -> None:
         self.comm, self.node, self.plan, self.seg, self.jobs = comm, node, plan, seg, jobs
         self.keys, self.index, self.man, self.files, self.pool, self.verify = keys, index, man, files, pool, verify

@@ -13,7 +13,6 @@ and :func:`sweep_segments` removes the segments nobody holds.
 
 from __future__ import annotations
 
-import mmap
 import os
 from typing import TYPE_CHECKING
 
@@ -48,63 +47,41 @@ def new_segment(size: int) -> "StagingSegment":
     return StagingSegment(shm.new_name("stage"), size, create=True)
 
 
-class StagingSegment:
-    """A named shared-memory segment (:mod:`unickpt.shm`), mapped in this process. The
-    creator keeps the descriptor that holds the segment's lock until :meth:`close`."""
+class StagingSegment(shm.SharedFile):
+    """The staging segment (:class:`unickpt.shm.SharedFile`) named ``name`` in
+    :data:`SHM_DIR`, mapped in this process: ``tensor`` its bytes. The creator holds the
+    segment's lock until :meth:`close`; what it adds to a shared file is the pinning, and
+    the error a full ``/dev/shm`` raises (:class:`~unickpt.errors.AsyncSaveError`)."""
 
     def __init__(self, name: str, size: int, create: bool) -> None:
-        self.name, self.size = name, size
-        path = os.path.join(SHM_DIR, name)
-        self._fd = -1
-        fd = shm.create(path) if create else shm.open_existing(path, size)
-        try:
-            if create:
-                try:  # reserve the pages now: a full tmpfs would otherwise SIGBUS the copy
-                    os.posix_fallocate(fd, 0, size)
-                except OSError as e:
-                    os.close(fd)
-                    fd = -1
-                    os.unlink(path)
-                    raise AsyncSaveError(
-                        f"cannot reserve {size} bytes of shared memory in {SHM_DIR} for the staging buffer "
-                        f"({e.strerror}); enlarge {SHM_DIR} or save synchronously"
-                    ) from e
-            self.mm = mmap.mmap(fd, size)
-        except BaseException:
-            if fd >= 0:
-                os.close(fd)
-            raise
-        if create:
-            self._fd = fd  # holds the lock: the segment is alive while this process is
-        else:
-            os.close(fd)
-        self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.name = name
         self.pinned = False
+        try:
+            super().__init__(os.path.join(SHM_DIR, name), size, create=create)
+        except shm.ReserveError as e:
+            raise AsyncSaveError(
+                f"cannot reserve {size} bytes of shared memory in {SHM_DIR} for the staging buffer "
+                f"({e.strerror}); enlarge {SHM_DIR} or save synchronously"
+            ) from e
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The segment's bytes (``torch.uint8``)."""
+        return self.bytes
 
     def pin(self) -> None:
         if torch.cuda.is_available() and not self.pinned:
             rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.size, 0)
             self.pinned = int(rc) == 0 if not isinstance(rc, tuple) else int(rc[0]) == 0
 
-    def close(self, unlink: bool) -> None:
-        if self.pinned:
+    def close(self, unlink: bool = True, background: bool = False) -> None:
+        if self.pinned and self.bytes is not None:
             try:
                 torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             except Exception:
                 pass
-        self.tensor = None  # type: ignore[assignment]
-        try:
-            self.mm.close()
-        except BufferError:  # a view is still alive somewhere; the mapping goes with it
-            pass
-        if unlink:
-            try:
-                os.unlink(os.path.join(SHM_DIR, self.name))
-            except FileNotFoundError:
-                pass
-        if self._fd >= 0:
-            os.close(self._fd)  # (releases the lock)
-            self._fd = -1
+            self.pinned = False
+        super().close(unlink, background)
 
 
 def segment_bytes(size: int) -> int:
