@@ -1,6 +1,6 @@
 """Fault injection for the crash/fault campaign (tests/test_campaign.py).
 
-* :class:`FaultyStorage`: :class:`unickpt.storage.LocalStorage` with the same methods, which
+* :class:`FaultyStorage`: :class:`unickpt.io.local.LocalStorage` with the same methods, which
   fails the way a sick disk does, per a config dict (see :class:`Faults`). :func:`install`
   puts it behind the storage seam of this process (``storage_for`` as save, load, sweep and
   retain find it); call it inside a spawned rank process, on the rank that should fail.
@@ -27,7 +27,8 @@ import os
 import threading
 import time
 
-import unickpt.storage as _st
+import unickpt.io.local as _local
+import unickpt.io.storage as _st
 
 __all__ = ["Faults", "FaultyStorage", "Parking", "install", "uninstall", "mark_fault_points", "writer_main",
            "writer_cannot_join", "writer_exits"]
@@ -81,7 +82,7 @@ class Faults:
 
 
 class _Writer:
-    """An :class:`~unickpt.storage.ExtentWriter` whose writes and fsync may fail."""
+    """An :class:`~unickpt.io.storage.ExtentWriter` whose writes and fsync may fail."""
 
     def __init__(self, inner, faults: Faults) -> None:
         self.inner, self.faults = inner, faults
@@ -132,7 +133,7 @@ def _is_tmp(path: str) -> bool:
     return ".tmp-" in os.path.basename(os.path.normpath(path))
 
 
-class FaultyStorage(_st.LocalStorage):
+class FaultyStorage(_local.LocalStorage):
     """LocalStorage that fails as ``faults`` says."""
 
     def __init__(self, faults: Faults) -> None:
@@ -183,7 +184,7 @@ class FaultyStorage(_st.LocalStorage):
 _REAL = {}
 _ACTIVE: list[Faults] = []
 _PARKING: list[bool] = []  # mark_fault_points was called: every storage behind the seam parks
-_SEAM = ("unickpt.storage", "unickpt.saving.pipeline", "unickpt.loading.pipeline", "unickpt.loading.locate")
+_SEAM = ("unickpt.io.storage", "unickpt.saving.pipeline", "unickpt.loading.pipeline", "unickpt.loading.locate")
 
 
 def _storage_for(path, storage_options=None):
@@ -191,7 +192,7 @@ def _storage_for(path, storage_options=None):
     one's storage, sick (:func:`install`, local storage only) and parking
     (:func:`mark_fault_points`, any storage)."""
     storage, p = _REAL["storage_for"](path, storage_options)
-    if _ACTIVE and type(storage) is _st.LocalStorage:
+    if _ACTIVE and type(storage) is _local.LocalStorage:
         storage = FaultyStorage(_ACTIVE[-1])
     if _PARKING:
         storage = Parking(storage)
@@ -268,8 +269,8 @@ def install(config: dict) -> Faults:
         _REAL["pwrite"], _REAL["write"] = os.pwrite, os.write
         os.pwrite, os.write = _short_pwrite(os.pwrite), _short_write(os.write)
     if config.get("reserve_error"):
-        _REAL["fallocate"] = _st._LIBC_FNS.get("fallocate", _MISSING)
-        _st._LIBC_FNS["fallocate"] = _failing_fallocate(faults, config["reserve_error"])
+        _REAL["fallocate"] = _local._LIBC_FNS.get("fallocate", _MISSING)
+        _local._LIBC_FNS["fallocate"] = _failing_fallocate(faults, config["reserve_error"])
     _ACTIVE.append(faults)
     return faults
 
@@ -298,9 +299,9 @@ def uninstall() -> None:
     if "fallocate" in _REAL:
         real = _REAL.pop("fallocate")
         if real is _MISSING:
-            _st._LIBC_FNS.pop("fallocate", None)
+            _local._LIBC_FNS.pop("fallocate", None)
         else:
-            _st._LIBC_FNS["fallocate"] = real
+            _local._LIBC_FNS["fallocate"] = real
     _ACTIVE.clear()
 
 

@@ -283,7 +283,7 @@ def _dump(t, marks: str, rank: int) -> None:
 
 def _slow_delete(marks: str) -> None:
     """Retention parks half-way through deleting the old checkpoint (after its atomic hide)."""
-    import unickpt.storage as st
+    import unickpt.io.local as st
 
     real = st.LocalStorage.remove_tree
 
@@ -427,7 +427,7 @@ def test_overwrite_killed_between_renames_leaves_no_temporary_after_sweep(interr
 def _die_mid_write(rank, world, root):
     unickpt.save(_state(rank, world, 1), os.path.join(root, "step-00000001"), step=1)
     if rank == 1:
-        import unickpt.storage as st
+        import unickpt.io.local as st
 
         real = st.LocalStorage.open_writer
 
@@ -821,7 +821,7 @@ _ZERO_WRITE = """
 import os, sys, threading, time
 sys.path.insert(0, {root!r})
 from tests import faulty
-import unickpt.storage as st
+import unickpt.io.local as st
 faulty.install({{"short_writes": "zero"}})  # (imports torch: seconds on a loaded machine)
 s = st.LocalStorage()
 threading.Thread(target=lambda: (time.sleep(60), os._exit(3)), daemon=True).start()  # a hang guard only

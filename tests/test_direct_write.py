@@ -13,7 +13,7 @@ import torch
 import unickpt
 from tests import dist, faulty
 from unickpt import cli
-from unickpt import storage as st
+from unickpt.io import local as st
 from unickpt.errors import StorageError
 
 PAGE = st.ALIGN

@@ -43,7 +43,7 @@ def test_overlapping_shards_refused_on_every_rank(tmp_path):
 
 
 def _writer_dies(rank, world, root):
-    import unickpt.storage as st
+    import unickpt.io.local as st
 
     sd = {"model": {f"t{i}": unickpt.shard(torch.full((64, 64), float(i)), (128, 64), offsets=(64 * rank, 0)) for i in range(6)}}
     unickpt.save(sd, os.path.join(root, "step-00000001"), step=1)

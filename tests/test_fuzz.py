@@ -57,7 +57,7 @@ import unickpt.cli  # noqa: E402
 from unickpt import codecs as _cp  # noqa: E402 (the codec registry)
 
 QUANT_CODECS = tuple(n for n in _cp.names(tags=True) if _cp.get(n).quantized)
-from unickpt import container as _ct  # noqa: E402
+from unickpt import container as _ct
 from unickpt import format as _fmt  # noqa: E402
 from unickpt import manifest as _mf  # noqa: E402
 from unickpt.errors import ChecksumError, FormatError, UnickptError  # noqa: E402
@@ -236,7 +236,7 @@ def bounded(name: str, size: int, fn, *args, mem: bool = True, limit: int | None
 
 
 class BytesReader:
-    """A :class:`~unickpt.storage.RandomReader` over bytes in memory."""
+    """A :class:`~unickpt.io.storage.RandomReader` over bytes in memory."""
 
     def __init__(self, data: bytes, path: str = "mem.safetensors", size: int | None = None) -> None:
         self.data = data

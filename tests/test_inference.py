@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import unickpt
-import unickpt.storage as storage
+import unickpt.io.local as storage
 from unickpt.errors import TensorMissingError
 from unickpt.train.model import param_specs, LlamaConfig
 

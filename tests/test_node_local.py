@@ -29,7 +29,7 @@ CONFIGS = {"o0": {}, "o1": dict(quant="O1", master="residual"), "o2": dict(quant
 
 def _as_node(root: str, node: str) -> None:
     """Make this process node ``node``: it may open files only under ROOT/<node>/."""
-    import unickpt.storage as st
+    import unickpt.io.local as st
 
     os.environ["UNICKPT_NODE_ID"] = node
     mine = os.path.join(root, node) + os.sep

@@ -135,7 +135,7 @@ def _eio_on_block_reads(rank):
     """Rank 1 fails every read larger than a header (the shared rounds' reads)."""
     if rank != 1:
         return
-    import unickpt.storage as st
+    import unickpt.io.local as st
 
     real = st._Reader.readinto
 
@@ -499,7 +499,7 @@ def test_a_peer_stalled_in_the_rounds_fails_its_node_mates_at_timeout_s(saved, t
 
 def _prefetch_fails(rank: int) -> None:
     """Every prefetch hint fails (EIO) and is recorded."""
-    import unickpt.storage as st
+    import unickpt.io.local as st
 
     def prefetch(self, offset, n):
         os.environ["UNICKPT_TEST_PREFETCHED"] = "1"
@@ -585,7 +585,7 @@ def _eio_seen_as_a_flag_first(rank):
     if rank != 1:
         return
     import unickpt.noderead as nr
-    import unickpt.storage as st
+    import unickpt.io.local as st
 
     real_read = st._Reader.readinto
 
@@ -664,7 +664,7 @@ def _load_rows(rank, world, root, cached=None):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import unickpt.noderead as nr
-    import unickpt.storage as st
+    import unickpt.io.local as st
 
     if cached is not None:
         st._Reader.resident = lambda self, offset, n: n if cached else 0
@@ -772,7 +772,7 @@ def test_the_ranges_a_target_touches_are_those_its_byte_runs_overlap():
 def test_the_page_cache_probe_sees_what_was_read_and_reads_nothing(tmp_path):
     """``_Reader.resident`` (mmap + mincore): 0 after the file's pages were dropped, all of
     them once read, and asking reads nothing."""
-    from unickpt import storage
+    from unickpt.io import local as storage
 
     path = tmp_path / "f.bin"
     path.write_bytes(os.urandom(4 << 20))
@@ -815,7 +815,7 @@ def _load_mixed(rank, world, root):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    import unickpt.storage as st
+    import unickpt.io.local as st
 
     st._Reader.resident = lambda self, offset, n: n
     mesh = init_device_mesh("cpu", (world,))

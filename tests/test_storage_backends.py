@@ -51,7 +51,7 @@ def _load(rank, world, url, layout):
 
 
 def _objects(url):
-    from unickpt.storage import storage_for
+    from unickpt.io.storage import storage_for
 
     st, p = storage_for(url)
     return sorted(m.key for m in st.list_objects(p))
@@ -136,7 +136,7 @@ def test_retention_keep_1_across_a_failing_save(s3, monkeypatch):
     root = s3.bucket("ck-keep") + "/run"
     for step in (1, 2):
         _save_one(f"{root}/step-{step:08d}", step, step)
-    from unickpt.objstore import ObjectStorage
+    from unickpt.io.objstore import ObjectStorage
 
     def refuse(self, path, data, **kw):
         raise StorageError(5, "injected: the commit marker could not be written", path)
@@ -159,7 +159,7 @@ def test_an_overwrite_keeps_the_old_checkpoint_loadable_until_the_new_manifest_l
     with pytest.raises(CheckpointExistsError):
         _save_one(url, 2, 2.0)
     before = _objects(url)
-    from unickpt.objstore import ObjectStorage
+    from unickpt.io.objstore import ObjectStorage
 
     real = ObjectStorage.put_marker
     seen = {}
@@ -182,8 +182,8 @@ def test_an_overwrite_keeps_the_old_checkpoint_loadable_until_the_new_manifest_l
 
 @pytest.mark.parametrize("client", CLIENTS)
 def test_two_writes_to_one_prefix_commit_once(s3, client):
-    from unickpt.commit import Transaction
-    from unickpt.storage import storage_for
+    from unickpt.io.commit import Transaction
+    from unickpt.io.storage import storage_for
 
     url = s3.bucket("ck-race") + f"/{client}"
     st, p = storage_for(url, {"client": client})
@@ -281,7 +281,7 @@ def test_memory_url_round_trip():
 
 
 def test_a_prefix_without_manifest_is_not_a_checkpoint():
-    from unickpt.storage import storage_for
+    from unickpt.io.storage import storage_for
 
     st, p = storage_for("memory://unickpt-test/junk/step-00000001")
     st.write_bytes(st.join(p, "model-00000-of-00001.0123456789abcdef.safetensors"), b"x" * 100)
@@ -370,8 +370,8 @@ def test_objects_from_positional_writes_in_any_order_read_back_exactly(s3, where
     offset; writes past the planned size and holes are errors, and nothing appears."""
     import numpy as np
 
-    import unickpt.objstore as objstore
-    from unickpt.storage import storage_for
+    import unickpt.io.objstore as objstore
+    from unickpt.io.storage import storage_for
 
     monkeypatch.setattr(objstore, "PART", 5 << 20)
     monkeypatch.setattr(objstore, "READ_CHUNK", 3 << 20)
@@ -430,7 +430,8 @@ def test_malformed_urls_are_refused_typed(url, aws_offline):
 
 
 def test_file_urls_always_take_the_local_path_that_never_follows_links(tmp_path):
-    from unickpt.storage import LocalStorage, storage_for
+    from unickpt.io.local import LocalStorage
+    from unickpt.io.storage import storage_for
 
     assert isinstance(storage_for(f"file://{tmp_path}", {"anything": 1})[0], LocalStorage)
 
@@ -440,7 +441,7 @@ def test_a_commit_whose_answer_is_lost_is_committed_not_deleted(s3, monkeypatch,
     """The manifest put reached the store but its answer did not (or a retry found the
     object and got 412): the write reads the manifest back, finds its own, and is committed;
     nothing it wrote is deleted, and retention keeps it."""
-    from unickpt.objstore import ObjectStorage
+    from unickpt.io.objstore import ObjectStorage
 
     root = s3.bucket("ck-lost") + "/" + answer
     _save_one(f"{root}/step-00000001", 1, 1.0)
@@ -460,8 +461,8 @@ def test_a_commit_whose_answer_is_lost_is_committed_not_deleted(s3, monkeypatch,
 
 
 def test_abort_after_commit_deletes_nothing():
-    from unickpt.commit import Transaction
-    from unickpt.storage import storage_for
+    from unickpt.io.commit import Transaction
+    from unickpt.io.storage import storage_for
 
     st, p = storage_for("memory://unickpt-test/abort-after")
     t = Transaction(st, p)
@@ -474,8 +475,8 @@ def test_abort_after_commit_deletes_nothing():
 
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_the_loser_of_two_writes_never_touches_the_winners_side_files(overwrite):
-    from unickpt.commit import Transaction
-    from unickpt.storage import storage_for
+    from unickpt.io.commit import Transaction
+    from unickpt.io.storage import storage_for
 
     st, p = storage_for(f"memory://unickpt-test/side-{overwrite}")
     if overwrite:
@@ -500,8 +501,8 @@ def test_a_sweep_listing_taken_before_a_commit_never_deletes_the_committed_data(
     """A sweep lists the prefix (no manifest yet), the save commits (manifest put, owner
     record deleted), then the sweep decides, long after the grace periods: the vanished
     record counts as alive and the manifest, read after the records, protects what it lists."""
-    import unickpt.commit as commit
-    from unickpt.objstore import ObjectStorage
+    import unickpt.io.commit as commit
+    from unickpt.io.objstore import ObjectStorage
 
     url = "memory://unickpt-test/sweep-race"
     snap = {}
@@ -516,7 +517,7 @@ def test_a_sweep_listing_taken_before_a_commit_never_deletes_the_committed_data(
     monkeypatch.undo()
     assert any(o.key.startswith(".owner-") for o in snap["objs"])
     assert not any(o.key == "unickpt.json" for o in snap["objs"])
-    from unickpt.storage import storage_for
+    from unickpt.io.storage import storage_for
 
     st, p = storage_for(url)
     monkeypatch.setattr(type(st), "list_objects", lambda self, path: snap["objs"])

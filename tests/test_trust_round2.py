@@ -189,7 +189,7 @@ def test_a_held_commit_lock_fails_save_sweep_and_retain_after_timeout_s_naming_r
             assert ei.value.filename == os.fspath(root)
     finally:
         holder.release()
-    assert [os.path.basename(p) for _, p in unickpt.catalog.committed_steps(unickpt.storage.LocalStorage(), str(root))] \
+    assert [os.path.basename(p) for _, p in unickpt.io.catalog.committed_steps(unickpt.io.local.LocalStorage(), str(root))] \
         == ["step-00000001", "step-00000002"]  # nothing committed, nothing retired while it was held
     assert not [n for n in os.listdir(root) if n.startswith(".")]  # the failed save's temporary is gone
     unickpt.save(_state(3), root / "step-00000003", step=3, timeout_s=1.0)  # released: all work again
@@ -391,7 +391,7 @@ def test_a_server_that_never_answers_uploads_fails_the_save_typed_and_keeps_the_
 
 def test_object_timeout_is_checked():
     env = dict(os.environ, UNICKPT_OBJECT_TIMEOUT_S="soon")
-    r = subprocess.run([sys.executable, "-c", "import unickpt.objstore"], env=env, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", "import unickpt.io.objstore"], env=env, capture_output=True, text=True,
                        timeout=HANG_GUARD_S)
     assert r.returncode != 0 and "InvalidArgumentError" in r.stderr and "UNICKPT_OBJECT_TIMEOUT_S" in r.stderr
 
@@ -672,7 +672,7 @@ def test_deeply_nested_storage_options_are_a_usage_error_never_a_recursion_error
         msg = got["error"]["message"]
         assert r.returncode == 2 and got["error"]["type"] == "UsageError" and ("nested" in msg or "not JSON" in msg), got
     monkeypatch.delenv("UNICKPT_STORAGE_OPTIONS", raising=False)
-    from unickpt.objstore import parse_options
+    from unickpt.io.objstore import parse_options
 
     with pytest.raises(InvalidArgumentError):
         parse_options('{"x": ' + deep + "}", "UNICKPT_STORAGE_OPTIONS")
@@ -705,7 +705,7 @@ def test_the_trainer_metrics_file_is_never_waited_on(tmp_path):
 
 def test_verify_of_a_file_it_cannot_read_exits_2_could_not_check_not_1_damaged(tmp_path, monkeypatch):
     from unickpt import cli as cli_mod
-    from unickpt.storage import LocalStorage
+    from unickpt.io.local import LocalStorage
 
     ck = tmp_path / "ck"
     unickpt.save({"model": {"w": torch.ones(256, 256)}, "optim": {"m": torch.ones(256, 256)}}, ck)
@@ -735,7 +735,7 @@ def test_verify_of_a_file_it_cannot_read_exits_2_could_not_check_not_1_damaged(t
 
 @pytest.mark.parametrize("client", ["obstore", "s3fs"])
 def test_object_keys_with_special_characters_round_trip_or_are_refused_before_any_write(s3, client):
-    from unickpt.storage import storage_for
+    from unickpt.io.storage import storage_for
 
     so = {"client": client}
     bucket = s3.bucket("odd-keys")

@@ -21,11 +21,11 @@ Public API (docs/api.md)::
 
 from __future__ import annotations
 
-from ._version import __version__
-
 from typing import TYPE_CHECKING
 
 from . import errors
+from ._version import __version__
+
 
 # The API is imported on first use (PEP 562): ``import unickpt.cli`` must not import torch
 # before the CLI's ``main`` runs, so that a Ctrl-C while torch loads is handled there.
@@ -54,8 +54,8 @@ def sweep(root, *, storage_options=None, timeout_s: float | None = None) -> list
     while other saves run: only provably abandoned writes are touched. The root's commit
     lock is waited for at most 0.8 x ``timeout_s`` (default ``UNICKPT_TIMEOUT_S``, else
     600 s): :class:`~unickpt.errors.LockTimeoutError` beyond."""
-    from .commit import sweep_stale
-    from .storage import storage_for
+    from .io.commit import sweep_stale
+    from .io.storage import storage_for
 
     storage, p = storage_for(root, storage_options)
     return sweep_stale(storage, p, timeout_s=timeout_s)
@@ -70,8 +70,8 @@ def retain(root, keep: int, *, storage_options=None, timeout_s: float | None = N
     Each is hidden atomically before its files go (object stores: its manifest, the commit
     marker, is deleted first), so a crash never leaves half of one visible. Returns the
     deleted paths. ``timeout_s`` bounds the wait for the root's commit lock, as for :func:`sweep`."""
-    from .commit import retain as _retain
-    from .storage import per_node, storage_for
+    from .io.commit import retain as _retain
+    from .io.storage import per_node, storage_for
     from .transport import node_id
 
     storage, p = storage_for(root, storage_options)
@@ -84,8 +84,8 @@ def latest(root, *, storage_options=None) -> str | None:
     another step than its name (a copy of an older step under a newer name), raises a
     :class:`~unickpt.errors.FormatError` (or the error that reading it met) naming it and
     the older steps, never returns a step other than the one its name says."""
-    from .catalog import newest
-    from .storage import storage_for
+    from .io.catalog import newest
+    from .io.storage import storage_for
 
     storage, p = storage_for(root, storage_options)
     return newest(storage, p)

@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
-from dataclasses import replace
-
 from .async_save import AsyncSave, checkpointer
-from .catalog import check_destination
 from .errors import InvalidArgumentError
 from .format import Hasher
+from .io.catalog import check_destination
+from .io.storage import compared_path, per_node
 from .saving import ProgressFn, SaveOptions, SaveResult, save_entries
 from .stateful import for_save
-from .storage import compared_path, per_node
 from .transport import Comm
+
 
 __all__ = ["save", "save_async", "start_async_writer"]
 
@@ -225,7 +225,7 @@ _PER_RANK_OPTIONS = ("timeout_s", "direct_io", "storage_options", "extra", "stra
 
 def _call_args(path, opts: SaveOptions | None, **more: Any) -> dict[str, Any]:
     """What every rank of a save must give alike, for the options' agreement: the path (see
-    :func:`~unickpt.storage.compared_path`), the options that shape the checkpoint or the
+    :func:`~unickpt.io.storage.compared_path`), the options that shape the checkpoint or the
     ranks' shared work, and ``more``. Not compared: each rank's own ``timeout_s``,
     ``direct_io`` and ``storage_options`` (credentials may differ per rank), nor ``extra``,
     ``strategy`` and ``extra_files``, which the checkpoint takes from rank 0 (node-local:
@@ -260,7 +260,7 @@ def _check_shared(path, storage_options, async_save: bool, group) -> None:
     """A store that lives in this process (``memory://``) cannot take a save written by other
     processes: the async writer's, or other ranks'."""
     from .errors import InvalidArgumentError
-    from .storage import storage_for
+    from .io.storage import storage_for
 
     if not storage_for(path, storage_options)[0].caps.process_local:
         return

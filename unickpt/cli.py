@@ -25,9 +25,11 @@ import traceback
 import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
-from ._version import __version__
 from ._metrics import gbps, human_bytes
+from ._version import __version__
 from .errors import (CheckpointExistsError, CheckpointNotFoundError, FormatError, InvalidArgumentError, StorageError,
+
+
                      UnickptError)
 
 if TYPE_CHECKING:
@@ -319,7 +321,7 @@ def _unlisted(ckpt: str, man, reported: set[str] = frozenset()) -> list[str]:
     like more than the checkpoint is worth a word. Not those ``reported`` already (an
     unlisted config.json fails the check). Empty where the store cannot list."""
     from .manifest import MANIFEST_NAME
-    from .storage import storage_for
+    from .io.storage import storage_for
 
     storage, _ = storage_for(ckpt)
     try:
@@ -334,7 +336,7 @@ def _unlisted(ckpt: str, man, reported: set[str] = frozenset()) -> list[str]:
 
 def _absent(ckpt: str, names: set[str]) -> set[str]:
     """Those of the files ``names`` that the checkpoint directory does not hold."""
-    from .storage import storage_for
+    from .io.storage import storage_for
 
     storage, _ = storage_for(ckpt)
     try:
@@ -367,9 +369,9 @@ def verify_checkpoint(ckpt: str, man: Manifest, progress: Progress = None, node:
     import torch
 
     from .format import Hasher
-    from .loading.files import open_file
+    from .io.files import open_file
     from .loading.verify import WINDOW, check_stored
-    from .storage import storage_for
+    from .io.storage import storage_for
 
     storage, _ = storage_for(ckpt)
     total = sum(t.nbytes for t in man.tensors.values() if _on_node(man.files[t.file], node))
@@ -425,8 +427,8 @@ def _check_export_destination(dst: str, overwrite: bool) -> None:
     """The destination's checks of the write itself (commit.Transaction, for a folder), made
     before the export reads configs (transformers logs its own warnings there): an error
     about DST comes first and alone."""
-    from .commit import Transaction
-    from .storage import storage_for
+    from .io.commit import Transaction
+    from .io.storage import storage_for
 
     storage, final = storage_for(dst)
     try:
@@ -439,7 +441,7 @@ def _check_export_destination(dst: str, overwrite: bool) -> None:
 
 def _export(args):
     from .export import DTYPE_NAMES, export_hf
-    from .storage import storage_for
+    from .io.storage import storage_for
 
     max_shard = _size(args.max_shard_size)
     _source(args.src)
@@ -635,7 +637,7 @@ def _run(argv: list[str], said: list[str] | None = None) -> tuple[int, dict, str
         raise UsageError("--storage-options given twice (before and after the command) with different values")
     if args.c_storage_options is not None:  # (after the command)
         args.storage_options = args.c_storage_options
-    from .objstore import parse_options
+    from .io.objstore import parse_options
 
     if args.storage_options is not None:
         try:

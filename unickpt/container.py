@@ -23,6 +23,7 @@ import zstandard
 
 from .errors import FormatError
 
+
 __all__ = ["FRAME", "FRAME_MAX", "ZstdWriter", "ZstdReader", "check_frames"]
 
 FRAME = 4 << 20  # logical bytes per frame written
@@ -34,7 +35,7 @@ ZSTD_MAX_RATIO = 1 << 15
 
 
 class ZstdWriter:
-    """Wraps an :class:`~unickpt.storage.ExtentWriter` of a fresh (empty) file."""
+    """Wraps an :class:`~unickpt.io.storage.ExtentWriter` of a fresh (empty) file."""
 
     direct = False
 
@@ -104,7 +105,7 @@ def check_frames(frames, size: int, stored: int, where: str) -> list[tuple[int, 
 
 
 class ZstdReader:
-    """A :class:`~unickpt.storage.RandomReader` over the logical bytes of a framed file."""
+    """A :class:`~unickpt.io.storage.RandomReader` over the logical bytes of a framed file."""
 
     def __init__(self, inner, frames, size: int, stored: int) -> None:
         self.inner = inner

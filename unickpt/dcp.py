@@ -34,6 +34,8 @@ from typing import Any, Mapping
 import torch
 from torch.distributed.checkpoint import storage as _dcp_storage
 from torch.distributed.checkpoint.metadata import (
+
+
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
@@ -51,7 +53,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.futures import Future
 
-from . import catalog as _catalog
+from .io import catalog as _catalog
 from .loading import LoadOptions
 from .loading.locate import changed
 from .loading.session import read_all
@@ -71,7 +73,7 @@ from .layout import Layout
 from .manifest import Manifest, name_problem
 from .saving import DEFAULT_BUCKET, SaveOptions, SaveResult, save_entries
 from .state import _ROLE, OTHER_ROLE, Entry, from_json, is_state_value, like_target, set_json_path, tie, to_json
-from .storage import per_node, storage_for
+from .io.storage import per_node, storage_for
 from .transport import Comm
 
 __all__ = ["StorageReader", "StorageWriter"]

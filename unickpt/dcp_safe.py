@@ -71,6 +71,8 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
+
+
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
@@ -157,9 +159,9 @@ def _safe_name(name: object) -> bool:
 
 def _open_regular(path: str) -> int:
     """fd of ``path`` read-only, only if it is a regular file reached without following a
-    final symbolic link (:func:`unickpt.storage.open_regular`); blocking reads afterwards."""
+    final symbolic link (:func:`unickpt.io.localfs.open_regular`); blocking reads afterwards."""
     from .errors import CheckpointNotFoundError
-    from .storage import open_regular
+    from .io.localfs import open_regular
 
     try:
         fd, _ = open_regular(path)

@@ -24,17 +24,18 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from . import commit as _commit
 from ._metrics import gbps, human_bytes, log
 from .errors import CheckpointNotFoundError, FormatError, InvalidArgumentError, StorageError, TensorMissingError
-from .fileset import FileSet, file_name, pack, split_by_size
 from .format import dtype_name, order_key, torch_dtype
-from .localfs import read_regular
+from .io import commit as _commit
+from .io.files import open_files, read_side_file
+from .io.fileset import FileSet, file_name, pack, split_by_size
+from .io.localfs import read_regular
+from .io.storage import storage_for
 from .loading import read_manifest
 from .loading.coded import read_whole
-from .loading.files import open_files, read_side_file
 from .manifest import INDEX_NAME, _finite_float, _no_constant
-from .storage import storage_for
+
 
 __all__ = ["export_hf"]
 

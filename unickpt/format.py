@@ -20,6 +20,7 @@ import xxhash
 
 from .errors import FormatError
 
+
 __all__ = [
     "DTYPES",
     "dtype_name",
@@ -214,7 +215,7 @@ class _NeedMore(FormatError):
 
 
 def read_header(reader) -> Header:
-    """Parse the header of an open :class:`~unickpt.storage.RandomReader`."""
+    """Parse the header of an open :class:`~unickpt.io.storage.RandomReader`."""
     first = bytearray(min(reader.size, 64 << 10))
     reader.readinto(0, memoryview(first))
     try:

@@ -13,11 +13,12 @@ import torch
 from ._metrics import log
 from .errors import InvalidArgumentError, LayoutError, TensorMissingError
 from .format import torch_dtype
+from .io.files import open_files
+from .io.storage import storage_for
 from .layout import Layout, ShardedTensor
 from .loading import LoadOptions, load, read_manifest
-from .loading.files import open_files
-from .storage import storage_for
 from .transport import LOCAL
+
 
 __all__ = ["load_for_inference", "llama_tp_dim"]
 

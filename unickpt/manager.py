@@ -47,7 +47,8 @@ from typing import Any, Callable, Mapping
 from . import errors
 from ._metrics import log
 from .compress import Compression
-from .storage import expand_node, is_url, join_path, per_node
+from .io.storage import expand_node, is_url, join_path, per_node
+
 
 __all__ = ["UnifiedCheckpoint"]
 

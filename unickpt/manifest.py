@@ -27,6 +27,8 @@ from .codecs import MAX_BLOCK, Codec, Raw
 from .errors import FormatError
 from .format import DTYPES, MAX_DIMS, itemsize, valid_shape
 from .names import (_RESERVED, BYTES_KEY, FLOAT_KEY, FLOAT_NAMES, MAX_BYTES, MAX_DEPTH, PER_RANK_KEY, RANK_VALUE_KEY,
+
+
                     RESERVED, name_problem)
 
 __all__ = ["Manifest", "FileEntry", "TensorEntry", "FORMAT_VERSION", "MANIFEST_NAME", "INDEX_NAME"]
@@ -288,7 +290,7 @@ class Manifest:
 def data_file_name(name: str) -> bool:
     """``name`` has the form of a checkpoint data file (``role-NNNNN-of-NNNNN.safetensors``;
     on object stores ``role-NNNNN-of-NNNNN.TOKEN.safetensors``, TOKEN 16 hex digits naming the
-    write, see :meth:`unickpt.commit.Transaction.file_name`)."""
+    write, see :meth:`unickpt.io.commit.Transaction.file_name`)."""
     return bool(_FILE.fullmatch(name))
 
 

@@ -26,14 +26,15 @@ import socket
 import stat
 from dataclasses import dataclass
 
-from . import catalog as _catalog
 from . import liveness
 from ._metrics import human_bytes, log
 from .errors import MemoryBudgetError, StorageError, UnickptError
-from .localfs import check_private_dir, owned_by_me, read_json_record, replace_file
+from .io import catalog as _catalog
+from .io.localfs import check_private_dir, owned_by_me, read_json_record, replace_file
+from .io.storage import expand_node, join_path, per_node, storage_for
 from .manifest import MANIFEST_NAME, data_file_name
-from .storage import expand_node, join_path, per_node, storage_for
 from .transport import Comm, node_id
+
 
 __all__ = ["Candidate", "Budget", "plan_budget", "check_budget", "candidates", "claim", "clean", "OWNER_FILE", "JOB_KEY"]
 
@@ -203,7 +204,7 @@ def candidates(comm: Comm, memory_dir: str | None, durable_dir: str | None, stor
 def write_owner(memory_dir: str, pids: list[int], job: str | None = None) -> None:
     """Record the job and its ranks on this node (for :func:`claim` and :func:`clean`): host,
     each rank's pid and start time (pids repeat across PID namespaces). Written by rename
-    inside the directory, never through a link (:func:`~unickpt.localfs.replace_file`)."""
+    inside the directory, never through a link (:func:`~unickpt.io.localfs.replace_file`)."""
     here = expand_node(memory_dir)
     os.makedirs(here, mode=0o700, exist_ok=True)
     check_private_dir(here, "memory directory")

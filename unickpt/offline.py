@@ -19,22 +19,23 @@ from typing import Callable, Iterable
 
 import torch
 
-from . import commit as _commit
+from . import codecs
 from ._metrics import gbps, human_bytes, log
+from .codecs import FromModel, Raw, Residual16, chunk_elems, encode_chunk, stored_parts
+from .codecs.kernels import split_master
+from .compress import Compression, error_record, save_args, tag_for
 from .errors import FormatError, InvalidArgumentError, StateDictError, UnickptError
 from .format import Hasher, block_sums, dtype_name, itemsize, order_key, torch_dtype
+from .io import commit as _commit
+from .io.catalog import step_of_name
+from .io.files import open_files, read_side_file
+from .io.fileset import FileSet, file_entry, file_name, pack, new_manifest, split_by_size
+from .io.storage import storage_for
 from .loading import read_manifest
 from .loading.coded import read_whole
-from .loading.files import open_files, read_side_file
-from .codecs.kernels import split_master
-from .catalog import step_of_name
-from . import codecs
-from .codecs import FromModel, Raw, Residual16, chunk_elems, encode_chunk, stored_parts
-from .fileset import FileSet, file_entry, file_name, pack, new_manifest, split_by_size
-from .compress import Compression, error_record, save_args, tag_for
 from .manifest import INDEX_NAME, MANIFEST_NAME, name_problem, Manifest, Part, TensorEntry
-from .storage import storage_for
 from .transport import node_id
+
 
 __all__ = ["reshard_offline", "convert_from_dcp"]
 
@@ -502,7 +503,7 @@ def _check_dcp_claims(dcp_dir, meta, tensors: dict) -> None:
     """Before anything of the claimed sizes is allocated or created: every storage item lies
     inside a regular file of the DCP directory, and every tensor's claimed bytes are backed by
     its stored items (at most DCP_RATIO times more under a compressing transform)."""
-    from .storage import open_regular
+    from .io.localfs import open_regular
 
     sizes: dict[str, int] = {}
     stored: dict[str, int] = {}

@@ -25,9 +25,10 @@ from typing import Callable
 import torch
 
 from .errors import InvalidArgumentError
+from .io.storage import Storage, per_node
 from .plan import SavePlan
-from .storage import Storage, per_node
 from .transport import Comm
+
 
 __all__ = ["problem", "replicate", "replica_nodes", "CHUNK"]
 

@@ -23,12 +23,14 @@ import torch
 from .. import liveness
 from ..errors import AsyncSaveError
 from ..format import torch_dtype
+from ..io.local import FROM_MEMORY_MIN
 from ..saving import SaveResult, save_entries
 from ..state import Entry
-from ..storage import FROM_MEMORY_MIN
 from ..transport import Comm
 from . import rendezvous
 from .protocol import (AbortSave, ExitWriter, ProgressReport, Ready, SaveCommand, SaveFailed, SaveSucceeded,
+
+
                        StagedEntry, StagedUpTo, decode_command, encode)
 from .segment import ALIGN, SHM_DIR, StagingSegment, sweep_segments
 

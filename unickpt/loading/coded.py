@@ -11,10 +11,10 @@ from .. import codecs
 from .._copy import as_bytes, copy_runs
 from ..errors import ChecksumError, FormatError
 from ..format import Hasher, torch_dtype
+from ..io.files import Files, open_file
 from ..layout import Layout, Runs
 from ..manifest import Manifest, TensorEntry
 from ..state import Entry
-from .files import Files, open_file
 from .verify import StreamCheck
 
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
-from .. import catalog as _catalog
 from ..errors import CheckpointChangedError, CheckpointNotFoundError, FormatError, UnickptError
 from ..format import Hasher
+from ..io import catalog as _catalog
+from ..io.storage import Storage, join_path, per_node, storage_for
 from ..manifest import MANIFEST_NAME, Manifest
-from ..storage import Storage, join_path, per_node, storage_for
 from ..transport import Comm
 
 
@@ -38,7 +38,7 @@ read_manifest_bytes = _catalog.read_manifest_bytes
 
 def note_older_steps(e: BaseException, path, storage_options) -> None:
     """A damaged checkpoint that ``path`` resolved to as the newest under a root: a note
-    naming the older committed ones (:func:`unickpt.catalog.note_older`)."""
+    naming the older committed ones (:func:`unickpt.io.catalog.note_older`)."""
     try:
         storage, p = storage_for(path, storage_options)
         ckpt = _catalog.resolve(storage, p)

@@ -8,9 +8,9 @@ from typing import Any, Callable, Literal, Mapping
 
 from .._metrics import Phases, human_bytes, log
 from ..errors import CheckpointNotFoundError, ChecksumError, FormatError, InvalidArgumentError
+from ..io.storage import compared_path, per_node, storage_for
 from ..manifest import Manifest
 from ..state import Entry, apply_json_state
-from ..storage import compared_path, per_node, storage_for
 from ..transport import Comm
 from .locate import changed, find, note_older_steps
 from .options import LoadOptions, LoadResult, _LOAD_LEGACY

@@ -12,14 +12,14 @@ import numpy as np
 import torch
 
 from .._copy import Windows, as_bytes, copy_window
+from ..io.files import Files
+from ..io.storage import RandomReader
 from ..layout import Runs
 from ..manifest import Manifest, TensorEntry
 from ..noderead import SharedJob, bounds, eligible, read_shared, touched
 from ..state import Entry
-from ..storage import RandomReader
 from ..transport import Comm
 from .coded import read_coded
-from .files import Files
 from .verify import WINDOW, StreamCheck, verify_direct
 
 

@@ -11,11 +11,12 @@ import numpy as np
 import torch
 
 from ..format import Hasher
+from ..io.files import Files
+from ..io.storage import RandomReader
 from ..layout import Runs
 from ..manifest import Manifest, TensorEntry
-from ..storage import RandomReader
 from ..transport import Comm
-from .files import Files
+
 
 WINDOW = 16 << 20  # scratch for small runs (verification around direct reads, spans)
 

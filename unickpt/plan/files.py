@@ -3,8 +3,8 @@ cut of each writer's byte stream into buckets."""
 
 from __future__ import annotations
 
-from ..fileset import file_name, pack, split_by_size
 from ..format import order_key
+from ..io.fileset import file_name, pack, split_by_size
 from .model import FilePlan, Segment, TensorPlan
 
 

@@ -28,7 +28,7 @@ def make_plan(
 ) -> SavePlan:
     """``zstd``: level for the files of every role but ``model`` (model files stay plain).
     ``shared_writes``: the storage lets several ranks write one file (its
-    :attr:`~unickpt.storage.Capabilities.shared_writes`); without it every piece is gathered
+    :attr:`~unickpt.io.storage.Capabilities.shared_writes`); without it every piece is gathered
     to its file's one writer. ``rules``: ``{"sets": {sid: [unit digest]}, "units": {digest:
     (template, names)}}`` (a body split by :func:`_template`), the rule bodies named by the summaries' claims ``"c": [[sid, index]]`` (see
     :func:`summarize` and :func:`assemble`); a claimed unit's pieces are never materialised

@@ -5,7 +5,7 @@ goes on alone into the next collective).
 * **plan** (:func:`plan_stage`): flatten the state, gather what ranks must agree on (ties,
   per-rank values), encode (compression), agree on the routing table, refuse what cannot be
   saved; the result is a :class:`SaveJob`, everything decided before a byte is written.
-* **open** (:func:`open_stage`): a :class:`~unickpt.commit.Transaction` (temporary directory
+* **open** (:func:`open_stage`): a :class:`~unickpt.io.commit.Transaction` (temporary directory
   or token-suffixed names) and the files created at full size.
 * **write** (:func:`write_stage`): each rank's :class:`~unickpt.saving.writer.RankWriter`,
   page fragments to the files' owners, copies on peer nodes.
@@ -21,17 +21,17 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, Callable, Mapping
 
-from .. import commit as _commit
 from .._metrics import Phases, human_bytes, log
-from ..catalog import step_of_name
 from ..compress import Compression, prepare
 from ..errors import DistributedError, StateDictError
-from ..fileset import FileSet
 from ..format import dtype_name
+from ..io import commit as _commit
+from ..io.catalog import step_of_name
+from ..io.fileset import FileSet
+from ..io.storage import Storage, per_node, storage_for
 from ..manifest import INDEX_NAME, MANIFEST_NAME
 from ..plan import LocalSummary, SavePlan, assemble, make_plan, summarize
 from ..state import Entry, flatten
-from ..storage import Storage, per_node, storage_for
 from ..transport import Comm, node_id
 from .checks import check_density, check_replicas, gather_json, gather_rank_state
 from .options import ProgressFn, SaveOptions, SaveResult

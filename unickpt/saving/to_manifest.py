@@ -9,8 +9,8 @@ from .._metrics import log
 from ..codecs import FromModel, Raw, get
 from ..compress import EXCEPTION_WARN, Compression, error_record, merge_error
 from ..errors import UnickptError
-from ..fileset import file_entry, new_manifest
 from ..format import Hasher
+from ..io.fileset import file_entry, new_manifest
 from ..manifest import Manifest, Part, TensorEntry
 from ..plan import SavePlan
 
@@ -52,7 +52,7 @@ def _tiled(ext: list, nbytes: int, what: str) -> tuple:
 def build_manifest(plan: SavePlan, reports: list[dict], step, json_state, extra, strategy, dropped=None,
               comp: Compression | None = None, name_of=str, lossy_generations: int = 0,
               step_args: dict | None = None) -> Manifest:
-    """``name_of``: the stored name of a planned file (:meth:`unickpt.commit.Transaction.file_name`).
+    """``name_of``: the stored name of a planned file (:meth:`unickpt.io.commit.Transaction.file_name`).
     ``lossy_generations``: those of the state saved, before this save; ``step_args``: what
     this save adds to quantized tensors' tags (:func:`~unickpt.saving.writer.step_args`)."""
     checksums: dict[str, list] = {}

@@ -17,11 +17,11 @@ from .._metrics import log
 from ..codecs import encode_chunk
 from ..compress import Compression, save_args
 from ..errors import UnickptError
-from ..fileset import FileSet
 from ..format import BlockHasher, block_sums, torch_dtype
+from ..io.fileset import FileSet
+from ..io.storage import Storage
 from ..plan import SavePlan, Step, extents_of
 from ..state import Entry
-from ..storage import Storage
 from ..transport import Comm
 
 

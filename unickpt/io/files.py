@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..errors import CheckpointNotFoundError, ChecksumError, FormatError
 from ..format import Hasher, parse_header, read_header
 from ..manifest import Manifest
-from ..storage import RandomReader, Storage
+from .storage import RandomReader, Storage
 
 
 def open_files(storage: Storage, ckpt: str, man: Manifest, names, readers: dict) -> None:

@@ -20,9 +20,10 @@ import os
 import re
 import stat
 
-from .errors import CheckpointNotFoundError, FormatError, InvalidArgumentError
-from .manifest import MANIFEST_NAME, Manifest, data_file_name, manifest_cap
+from ..errors import CheckpointNotFoundError, FormatError, InvalidArgumentError
+from ..manifest import MANIFEST_NAME, Manifest, data_file_name, manifest_cap
 from .storage import Storage
+
 
 __all__ = ["step_dirname", "step_names", "step_of_name", "is_committed", "committed_under", "committed_steps", "check_step_name",
            "check_destination", "resolve", "read_manifest_bytes", "open_checkpoint", "newest"]
@@ -108,7 +109,7 @@ def check_step_name(path: str, saved: int | None) -> None:
         raise FormatError(f"{path}: named step {named}, but its manifest says step {saved} (a copy or a rename?): "
                           f"not taken as step {named}")
     if named is not None and saved is None:  # saved before saves recorded the step of a step-N name
-        from ._metrics import log
+        from .._metrics import log
 
         log.warning("%s: its manifest records no step (saved without step= by unickpt before it recorded the step "
                     "of a step-N name): cannot check that it holds step %d", path, named)

@@ -1,9 +1,9 @@
-"""Object stores: the :class:`~unickpt.storage.Storage` interface over fsspec URLs and S3.
+"""Object stores: the :class:`~unickpt.io.storage.Storage` interface over fsspec URLs and S3.
 
 Paths are URLs (``s3://bucket/prefix/step-00000100``, ``memory://ckpt``); a "directory" is a
 key prefix. What an object store cannot do (rename a directory, let several ranks write one
 object) is declared in :attr:`ObjectStorage.caps`; the planner and the write transaction
-(:mod:`unickpt.commit`) read those and use a commit marker written last instead of a
+(:mod:`unickpt.io.commit`) read those and use a commit marker written last instead of a
 rename, and one writer per object (nor can it lock: :meth:`ObjectStorage.lock` does nothing).
 
 Three clients sit behind one small :class:`_Client` interface:
@@ -22,8 +22,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as _dt
-import inspect
 import errno
+import inspect
 import json
 import os
 import threading
@@ -33,8 +33,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .errors import CheckpointExistsError, CheckpointNotFoundError, FormatError, InvalidArgumentError, StorageError
+from ..errors import CheckpointExistsError, CheckpointNotFoundError, FormatError, InvalidArgumentError, StorageError
 from .capabilities import Capabilities
+
 
 __all__ = ["ObjectStorage", "object_storage", "PART", "READ_CHUNK"]
 
@@ -586,7 +587,7 @@ def _obstore_config(options: Mapping[str, Any]) -> tuple[dict, dict]:
 
 
 class ObjectStorage:
-    """A :class:`~unickpt.storage.Storage` over an object store. Paths are URLs."""
+    """A :class:`~unickpt.io.storage.Storage` over an object store. Paths are URLs."""
 
     def __init__(self, client: _Client, scheme: str) -> None:
         self.client, self.scheme = client, scheme
@@ -746,7 +747,7 @@ class ObjectStorage:
             data = bytes(self.client.get_ranges(k, [0], [m.size])[0])
             after = self.client.head(k)
         if len(data) != m.size or after is None or _ident(after) != _ident(m):
-            from .errors import CheckpointChangedError
+            from ..errors import CheckpointChangedError
 
             raise CheckpointChangedError(f"{path}: the object changed while it was read; read it again")
         return data

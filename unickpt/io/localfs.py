@@ -15,7 +15,8 @@ import os
 import stat
 import uuid
 
-from .errors import CheckpointNotFoundError, FormatError, InvalidArgumentError, StorageError
+from ..errors import CheckpointNotFoundError, FormatError, InvalidArgumentError, StorageError
+
 
 __all__ = ["open_regular", "read_regular", "replace_file", "check_private_dir"]
 

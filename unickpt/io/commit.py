@@ -33,7 +33,7 @@ conditional put of the manifest. The transaction picks one of the two once, from
 :class:`Publish`.
 
 A directory is a *committed* checkpoint iff its name is final and it holds ``unickpt.json``
-(:mod:`unickpt.catalog` lists them and picks the newest).
+(:mod:`unickpt.io.catalog` lists them and picks the newest).
 
 Sweeping (:func:`sweep_stale`, under the same lock as commits) removes a temporary only when
 its owner is provably gone: the owner record names a process of this host that no longer
@@ -50,14 +50,13 @@ import time
 import uuid
 from typing import Protocol
 
-from .errors import (CheckpointExistsError, CheckpointNotFoundError, InvalidArgumentError, StorageError,
-                     UnickptError)
-from . import liveness
-from .catalog import (check_destination, committed_steps, committed_under, is_committed, open_checkpoint, parse_checked,
-                      read_manifest_bytes, step_names, step_of_name)
-from .manifest import INDEX_NAME, MANIFEST_NAME
-from .liveness import record_alive
+from .. import liveness
+from ..errors import CheckpointExistsError, CheckpointNotFoundError, InvalidArgumentError, StorageError, UnickptError
+from ..liveness import record_alive
+from ..manifest import INDEX_NAME, MANIFEST_NAME
+from .catalog import check_destination, committed_steps, committed_under, is_committed, open_checkpoint, parse_checked, read_manifest_bytes, step_names, step_of_name
 from .storage import MarkerStorage, Storage
+
 
 __all__ = ["Transaction", "Publish", "RenamePublish", "MarkerPublish", "sweep_stale", "retain", "retire"]
 
@@ -130,7 +129,7 @@ def _sweep_dir(storage: Storage, root: str, final_name: str | None, timeout_s: f
                 if not storage.exists(final):
                     if _restorable(storage, p, final):
                         storage.rename_dir(p, final)  # the new one never arrived: restore
-                        from ._metrics import log
+                        from .._metrics import log
 
                         log.warning("restored %s from %s (an overwrite was interrupted)", final, p)
                     continue
@@ -154,7 +153,7 @@ def _restorable(storage: Storage, aside: str, final: str) -> bool:
         why = "not a committed checkpoint directory"
     except Exception as e:
         why = str(e)
-    from ._metrics import log
+    from .._metrics import log
 
     log.warning("not restoring %s as %s: %s", aside, final, why)
     return False
@@ -174,7 +173,7 @@ def _token_of(name: str) -> str | None:
 def _referenced(storage: Storage, prefix: str) -> set[str] | None:
     """Names the committed manifest under ``prefix`` lists (empty: no manifest; None: a
     manifest that does not read, so nothing may be touched)."""
-    from .manifest import Manifest
+    from ..manifest import Manifest
 
     if not storage.isfile(storage.join(prefix, MANIFEST_NAME)):
         return set()
@@ -256,7 +255,7 @@ def retain(storage: Storage, root: str, keep: int, node: str | None = None, time
     if type(keep) is not int or keep < 1:
         raise InvalidArgumentError(f"keep must be an integer of at least 1, got {keep!r}")
     steps = committed_steps(storage, root)
-    from .loading.files import open_files
+    from .files import open_files
 
     for _, kept in steps[-keep:]:  # delete older ones only behind checkpoints that read
         try:
@@ -267,7 +266,7 @@ def retain(storage: Storage, root: str, keep: int, node: str | None = None, time
             for r in readers.values():
                 r.close()
         except Exception as e:
-            from ._metrics import log
+            from .._metrics import log
 
             log.warning("retention skipped: %s does not read (%s); older checkpoints are kept", kept, e)
             return []
@@ -275,7 +274,7 @@ def retain(storage: Storage, root: str, keep: int, node: str | None = None, time
     for _, old in steps[:-keep]:
         nested = committed_under(storage, old, below=True)
         if nested is not None:  # not superseded by the newer steps: nothing here may delete it
-            from ._metrics import log
+            from .._metrics import log
 
             log.warning("retention kept %s: it holds another committed checkpoint, %s (move that one out "
                         "to let %s go)", old, nested, old)
@@ -555,7 +554,7 @@ class MarkerPublish:
     def begin(self, txn: Transaction) -> None:
         txn._survey()
         if txn._seen is not None and txn._seen[0] == "checkpoint":  # an overwrite: remember what to delete
-            from .manifest import Manifest
+            from ..manifest import Manifest
 
             try:
                 old = Manifest.from_json(read_manifest_bytes(txn.storage, txn.final), txn.path(MANIFEST_NAME))
@@ -594,7 +593,7 @@ class MarkerPublish:
             for name, data in self.side.items():  # index, config.json: only the winner writes them
                 s.write_bytes(txn.path(name), data)
         except Exception as e:
-            from ._metrics import log
+            from .._metrics import log
 
             log.warning("%s: committed, but writing %s failed (the checkpoint loads; verify and export will "
                         "report it missing): %s", txn.final, ", ".join(self.side), e)
@@ -603,7 +602,7 @@ class MarkerPublish:
             if manifest is not None:  # the replaced checkpoint's data (never this write's: names differ by token)
                 s.remove_files([txn.path(n) for n in sorted(self.old_files) if _token_of(n) != txn.token])
         except Exception as e:  # committed: what is left is swept later
-            from ._metrics import log
+            from .._metrics import log
 
             log.warning("%s: committed, but cleaning up after the commit failed: %s", txn.final, e)
 
@@ -623,7 +622,7 @@ class MarkerPublish:
                                f"back failed: {e}); check unickpt.latest() before relying on it",
                                txn.path(MANIFEST_NAME)) from error
         if now == manifest:
-            from ._metrics import log
+            from .._metrics import log
 
             log.warning("%s: the manifest put reported %s, but the manifest there is this write's: committed",
                         txn.final, type(error).__name__)
@@ -644,6 +643,6 @@ def _fsync_quietly(storage: Storage, parent: str) -> None:
     try:
         storage.fsync_dir(parent)
     except OSError as e:
-        from ._metrics import log
+        from .._metrics import log
 
         log.warning("fsync of %s failed after commit: %s", parent, e)

@@ -19,10 +19,10 @@ from __future__ import annotations
 import datetime as _dt
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Sequence, TypeVar
 
-from .container import ZstdWriter
-from ._version import __version__
-from .format import Hasher, TensorInfo, build_header, order_key
-from .manifest import FileEntry, Manifest
+from .._version import __version__
+from ..container import ZstdWriter
+from ..format import Hasher, TensorInfo, build_header, order_key
+from ..manifest import FileEntry, Manifest
 
 
 if TYPE_CHECKING:  # (the planner uses the functions without any storage)
@@ -117,7 +117,11 @@ class FileSet:
 
     def write(self, key: Hashable, offset: int, data: memoryview, stable: bool = False) -> None:
         """``data`` at ``offset`` of the file's data section (after its header)."""
-        self.writers[key].write_at(self.headers[key] + offset, data, stable=stable)
+        w, at = self.writers[key], self.headers[key] + offset
+        if stable:  # (the promise only where made: a writer may take the bytes without a copy)
+            w.write_at(at, data, stable=True)
+        else:
+            w.write_at(at, data)
 
     def close(self) -> tuple[dict[Hashable, int], dict[Hashable, ZstdWriter], list[tuple[Hashable, int, bytes]]]:
         """Close (fsync) every open file: bytes written per key, the framed writers (their
