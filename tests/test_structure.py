@@ -110,3 +110,64 @@ def test_the_validation_trainer_uses_only_public_names():
     internal = {m for m in graph if m.startswith("unickpt.") and not m.startswith("unickpt.train")} - {"unickpt.errors"}
     used = {m: sorted(graph[m] & internal) for m in graph if m.startswith("unickpt.train")}
     assert not any(used.values()), used
+
+
+DESIGN = os.path.join(os.path.dirname(ROOT), "docs", "design.md")
+
+
+def layers() -> dict[str, int]:
+    """The layer table of docs/design.md: ``name -> layer`` (a name covers its module or
+    package; ``unickpt`` is the package's own ``__init__``)."""
+    text = open(DESIGN).read()
+    block = text.split("<!-- layers:", 1)[1].split("```text", 1)[1].split("```", 1)[0]
+    out: dict[str, int] = {}
+    for line in block.strip().splitlines():
+        n, _, *names = line.split()
+        for name in names:
+            assert name not in out, f"{name} is listed twice in docs/design.md's layers"
+            out[name] = int(n)
+    return out
+
+
+def layer_of(module: str, table: dict[str, int]) -> int | None:
+    if module == "unickpt":
+        return table.get("unickpt")
+    rest = module[len("unickpt."):]
+    best = None
+    for name, n in table.items():
+        if name != "unickpt" and (rest == name or rest.startswith(name + ".")):
+            if best is None or len(name) > len(best[0]):
+                best = (name, n)
+    return best[1] if best else None
+
+
+def test_design_md_places_every_module_in_a_layer_and_imports_only_go_down():
+    """docs/design.md's layers are the code's: every module has one, and none imports a
+    module of a higher layer (imports inside functions count; TYPE_CHECKING ones do not)."""
+    table = layers()
+    graph = import_graph()
+    unplaced = sorted(m for m in graph if layer_of(m, table) is None)
+    assert not unplaced, f"modules docs/design.md's layers do not place: {unplaced}"
+    up = sorted(f"{a} (layer {layer_of(a, table)}) imports {b} (layer {layer_of(b, table)})"
+                for a, bs in graph.items() for b in bs if layer_of(b, table) > layer_of(a, table))
+    assert not up, "imports that go up a layer:\n" + "\n".join(up)
+    stale = sorted(n for n in table if n != "unickpt" and not any(m == f"unickpt.{n}" or m.startswith(f"unickpt.{n}.")
+                                                                  for m in graph))
+    assert not stale, f"docs/design.md's layers name modules that do not exist: {stale}"
+
+
+def test_every_relative_import_names_a_module_that_exists():
+    """After moving modules, an import inside a function that still names the old place
+    would fail only when that function runs: every relative import must resolve."""
+    mods = _modules()
+    bad = []
+    for mod, path in mods.items():
+        package = mod if path.endswith("__init__.py") else mod.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+                if target not in mods:
+                    bad.append(f"{path}:{node.lineno}: {target}")
+    assert not bad, bad
