@@ -55,7 +55,7 @@ from ..errors import CheckpointExistsError, CheckpointNotFoundError, InvalidArgu
 from ..liveness import record_alive
 from ..manifest import INDEX_NAME, MANIFEST_NAME
 from .catalog import check_destination, committed_steps, committed_under, is_committed, open_checkpoint, parse_checked, read_manifest_bytes, step_names, step_of_name
-from .storage import MarkerStorage, Storage
+from .storage import MarkerStorage, RenameStorage, Storage
 
 
 __all__ = ["Transaction", "Publish", "RenamePublish", "MarkerPublish", "sweep_stale", "retain", "retire"]
@@ -109,7 +109,7 @@ def sweep_stale(storage: Storage, root: str, final_name: str | None = None, time
     return _sweep_dir(storage, root, final_name, timeout_s) if storage.isdir(root) else []
 
 
-def _sweep_dir(storage: Storage, root: str, final_name: str | None, timeout_s: float | None) -> list[str]:
+def _sweep_dir(storage: RenameStorage, root: str, final_name: str | None, timeout_s: float | None) -> list[str]:
     """Stores with an atomic rename: the temporaries (``.NAME.tmp-``, ``.old-``, ``.del-``)
     in directory ``root``, under its lock."""
     removed = []
@@ -142,7 +142,7 @@ def _sweep_dir(storage: Storage, root: str, final_name: str | None, timeout_s: f
     return removed
 
 
-def _restorable(storage: Storage, aside: str, final: str) -> bool:
+def _restorable(storage: RenameStorage, aside: str, final: str) -> bool:
     """An entry named like a checkpoint an overwrite moved aside is put back only if it is
     one: a real directory holding a committed checkpoint whose step its final name allows
     (a file, FIFO or a planted copy of another step is left where it is, with a warning)."""
@@ -638,7 +638,7 @@ class MarkerPublish:
         s.remove_files([txn.path(n) for n in sorted(set(mine), key=lambda n: n.startswith(".owner-"))])
 
 
-def _fsync_quietly(storage: Storage, parent: str) -> None:
+def _fsync_quietly(storage: RenameStorage, parent: str) -> None:
     """After the rename the checkpoint is committed: a failing directory fsync is logged, not raised."""
     try:
         storage.fsync_dir(parent)

@@ -703,21 +703,6 @@ class ObjectStorage:
             with _typed(paths[0], "delete"):
                 self.client.delete([self._k(p) for p in paths])
 
-    def rename_dir(self, src: str, dst: str) -> None:
-        raise NotImplementedError(f"{self.scheme}:// has no directory rename (caps.atomic_rename is False): the "
-                                  "commit writes a marker instead")
-
-    def exchange_dirs(self, a: str, b: str) -> bool:
-        return False
-
-    def fsync_dir(self, path: str) -> None:
-        """Objects are durable once their put or upload returns."""
-
-    @contextlib.contextmanager
-    def lock(self, path: str, timeout_s: float | None = None):
-        """No lock across processes on an object store: commits use conditional puts."""
-        yield
-
     def write_bytes(self, path: str, data: bytes) -> None:
         with _typed(path, "put"):
             self.client.put(self._k(path), data)
