@@ -10,7 +10,7 @@ each to the managing rank (the first rank) of every replica node, which writes i
 same offset. Each node then commits its directory, holding its own files and its replicas,
 with the same manifest, which lists for every file the nodes that hold copies
 (``FileEntry.replicas``). A load needs nothing more: a node that holds a file, original or
-copy, reads it (see ``loader``: node-local loads read what a node's directory holds and
+copy, reads it (see :mod:`unickpt.loading`: node-local loads read what a node's directory holds and
 receive the rest).
 
 Memory: at most one chunk per (sender, receiver) pair in flight per rank.

@@ -23,9 +23,9 @@ class Capabilities:
     shared_writes: bool
     """Several ranks may write disjoint ranges of one pre-sized file (holders write their
     pieces in place). False: every file has exactly one writer; pieces are gathered to it.
-    Read by the save's planner (``saver``)."""
+    Read by the save's planner (:mod:`unickpt.saving.pipeline`)."""
     process_local: bool = False
     """The store exists in this process only (``memory://``): another process (a rank, the
     async writer) cannot see what this one writes, so saves and loads across processes are
-    refused. Read by ``loader`` (a load on several ranks) and ``api`` (a save on several ranks or
+    refused. Read by :mod:`unickpt.loading.pipeline` (a load on several ranks) and ``api`` (a save on several ranks or
     asynchronous)."""
