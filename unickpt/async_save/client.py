@@ -27,7 +27,7 @@ from ..transport import Comm
 from .handle import AsyncSave, committed_now
 from .lifecycle import WriterLifecycle
 from .protocol import (AbortSave, ProgressReport, ProtocolError, Ready, SaveCommand, SaveSucceeded, StagedUpTo,
-                       decode_reply, encode, writer_path)
+                       encode, receive, writer_path)
 from .segment import StagingSegment, new_segment, segment_bytes, sweep_segments
 from .staging import Staged, copy_into, place, ready_events
 
@@ -289,17 +289,13 @@ class Checkpointer(WriterLifecycle):
         """Read every message that has arrived (under the lock): progress reports are noted
         on the handle; the answer, or the pipe's end, finishes it."""
         while True:
-            msg = None
             try:
-                if not conn.poll():
-                    if not exited:
-                        return
-                else:
-                    msg = decode_reply(conn.recv_bytes())
-            except (EOFError, OSError):
-                msg = None
-            except ProtocolError as e:
-                msg = e
+                waiting = conn.poll()
+            except OSError:  # a broken pipe is its end
+                waiting, exited = False, True
+            if not waiting and not exited:
+                return
+            msg = receive(conn) if waiting else None
             if isinstance(msg, ProgressReport):
                 if handle._progress is not None:
                     handle._progress_pending.append((msg.done, msg.total))

@@ -19,7 +19,7 @@ from .._writer_main import BOOT
 from ..errors import AsyncSaveError
 from ..transport import Comm, resolve_timeout
 from . import rendezvous, writer
-from .protocol import READY_BYTES, ExitWriter, ProtocolError, Ready, SaveFailed, decode_reply, encode
+from .protocol import READY_BYTES, ExitWriter, ProtocolError, Ready, SaveFailed, encode, receive
 
 __all__ = ["WriterProcess", "WriterLifecycle", "READY_SLICE", "WRITER_BOOT_S"]
 
@@ -211,14 +211,8 @@ class WriterLifecycle:
             raise AsyncSaveError("the writer process could not be started: no writer process")
         if not mpc.wait([conn, proc.sentinel], timeout):
             return False
-        msg = bad = None
-        try:
-            if conn.poll():
-                msg = decode_reply(conn.recv_bytes())
-        except (EOFError, OSError):
-            msg = None
-        except ProtocolError as e:
-            bad = e
+        got = receive(conn)
+        msg, bad = (None, got) if isinstance(got, ProtocolError) else (got, None)
         if isinstance(msg, Ready):
             return True
         if isinstance(msg, SaveFailed):

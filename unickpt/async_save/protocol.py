@@ -399,6 +399,17 @@ def decode_command(raw: bytes) -> Command:
     return cls.from_wire(msg)
 
 
+def receive(conn) -> "Reply | ProtocolError | None":
+    """The next message on the pipe ``conn`` if one has arrived (else None, as when the pipe
+    is closed or broken); a malformed one is returned as its :class:`ProtocolError`."""
+    try:
+        return decode_reply(conn.recv_bytes()) if conn.poll() else None
+    except (EOFError, OSError):
+        return None
+    except ProtocolError as e:
+        return e
+
+
 def decode_reply(raw: bytes) -> Reply:
     """The writer's message ``raw``, checked (:class:`ProtocolError` if it is none of them)."""
     msg = _parse(raw)
