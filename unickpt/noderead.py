@@ -367,6 +367,38 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
     aborted)``: ``aborted`` means some rank failed and nothing more should be read."""
     keys = list(man.tensors)
     index = {k: i for i, k in enumerate(keys)}
+    decided = _decide(comm, jobs, man, keys, index, verify, failed)
+    if decided is None:
+        return 0, [], True
+    if not decided:
+        return 0, jobs, False
+    node, union, plan = decided
+    _prefetch(plan, plan.ranks.index(comm.rank), keys, man, files, pool)
+    seg = _segment(comm, node, plan)
+    if seg is None:  # sharing is only speed: everyone reads alone
+        return 0, jobs, False
+
+    # a target the union does not cover whole (never, with the needs this rank sent) is read
+    # alone: marking it done after the rounds would return bytes nobody read
+    def covered(j: SharedJob) -> bool:
+        m = union.get(index[j.st.key])
+        return m is not None and len(m) == len(j.touched) and not (j.touched & ~m).any()
+
+    try:
+        checked, how = _rounds(comm, node, plan, seg, [j for j in jobs if covered(j)], keys, index, man,
+                               files, pool, verify)
+        if how == "alone":  # /dev/shm ran out while the segment was being reserved: nothing was handed over
+            log.info("node-shared reads off: %s ran out of space for the segment; every rank reads alone", SHM_DIR)
+            return 0, jobs, False
+        return checked, [j for j in jobs if not covered(j)], how == "failed"
+    finally:
+        seg.close(background=True)
+
+
+def _decide(comm: Comm, jobs: list[SharedJob], man: Manifest, keys: list, index: dict, verify: bool, failed: bool):
+    """Whether this node reads shared (collective: every rank of the node decides the same
+    from the same records): None when a rank failed already (every rank stops), False when
+    the node reads alone, else ``(node, union of the needs, the node's plan)``."""
     need: dict[tuple[int, int], np.ndarray] = {}  # (tensor, 1 for long-run targets else 0): ranges touched
     for j in jobs:
         k = (index[j.st.key], int(j.long))
@@ -378,16 +410,39 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
     # a small record from every rank; the needs themselves travel only between the node's ranks
     all_ = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(me).encode(), "load (node-shared reads)")]
     if any(d["failed"] for d in all_):
-        return 0, [], True
+        return None
     ranks = [r for r, d in enumerate(all_) if d["node"] == me["node"]]
-    # every rank of the node decides the same from the same records; ranks that disagree on
-    # verify read alone (a rank that checks never returns bytes a non-checking peer read)
+    # ranks that disagree on verify read alone (a rank that checks never returns bytes a
+    # non-checking peer read)
     if len(ranks) < 2 or not all(all_[r]["can"] and all_[r]["verify"] == all_[ranks[0]]["verify"] for r in ranks):
-        return 0, jobs, False
+        return False
     node = _Node(comm, ranks)
-    needs = node.gather(blob, {r: all_[r]["n"] for r in ranks})
-    short: dict[int, np.ndarray] = {}  # the union of the short-run needs
-    long: dict[int, list] = {r: [] for r in ranks}  # each rank's long-run needs: (tensor, a, b)
+    short, long, asked = _needs(node.gather(blob, {r: all_[r]["n"] for r in ranks}), ranks, keys, man)
+    total = sum(sum(c[1] - c[0] for c, u in zip(man.tensors[keys[t]].checksums, m.tolist()) if u)
+                for t, m in short.items())
+    # overlapping short-run needs are worth sharing (bytes read once, not once per rank);
+    # long-run needs that interleave are worth it from the disk, not from the page cache (the
+    # copy out of the segment costs more than the reads it makes sequential there)
+    cached = [all_[r].get("cached") for r in ranks if long[r]]  # ranks without long runs have no say
+    cold = bool(cached) and all(type(c) in (int, float) for c in cached) and sum(cached) < 0.5 * len(cached)
+    share_long = cold and _interleaved(long, keys, man)
+    if not (total and asked >= MIN_OVERLAP * total) and not share_long:
+        return False
+    union = short
+    for t, a, b in (x for r in ranks for x in long[r]) if share_long else ():
+        union.setdefault(t, np.zeros(len(man.tensors[keys[t]].checksums), dtype=bool))[a:b] = True
+    if not union:
+        return False
+    return node, union, _plan_node(ranks, all_[ranks[0]]["token"], union, keys, man)
+
+
+def _needs(needs: dict[int, bytes], ranks: list[int], keys: list, man: Manifest
+           ) -> tuple[dict[int, np.ndarray], dict[int, list], int]:
+    """The node's ranks' needs, checked: the union of the short-run ones (per tensor, the
+    checksummed ranges), each rank's long-run ones ``(tensor, a, b)``, and the bytes the
+    short-run needs ask for in all (counted once per rank)."""
+    short: dict[int, np.ndarray] = {}
+    long: dict[int, list] = {r: [] for r in ranks}
     asked = 0
     for r in ranks:
         try:
@@ -406,25 +461,12 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
             m = short.setdefault(t, np.zeros(len(man.tensors[keys[t]].checksums), dtype=bool))
             m[a:b] = True
             asked += sum(c[1] - c[0] for c in man.tensors[keys[t]].checksums[a:b])
-    total = sum(sum(c[1] - c[0] for c, u in zip(man.tensors[keys[t]].checksums, m.tolist()) if u)
-                for t, m in short.items())
-    # overlapping short-run needs are worth sharing (bytes read once, not once per rank);
-    # long-run needs that interleave are worth it from the disk, not from the page cache (the
-    # copy out of the segment costs more than the reads it makes sequential there)
-    cached = [all_[r].get("cached") for r in ranks if long[r]]  # ranks without long runs have no say
-    cold = bool(cached) and all(type(c) in (int, float) for c in cached) and sum(cached) < 0.5 * len(cached)
-    share_long = cold and _interleaved(long, keys, man)
-    if not (total and asked >= MIN_OVERLAP * total) and not share_long:
-        return 0, jobs, False
-    union = short
-    for t, a, b in (x for r in ranks for x in long[r]) if share_long else ():
-        union.setdefault(t, np.zeros(len(man.tensors[keys[t]].checksums), dtype=bool))[a:b] = True
-    if not union:
-        return 0, jobs, False
-    plan = _plan_node(ranks, all_[ranks[0]]["token"], union, keys, man)
-    _prefetch(plan, plan.ranks.index(comm.rank), keys, man, files, pool)
+    return short, long, asked
 
-    # the segment: created by the node's first rank, opened by the others, then unlinked
+
+def _segment(comm: Comm, node: "_Node", plan: _NodePlan) -> "shm.SharedFile | None":
+    """The node's segment: created by its first rank, opened by the others, then unlinked
+    (collective over the node); None when any rank of the node could not (read alone)."""
     seg: shm.SharedFile | None = None
     err = False
     size = plan.size
@@ -461,25 +503,11 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
         raise
     if seg is not None:
         seg.unlink(background=not err)  # every rank of the node mapped it (or gave up): nothing left in /dev/shm
-    if err:  # sharing is only speed: everyone reads alone
+    if err:
         if seg is not None:
             seg.close()
-        return 0, jobs, False
-    # a target the union does not cover whole (never, with the needs this rank sent) is read
-    # alone: marking it done after the rounds would return bytes nobody read
-    def covered(j: SharedJob) -> bool:
-        m = union.get(index[j.st.key])
-        return m is not None and len(m) == len(j.touched) and not (j.touched & ~m).any()
-
-    try:
-        checked, how = _rounds(comm, node, plan, seg, [j for j in jobs if covered(j)], keys, index, man,
-                               files, pool, verify)
-        if how == "alone":  # /dev/shm ran out while the segment was being reserved: nothing was handed over
-            log.info("node-shared reads off: %s ran out of space for the segment; every rank reads alone", SHM_DIR)
-            return 0, jobs, False
-        return checked, [j for j in jobs if not covered(j)], how == "failed"
-    finally:
-        seg.close(background=True)
+        return None
+    return seg
 
 
 def _in_order(reads: list) -> tuple[int, list[int]]:
