@@ -370,7 +370,7 @@ def test_objects_from_positional_writes_in_any_order_read_back_exactly(s3, where
     offset; writes past the planned size and holes are errors, and nothing appears."""
     import numpy as np
 
-    import unickpt.io.objstore as objstore
+    import unickpt.io.objstore.objects as objstore
     from unickpt.io.storage import storage_for
 
     monkeypatch.setattr(objstore, "PART", 5 << 20)

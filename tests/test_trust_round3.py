@@ -106,7 +106,7 @@ class _EndlessLister(LoopbackServer):
 
 
 # the trickling server's call (tests/test_trust_round2.py), with a smaller object bound
-_LIST_CALL = "import unickpt.io.objstore as o\no.LIST_MAX = 20_000\n" + _TRICKLE_CALL
+_LIST_CALL = "import unickpt.io.objstore.clients as o\no.LIST_MAX = 20_000\n" + _TRICKLE_CALL
 
 
 @pytest.mark.parametrize("client", ["obstore", "s3fs"])
