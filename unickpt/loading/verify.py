@@ -38,6 +38,7 @@ class StreamCheck:
         self.h: Hasher | None = None
         self.checked = 0
         self.matched = True
+        self.mismatched: list[tuple[int, int]] = []  # (begin, end) of the ranges that did not match
 
     def touch(self, b: int, e: int) -> tuple[int, int]:
         """Mark the ranges that bytes ``[b, e)`` fall in; return the span they cover."""
@@ -86,7 +87,9 @@ class StreamCheck:
                 if self.h is not None:
                     self.checked += 1
                     self.done[self.i] = True
-                    self.matched &= self.h.hexdigest() == hx
+                    if self.h.hexdigest() != hx:
+                        self.matched = False
+                        self.mismatched.append((rb, re_))
                 self.h = None
                 self.i += 1
 
@@ -126,22 +129,15 @@ def verify_direct(reader, base: int, st: TensorEntry, runs: Runs, isz: int, dest
 
 
 def check_stored(reader: RandomReader, data_start: int, st: TensorEntry, buf: torch.Tensor) -> list[tuple[str, int, int]]:
-    """Read every checksummed range of ``st`` (each part of a coded tensor) through ``buf``;
-    return ``(part, begin, end)`` of the ranges that differ."""
+    """Read every checksummed range of ``st`` (each part of a coded tensor) through ``buf``
+    (:class:`StreamCheck`, as every read of a load is checked); return ``(part, begin, end)``
+    of the ranges that differ."""
     bad = []
-    cap = buf.numel()
-    for part, _, _, _, begin, _, checksums in st.stored():
-        for b, e, h in checksums:
-            hasher = Hasher()
-            pos = b
-            while pos < e:
-                k = min(cap, e - pos)
-                mv = memoryview(buf[:k].numpy())
-                reader.readinto(data_start + begin + pos, mv)
-                hasher.update(mv)
-                pos += k
-            if hasher.hexdigest() != h:
-                bad.append((part, b, e))
+    for part, _, _, _, begin, end, checksums in st.stored():
+        check = StreamCheck(checksums)
+        check.touch(0, end - begin)
+        feed_file(reader, data_start + begin, 0, end - begin, check, buf)
+        bad += [(part, b, e) for b, e in check.mismatched]
     return bad
 
 
