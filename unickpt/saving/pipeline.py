@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, Callable, Mapping
@@ -41,7 +42,9 @@ from .writer import RankWriter, StagedBytes, encode_fragments, finish_files, ste
 
 __all__ = ["SaveJob", "save_entries"]
 
-_PLAN_CACHE: list[tuple[Any, tuple, SavePlan]] = []  # (group, key, plan): the group matched with `is`
+_PLAN_CACHE: list[tuple[Callable[[], Any], tuple, SavePlan]] = []  # (weak ref to the group, key, plan)
+"""Plans of recent saves. The group is matched with ``is`` and held weakly: a process group kept
+alive past ``destroy_process_group`` is destroyed at interpreter exit, which gloo aborts on."""
 _PLAN_CACHE_MAX = 4
 
 
@@ -201,7 +204,7 @@ def _agree_plan(comm: Comm, summary: LocalSummary, bucket_bytes: int, max_file_b
     from ..plan import make as _make
 
     key = (comm.world, digests, bucket_bytes, max_file_bytes, zstd, _make.DIRECT_MIN_RUN, shared_writes)
-    plan = next((p for g, k, p in _PLAN_CACHE if g is comm.group and k == key), None)
+    plan = next((p for g, k, p in _PLAN_CACHE if g() is comm.group and k == key), None)
     # caches are per process: reuse only if every rank has the plan, so all run the same collectives
     hits = comm.all_gather_bytes(b"1" if plan is not None else b"0", "save (planning: cached plans)")
     if plan is not None and all(h == b"1" for h in hits):
@@ -212,8 +215,14 @@ def _agree_plan(comm: Comm, summary: LocalSummary, bucket_bytes: int, max_file_b
                                                           max_file_bytes=max_file_bytes, shared_writes=shared_writes))
     if len(_PLAN_CACHE) >= _PLAN_CACHE_MAX:
         _PLAN_CACHE.pop(0)
-    _PLAN_CACHE.append((comm.group, key, plan))
+    _PLAN_CACHE.append((_weak(comm.group), key, plan))
     return plan
+
+
+def _weak(group: Any) -> Callable[[], Any]:
+    if group is None:
+        return lambda: None
+    return weakref.ref(group)
 
 
 # -- open ----------------------------------------------------------------------------------
