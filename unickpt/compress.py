@@ -71,7 +71,7 @@ class Compression:
     master: str = "full"
     zstd: int | None = None
     eps: float = 1e-8
-    block: int = 64
+    block: int = _k.BLOCK
     rounding: str = "stochastic"
     max_generations: int | None = None
     over_budget: str = "lossless"

@@ -22,7 +22,7 @@ import torch
 from . import codecs
 from ._metrics import gbps, human_bytes, log
 from .codecs import FromModel, Raw, Residual16, chunk_elems, encode_chunk, stored_parts
-from .codecs.kernels import split_master
+from .codecs.kernels import BLOCK, split_master
 from .compress import Compression, error_record, save_args, tag_for
 from .errors import FormatError, InvalidArgumentError, StateDictError, UnickptError
 from .format import Hasher, block_sums, dtype_name, itemsize, order_key, torch_dtype
@@ -216,7 +216,7 @@ def _interrupts_held():
 
 def reshard_offline(
     src, dst, *, drop_roles: Iterable[str] = (), master: str = "full", quant: str | None = "O0",
-    max_file_bytes: int | None = None, zstd: int | None = None, eps: float | None = None, block: int = 64,
+    max_file_bytes: int | None = None, zstd: int | None = None, eps: float | None = None, block: int = BLOCK,
     overwrite: bool = False, progress: Progress = None,
 ) -> dict:
     """Rewrite checkpoint ``src`` at ``dst``, one tensor at a time: other file sizes, without

@@ -69,6 +69,7 @@ __all__ = [
 ]
 
 CHUNK = 1 << 18  # elements per chunk (1 MiB of fp32: stays in cache)
+BLOCK = 64  # O2's default group (``Compression.block``): the one place it is set
 ROW_BLOCK_1D = 2048
 
 
@@ -76,7 +77,7 @@ class CodecError(UnickptError, ValueError):
     """A value cannot be encoded (non-finite, negative variance) or stored codes are inconsistent."""
 
 
-def group_size(shape: tuple[int, ...], bits: int, block: int = 64) -> int:
+def group_size(shape: tuple[int, ...], bits: int, block: int = BLOCK) -> int:
     """Elements per quantization group of a tensor of ``shape`` (>= 1)."""
     if bits == 4:
         if block < 2 or block % 2:
