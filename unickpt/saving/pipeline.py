@@ -146,7 +146,7 @@ def plan_stage(comm: Comm, flat, state_dict, path, opts: SaveOptions, staged: St
         encoded, tags, exceptions, dropped, summary = comm.step(
             "save (compressing the master weights)", lambda: _encode(comm, entries, comp))
         plan = _agree_plan(comm, summary, opts.bucket_bytes, opts.max_file_bytes, comp.zstd, storage.caps.shared_writes)
-        comm.step("save (tied weights, the manifest's size)", lambda: _check_names(plan, aliases, json_state, opts))
+        comm.step("save (tied weights, the manifest's size)", lambda: _check_ties_and_density(plan, aliases, json_state, opts))
         check_replicas(comm, plan, given, staged)
         if opts.replicas:  # copies on peer nodes: possible here? (before anything is written)
             from ..replicate import problem
@@ -185,7 +185,7 @@ def _encode(comm: Comm, entries: list[Entry], comp: Compression):
     return entries, tags, exceptions, dropped, summary
 
 
-def _check_names(plan: SavePlan, aliases: dict, json_state: dict, opts: SaveOptions) -> None:
+def _check_ties_and_density(plan: SavePlan, aliases: dict, json_state: dict, opts: SaveOptions) -> None:
     clash = sorted(k for k in aliases if k in plan.tensors)
     if clash:
         role, name = clash[0]
