@@ -102,6 +102,7 @@ class SaveJob:
     plan: SavePlan
     staged: StagedBytes | None
     ph: Phases
+    out: FileSet | None = None  # the save's files, under the transaction's folder (open_stage)
 
     @property
     def dir_rank(self) -> bool:
@@ -236,6 +237,7 @@ def open_stage(job: SaveJob) -> _commit.Transaction:
     txn = _commit.Transaction(job.storage, job.final, overwrite=job.opts.overwrite, token=token, step=job.opts.step,
                               timeout_s=comm.timeout_s)
     comm.step("save (preparing the directory)", lambda: txn.begin() if job.dir_rank else None)
+    job.out = FileSet(job.storage, txn.tmp, txn.file_name)
     try:
         with job.ph.phase("create"):
             comm.step("save (creating files)", lambda: _create_files(job, txn))
@@ -247,9 +249,8 @@ def open_stage(job: SaveJob) -> _commit.Transaction:
 
 
 def _create_files(job: SaveJob, txn: _commit.Transaction) -> None:
-    out = FileSet(job.storage, txn.tmp, txn.file_name)
     for f in job.plan.files_of(job.comm.rank):
-        out.create(f.name, f.size, f.zstd)
+        job.out.create(f.name, f.size, f.zstd)
 
 
 # -- write ---------------------------------------------------------------------------------
@@ -263,8 +264,7 @@ def write_stage(job: SaveJob, txn: _commit.Transaction, progress: ProgressFn | N
         report, fragments = comm.step("save (writing)", lambda: _write(job, txn, progress))
         with ph.phase("finish"):
             blobs = comm.all_gather_bytes(encode_fragments(fragments), "save (page fragments)")
-            comm.step("save (writing)", lambda: finish_files(job.plan, comm.rank, FileSet(job.storage, txn.tmp,
-                                                                                          txn.file_name), blobs))
+            comm.step("save (writing)", lambda: finish_files(job.plan, comm.rank, job.out, blobs))
     copies: dict[str, list[str]] = {}
     if job.opts.replicas:
         with ph.phase("replicate"):
@@ -276,9 +276,8 @@ def write_stage(job: SaveJob, txn: _commit.Transaction, progress: ProgressFn | N
 
 def _write(job: SaveJob, txn: _commit.Transaction, progress: ProgressFn | None) -> tuple[dict, list]:
     try:
-        writer = RankWriter(job.plan, job.comm, job.entries, job.storage, txn.tmp, name_of=txn.file_name,
-                            direct_io=job.opts.direct_io, phase=job.ph.phase, progress=progress, staged=job.staged,
-                            step_args=job.step_args)
+        writer = RankWriter(job.plan, job.comm, job.entries, job.out, direct_io=job.opts.direct_io, phase=job.ph.phase,
+                            progress=progress, staged=job.staged, step_args=job.step_args)
         report, fragments = writer.run()
         if job.staged is not None:  # bytes this rank did not need (another rank writes them) too:
             job.staged.wait_all()  # a copy that failed anywhere fails the save

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -19,7 +19,6 @@ from ..compress import Compression, save_args
 from ..errors import UnickptError
 from ..format import BlockHasher, block_sums, torch_dtype
 from ..io.fileset import FileSet
-from ..io.storage import Storage
 from ..plan import SavePlan, Step, extents_of
 from ..state import Entry
 from ..transport import Comm
@@ -32,17 +31,17 @@ __all__ = ["RankWriter", "StagedBytes", "encode_fragments", "finish_files", "ste
 
 
 class RankWriter:
-    """Writes this rank's share of ``plan`` into the files under ``tmp`` (their stored names
-    given by ``name_of``): :meth:`run` returns this rank's report for the manifest
+    """Writes this rank's share of ``plan`` into the save's files (``out``, created already):
+    :meth:`run` returns this rank's report for the manifest
     (checksums, bytes per file, zstd frames, quantization errors) and the partial pages at the
     edges of its O_DIRECT runs, which the files' owners write (:func:`finish_files`)."""
 
-    def __init__(self, plan: SavePlan, comm: Comm, entries: list[Entry], storage: Storage, tmp: str, *,
-                 name_of: Callable[[str], str] = str, direct_io: bool | None = None, phase=None,
+    def __init__(self, plan: SavePlan, comm: Comm, entries: list[Entry], out: FileSet, *,
+                 direct_io: bool | None = None, phase=None,
                  progress: "ProgressFn | None" = None, staged: "StagedBytes | None" = None,
                  step_args: dict | None = None) -> None:
         self.plan, self.comm, self.rank = plan, comm, comm.rank
-        self.storage, self.tmp, self.name_of, self.direct_io = storage, tmp, name_of, direct_io
+        self.out, self.direct_io = out, direct_io
         self.phase, self.progress, self.staged, self.step_args = phase, progress, staged, step_args or {}
         self.by_key = {e.key: e for e in entries}
         files = self.files = plan.files
@@ -53,7 +52,6 @@ class RankWriter:
                               key=lambda e: (e[0], e[1].begin + e[3] * e[1].itemsize))
         self.owned = [i for i, f in enumerate(files) if f.writer == self.rank]
         self.needed = sorted(set(self.owned) | {e[0] for e in self.extents})
-        self.out = FileSet(storage, tmp, name_of)
         self.hashers = {t.key: BlockHasher() for i in self.owned for t in files[i].tensors
                         if not t.direct and not t.quantized}
         self.checks: dict[str, list] = {}
