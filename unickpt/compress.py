@@ -31,6 +31,7 @@ from .codecs import kernels as _k
 from .codecs.master import Residual16
 from .codecs.moments import MAX_BLOCK, saved_codec
 from .errors import InvalidArgumentError, StateDictError
+from .format import dtype_name
 from .layout import Layout
 from .state import Entry
 
@@ -238,8 +239,6 @@ def prepare(entries: list[Entry], comp: Compression, gather_json) -> tuple[list[
 
 
 def _moment_tags(entries: list[Entry], comp: Compression) -> dict[tuple[str, str], dict]:
-    from .format import dtype_name
-
     tags = {}
     for e in entries:
         t = tag_for(e.role, e.name, dtype_name(e.local.dtype), e.layout.shape, comp)
@@ -251,8 +250,6 @@ def _moment_tags(entries: list[Entry], comp: Compression) -> dict[tuple[str, str
 def _master_candidates(entries: list[Entry], comp: Compression) -> tuple[dict[str, Entry], dict[str, Entry], list[str]]:
     """This rank's model weights by name, the masters the policy can apply to here, and
     those it cannot (no model weight of the same name, shape, dtype and piece)."""
-    from .format import dtype_name
-
     models = {e.name: e for e in entries if e.role == "model"}
     cand: dict[str, Entry] = {}
     bad: list[str] = []
@@ -277,8 +274,6 @@ def _drop_masters(entries: list[Entry], models: dict[str, Entry], chosen: set[st
                   ) -> tuple[list[Entry], dict]:
     """master="drop": the entries without the chosen masters, and every dropped tensor (every
     rank lists every one, also those it holds no piece of)."""
-    from .format import dtype_name
-
     dropped: dict = {}
     differ = []  # masters of this rank that their model weight (same dtype, same piece) does not equal
     for e in entries:
