@@ -275,7 +275,10 @@ class StorageReader(_dcp_storage.StorageReader):
             if self._comm is None:
                 raise
             err, entries = e, []  # node-local: still in the collectives (the peers' reads come through us)
-        self._read(entries, plan, err)  # (raises err)
+        try:
+            self._read(entries, plan, err)  # (raises err)
+        finally:
+            self._comm = None  # the load's last collective: hold no process group past it (see write_data)
         for target, dest in casts:
             target.copy_(dest)
         for ri, target in commits:
@@ -503,7 +506,10 @@ class StorageWriter(_dcp_storage.StorageWriter):
         for vals in gathered:
             for path, v in vals:
                 set_json_path(json_state, tuple(path), v)
-        self.last_result = save_entries(comm, (entries, json_state), None, self.path, self.opts)
+        try:
+            self.last_result = save_entries(comm, (entries, json_state), None, self.path, self.opts)
+        finally:  # committed (or failed) on every rank: the writer holds no process group past its save, so
+            self._comm = None  # none outlives destroy_process_group (gloo aborts when one is freed at exit)
         return _done(results)
 
     def _check_thread(self) -> None:
