@@ -171,6 +171,21 @@ def tree_io() -> dict:
     return tot
 
 
+def tree_cpu() -> float:
+    """User + system CPU seconds of this process and its live descendants (async writers),
+    from /proc (threads included)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    tot = cpu_seconds()
+    for pid in descendants():
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            tot += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            pass
+    return tot
+
+
 def barrier() -> None:
     import torch.distributed as dist
 

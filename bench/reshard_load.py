@@ -1,4 +1,5 @@
-"""Resharded cold loads against the cold-read floor and DCP, per target layout and width.
+"""Loads per target layout and width: cold against the cold-read floor and DCP, warm (page cache,
+tmpfs) against the fused reference pass.
 
     .venv/bin/python bench/reshard_load.py                      # ~1.2 GB, widths 512 and 5120
     .venv/bin/python bench/reshard_load.py --gb 0.3 --widths 512 --repeats 3
@@ -30,7 +31,19 @@ even number of rounds: in ABBA order each then goes first equally often (with 3 
 unickpt goes first twice, and the first load of a pair has been the slower one here). ``read/need`` = bytes through unickpt's read calls
 (every rank's ``LoadResult.bytes_read``) / bytes of the stored tensors the targets cover.
 Loaded data are checked against the formula that made them (round 1, outside the timing).
-Targets (issue #13): <= 1.15x the floor and <= 0.6x DCP.
+Targets (issue #39): cold, with at most as many ranks as cores, <= 1.15x the floor; every row
+<= 1x DCP (the <= 0.6x DCP target of issue #13 was withdrawn: the files' own cold read takes
+0.58-0.87x DCP's load here).
+
+Warm rows (second table): after the cold pair, the same targets loaded again with the files
+in the page cache, and from a copy of the source on tmpfs, each beside the fused reference
+pass (``bench/reference.py``: per rank one thread, ``preadv`` of 4 MiB, xxh3-64 of each
+checksummed range in the cache, copy of the needed bytes) over the ranges that rank must
+read, in ABBA order. ``x ref`` = median over rounds of the slowest rank's load / the slowest
+rank's reference; ``CPU s/GB`` = every rank's CPU seconds (``getrusage``, threads included)
+over the bytes every rank read; ``read/need`` = bytes read / bytes the targets hold, for all
+ranks and for the worst rank. Targets: <= 1.3x the reference from either medium, no slower
+than DCP's warm load of the same state, the worst rank reads <= 2x what it needs.
 
 ``warm s``: the same unickpt load again right after the cold one, its files now in the page
 cache: the load's CPU work alone (reads from the cache, hashing, scattering), for telling a
@@ -51,6 +64,7 @@ import argparse
 import os
 import shutil
 import sys
+import tempfile
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -59,10 +73,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import unickpt  # noqa: E402
+from bench import reference  # noqa: E402
 from bench._common import (OUT, abba, barrier, cold_barrier, cpu_seconds, files_floor, floor_buffer, floor_read,  # noqa: E402
                            floor_write, fmt, log, make_cold, median, print_table, run_ranks, timed, write_json)
 
 SCENARIOS = {  # name: (source layout (unickpt, DCP), load world, target layout (unickpt, DCP))
+    "same layout": (("row", "row"), 2, ("row", "row")),
     "row->column": (("row", "row"), 2, ("col", "col")),
     "column->row": (("col", "col"), 2, ("row", "row")),
     "ZeRO->TP": (("zero", "row"), 2, ("col", "col")),
@@ -183,7 +199,13 @@ def load_job(rank: int, world: int, cfg: dict) -> dict:
     names = [n for n, (_, w, _) in SCENARIOS.items() if w == world and n in cfg["scenarios"]]
     for n in names:
         res[n] = {"floor": [], "fresh_floor": [], "fresh_floor_cpu": [], "unickpt": [], "warm": [], "dcp": [],
-                  "bytes_read": [], "bad": None}
+                  "bytes_read": [], "bad": None, "need": 0, "dcp_warm": [], **{k: [] for k in WARM_KEYS}}
+    # the sources again on tmpfs (the memory tier's medium), for the warm rows
+    tmp = os.path.join(cfg["tmpfs"], f"w{world}")
+    if rank == 0:
+        for src in sorted({SCENARIOS[n][0][0] for n in names}):
+            shutil.copytree(os.path.join(data, f"u-{src}"), os.path.join(tmp, f"u-{src}"))
+    barrier()
     for i in range(cfg["repeats"]):
         for name in names:
             # the floor of this scenario's pair, right before it (the disk's speed drifts by 2x
@@ -208,6 +230,10 @@ def load_job(rank: int, world: int, cfg: dict) -> dict:
                     res[name]["bad"] = sum(not torch.equal(t.local.reshape(-1), _values(t, j)) for j, t in tg.values())
                 # again from the page cache (the cold load just read every byte it needs)
                 res[name]["warm"].append(timed(lambda: unickpt.load({"model": {k: t for k, (_, t) in tg.items()}}, path))[0])
+                targets = {k: t for k, (_, t) in tg.items()}
+                res[name]["need"] = sum(t.local.numel() * t.local.element_size() for t in targets.values())
+                for medium, where in (("page", path), ("tmpfs", os.path.join(tmp, f"u-{src_u}"))):
+                    warm_pair(res[name], medium, targets, where, i)
 
             def run_d():
                 mesh = _mesh(tgt_d, world)
@@ -217,6 +243,9 @@ def load_job(rank: int, world: int, cfg: dict) -> dict:
                 dt, _, _ = timed(lambda: dcp.load({"model": {k: d for k, (_, _, d) in tg.items()}},
                                                   storage_reader=FileSystemReader(path)))
                 res[name]["dcp"].append(dt)
+                # again, its files in the page cache: against the warm rows
+                res[name]["dcp_warm"].append(timed(lambda: dcp.load({"model": {k: d for k, (_, _, d) in tg.items()}},
+                                                                    storage_reader=FileSystemReader(path)))[0])
                 if i == 0:
                     res[name]["dcp_bad"] = sum(not torch.equal(s.local.reshape(-1), _values(s, j))
                                                for j, s, _ in tg.values())
@@ -227,10 +256,40 @@ def load_job(rank: int, world: int, cfg: dict) -> dict:
     os.remove(floor_file)
     buf.close()
     barrier()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
     return res
 
 
 IO_ELEMS = 1 << 20
+WARM_KEYS = [f"{m}_{k}" for m in ("page", "tmpfs") for k in ("s", "cpu", "read", "ref_s", "ref_cpu", "ref_read")]
+
+
+def warm_pair(res: dict, medium: str, targets: dict, path: str, i: int) -> None:
+    """A warm load of ``targets`` from ``path`` (its files in memory: page cache or tmpfs) and
+    the fused reference pass over the bytes each rank must read (bench/reference.py), each
+    after a barrier, in ABBA order; seconds, CPU seconds of this rank, bytes read."""
+    jobs = reference.plan(path, {"model": targets})
+
+    def load():
+        barrier()
+        c0 = cpu_seconds()
+        dt, r, _ = timed(lambda: unickpt.load({"model": targets}, path))
+        res[f"{medium}_s"].append(dt)
+        res[f"{medium}_cpu"].append(cpu_seconds() - c0)
+        res[f"{medium}_read"].append(r.bytes_read)
+
+    def ref():
+        barrier()
+        got = reference.run(jobs)
+        if got["bad"]:
+            raise AssertionError(f"reference pass: {got['bad']} checksum ranges differ")
+        res[f"{medium}_ref_s"].append(got["s"])
+        res[f"{medium}_ref_cpu"].append(got["cpu_s"])
+        res[f"{medium}_ref_read"].append(got["bytes_read"])
+
+    for run in abba(i, load, ref):
+        run()
 
 
 def measure(gb: float = 1.2, widths=(512, 5120), repeats: int = 3, parent: str | None = None,
@@ -242,7 +301,8 @@ def measure(gb: float = 1.2, widths=(512, 5120), repeats: int = 3, parent: str |
         data = os.path.join(parent or os.path.join(OUT, "data"), f"reshard-{os.getpid()}-{width}")
         os.makedirs(data, exist_ok=True)
         try:
-            cfg = {"shapes": shp, "data": data, "repeats": repeats, "scenarios": list(scenarios)}
+            cfg = {"shapes": shp, "data": data, "repeats": repeats, "scenarios": list(scenarios),
+                   "tmpfs": tempfile.mkdtemp(prefix="unickpt-bench-reshard-", dir="/dev/shm")}
             total = sum(n * m * 4 for n, m in shp)
             log(f"width {width}: {len(shp)} matrices, {total / 1e9:.2f} GB; saving the sources")
             run_ranks(save_job, 2, cfg)
@@ -262,7 +322,8 @@ def measure(gb: float = 1.2, widths=(512, 5120), repeats: int = 3, parent: str |
                     read = median(sum(r[name]["bytes_read"][i] for r in out) for i in range(repeats))
                     bad = sum(r[name]["bad"] for r in out) + sum(r[name]["dcp_bad"] for r in out)
                     fcpu = [max(r[name]["fresh_floor_cpu"][i] for r in out) for i in range(repeats)]
-                    rows.append({"width": width, "scenario": name, "ranks": world, "gb": total / 1e9,
+                    warm_row = warm_figures(out, name, repeats, total)
+                    rows.append({"width": width, "scenario": name, "ranks": world, "gb": total / 1e9, **warm_row,
                                  "floor_s": floor, "fresh_floor_s": fresh, "x_fresh_floor": x_fresh, "unickpt_s": u, "warm_s": warm, "dcp_s": d, "x_floor": x_floor, "x_dcp": u / d,
                                  "read_over_need": read / total, "bad": bad,
                                  "fresh_floor_cpu_s": median(fcpu), "fresh_floor_cpu_max_s": max(fcpu),
@@ -274,22 +335,72 @@ def measure(gb: float = 1.2, widths=(512, 5120), repeats: int = 3, parent: str |
                                          "dcp": [r[name]["dcp"] for r in out]}})
         finally:
             shutil.rmtree(data, ignore_errors=True)
+            shutil.rmtree(cfg["tmpfs"], ignore_errors=True)
     return rows
+
+
+def warm_figures(out: list, name: str, repeats: int, total: int) -> dict:
+    """Per medium: medians of the slowest rank's seconds (load, reference), of their ratio per
+    round, CPU seconds per GB read (every rank's CPU over every rank's bytes), bytes read over
+    bytes needed (all ranks, and the worst rank)."""
+    row: dict = {"dcp_warm_s": median(max(r[name]["dcp_warm"][i] for r in out) for i in range(repeats))}
+    for m in ("page", "tmpfs"):
+        slow = [max(r[name][f"{m}_s"][i] for r in out) for i in range(repeats)]
+        ref = [max(r[name][f"{m}_ref_s"][i] for r in out) for i in range(repeats)]
+        cpu = [sum(r[name][f"{m}_cpu"][i] for r in out) for i in range(repeats)]
+        rcpu = [sum(r[name][f"{m}_ref_cpu"][i] for r in out) for i in range(repeats)]
+        read = [sum(r[name][f"{m}_read"][i] for r in out) for i in range(repeats)]
+        rread = [sum(r[name][f"{m}_ref_read"][i] for r in out) for i in range(repeats)]
+        row[f"{m}_s"], row[f"{m}_ref_s"] = median(slow), median(ref)
+        row[f"{m}_x_ref"] = median(a / b for a, b in zip(slow, ref))
+        row[f"{m}_cpu_per_gb"] = median(c / (b / 1e9) for c, b in zip(cpu, read))
+        row[f"{m}_ref_cpu_per_gb"] = median(c / (b / 1e9) for c, b in zip(rcpu, rread))
+        row[f"{m}_read_over_need"] = median(read) / total
+        row[f"{m}_worst_rank_read_over_need"] = max(max(r[name][f"{m}_read"]) / max(1, r[name]["need"]) for r in out)
+        row[f"{m}_ref_read_over_need"] = median(rread) / total
+    return row
 
 
 def print_rows(rows: list[dict]) -> None:
     table = []
     for r in rows:
-        met = "met" if r["x_floor"] <= 1.15 and r["x_dcp"] <= 0.6 else "MISSED"
+        cold_target = r["ranks"] <= CORES  # more ranks than cores: the warm target instead (issue #39)
+        met = "met" if (not cold_target or r["x_floor"] <= 1.15) and r["x_dcp"] <= 1.0 else "MISSED"
+        what = "<= 1.15x floor, <= 1x DCP" if cold_target else "<= 1x DCP (ranks > cores: warm target)"
         table.append([str(r["width"]), r["scenario"], str(r["ranks"]), fmt(r["floor_s"]), fmt(r["fresh_floor_s"]),
-                      fmt(r["unickpt_s"]), fmt(r["warm_s"]), fmt(r["dcp_s"]), fmt(r["x_floor"], ".2f"),
+                      fmt(r["unickpt_s"]), fmt(r["dcp_s"]), fmt(r["x_floor"], ".2f"),
                       fmt(r["x_fresh_floor"], ".2f"), fmt(r["x_dcp"], ".2f"), fmt(r["read_over_need"], ".2f"),
-                      f"<= 1.15x floor, <= 0.6x DCP: {met}" + ("" if not r["bad"] else f"; {r['bad']} WRONG tensors")])
-    print_table(["width", "scenario", "ranks", "floor s", "fresh s", "unickpt s", "warm s", "DCP s", "x floor", "x fresh",
+                      f"{what}: {met}" + ("" if not r["bad"] else f"; {r['bad']} WRONG tensors")])
+    print("cold loads (fsync + DONTNEED before each), medians of the slowest rank")
+    print_table(["width", "scenario", "ranks", "floor s", "fresh s", "unickpt s", "DCP s", "x floor", "x fresh",
                  "x DCP", "read/need", "target"],
                 table, left=2, left_last=True)
     if rows:
         print(host_check(rows))
+    print_warm(rows)
+
+
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def print_warm(rows: list[dict]) -> None:
+    """The warm rows: each load against the fused reference pass on the same bytes, from the
+    page cache and from tmpfs; CPU seconds per GB read; bytes read over bytes needed."""
+    table = []
+    for r in rows:
+        ok = (r["page_x_ref"] <= 1.3 and r["tmpfs_x_ref"] <= 1.3 and r["page_s"] <= r["dcp_warm_s"]
+              and r["page_worst_rank_read_over_need"] <= 2.0 and r["tmpfs_worst_rank_read_over_need"] <= 2.0)
+        table.append([str(r["width"]), r["scenario"], str(r["ranks"]),
+                      fmt(r["page_s"]), fmt(r["page_ref_s"]), fmt(r["page_x_ref"], ".2f"),
+                      fmt(r["tmpfs_s"]), fmt(r["tmpfs_ref_s"]), fmt(r["tmpfs_x_ref"], ".2f"),
+                      fmt(r["dcp_warm_s"]), fmt(r["page_s"] / r["dcp_warm_s"], ".2f"),
+                      f"{r['page_cpu_per_gb']:.2f} / {r['page_ref_cpu_per_gb']:.2f}",
+                      f"{r['page_read_over_need']:.2f} / {r['page_worst_rank_read_over_need']:.2f}",
+                      f"<= 1.3x ref, <= 1x DCP, <= 2x need: {'met' if ok else 'MISSED'}"])
+    print("\nwarm loads (files in the page cache / on tmpfs) against the fused reference pass (bench/reference.py) on the "
+          "bytes each rank must read; medians of the slowest rank")
+    print_table(["width", "scenario", "ranks", "page s", "ref s", "x ref", "tmpfs s", "ref s", "x ref", "DCP warm s",
+                 "x DCP", "CPU s/GB (ref)", "read/need (worst rank)", "target"], table, left=2, left_last=True)
 
 
 def host_check(rows: list[dict]) -> str:
