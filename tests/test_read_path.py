@@ -101,6 +101,7 @@ def _targets():
 @pytest.mark.parametrize("verify", ["auto", "none"])
 def test_every_layout_loads_exactly_with_any_piece_size(ck, monkeypatch, piece, verify):
     monkeypatch.setattr(session, "PIECE", piece)  # 256 KiB: each 1 MiB range streamed through 4 reads
+    monkeypatch.setattr(session, "LONG_PIECE", piece)  # (files not in memory)
     for what, t, want in _targets():
         res = unickpt.load({"model": {"w": t}}, ck, group="local", options=unickpt.LoadOptions(verify=verify))
         got = t.local if isinstance(t, unickpt.ShardedTensor) else t
@@ -113,6 +114,7 @@ def test_every_layout_loads_exactly_with_any_piece_size(ck, monkeypatch, piece, 
 @pytest.mark.parametrize("piece", [256 << 10, 4 << 20])
 def test_a_flip_outside_the_run_but_inside_a_touched_range_fails_the_load(ck, monkeypatch, piece):
     monkeypatch.setattr(session, "PIECE", piece)
+    monkeypatch.setattr(session, "LONG_PIECE", piece)
     _, man = unickpt.read_manifest(ck)
     st = man.tensors[("model", "w")]
     with open(ck / st.file, "r+b") as f:  # row 90 (block 0): before the rows 100.. the target reads
@@ -144,6 +146,6 @@ def test_threads_follow_where_the_bytes_are(ck):
         assert 1 <= warm <= session.READ_THREADS
         reader = files.get(man.tensors[("model", "w")].file)
         reader.resident = lambda offset, n: None  # a reader that cannot tell (an object store)
-        assert session._threads(files, man, entries, 1) == session.READ_THREADS
+        assert session._threads(files, man, entries, 1) == 0  # READ_THREADS threads, LONG_PIECE reads
     finally:
         files.close()

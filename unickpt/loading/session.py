@@ -33,11 +33,14 @@ work, a rank uses its share of the cores instead (:func:`_threads`)."""
 
 
 PIECE = 4 << 20
-"""Bytes of one read of a local file: read, hashed and placed while they are in the CPU's cache
-(one pass over each byte; with 16 MiB pieces the hash and the scatter ran from memory)."""
+"""Bytes of one read of a file in memory (page cache, tmpfs): read, hashed and placed while
+they are in the CPU's cache (one pass over each byte; with 16 MiB pieces the hash and the
+scatter ran from memory)."""
 
 
-REMOTE_PIECE = 16 << 20  # one ranged read of an object store (each a request: fewer, longer)
+LONG_PIECE = 16 << 20
+"""Bytes of one read from a disk or an object store: fewer, longer requests (4 MiB reads of a
+cold file took up to 1.4x as long here; the hash after them is not what limits a disk)."""
 
 
 READ_AHEAD = 512 << 20  # bytes of reads in flight before earlier targets are finished
@@ -74,7 +77,8 @@ class ReadSession:
     whose needs overlap or interleave read them once through the node,
     :mod:`unickpt.noderead`; long runs wait for that decision, one small all-gather), or
     read alone in **pieces** (:func:`plan_pieces`): the whole checksummed ranges its runs
-    touch, in pieces of :data:`PIECE` bytes, each read, hashed and placed by one of
+    touch, in pieces of :data:`PIECE` bytes (:data:`LONG_PIECE` from a disk or an object
+    store), each read, hashed and placed by one of
     READ_THREADS threads in one pass while its bytes are in the cache: straight into the
     target where a piece lies inside one run of a contiguous target (then hashed there),
     else into the thread's buffer, hashed, and the needed bytes copied out (strided copies).
@@ -100,8 +104,9 @@ class ReadSession:
     def run(self, entries: list[Entry]) -> tuple[int, int, list[tuple[str, str]]]:
         todo = self._order(entries)
         self.total = sum(e.layout.numel * e.local.element_size() for e in todo)
-        self.pool = ThreadPoolExecutor(_threads(self.files, self.man, todo, self.world),
-                                       thread_name_prefix="unickpt-read")
+        threads = _threads(self.files, self.man, todo, self.world)
+        self.piece = PIECE if threads else LONG_PIECE
+        self.pool = ThreadPoolExecutor(threads or READ_THREADS, thread_name_prefix="unickpt-read")
         try:
             early: BaseException | None = None
             try:
@@ -174,7 +179,7 @@ class ReadSession:
     def _read(self, job: _Job) -> None:
         """Issue the pieces of ``job`` on the pool; finish earlier targets while more than
         READ_AHEAD bytes (or 256 targets) are in flight."""
-        size = PIECE if getattr(job.reader, "sequential", False) else REMOTE_PIECE
+        size = self.piece
         windows = Windows(job.runs.starts, job.runs.lengths, job.runs.local)
         futs = [self.pool.submit(self._piece, job, windows, size, *p)
                 for p in plan_pieces(job.st, job.runs, job.isz, self.verify != "none", size)]
@@ -244,9 +249,10 @@ class ReadSession:
 
 
 def _threads(files: Files, man: Manifest, entries: list[Entry], world: int) -> int:
-    """READ_THREADS, or this rank's share of the cores (at least 1) when the sampled bytes of
-    ``entries`` are in memory already (page cache, tmpfs): there more threads than cores only
-    take turns on them, each evicting the others' pieces from the cache."""
+    """This rank's share of the cores (at least 1) when the sampled bytes of ``entries`` are
+    in memory already (page cache, tmpfs): there more threads than cores only take turns on
+    them, each evicting the others' pieces from the cache; else 0 (READ_THREADS threads with
+    LONG_PIECE reads: the device gets several long requests at once)."""
     got = want = 0
     for e in entries[:: max(1, -(-len(entries) // 16))]:
         st = man.tensors[e.key]
@@ -256,10 +262,10 @@ def _threads(files: Files, man: Manifest, entries: list[Entry], world: int) -> i
         n = min(4 << 20, st.end - st.begin)
         r = ask(man.files[st.file].data_start + st.begin, n) if ask is not None else None
         if r is None:
-            return READ_THREADS
+            return 0
         got, want = got + min(r, n), want + n
     if not want or got < 0.9 * want:
-        return READ_THREADS
+        return 0
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
