@@ -85,8 +85,7 @@ BUFFERS = 4
 slowest scatter."""
 MIN_OVERLAP = 1.25
 """A node shares its reads when its ranks' needs add up to at least this many times their union."""
-PIECE = 16 << 20  # one read task at most
-FUSED = 4 << 20  # one read call at most: hashed right after it, while its bytes are in the cache
+PIECE = 16 << 20  # one read call at most
 STRETCH = 128 << 20
 """A node also shares its reads when some rank would otherwise read at least half of its
 long-run bytes in stretches of the files shorter than this, skipping the bytes between them
@@ -660,29 +659,20 @@ class _Rounds:
         return "bad" if int(st.w[:, _BAD].max()) else "done"
 
     def _read_hash(self, reader, offset: int, at: int, n: int, rows: np.ndarray) -> tuple[int, list[int]]:
-        """Reads into the segment of at most :data:`FUSED` bytes, each followed by the checksums
-        of the ranges it holds while they are in the cache (one pass over each byte)."""
+        """One read into the segment, then the checksum of every range it holds."""
         plan = self.plan
         view = memoryview(self.seg.map)[at : at + n]
         try:
+            reader.readinto(offset, view)
+            if not self.verify:
+                return 0, []
             wrong = []
-            b0 = int(plan.seg[rows[0]])
-            lo = 0  # bytes of the view read so far
-            i = 0
-            while lo < n:
-                j = i  # ranges i..j-1 fill this read: at least one, up to FUSED bytes
-                while j < len(rows) and (j == i or int(plan.seg[rows[j]]) - b0 + int(plan.end[rows[j]] - plan.begin[rows[j]]) - lo <= FUSED):
-                    j += 1
-                hi = n if j == len(rows) else int(plan.seg[rows[j]]) - b0
-                reader.readinto(offset + lo, view[lo:hi])
-                if self.verify:
-                    for r in rows[i:j].tolist():
-                        t, c = int(plan.tensor[r]), int(plan.rng[r])
-                        a = int(plan.seg[r]) - b0
-                        if Hasher.of(view[a : a + int(plan.end[r] - plan.begin[r])]) != self.man.tensors[self.keys[t]].checksums[c][2]:
-                            wrong.append(t)
-                lo, i = hi, j
-            return (len(rows) if self.verify else 0), wrong
+            for r in rows.tolist():
+                t, i = int(plan.tensor[r]), int(plan.rng[r])
+                a = int(plan.seg[r]) - int(plan.seg[rows[0]])
+                if Hasher.of(view[a : a + int(plan.end[r] - plan.begin[r])]) != self.man.tensors[self.keys[t]].checksums[i][2]:
+                    wrong.append(t)
+            return len(rows), wrong
         finally:
             view.release()
 
