@@ -151,11 +151,7 @@ def rank_job(rank: int, world: int, cfg: dict) -> dict:
                 res[f"{key}_cpu"].append(cpu_seconds() - c0)
                 res[f"{key}_read"].append(r.bytes_read)
                 # the fused reference pass over the bytes this rank must read of its node's copy
-                jobs = reference.plan(os.path.join(mem, NODES[rank]), target)
-                barrier()
-                got = reference.run(jobs)
-                if got["bad"]:
-                    raise AssertionError(f"reference pass: {got['bad']} checksum ranges differ")
+                got = reference.run_checked(reference.plan(os.path.join(mem, NODES[rank]), target))
                 res[f"{key}_ref"].append(got["s"])
                 res[f"{key}_ref_cpu"].append(got["cpu_s"])
         if i == 0:

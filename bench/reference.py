@@ -61,6 +61,18 @@ def plan(ckpt: str, state_dict: dict) -> list[tuple]:
     return out
 
 
+def run_checked(jobs: list[tuple]) -> dict:
+    """:func:`run` after a barrier of the job's ranks; a range that does not match fails the bench."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+    got = run(jobs)
+    if got["bad"]:
+        raise AssertionError(f"reference pass: {got['bad']} checksum ranges differ")
+    return got
+
+
 def run(jobs: list[tuple]) -> dict:
     """The pass over ``jobs`` (:func:`plan`): seconds, CPU seconds, bytes read, ranges whose
     checksum did not match (must be 0)."""
