@@ -40,6 +40,18 @@ def _ctx():
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
         _CTX.set_forkserver_preload(["torch", "torch.distributed", "unickpt"])
+        # the ranks import unickpt from this checkout (a worktree of an older commit, for an
+        # A/B), not from the directory the bench was started in: the fork server's sys.path
+        # starts with its working directory, so it is started from this checkout's root
+        # (_worker refuses any other unickpt: an A/B that compares a tree with itself)
+        from multiprocessing import forkserver
+
+        cwd = os.getcwd()
+        os.chdir(ROOT)
+        try:
+            forkserver.ensure_running()
+        finally:
+            os.chdir(cwd)
     return _CTX
 
 
@@ -59,6 +71,10 @@ def free_port() -> int:
 
 
 def _worker(fn, rank, world, port, args, q, env):
+    import unickpt
+
+    if not os.path.abspath(unickpt.__file__).startswith(ROOT + os.sep):
+        raise RuntimeError(f"rank imported unickpt from {unickpt.__file__}, not from this checkout {ROOT}")
     os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
