@@ -1,8 +1,10 @@
 """One rank's reads of one load (:class:`ReadSession`): each target classified once (coded,
-direct, span, node-shared) and its bytes read, verified and placed."""
+node-shared, or read alone in pieces) and its bytes read, verified and placed in one pass."""
 
 from __future__ import annotations
 
+import os
+import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -14,31 +16,37 @@ import torch
 from .._copy import Windows, as_bytes, copy_window
 from ..io.files import Files
 from ..io.storage import RandomReader
+from ..format import CHECK_BLOCK, Hasher
 from ..layout import Runs
 from ..manifest import Manifest, TensorEntry
 from ..noderead import SharedJob, bounds, eligible, read_shared, touched
 from ..state import Entry
 from ..transport import Comm
 from .coded import read_coded
-from .verify import WINDOW, StreamCheck, verify_direct
+from .verify import StreamCheck
 
 
-READ_THREADS = 4  # concurrent preads per rank
+READ_THREADS = 4
+"""Pieces in flight per rank when the bytes come from the disk or the network (the device
+gets several requests at once); from the page cache or tmpfs, where each piece is pure CPU
+work, a rank uses its share of the cores instead (:func:`_threads`)."""
 
 
-READ_CHUNK = 16 << 20
+PIECE = 4 << 20
+"""Bytes of one read of a file in memory (page cache, tmpfs): read, hashed and placed while
+they are in the CPU's cache (one pass over each byte; with 16 MiB pieces the hash and the
+scatter ran from memory)."""
+
+
+LONG_PIECE = 16 << 20
+"""Bytes of one read from a disk or an object store: fewer, longer requests (4 MiB reads of a
+cold file took up to 1.4x as long here; the hash after them is not what limits a disk)."""
 
 
 READ_AHEAD = 512 << 20  # bytes of reads in flight before earlier targets are finished
 
 
-DIRECT_RUN = 1 << 20  # runs at least this long are read straight into the target
-
-
-SPAN_GAP = 1 << 20  # short runs this close are read in one span (the gap read and dropped)
-
-
-SPAN_PIECE = 8 << 20  # bytes of one span read (column blocks, small pieces)
+DIRECT_RUN = 1 << 20  # runs at least this long on average: "long" (noderead shares them only to stream)
 
 
 @dataclass(slots=True)
@@ -65,13 +73,17 @@ class ReadSession:
     """Reads the targets of one load (or of one share of a DCP load) from one checkpoint.
 
     Each target is classified once (:meth:`_issue`): **coded** (decoded window by window,
-    :func:`~unickpt.loading.coded.read_coded`), **direct** (long runs: READ_CHUNK preads
-    straight into the target by READ_THREADS threads, several in flight as a sequential
-    stream with read-ahead would keep the disk busy), **span** (short runs: the whole
-    checksummed ranges they touch, streamed through a few buffers, :class:`SpanStream`), or
-    **shared** (with ``comm``: ranks of a node whose needs overlap or interleave read them
-    once through the node, :mod:`unickpt.noderead`; long runs wait for that decision, one
-    small all-gather). A target is finished (copied back if needed, verified) once its reads
+    :func:`~unickpt.loading.coded.read_coded`), **shared** (with ``comm``: ranks of a node
+    whose needs overlap or interleave read them once through the node,
+    :mod:`unickpt.noderead`; long runs wait for that decision, one small all-gather), or
+    read alone in **pieces** (:func:`plan_pieces`): the whole checksummed ranges its runs
+    touch, in pieces of :data:`PIECE` bytes (:data:`LONG_PIECE` from a disk or an object
+    store), each read, hashed and placed by one of
+    READ_THREADS threads in one pass while its bytes are in the cache: straight into the
+    target where a piece lies inside one run of a contiguous target (then hashed there),
+    else into the thread's buffer, hashed, and the needed bytes copied out (strided copies).
+    Pieces are issued in file order (the kernel's read-ahead follows them). A target is
+    finished (copied back from a temporary if needed, its checksums tallied) once its pieces
     are done; :meth:`run` returns ``(bytes read, checksums verified, [(file, tensor)] that
     failed)``. With ``comm`` the call is collective: every rank of it runs one session."""
 
@@ -84,21 +96,17 @@ class ReadSession:
         self.verified = 0
         self.done = 0  # bytes of targets finished (progress)
         self.total = 0
-        self.pending: deque = deque()  # (job, futures, checked) of direct reads, finished in order
-        self.in_flight = 0  # bytes of direct reads not finished yet
-        self.verifying: list = []  # (stored tensor, future) verified on the verifier thread
+        self.pending: deque = deque()  # (job, futures) of pieces, finished in order
+        self.in_flight = 0  # bytes of targets whose pieces are not finished yet
         self.shared: list[SharedJob] = []  # targets read node-shared, if the node shares (with comm)
-        self._scratch: torch.Tensor | None = None  # this thread's; the verifier has its own
-        self._vscratch: torch.Tensor | None = None
+        self._local = threading.local()  # each read thread's buffer
 
     def run(self, entries: list[Entry]) -> tuple[int, int, list[tuple[str, str]]]:
         todo = self._order(entries)
         self.total = sum(e.layout.numel * e.local.element_size() for e in todo)
-        self.pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="unickpt-read")
-        # targets read straight into their memory are verified on this thread while later reads
-        # proceed (xxhash releases the GIL)
-        self.verifier = ThreadPoolExecutor(1, thread_name_prefix="unickpt-verify")
-        self.spans = SpanStream(self.pool, READ_THREADS)
+        threads = _threads(self.files, self.man, todo, self.world)
+        self.piece = PIECE if threads else LONG_PIECE
+        self.pool = ThreadPoolExecutor(threads or READ_THREADS, thread_name_prefix="unickpt-read")
         try:
             early: BaseException | None = None
             try:
@@ -112,12 +120,8 @@ class ReadSession:
                 return self.files.bytes_read, self.verified, self.bad
             while self.pending:
                 self._finish(*self.pending.popleft())
-            self.spans.run()
-            for st, fut in self.verifying:
-                self._tally(st, fut.result())
         finally:
-            self.pool.shutdown(wait=True)
-            self.verifier.shutdown(wait=True)
+            self.pool.shutdown(wait=True, cancel_futures=True)
             self.files.close()
         return self.files.bytes_read, self.verified, self.bad
 
@@ -128,7 +132,7 @@ class ReadSession:
         return sorted(entries, key=lambda e: (first[self.man.tensors[e.key].file], self.man.tensors[e.key].begin))
 
     def _issue(self, e: Entry) -> None:
-        """Classify target ``e`` and issue its reads (or queue them: spans, node-shared)."""
+        """Classify target ``e`` and issue its reads (node-shared ones wait for :meth:`_share`)."""
         st = self.man.tensors[e.key]
         if st.coder.coded:
             failed, n_checked = read_coded(e, st, self.man, self.files, self.verify)
@@ -145,8 +149,8 @@ class ReadSession:
         job = _Job(st, self.files.get(st.file), self.man.files[st.file].data_start + st.begin, e.layout.runs(), isz,
                    dest, local, direct)
         runs = job.runs
-        if not len(runs) or not runs.numel:  # nothing to read: finished (verified) as it is
-            return self._read_direct(job)
+        if not len(runs) or not runs.numel:  # nothing to read: finished as it is
+            return self._read(job)
         long = len(runs) == 1 or runs.numel * isz / len(runs) >= DIRECT_RUN
         # node-shared when it can be (read_shared decides whether the node shares): short runs,
         # and long runs read straight into the target's own memory
@@ -155,10 +159,8 @@ class ReadSession:
             mask = touched(be, runs.starts * isz, (runs.starts + runs.lengths) * isz)
             self.shared.append(SharedJob(st, job.reader, job.base, runs, isz, dest, mask, self._done_of(job), long,
                                          local, direct))
-        elif long:
-            self._read_direct(job)
-        else:  # read in one stream with every other short-run target, after the targets are issued
-            self.spans.add(job.reader, job.base, st, runs, isz, dest, self.verify != "none", self._done_of(job))
+        else:
+            self._read(job)
 
     def _share(self, early: BaseException | None) -> bool:
         """Node-shared reads (collective); the targets the node does not share are read
@@ -171,60 +173,73 @@ class ReadSession:
             return False
         self.verified += n
         for j in alone:
-            job = _Job(j.st, j.reader, j.base, j.runs, j.isz, j.dest, j.local, j.direct)
-            if j.long:
-                self._read_direct(job)
-            else:
-                self.spans.add(j.reader, j.base, j.st, j.runs, j.isz, j.dest, self.verify != "none", j.done)
+            self._read(_Job(j.st, j.reader, j.base, j.runs, j.isz, j.dest, j.local, j.direct))
         return True
 
-    def _read_direct(self, job: _Job) -> None:
-        """Long runs: READ_CHUNK preads straight into ``dest`` on the pool, the target
-        finished (verified around them) once they are done."""
-        futs = []
-        isz, dest = job.isz, job.dest
-        for g, ln, lo in zip(job.runs.starts.tolist(), job.runs.lengths.tolist(), job.runs.local.tolist()):
-            for a in range(0, ln * isz, READ_CHUNK):
-                k = min(READ_CHUNK, ln * isz - a)
-                mv = memoryview(dest[lo * isz + a : lo * isz + a + k].numpy())
-                futs.append(self.pool.submit(job.reader.readinto, job.base + g * isz + a, mv))
+    def _read(self, job: _Job) -> None:
+        """Issue the pieces of ``job`` on the pool; finish earlier targets while more than
+        READ_AHEAD bytes (or 256 targets) are in flight."""
+        size = self.piece
+        windows = Windows(job.runs.starts, job.runs.lengths, job.runs.local)
+        futs = [self.pool.submit(self._piece, job, windows, size, *p)
+                for p in plan_pieces(job.st, job.runs, job.isz, self.verify != "none", size)]
         self.in_flight += job.nbytes
-        self.pending.append((job, futs, None if self.verify != "none" else (True, 0)))
+        self.pending.append((job, futs))
         while self.pending and (self.in_flight > READ_AHEAD or not self.pending[0][1] or len(self.pending) > 256):
             self._finish(*self.pending.popleft())
+
+    def _piece(self, job: _Job, windows: Windows, size: int, b: int, e: int, ranges: list, at: int) -> tuple[bool, int]:
+        """One piece, bytes ``[b, e)`` of the stored tensor, on a read thread: read ``size``
+        bytes at a time, each hashed and placed before the next is read (``at >= 0``: straight
+        into the target's bytes at ``at``)."""
+        if e - b <= size:  # the common case: one read, its ranges hashed whole (no stream state)
+            view = job.dest[at : at + e - b] if at >= 0 else self._buffer(size)[: e - b]
+            job.reader.readinto(job.base + b, memoryview(view.numpy()))
+            ok = True
+            if ranges:
+                mv = memoryview(view.numpy())
+                ok = all(Hasher.of(mv[rb - b : re_ - b]) == hx for rb, re_, hx in ranges)
+            if at < 0:
+                copy_window(view, b // job.isz, e // job.isz, windows, job.dest, job.isz)
+            return ok, len(ranges)
+        check = StreamCheck(ranges) if ranges else None  # a range larger than a read
+        if check is not None:
+            check.touch(b, e)
+        pos = b
+        while pos < e:
+            k = min(size, e - pos)
+            view = job.dest[at + pos - b : at + pos - b + k] if at >= 0 else self._buffer(size)[:k]
+            job.reader.readinto(job.base + pos, memoryview(view.numpy()))
+            if check is not None:
+                check.feed(pos, view)
+            if at < 0:
+                copy_window(view, pos // job.isz, (pos + k) // job.isz, windows, job.dest, job.isz)
+            pos += k
+        return (True, 0) if check is None else (check.ok, check.checked)
+
+    def _buffer(self, size: int) -> torch.Tensor:
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.numel() < size:
+            buf = self._local.buf = torch.empty(size, dtype=torch.uint8)
+        return buf
 
     def _done_of(self, job: _Job) -> Callable[[tuple[bool, int]], None]:
         return lambda checked: self._finish(job, [], checked)
 
-    def _finish(self, job: _Job, futs: list, checked: tuple[bool, int] | None) -> None:
-        """A target whose reads are done: verified (here, or on the verifier thread when read
-        straight into its memory), copied into the target when read into a temporary."""
-        for f in futs:
-            f.result()
-        self.in_flight -= job.nbytes if futs else 0
-        if checked is None and self.verify != "none":  # read straight into dest: verify around it
-            args = (self.files.get(job.st.file), self.man.files[job.st.file].data_start + job.st.begin, job.st,
-                    job.runs, job.isz, job.dest)
-            if job.direct:
-                self.verifying.append((job.st, self.verifier.submit(self._verify_on_thread, *args)))
-            else:  # dest is a temporary: verify before it is copied and dropped
-                if self._scratch is None:
-                    self._scratch = torch.empty(WINDOW, dtype=torch.uint8)
-                checked = verify_direct(*args, self._scratch)
-        if checked is not None:
-            self._tally(job.st, checked)
+    def _finish(self, job: _Job, futs: list, checked: tuple[bool, int] | None = None) -> None:
+        """A target whose pieces are done (or that the node read, ``checked``): its checksums
+        tallied, copied into the target when read into a temporary."""
+        results = [f.result() for f in futs]
+        self.in_flight -= job.nbytes if futs or checked is None else 0
+        for ok, n in results if checked is None else [checked]:
+            self._tally(job.st, (ok, n))
         if not job.direct:
             job.local.copy_(job.dest.view(job.local.dtype).reshape(job.local.shape))
         self._progress(job.nbytes)
 
-    def _verify_on_thread(self, *args) -> tuple[bool, int]:
-        if self._vscratch is None:
-            self._vscratch = torch.empty(WINDOW, dtype=torch.uint8)
-        return verify_direct(*args, self._vscratch)
-
     def _tally(self, st: TensorEntry, checked: tuple[bool, int]) -> None:
         self.verified += checked[1]
-        if not checked[0]:
+        if not checked[0] and (st.file, st.name) not in self.bad:
             self.bad.append((st.file, st.name))
 
     def _progress(self, n: int) -> None:
@@ -233,77 +248,76 @@ class ReadSession:
             self.progress(self.done, self.total)
 
 
+def _threads(files: Files, man: Manifest, entries: list[Entry], world: int) -> int:
+    """This rank's share of the cores (at least 1) when the sampled bytes of ``entries`` are
+    in memory already (page cache, tmpfs): there more threads than cores only take turns on
+    them, each evicting the others' pieces from the cache; else 0 (READ_THREADS threads with
+    LONG_PIECE reads: the device gets several long requests at once)."""
+    got = want = 0
+    for e in entries[:: max(1, -(-len(entries) // 16))]:
+        st = man.tensors[e.key]
+        if st.coder.coded or not e.layout.numel:
+            continue
+        ask = getattr(files.get(st.file), "resident", None)
+        n = min(4 << 20, st.end - st.begin)
+        r = ask(man.files[st.file].data_start + st.begin, n) if ask is not None else None
+        if r is None:
+            return 0
+        got, want = got + min(r, n), want + n
+    if not want or got < 0.9 * want:
+        return 0
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world) or 1)
+    return max(1, min(READ_THREADS, cores // max(1, ranks)))
+
+
 def read_all(entries, man: Manifest, storage, ckpt, verify, progress=None, rank=0, world=1, comm: Comm | None = None):
     """:meth:`ReadSession.run` of a new session (see there)."""
     return ReadSession(man, storage, ckpt, verify, progress, rank, world, comm).run(entries)
 
 
-def span_pieces(st: TensorEntry, runs: Runs, isz: int, verify: bool) -> tuple["StreamCheck", list[tuple[int, int]]]:
-    """Short runs (column blocks, small pieces): the byte pieces to read, the whole
-    checksummed ranges the runs touch (merged when they overlap or lie within SPAN_GAP: one
-    read, not many), cut at SPAN_PIECE; and the check that verifies them as they stream."""
-    check = StreamCheck(st.checksums if verify else ())
-    s_el, l_el = runs.starts, runs.lengths
-    e_el = s_el + l_el
-    bs, es = check.touch_runs(s_el * isz, e_el * isz)  # widened to whole checksummed ranges
-    cut = np.flatnonzero(bs[1:] > np.maximum.accumulate(es)[:-1] + SPAN_GAP) + 1
-    firsts, lasts = np.concatenate(([0], cut)), np.concatenate((cut, [len(bs)])) - 1
-    span_b, span_e = bs[firsts], np.maximum.accumulate(es)[lasts]
-    cap = (SPAN_PIECE // isz) * isz
-    pieces = []
-    for b, e in zip(span_b.tolist(), span_e.tolist()):
-        pos, e = (b // isz) * isz, -(-e // isz) * isz
-        while pos < e:
-            pieces.append((pos, min(cap, e - pos)))
-            pos += pieces[-1][1]
-    return check, pieces
+def plan_pieces(st: TensorEntry, runs: Runs, isz: int, verify: bool, size: int) -> list[tuple[int, int, list, int]]:
+    """The pieces that read the runs of a raw stored tensor: ``(begin, end, ranges, at)``.
+
+    A piece covers whole checksummed ranges that the runs touch (with ``verify``; else 1 MiB
+    blocks of the tensor, unchecked), consecutive in the file and up to ``size`` bytes (a
+    larger range is a piece of its own, read ``size`` bytes at a time); ``ranges`` are the
+    checksums to verify (empty without ``verify``). ``at >= 0``: the piece lies inside one run
+    and goes straight to byte ``at`` of the target; else it goes through a buffer (the runs
+    take part of it: a column block, the ends of a run). Each range is read once."""
+    rb = runs.starts * isz
+    re_ = (runs.starts + runs.lengths) * isz
+    nbytes = st.end - st.begin
+    if verify and st.checksums:
+        be = bounds(st)
+        sums = st.checksums
+    else:
+        grid = np.arange(0, max(nbytes, 1), CHECK_BLOCK, dtype=np.int64)
+        be, sums = (grid, np.minimum(grid + CHECK_BLOCK, nbytes)), None
+    idx = np.flatnonzero(touched(be, rb, re_))
+    if not len(idx):
+        return []
+    B, E = be[0][idx], be[1][idx]
+    run = np.searchsorted(rb, B, side="right") - 1  # the run a range begins in (or after)
+    inside = (run >= 0) & (re_[np.maximum(run, 0)] >= E)
+    at = np.where(inside, runs.local[np.maximum(run, 0)] * isz + B - rb[np.maximum(run, 0)], -1)
+    run = np.where(inside, run, -1)
+    # a new piece where the ranges stop being adjacent, the run changes, or the piece is full
+    out: list[tuple[int, int, list, int]] = []
+    first = 0
+    for i, (b, e, r) in enumerate(zip(B.tolist(), E.tolist(), run.tolist())):
+        if i > first and (b != int(E[i - 1]) or r != int(run[first]) or e - int(B[first]) > size):
+            out.append(_piece_of(B, E, idx, at, sums, first, i, isz, nbytes))
+            first = i
+    out.append(_piece_of(B, E, idx, at, sums, first, len(B), isz, nbytes))
+    return out
 
 
-class SpanStream:
-    """The span reads of every short-run target, as one stream: up to ``depth`` pieces are
-    read by the pool ahead of the one being verified and scattered (in order, on the calling
-    thread), across target boundaries, so the disk never waits for the hashing, the
-    scattering or the start of the next tensor. Memory: ``depth + 1`` buffers of
-    SPAN_PIECE bytes, reused."""
-
-    def __init__(self, pool, depth: int) -> None:
-        self.pool, self.depth = pool, max(1, depth)
-        self.bufs: list[torch.Tensor] = []  # allocated by the first run that reads
-        self.jobs: list = []  # (reader, base, Windows of the runs, isz, dest, check, pieces, done)
-
-    def add(self, reader, base: int, st: TensorEntry, runs: Runs, isz: int, dest: torch.Tensor, verify: bool,
-            done: Callable[[tuple[bool, int]], None]) -> None:
-        check, pieces = span_pieces(st, runs, isz, verify)
-        self.jobs.append((reader, base, Windows(runs.starts, runs.lengths, runs.local), isz, dest, check, pieces, done))
-
-    def run(self) -> None:
-        order = [(j, n) for j, job in enumerate(self.jobs) for n in range(len(job[6]))]
-        if order and not self.bufs:
-            self.bufs = [torch.empty(SPAN_PIECE, dtype=torch.uint8) for _ in range(self.depth + 1)]
-        flight: deque = deque()
-
-        def submit(k: int) -> None:
-            j, n = order[k]
-            reader, base, pieces = self.jobs[j][0], self.jobs[j][1], self.jobs[j][6]
-            pos, size = pieces[n]
-            buf = self.bufs[k % len(self.bufs)][:size]
-            flight.append(self.pool.submit(reader.readinto, base + pos, memoryview(buf.numpy())))
-
-        for k in range(min(self.depth, len(order))):
-            submit(k)
-        for k, (j, n) in enumerate(order):
-            flight.popleft().result()
-            if k + self.depth < len(order):
-                submit(k + self.depth)
-            _, _, windows, isz, dest, check, pieces, done = self.jobs[j]
-            pos, size = pieces[n]
-            buf = self.bufs[k % len(self.bufs)][:size]
-            check.feed(pos, buf)
-            copy_window(buf, pos // isz, (pos + size) // isz, windows, dest, isz)
-            if n == len(pieces) - 1:
-                done((check.ok, check.checked))
-        for job in self.jobs:  # targets without any piece (nothing to read)
-            if not job[6]:
-                job[7]((job[5].ok, job[5].checked))
-        self.jobs.clear()
-
+def _piece_of(B, E, idx, at, sums, i: int, j: int, isz: int, nbytes: int) -> tuple[int, int, list, int]:
+    b, e, a = int(B[i]), int(E[j - 1]), int(at[i])
+    if a < 0:  # through a buffer: whole elements (copy_window places elements)
+        b, e = b - b % isz, min(nbytes, -(-e // isz) * isz)
+    return b, e, [] if sums is None else [sums[k] for k in idx[i:j].tolist()], a

@@ -1,7 +1,7 @@
 """Checksums on the read side: a stream of checksummed ranges fed as bytes arrive
-(:class:`StreamCheck`), verification around bytes read straight into a target
-(:func:`verify_direct`), whole stored tensors (:func:`check_stored`) and the share of
-``verify="full"`` (:func:`verify_share`)."""
+(:class:`StreamCheck`: ranges larger than one read of the load's pieces, coded tensors),
+whole stored tensors (:func:`check_stored`) and the share of ``verify="full"``
+(:func:`verify_share`)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,11 @@ import torch
 from ..format import Hasher
 from ..io.files import Files
 from ..io.storage import RandomReader
-from ..layout import Runs
 from ..manifest import Manifest, TensorEntry
 from ..transport import Comm
 
 
-WINDOW = 16 << 20  # scratch for small runs (verification around direct reads, spans)
+WINDOW = 16 << 20  # scratch of check_stored (verify="full", the CLI's verify)
 
 
 class StreamCheck:
@@ -103,29 +102,6 @@ def feed_file(reader, base: int, b: int, e: int, check: StreamCheck, scratch: to
         reader.readinto(base + b, memoryview(buf.numpy()))
         check.feed(b, buf)
         b += k
-
-
-def verify_direct(reader, base: int, st: TensorEntry, runs: Runs, isz: int, dest: torch.Tensor,
-                   scratch: torch.Tensor) -> tuple[bool, int]:
-    """Verify the runs read straight into ``dest``: each checksummed range a run touches is
-    hashed from the run's bytes in ``dest`` plus the bytes around it (read now, at most one
-    range at each end of a run)."""
-    check = StreamCheck(st.checksums)
-    starts = (runs.starts * isz).tolist()
-    ends = ((runs.starts + runs.lengths) * isz).tolist()
-    local = (runs.local * isz).tolist()
-    prev = 0
-    for i, (rs, re_, lo) in enumerate(zip(starts, ends, local)):
-        hb, te = check.touch(rs, re_)
-        hb = max(hb, prev)
-        if hb < rs:
-            feed_file(reader, base, hb, rs, check, scratch)
-        check.feed(rs, dest[lo : lo + re_ - rs])
-        te = min(te, starts[i + 1]) if i + 1 < len(starts) else te
-        if re_ < te:
-            feed_file(reader, base, re_, te, check, scratch)
-        prev = max(te, re_)
-    return check.ok, check.checked
 
 
 def check_stored(reader: RandomReader, data_start: int, st: TensorEntry, buf: torch.Tensor) -> list[tuple[str, int, int]]:
