@@ -302,3 +302,19 @@ def test_a_writers_error_keeps_its_class_and_pickles():
         assert isinstance(x, AsyncSaveError) and isinstance(x, CheckpointExistsError) and str(x) == str(e)
     assert isinstance(async_error("StorageError", "disk full"), StorageError)
     assert type(async_error("NotAnError", "m")) is AsyncSaveError and type(async_error(None, "m")) is AsyncSaveError
+
+
+@pytest.mark.parametrize("raw,want", [(None, 10), ("0", 0), ("19", 19), ("-1", None), ("20", None), ("ten", None)])
+def test_writer_priority_setting_is_checked(monkeypatch, raw, want):
+    from unickpt.async_save.writer import writer_nice
+    from unickpt.errors import InvalidArgumentError
+
+    if raw is None:
+        monkeypatch.delenv("UNICKPT_WRITER_NICE", raising=False)
+    else:
+        monkeypatch.setenv("UNICKPT_WRITER_NICE", raw)
+    if want is None:
+        with pytest.raises(InvalidArgumentError, match="UNICKPT_WRITER_NICE"):
+            writer_nice()
+    else:
+        assert writer_nice() == want

@@ -43,6 +43,8 @@ BODY = textwrap.dedent(
     h.wait()
     writer = psutil.Process(checkpointer()._proc.pid)
     assert writer.ppid() == os.getpid(), (writer.ppid(), os.getpid())
+    # the writer yields the cores to training (UNICKPT_WRITER_NICE, default 10)
+    assert writer.nice() == min(19, psutil.Process().nice() + 10), (writer.nice(), psutil.Process().nice())
     env = writer.environ()
     leaked = sorted(k for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
                     if k in env) + sorted(k for k in env if k.startswith("TORCHELASTIC_"))

@@ -65,6 +65,7 @@ class WriterProcess:
             raise AsyncSaveError(f"the writer's entry point must be importable by name, not {module}.{name}")
         if not sys.executable:
             raise AsyncSaveError("cannot start the writer process: sys.executable is not set")
+        writer.writer_nice()  # UNICKPT_WRITER_NICE checked here: the writer lowers its priority by it
         parent, child = mpc.Pipe(duplex=True)
         sentinel_r, sentinel_w = os.pipe()
         cfg = {

@@ -21,7 +21,7 @@ import time
 import torch
 
 from .. import liveness
-from ..errors import AsyncSaveError
+from ..errors import AsyncSaveError, InvalidArgumentError
 from ..format import torch_dtype
 from ..io.local import FROM_MEMORY_MIN
 from ..saving import SaveResult, save_entries
@@ -38,6 +38,37 @@ __all__ = ["main", "PROGRESS_INTERVAL"]
 
 PROGRESS_INTERVAL = 0.1  # seconds between a writer's progress reports (plus the final one)
 
+NICE = 10
+"""How much lower the writer's CPU priority is than its trainer's (``UNICKPT_WRITER_NICE``; 0
+keeps the trainer's). Where the cores are busy, training gets them first and the writer about a
+tenth of a core's share (Linux weights 1024 against 110): a save takes longer, training barely
+slows; where they are idle (a GPU job's host), the writer runs at full speed."""
+
+
+def writer_nice() -> int:
+    """``UNICKPT_WRITER_NICE`` (default :data:`NICE`), checked: the trainer calls it before
+    starting a writer, so a bad value is its error, not a writer that never starts."""
+    raw = os.environ.get("UNICKPT_WRITER_NICE", str(NICE))
+    try:
+        k = int(raw)
+    except ValueError:
+        k = -1
+    if not 0 <= k <= 19:
+        raise InvalidArgumentError(f"UNICKPT_WRITER_NICE must be an integer 0..19, got {raw!r}")
+    return k
+
+
+def yield_to_training() -> int:
+    """Lower this process's priority by :func:`writer_nice`; returns the increment applied (0
+    when the variable says so, or the system refuses)."""
+    k = writer_nice()
+    if k:
+        try:
+            os.nice(k)
+        except OSError:
+            return 0
+    return k
+
 
 def main(conn, rank: int, world: int, addr: str, port: int, timeout_s: float, parent_pid: int, node,
          joined_w: int = -1, gate: str = "") -> None:
@@ -50,6 +81,7 @@ def main(conn, rank: int, world: int, addr: str, port: int, timeout_s: float, pa
     if node and "UNICKPT_NODE_ID" not in os.environ:
         os.environ["UNICKPT_NODE_ID"] = node
     torch.set_num_threads(1)
+    yield_to_training()  # before any thread starts: they inherit it
     parent = _Parent(parent_pid)
     segments: dict[str, StagingSegment] = {}
     threading.Thread(target=_watch_parent, args=(parent, segments), daemon=True).start()
