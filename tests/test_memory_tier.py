@@ -359,3 +359,31 @@ def test_replicas_that_cannot_be_made_are_refused_before_anything_is_written(tmp
         unickpt.save(sd, str(tmp_path / "{node}" / "step-00000001"), replicas=1)
     assert not (tmp_path / "plain").exists()
     assert all(not os.listdir(d) for d in tmp_path.iterdir() if d.is_dir())
+
+
+def _replicate_with_a_failing_read(rank, world, root, fail_rank):
+    os.environ["UNICKPT_NODE_ID"] = ["n0", "n1"][rank]
+    import torch
+
+    import unickpt
+    from unickpt.io import local
+
+    if fail_rank in (rank, "all"):  # this rank's files cannot be read back for their replicas
+        def broken(self, offset, n):
+            raise OSError(5, "injected read error")
+        local._Reader.mapped = broken
+    sd = {"model": {"w": unickpt.shard(torch.full((1 << 20,), float(rank)), (2 << 20,), offsets=(rank << 20,))}}
+    try:
+        unickpt.save(sd, os.path.join(root, "{node}", "step-00000001"), options=unickpt.SaveOptions(replicas=1))
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+@pytest.mark.parametrize("fail_rank", [0, "all"])  # (rank 0 writes the one file of this state)
+def test_a_replica_that_cannot_be_read_back_fails_the_save_on_every_rank(tmp_path, fail_rank):
+    out = dist.run(_replicate_with_a_failing_read, 2, str(tmp_path), fail_rank, timeout=120)
+    assert all(o is not None for o in out), out  # nobody went on alone, nobody hangs
+    assert any("injected read error" in o[1] for o in out), out
+    for n in ("n0", "n1"):
+        assert _committed(str(tmp_path / n)) == []  # nothing committed on either node

@@ -107,27 +107,42 @@ def replicate(comm: Comm, plan: SavePlan, storage: Storage, tmp: str, name_of: C
         return b
 
     for t in range(steps):  # step t: every pair moves its t-th chunk
-        sends, recvs, fills = [], [], []
+        sends, recvs, fills, maps = [], [], [], []
         for (src, dst), chunks in pairs.items():
             if t >= len(chunks) or src == dst:
                 continue
             name, off, n = chunks[t]
             if src == comm.rank:
-                buf = buf_of((src, dst))[: max(n, 1)]
+                buf = None
                 if err is None and n:
                     try:
                         r = readers.get(name) or readers.setdefault(name, storage.open_reader(storage.join(tmp, name_of(name))))
-                        r.readinto(off, memoryview(buf[:n].numpy()))
+                        if hasattr(r, "mapped"):  # sent from the page cache's pages, not a copy of them
+                            maps.append(r.mapped(off, n))
+                            buf = torch.frombuffer(maps[-1], dtype=torch.uint8)
+                        else:
+                            buf = buf_of((src, dst))[:n]
+                            r.readinto(off, memoryview(buf.numpy()))
                     except Exception as e:  # the transfer still happens (zeros): the peer is not left waiting
                         err = e
-                if err is not None:
-                    buf.zero_()
+                        buf = None
+                if buf is None:
+                    buf = buf_of((src, dst))[: max(n, 1)].zero_()
                 sends.append((dst, buf))
             elif dst == comm.rank:
                 buf = buf_of((src, dst))[: max(n, 1)]
                 recvs.append((src, buf))
                 fills.append((name, off, n, buf))
-        comm.exchange(sends, recvs)
+        try:
+            comm.exchange(sends, recvs)
+        finally:
+            sends.clear()  # the tensors over the maps go first
+            buf = None
+            for m in maps:
+                try:
+                    m.close()
+                except BufferError:  # still referred to (a transfer that failed): closed when collected
+                    pass
         for name, off, n, buf in fills:
             if err is None and n:
                 try:

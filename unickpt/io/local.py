@@ -805,6 +805,17 @@ class _Reader:
         with self._lock:  # reads may run on several threads
             self.bytes_read += n
 
+    def mapped(self, offset: int, n: int) -> mmap.mmap:
+        """Bytes ``[offset, offset + n)`` mapped private (copy-on-write: never written back),
+        for handing the page cache's pages to a transfer without copying them; ``offset`` a
+        multiple of the page size. The caller closes the map once nothing refers to it."""
+        if offset < 0 or offset + n > self.size or offset % mmap.ALLOCATIONGRANULARITY:
+            raise FormatError(f"{self.path}: cannot map {n} bytes at {offset} ({self.size} bytes)")
+        m = mmap.mmap(self.fd, n, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
+        with self._lock:
+            self.bytes_read += n
+        return m
+
     def prefetch(self, offset: int, n: int) -> None:
         """Ask the kernel to start reading ``[offset, offset + n)`` into the page cache now
         (a hint: the bytes count as read when :meth:`readinto` reads them)."""
