@@ -4,6 +4,8 @@ byte returned is verified whatever the piece size, layout or verification mode."
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -149,3 +151,32 @@ def test_threads_follow_where_the_bytes_are(ck):
         assert session._threads(files, man, entries, 1) == 0  # READ_THREADS threads, LONG_PIECE reads
     finally:
         files.close()
+
+
+def _load_own_tensor(rank, world, ck, names):
+    import unickpt
+
+    t = torch.zeros(1 << 21)
+    try:
+        unickpt.load({"model": {names[rank]: t}}, ck, options=unickpt.LoadOptions(timeout_s=30))
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def test_a_missing_file_that_only_one_rank_needs_fails_every_rank(tmp_path):
+    from tests import dist
+
+    ck = tmp_path / "ck"
+    g = torch.Generator().manual_seed(1)
+    unickpt.save({"model": {n: torch.randn(1 << 21, generator=g) for n in ("a", "b")}}, ck,
+                 options=unickpt.SaveOptions(max_file_bytes=10 << 20))
+    _, man = unickpt.read_manifest(ck)
+    fa, fb = man.tensors[("model", "a")].file, man.tensors[("model", "b")].file
+    assert fa != fb, "the two tensors should be in two files"
+    os.remove(ck / fb)  # only rank 1 needs it
+    out = dist.run(_load_own_tensor, 2, str(ck), ["a", "b"], timeout=120)
+    assert all(o is not None for o in out), out  # rank 0 does not go on alone (nor wait forever)
+    assert out[1][0] == "CheckpointNotFoundError" and fb in out[1][1], out
+    # rank 0 learns why (not "the ranks reached different collective calls")
+    assert out[0][0] == "DistributedError" and "failed on rank 1" in out[0][1] and fb in out[0][1], out

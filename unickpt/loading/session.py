@@ -252,26 +252,31 @@ def _threads(files: Files, man: Manifest, entries: list[Entry], world: int) -> i
     """This rank's share of the cores (at least 1) when the sampled bytes of ``entries`` are
     in memory already (page cache, tmpfs): there more threads than cores only take turns on
     them, each evicting the others' pieces from the cache; else 0 (READ_THREADS threads with
-    LONG_PIECE reads: the device gets several long requests at once)."""
-    got = want = 0
-    for e in entries[:: max(1, -(-len(entries) // 16))]:
-        st = man.tensors[e.key]
-        if st.coder.coded or not e.layout.numel:
-            continue
-        ask = getattr(files.get(st.file), "resident", None)
-        n = min(4 << 20, st.end - st.begin)
-        r = ask(man.files[st.file].data_start + st.begin, n) if ask is not None else None
-        if r is None:
-            return 0
-        got, want = got + min(r, n), want + n
-    if not want or got < 0.9 * want:
-        return 0
+    LONG_PIECE reads: the device gets several long requests at once). A hint: anything
+    that goes wrong here (a file that will not open) is left to the reads, which report it
+    where every rank learns of it."""
     try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world) or 1)
-    return max(1, min(READ_THREADS, cores // max(1, ranks)))
+        got = want = 0
+        for e in entries[:: max(1, -(-len(entries) // 16))]:
+            st = man.tensors[e.key]
+            if st.coder.coded or not e.layout.numel:
+                continue
+            ask = getattr(files.get(st.file), "resident", None)
+            n = min(4 << 20, st.end - st.begin)
+            r = ask(man.files[st.file].data_start + st.begin, n) if ask is not None else None
+            if r is None:
+                return 0
+            got, want = got + min(r, n), want + n
+        if not want or got < 0.9 * want:
+            return 0
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:
+            cores = os.cpu_count() or 1
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world) or 1)
+        return max(1, min(READ_THREADS, cores // max(1, ranks)))
+    except Exception:
+        return 0
 
 
 def read_all(entries, man: Manifest, storage, ckpt, verify, progress=None, rank=0, world=1, comm: Comm | None = None):
