@@ -78,8 +78,8 @@ class ReadSession:
     :mod:`unickpt.noderead`; long runs wait for that decision, one small all-gather), or
     read alone in **pieces** (:func:`plan_pieces`): the whole checksummed ranges its runs
     touch, in pieces of :data:`PIECE` bytes (:data:`LONG_PIECE` from a disk or an object
-    store), each read, hashed and placed by one of
-    READ_THREADS threads in one pass while its bytes are in the cache: straight into the
+    store), each read, hashed and placed by one of the rank's read threads (:func:`_threads`)
+    in one pass while its bytes are in the cache: straight into the
     target where a piece lies inside one run of a contiguous target (then hashed there),
     else into the thread's buffer, hashed, and the needed bytes copied out (strided copies).
     Pieces are issued in file order (the kernel's read-ahead follows them). A target is
