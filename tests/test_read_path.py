@@ -180,3 +180,19 @@ def test_a_missing_file_that_only_one_rank_needs_fails_every_rank(tmp_path):
     assert out[1][0] == "CheckpointNotFoundError" and fb in out[1][1], out
     # rank 0 learns why (not "the ranks reached different collective calls")
     assert out[0][0] == "DistributedError" and "failed on rank 1" in out[0][1] and fb in out[0][1], out
+
+
+def test_one_memory_under_two_roles_is_read_once_or_refused(tmp_path):
+    from unickpt.errors import StateDictError
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1000, 1000, generator=g)  # 4 MB: several pieces, which would race in one memory
+    unickpt.save({"model": {"w": x}, "master": {"w": x.clone()}}, tmp_path / "same")
+    unickpt.save({"model": {"w": x}, "master": {"w": x + 1}}, tmp_path / "apart")
+    y = torch.zeros(1000, 1000)
+    res = unickpt.load({"model": {"w": y}, "master": {"w": y}}, tmp_path / "same", group="local")
+    assert torch.equal(y, x) and res.bytes_read <= x.numel() * 4 + 4096  # same checksums: read once
+    for _ in range(5):  # never a mix of the two stored tensors
+        y.zero_()
+        with pytest.raises(StateDictError, match="same memory"):
+            unickpt.load({"model": {"w": y}, "master": {"w": y}}, tmp_path / "apart", group="local")

@@ -20,6 +20,7 @@ from ..format import CHECK_BLOCK, Hasher
 from ..layout import Runs
 from ..manifest import Manifest, TensorEntry
 from ..noderead import SharedJob, bounds, eligible, read_shared, touched
+from ..errors import StateDictError
 from ..state import Entry
 from ..transport import Comm
 from .coded import read_coded
@@ -90,6 +91,7 @@ class ReadSession:
     def __init__(self, man: Manifest, storage, ckpt: str, verify: str, progress=None, rank: int = 0, world: int = 1,
                  comm: Comm | None = None) -> None:
         self.man, self.verify, self.progress, self.comm = man, verify, progress, comm
+        self.storage, self.ckpt = storage, ckpt
         self.rank, self.world = rank, world
         self.files = Files(storage, ckpt, man)
         self.bad: list[tuple[str, str]] = []
@@ -102,7 +104,7 @@ class ReadSession:
         self._local = threading.local()  # each read thread's buffer
 
     def run(self, entries: list[Entry]) -> tuple[int, int, list[tuple[str, str]]]:
-        todo = self._order(entries)
+        todo, twins = _twins(self._order(entries))
         self.total = sum(e.layout.numel * e.local.element_size() for e in todo)
         threads = _threads(self.files, self.man, todo, self.world)
         self.piece = PIECE if threads else LONG_PIECE
@@ -123,7 +125,33 @@ class ReadSession:
         finally:
             self.pool.shutdown(wait=True, cancel_futures=True)
             self.files.close()
-        return self.files.bytes_read, self.verified, self.bad
+        extra = self._check_twins(twins) if twins and not self.bad else 0
+        return self.files.bytes_read + extra, self.verified, self.bad
+
+    def _check_twins(self, twins: list[tuple[Entry, Entry]]) -> int:
+        """Targets that are one memory under two keys the checkpoint stores apart (one tensor
+        under two roles, a tied weight the DCP reader was given twice): the first was read
+        into it; each other must hold the same bytes, else the target cannot be filled from
+        this checkpoint (:class:`StateDictError`, never a mix of the two). Stored tensors with
+        the same checksums hold the same bytes; others are read alone, one at a time, into a
+        temporary and compared. Returns the bytes read."""
+        n = 0
+        for first, e in twins:
+            a, b = self.man.tensors[first.key], self.man.tensors[e.key]
+            if (not a.coder.coded and not b.coder.coded and a.dtype == b.dtype and a.checksums
+                    and a.checksums == b.checksums):
+                continue
+            tmp = torch.empty_like(e.local)
+            got, verified, bad = ReadSession(self.man, self.storage, self.ckpt, self.verify, None, self.rank,
+                                             self.world).run([Entry(e.role, e.name, tmp, e.layout)])
+            n += got
+            self.verified += verified
+            self.bad += [x for x in bad if x not in self.bad]
+            if not bad and not torch.equal(tmp, first.local):
+                raise StateDictError(f"targets {first.role}/{first.name} and {e.role}/{e.name} are the same memory, but "
+                                     f"{self.ckpt} stores different values for them: load them into separate tensors "
+                                     "(or tie them only once the checkpoint agrees)")
+        return n
 
     def _order(self, entries: list[Entry]) -> list[Entry]:
         """Ranks start on different files, so concurrent readers stream different files."""
@@ -179,7 +207,7 @@ class ReadSession:
     def _read(self, job: _Job) -> None:
         """Issue the pieces of ``job`` on the pool; finish earlier targets while more than
         READ_AHEAD bytes (or 256 targets) are in flight."""
-        size = self.piece
+        size = max(job.isz, self.piece - self.piece % job.isz)  # whole elements: each read is placed from its start
         windows = Windows(job.runs.starts, job.runs.lengths, job.runs.local)
         futs = [self.pool.submit(self._piece, job, windows, size, *p)
                 for p in plan_pieces(job.st, job.runs, job.isz, self.verify != "none", size)]
@@ -246,6 +274,27 @@ class ReadSession:
         self.done += n
         if self.progress is not None:
             self.progress(self.done, self.total)
+
+
+def _twins(entries: list[Entry]) -> tuple[list[Entry], list[tuple[Entry, Entry]]]:
+    """The entries to read, and ``(first, other)`` for each entry whose target is the very
+    memory of an earlier one (same storage, offset, shape, strides, dtype): read once, checked
+    afterwards (:meth:`ReadSession._check_twins`). Two reads into one memory would race."""
+    seen: dict[tuple, Entry] = {}
+    todo, twins = [], []
+    for e in entries:
+        t = e.local
+        try:
+            k = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        except (RuntimeError, NotImplementedError):
+            k = None
+        if k is None or t.numel() == 0 or k not in seen:
+            if k is not None and t.numel():
+                seen[k] = e
+            todo.append(e)
+        else:
+            twins.append((seen[k], e))
+    return todo, twins
 
 
 def _threads(files: Files, man: Manifest, entries: list[Entry], world: int) -> int:
