@@ -99,7 +99,7 @@ def _targets():
     yield "non-contiguous", torch.zeros(COLS, ROWS).t(), full
 
 
-@pytest.mark.parametrize("piece", [256 << 10, 2 << 20, 4 << 20])
+@pytest.mark.parametrize("piece", [256 << 10, 2 << 20, 4 << 20, 65537])  # (65537: rounded to whole elements)
 @pytest.mark.parametrize("verify", ["auto", "none"])
 def test_every_layout_loads_exactly_with_any_piece_size(ck, monkeypatch, piece, verify):
     monkeypatch.setattr(session, "PIECE", piece)  # 256 KiB: each 1 MiB range streamed through 4 reads
