@@ -134,6 +134,8 @@ def load_remote(comm: Comm, remote: list[Entry], man: Manifest, sees_mine: set[s
     read unhashed). Returns the same figures for the reads this rank did for others, the
     bytes it received, and the first read error (raised by the caller after every step has
     run)."""
+    if not any(comm.all_gather_int(len(remote), "load (pieces read for other nodes: how many)")):
+        return 0, 0, [], 0, None  # every rank reads all it needs itself (the common case): one small all-gather
     mine = [[e.role, e.name, dtype_name(e.local.dtype), e.layout.to_json()] for e in remote]
     record = {"needs": mine, "sees": sorted(sees_mine), "checks": verify != "none"}
     gathered = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(record).encode(), "load (pieces read for other nodes)")]

@@ -219,6 +219,14 @@ class Comm:
         raise DistributedError(f"the ranks reached different collective calls ({said}): every rank of the group must "
                                "make the same unickpt calls (save, load, start_async_writer, ...) in the same order")
 
+    def all_gather_int(self, value: int, what: str) -> list[int]:
+        """Every rank's integer (``|value| < 2**62``), on every rank: one all-gather, the call's
+        tag in the same message (a flag or a count, where :meth:`all_gather_bytes` takes two)."""
+        if not self.active or self.world == 1:
+            return [int(value)]
+        heads, _ = self._gather("all_gather", what, aux=int(value))
+        return [h[1] for h in heads]
+
     def all_gather_bytes(self, data: bytes, what: str) -> list[bytes]:
         """Every rank's byte string, on every rank (two collectives: lengths with the call's
         tag, then padded data; one when every string is empty, as in :meth:`agree` when no

@@ -81,7 +81,7 @@ def find(comm: Comm, storage, p: str, node_local: bool, same: Mapping[str, Any] 
     own = mbytes  # node-local: this node's copy, checked against the shared one below
     own_path = storage.join(ckpt, MANIFEST_NAME) if found else None
     if node_local:
-        flags = [b == b"1" for b in comm.all_gather_bytes(b"1" if found else b"0", "load (finding the checkpoint on any node)")]
+        flags = [bool(f) for f in comm.all_gather_int(int(found), "load (finding the checkpoint on any node)")]
         src = flags.index(True) if any(flags) else 0
         comm.agree(err if comm.rank == src else None, "load (finding the checkpoint on any node)", same=same)
     else:
