@@ -14,13 +14,13 @@ import numpy as np
 import torch
 
 from .._copy import Windows, as_bytes, copy_window
+from ..errors import StateDictError
+from ..format import CHECK_BLOCK, Hasher
 from ..io.files import Files
 from ..io.storage import RandomReader
-from ..format import CHECK_BLOCK, Hasher
 from ..layout import Runs
 from ..manifest import Manifest, TensorEntry
 from ..noderead import SharedJob, bounds, eligible, read_shared, touched
-from ..errors import StateDictError
 from ..state import Entry
 from ..transport import Comm
 from .coded import read_coded
