@@ -21,6 +21,7 @@ and a pass of zeros over every byte replicated).
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from typing import Callable
 
@@ -117,7 +118,7 @@ def replicate(comm: Comm, plan: SavePlan, storage: Storage, tmp: str, name_of: C
                 if err is None and n:
                     try:
                         r = readers.get(name) or readers.setdefault(name, storage.open_reader(storage.join(tmp, name_of(name))))
-                        if hasattr(r, "mapped"):  # sent from the page cache's pages, not a copy of them
+                        if hasattr(r, "mapped") and off % mmap.ALLOCATIONGRANULARITY == 0:  # sent from the page cache's pages, not a copy
                             maps.append(r.mapped(off, n))
                             buf = torch.frombuffer(maps[-1], dtype=torch.uint8)
                         else:
