@@ -22,6 +22,7 @@ import xxhash
 
 from unickpt._copy import Windows, copy_window
 from unickpt.loading import read_manifest
+from unickpt.noderead import bounds, touched
 from unickpt.state import flatten
 
 CHUNK = 4 << 20
@@ -45,16 +46,7 @@ def plan(ckpt: str, state_dict: dict) -> list[tuple]:
         runs = ent.layout.runs()
         if not len(runs):
             continue
-        b = runs.starts * isz
-        e = (runs.starts + runs.lengths) * isz
-        begins = np.array([c[0] for c in st.checksums], dtype=np.int64)
-        ends = np.array([c[1] for c in st.checksums], dtype=np.int64)
-        i0 = np.searchsorted(ends, b, side="right")
-        i1 = np.searchsorted(begins, e, side="left")
-        touched = np.zeros(len(begins) + 1, dtype=np.int64)
-        np.add.at(touched, i0, 1)
-        np.add.at(touched, i1, -1)
-        keep = np.flatnonzero(np.cumsum(touched[:-1]) > 0)
+        keep = np.flatnonzero(touched(bounds(st), runs.starts * isz, (runs.starts + runs.lengths) * isz))
         ranges = [st.checksums[i] for i in keep.tolist()]
         out.append((os.path.join(ckpt, st.file), man.files[st.file].data_start + st.begin, ranges,
                     Windows(runs.starts, runs.lengths, runs.local), ent.local.reshape(-1).view(torch.uint8), isz))
