@@ -345,6 +345,44 @@ def test_sweep_keeps_temporaries_of_live_or_unknown_owners_until_stale(tmp_path)
     assert live.exists()
 
 
+def test_a_temporary_whose_writer_outlives_its_trainer_is_swept_at_once(tmp_path):
+    """An asynchronous writer's owner record names its trainer too: once the trainer is gone
+    the write is dead, whether or not the writer's watchdog has noticed yet (a resumed job's
+    sweep must not race that watchdog)."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    import psutil
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    me = psutil.Process()
+    writer = {"host": socket.gethostname(), "pid": me.pid, "started": me.create_time()}
+    orphan = tmp_path / ".step-00000005.tmp-00000000000000aa"
+    kept = tmp_path / ".step-00000006.tmp-00000000000000bb"
+    odd = tmp_path / ".step-00000007.tmp-00000000000000cc"
+    for d, principal in ((orphan, {"pid": dead.pid, "started": None}),
+                         (kept, {"pid": me.pid, "started": me.create_time()}),
+                         (odd, "not a record")):  # (a "for" that does not parse: the writer decides)
+        d.mkdir()
+        (d / ".owner").write_text(json.dumps({**writer, "for": principal}))
+    assert unickpt.sweep(tmp_path) == [str(orphan)]
+    assert kept.exists() and odd.exists()
+
+
+def test_owner_records_of_a_writer_name_its_trainer(monkeypatch):
+    from unickpt import liveness
+
+    monkeypatch.setattr(liveness, "_PRINCIPAL", None)
+    assert "for" not in liveness.me()
+    liveness.act_for(os.getppid(), liveness.start_time(os.getppid()))
+    rec = liveness.me()
+    assert rec["for"]["pid"] == os.getppid() and rec["pid"] == os.getpid()
+    assert liveness.record_alive(rec, 0.0, 0.0, grace=1, stale=1)
+
+
 def test_hostile_compressed_manifests_are_refused(tmp_path):
     """Codec arguments, parts, residual exceptions and zstd frames are validated before a byte
     of tensor data is read; a frame that does not decompress is a FormatError."""

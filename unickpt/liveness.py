@@ -15,7 +15,7 @@ import os
 import socket
 import time
 
-__all__ = ["start_time", "start_ticks", "me", "runs", "record_alive", "group_record", "group_alive"]
+__all__ = ["start_time", "start_ticks", "me", "act_for", "runs", "record_alive", "group_record", "group_alive"]
 
 SAME_START_S = 1.0
 """Start times that differ by less than this name the same process (clock granularity)."""
@@ -52,10 +52,27 @@ def start_ticks(pid: int) -> int | None:
         return None
 
 
+_PRINCIPAL: dict | None = None
+"""The process this one works for (:func:`act_for`), named in its owner records."""
+
+
+def act_for(pid: int, started: float | None) -> None:
+    """This process works for process ``pid`` of this host (started at ``started``): an
+    asynchronous writer for its trainer. Owner records this process makes from now on name
+    both, and count as gone once either is: a writer outlives its trainer only until its
+    watchdog notices, and a sweep must not wait on that."""
+    global _PRINCIPAL
+    _PRINCIPAL = {"pid": int(pid), "started": started}
+
+
 def me() -> dict:
-    """This process's owner record: host, pid, start time and when the record was made."""
+    """This process's owner record: host, pid, start time, when the record was made and,
+    where set, the process it works for (``"for"``, :func:`act_for`)."""
     pid = os.getpid()
-    return {"host": socket.gethostname(), "pid": pid, "started": start_time(pid), "time": time.time()}
+    rec = {"host": socket.gethostname(), "pid": pid, "started": start_time(pid), "time": time.time()}
+    if _PRINCIPAL is not None:
+        rec["for"] = dict(_PRINCIPAL)
+    return rec
 
 
 def runs(pid: int, started: float | None) -> bool:
@@ -64,7 +81,7 @@ def runs(pid: int, started: float | None) -> bool:
     now = start_time(pid)
     if now is None:
         return False
-    if started is None or now != now:  # no start time recorded, or it cannot be read: the pid decides
+    if started is None or started != started or now != now:  # a start time not known then or now: the pid decides
         return True
     return abs(now - started) < SAME_START_S
 
@@ -81,6 +98,19 @@ def record_alive(rec, mtime: float, now: float, *, grace: float, stale: float) -
         return now - mtime < grace
     if host != socket.gethostname():
         return now - mtime < stale
+    return runs(pid, started) and _principal_runs(rec.get("for"))
+
+
+def _principal_runs(rec) -> bool:
+    """The process an owner works for (``"for"`` of :func:`me`) still runs; True when the
+    record names none (or one that does not parse: the owner's own liveness decides)."""
+    if not isinstance(rec, dict):
+        return True
+    try:
+        pid, started = int(rec["pid"]), rec.get("started")
+        started = None if started is None else float(started)
+    except Exception:
+        return True
     return runs(pid, started)
 
 

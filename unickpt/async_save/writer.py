@@ -83,6 +83,7 @@ def main(conn, rank: int, world: int, addr: str, port: int, timeout_s: float, pa
     torch.set_num_threads(1)
     yield_to_training()  # before any thread starts: they inherit it
     parent = _Parent(parent_pid)
+    liveness.act_for(parent.pid, parent.started)  # our transactions' owner records name the trainer too
     segments: dict[str, StagingSegment] = {}
     threading.Thread(target=_watch_parent, args=(parent, segments), daemon=True).start()
     _handle_signals(segments)
@@ -283,7 +284,11 @@ def _free_parent_segments(segments: dict) -> None:
 def _watch_parent(parent: _Parent, segments: dict) -> None:
     while True:
         time.sleep(0.2)
-        if parent.gone():
+        try:
+            gone = parent.gone()
+        except Exception:  # (/proc unreadable for a moment: look again, never stop watching)
+            continue
+        if gone:
             _free_parent_segments(segments)
             os._exit(3)
 
