@@ -27,6 +27,51 @@ def test_bad_target_on_one_rank_raises_everywhere_without_filling(tmp_path):
     assert out[0][2] == 0 and out[1][2] == 0
 
 
+def _refused_on_one_rank(rank, world, root, case):
+    """A load that one rank's target refuses (a missing value; unexpected tensors under
+    ``unexpected="error"`` on that rank alone): the refusal travels in the validation's one
+    all-reduce, and every rank raises before any byte is read."""
+    import json
+
+    sd = {"model": {"w": unickpt.shard(torch.ones(2, 4), (4, 4), offsets=(2 * rank, 0)), "v": torch.ones(3)}}
+    if case == "node manifest":
+        os.environ["UNICKPT_NODE_ID"] = f"n{rank}"
+        root = os.path.join(root, "{node}")
+    unickpt.save(sd, root, step=3)
+    t = {"model": {"w": torch.zeros(4, 4)}}
+    kw = {}
+    if case == "missing" and rank == 1:
+        t["model"]["x"] = torch.zeros(2)
+    if case == "unexpected":
+        kw = {"unexpected": "error" if rank == 0 else "ignore"}
+    if case == "node manifest":
+        t["model"]["v"] = torch.zeros(3)
+        if rank == 1:  # this node's copy says another step: not the manifest rank 0 shares
+            mine = os.path.join(root.replace("{node}", "n1"), "unickpt.json")
+            with open(mine) as f:
+                m = json.load(f)
+            m["extra"] = {"tampered": True}
+            with open(mine, "w") as f:
+                json.dump(m, f)
+    try:
+        unickpt.load(t, root, **kw)
+    except UnickptError as e:
+        return type(e).__name__, str(e), float(t["model"]["w"].abs().sum())
+    return None
+
+
+def test_a_target_refused_on_one_rank_raises_everywhere_before_reading(tmp_path):
+    for case, refuses, cls, said in (("missing", 1, "TensorMissingError", "'x'"),
+                                     ("unexpected", 0, "UnexpectedTensorError", "model/v"),
+                                     ("node manifest", 1, "FormatError", "manifest differs")):
+        out = dist.run(_refused_on_one_rank, 2, str(tmp_path / case.replace(" ", "-")), case)
+        assert out[refuses][0] == cls and said in out[refuses][1], (case, out)
+        other = out[1 - refuses]
+        assert other[0] == DistributedError.__name__ and f"failed on rank {refuses}" in other[1], (case, out)
+        assert said in other[1], (case, out)
+        assert out[0][2] == 0 and out[1][2] == 0, (case, out)  # nothing was written into a target
+
+
 def _overlapping(rank, world, root):
     w = unickpt.shard(torch.ones(3, 4), (4, 4), offsets=(rank, 0))  # rows 0-2 and 1-3 overlap
     try:
@@ -226,7 +271,7 @@ def test_ranks_in_different_calls_fail_at_once_and_the_group_still_works(tmp_pat
     for said, said2, names in out:
         assert said is not None and "different collective calls" in said, said
         assert "rank(s) [0] in 'save (checking the options) [all_gather]'" in said, said
-        assert "rank(s) [1] in 'load (finding the checkpoint) [all_gather]'" in said, said
+        assert "rank(s) [1] in 'load (the manifest) [broadcast]'" in said, said
         said3 = said2.pop()
         for name, s3 in said3.items():
             assert s3 is not None and "called with different arguments" in s3, (name, s3)

@@ -27,6 +27,13 @@ unickpt's DCP reader or writer): a unickpt call on one rank against a DCP call o
 is a mismatch of torch collectives, which gloo may answer by aborting a process. An
 agreement can also compare arguments that every rank must give alike (``same``: a save's
 path and options, a load's path), in the same collective.
+
+A step whose failure need not stop the ranks before their next collective (nothing is written
+in between, and the next call's arguments do not depend on it) may *defer* its agreement
+(:meth:`Comm.deferred`): the failure rides in the header of the rank's next call, and every
+rank, seeing it there, raises before that call does anything else. A load's happy path so
+spends one collective where it spent three, and a failure still reaches every rank in the
+same bounded time.
 """
 
 from __future__ import annotations
@@ -105,6 +112,10 @@ def _tag(op: str, what: str) -> int:
     return _fingerprint(f"{op}\0{what}")
 
 
+def _same_json(same: Mapping[str, Any] | None) -> str:
+    return json.dumps(same, sort_keys=True, default=str) if same is not None else ""
+
+
 def _ranks_by(values: list[str]) -> dict[str, list[int]]:
     """The ranks that gave each value (``values`` by rank), in order of first appearance."""
     out: dict[str, list[int]] = {}
@@ -127,6 +138,7 @@ class Comm:
     def __init__(self, group=None, timeout_s: float | None = None) -> None:
         self.timeout_s = resolve_timeout(timeout_s)
         self._after = ""  # the last agreement passed, named in errors
+        self._pending: tuple[BaseException, str] | None = None  # a deferred failure (see deferred())
         # group="local": this process alone, even when torch.distributed is initialised
         self.active = group != "local" and dist.is_available() and dist.is_initialized()
         if group == "local":
@@ -182,22 +194,27 @@ class Comm:
         except RuntimeError as e:  # gloo/c10d errors: DistBackendError, DistNetworkError, timeouts
             raise self._failed(op, what, e) from e
 
-    def _gather(self, op: str, what: str, data: bytes = b"", aux: int = 0,
-                tagged: bool = True) -> tuple[list[list[int]], list[bytes] | None]:
-        """The first collective of every call: an all-gather of ``[len(data), aux, tag]``
-        per rank (the same shape for every call, so ranks in different calls meet here and
-        compare tags; see :func:`_tag`), then, unless every rank's ``data`` is empty, an
-        all-gather of ``data`` padded to the longest. Returns every rank's header and data
-        (None when all were empty). Tags that differ raise DistributedError on every rank
-        (``tagged=False``: no tag, no check)."""
+    def _gather(self, op: str, what: str, data: bytes = b"", aux: int = 0, tagged: bool = True,
+                same: str = "") -> tuple[list[list[int]], list[bytes] | None]:
+        """The first collective of every call: an all-gather of ``[len(data), aux, tag,
+        failed, same]`` per rank (the same shape for every call, so ranks in different calls
+        meet here and compare tags; see :func:`_tag`), then, unless every rank's ``data`` is
+        empty, an all-gather of ``data`` padded to the longest. Returns every rank's header
+        and data (None when all were empty). A deferred failure of any rank (``failed``,
+        see :meth:`deferred`) raises on every rank first; then tags that differ
+        (``tagged=False``: no tag, no check). ``same`` (arguments as JSON) travels
+        fingerprinted: the caller compares (:meth:`_check_same`) when its call allows."""
         g = self.p2p_group
         opts = _c10d.AllgatherOptions()
         opts.timeout = self._timeout()
-        head = torch.tensor([len(data), aux, _tag(op, what) if tagged else 0], dtype=torch.int64)
-        heads_t = [torch.zeros(3, dtype=torch.int64) for _ in range(self.world)]
+        head = torch.tensor([len(data), aux, _tag(op, what) if tagged else 0, int(self._pending is not None),
+                             _fingerprint(same)], dtype=torch.int64)
+        heads_t = [torch.zeros(5, dtype=torch.int64) for _ in range(self.world)]
         self._run("all_gather", what, lambda: g.allgather([heads_t], [head], opts))
         heads = [h.tolist() for h in heads_t]
-        if tagged and len({h[2] for h in heads}) > 1:  # every rank sees the same headers
+        if any(h[3] for h in heads):  # every rank sees the same headers
+            self._settle()
+        if tagged and len({h[2] for h in heads}) > 1:
             self._mismatch(op, what)
         m = max(h[0] for h in heads)
         if m == 0:
@@ -209,6 +226,63 @@ class Comm:
         self._run("all_gather", what, lambda: g.allgather([outs], [buf], opts))
         return heads, [bytes(o[: h[0]].numpy().tobytes()) for o, h in zip(outs, heads)]
 
+    def _check_same(self, heads: list[list[int]], what: str, same: str) -> None:
+        if len({h[4] for h in heads}) > 1:  # (every rank sees it)
+            self._differ(what, same)
+
+    def deferred(self, what: str, fn: Callable[[], _T]) -> _T | None:
+        """Run step ``what`` (``fn``) on this rank and leave its failure to this rank's next
+        collective call, which every rank makes next and which raises on every rank before
+        doing anything else (the failing rank its own exception, the others
+        :class:`DistributedError` quoting it). Returns ``fn()``'s result, or None when it
+        failed or when an earlier deferred step failed here (``fn`` is then not run: it
+        would build on what failed). The caller's code up to that next call must run on
+        every rank whatever ``fn`` returned, and write nothing. A single process raises at
+        once."""
+        if self._pending is not None:
+            return None
+        try:
+            return fn()
+        except Exception as e:
+            self.defer(e, what)
+            return None
+
+    def defer(self, error: BaseException | None, what: str) -> None:
+        """Leave ``error`` (of step ``what``; None: nothing failed) to this rank's next
+        collective call, as :meth:`deferred` does; the first deferred failure is the one
+        said. A single process raises it at once."""
+        if error is None:
+            return
+        if not self.active or self.world == 1:
+            raise error
+        if self._pending is None:
+            self._pending = (as_typed(error), what)
+
+    def flush(self, what: str) -> None:
+        """Collective: raise on every rank any deferred failure (one all-gather of headers)."""
+        if self.active and self.world > 1:
+            self._gather("all_gather", what)
+        elif self._pending is not None:  # (not reached: a single process raises at once)
+            raise self._pending[0]
+
+    def _settle(self) -> None:
+        """Collective, when every rank has seen that some rank carries a deferred failure:
+        say it (one untagged all-gather every rank makes) and raise on every rank."""
+        pending, self._pending = self._pending, None
+        msg = b""
+        if pending is not None:
+            err, what = pending
+            msg = f"{what}\0{type(err).__name__}: {err}".encode()[:4000]
+        _, said = self._gather("all_gather", "a deferred failure", msg, tagged=False)
+        if pending is not None:
+            self._after = pending[1]
+            raise pending[0]
+        for r, m in enumerate(said or ()):
+            if m:
+                what, _, text = m.decode(errors="replace").partition("\0")
+                raise DistributedError(f"{what} failed on rank {r}: {text}")
+        raise DistributedError("a rank flagged a deferred failure but said none")  # (not reached)
+
     def _mismatch(self, op: str, what: str) -> None:
         """Collective, when every rank has seen that the ranks' tags differ: each says which
         call it is in (one more all-gather, untagged: every rank saw the same tags, so every
@@ -219,12 +293,15 @@ class Comm:
         raise DistributedError(f"the ranks reached different collective calls ({said}): every rank of the group must "
                                "make the same unickpt calls (save, load, start_async_writer, ...) in the same order")
 
-    def all_gather_int(self, value: int, what: str) -> list[int]:
+    def all_gather_int(self, value: int, what: str, same: Mapping[str, Any] | None = None) -> list[int]:
         """Every rank's integer (``|value| < 2**62``), on every rank: one all-gather, the call's
-        tag in the same message (a flag or a count, where :meth:`all_gather_bytes` takes two)."""
+        tag in the same message (a flag or a count, where :meth:`all_gather_bytes` takes two).
+        ``same``: arguments every rank must have given alike (as in :meth:`agree`)."""
         if not self.active or self.world == 1:
             return [int(value)]
-        heads, _ = self._gather("all_gather", what, aux=int(value))
+        args = _same_json(same)
+        heads, _ = self._gather("all_gather", what, aux=int(value), same=args)
+        self._check_same(heads, what, args)
         return [h[1] for h in heads]
 
     def all_gather_bytes(self, data: bytes, what: str) -> list[bytes]:
@@ -237,14 +314,18 @@ class Comm:
         _, out = self._gather("all_gather", what, data)
         return out if out is not None else [b""] * self.world
 
-    def broadcast_bytes(self, data: bytes | None, src: int = 0, *, what: str) -> bytes:
+    def broadcast_bytes(self, data: bytes | None, src: int = 0, *, what: str,
+                        same: Mapping[str, Any] | None = None) -> bytes:
         """Rank ``src``'s byte string on every rank (its length and every rank's tag in one
-        all-gather, then the bytes). Ranks in different calls raise DistributedError."""
+        all-gather, then the bytes). Ranks in different calls raise DistributedError.
+        ``same``: arguments every rank must have given alike (as in :meth:`agree`)."""
         if not self.active or self.world == 1:
             assert data is not None
             return bytes(data)
         g = self.p2p_group
-        heads, _ = self._gather("broadcast", what, aux=len(data) if self.rank == src else 0)
+        args = _same_json(same)
+        heads, _ = self._gather("broadcast", what, aux=len(data or b"") if self.rank == src else 0, same=args)
+        self._check_same(heads, what, args)
         opts = _c10d.BroadcastOptions()
         opts.rootRank, opts.rootTensor, opts.timeout = src, 0, self._timeout()
         n = heads[src][1]
@@ -304,9 +385,9 @@ class Comm:
         msg = b""
         if error is not None:
             msg = f"{type(error).__name__}: {error}".encode()[:4000] or b"error"
-        args = json.dumps(same, sort_keys=True, default=str) if same is not None else ""
+        args = _same_json(same)
         try:
-            heads, msgs = self._gather("all_gather", what, msg, aux=_fingerprint(args))
+            heads, msgs = self._gather("all_gather", what, msg, same=args)
         except DistributedError:
             if error is not None:  # our own failure is the one to report (the peers may be gone)
                 raise error
@@ -317,8 +398,7 @@ class Comm:
         for r, m in enumerate(msgs or ()):
             if m:
                 raise DistributedError(f"{what} failed on rank {r}: {m.decode(errors='replace')}")
-        if len({h[1] for h in heads}) > 1:  # (every rank sees it)
-            self._differ(what, args)
+        self._check_same(heads, what, args)
 
     def _differ(self, what: str, args: str) -> None:
         """Collective, when every rank has seen that the ranks' arguments differ: gather them
@@ -342,10 +422,9 @@ class Comm:
         return [b.decode(errors="replace") for b in said or [b""] * self.world]
 
     def barrier(self, what: str) -> None:
+        """Every rank reached this call (one tagged all-gather of headers)."""
         if self.active and self.world > 1:
-            opts = _c10d.BarrierOptions()
-            opts.timeout = self._timeout()
-            self._run("barrier", what, lambda: self.p2p_group.barrier(opts))
+            self._gather("barrier", what)
 
     # -- point to point --------------------------------------------------------------------
 
@@ -357,6 +436,9 @@ class Comm:
         Peers are group ranks. Messages between one pair of ranks match in the order they are
         listed, so both sides must list them in the same deterministic order.
         """
+        if self._pending is not None:  # (a caller's bug: a deferred failure must meet a collective first)
+            raise DistributedError(f"{self._pending[1]} failed here and was never agreed on: "
+                                   f"{self._pending[0]}") from self._pending[0]
         if not sends and not recvs:
             return
         if not self.active:

@@ -61,13 +61,17 @@ def changed(storage: Storage, ckpt: str, man: Manifest) -> CheckpointChangedErro
     return CheckpointChangedError(f"{ckpt}: the checkpoint was replaced or removed while it was being read; load it again")
 
 
-def find(comm: Comm, storage, p: str, node_local: bool, same: Mapping[str, Any] | None = None
-          ) -> tuple[str, str, Manifest]:
+def find(comm: Comm, storage, p: str, node_local: bool, same: Mapping[str, Any] | None = None,
+         defer: bool = False) -> tuple[str, str, Manifest | None]:
     """Resolve the checkpoint and share its manifest: ``(checkpoint path, its name under
     p or "", manifest)``. Shared storage: rank 0 resolves. Node storage: every rank resolves
     in its node's directory; the lowest rank that found it sends the manifest, and every
     rank uses the same checkpoint name under its own root. ``same``: the load's arguments
-    that every rank must give alike (compared in the first agreement)."""
+    that every rank must give alike (compared in the first collective). ``defer``: a failure
+    to parse or match this node's copy of the manifest is left to the caller's next
+    collective (:meth:`Comm.deferred`; the manifest is then None on this rank); else every
+    rank agrees on it here. Two collectives on shared storage (one broadcast), three on
+    node storage, when nothing fails."""
     err: BaseException | None = None
     found, rel, mbytes = False, "", b""
     if comm.rank == 0 or node_local:
@@ -81,21 +85,22 @@ def find(comm: Comm, storage, p: str, node_local: bool, same: Mapping[str, Any] 
     own = mbytes  # node-local: this node's copy, checked against the shared one below
     own_path = storage.join(ckpt, MANIFEST_NAME) if found else None
     if node_local:
-        flags = [bool(f) for f in comm.all_gather_int(int(found), "load (finding the checkpoint on any node)")]
+        flags = [bool(f) for f in comm.all_gather_int(int(found), "load (finding the checkpoint on any node)",
+                                                     same=same)]
         src = flags.index(True) if any(flags) else 0
-        comm.agree(err if comm.rank == src else None, "load (finding the checkpoint on any node)", same=same)
+        same = None  # (compared)
     else:
         src = 0
-        comm.agree(err, "load (finding the checkpoint)", same=same)
+    if comm.rank == src:  # no rank found it: rank 0's reason, raised on every rank in the broadcast
+        comm.defer(err, "load (finding the checkpoint)" + (" on any node" if node_local else ""))
     blob = comm.broadcast_bytes(rel.encode() + b"\0" + mbytes if comm.rank == src else None, src=src,
-                             what="load (the manifest)")
+                                what="load (the manifest)", same=same)
     rel_b, _, mbytes = blob.partition(b"\0")
     rel = rel_b.decode()
     ckpt = storage.join(p, rel) if rel else p
-    err = None
-    man = None
     where = storage.join(ckpt, MANIFEST_NAME) + ("" if comm.rank == src else f" (the copy read by rank {src})")
-    try:
+
+    def parse() -> Manifest:
         man = _catalog.parse_checked(ckpt, mbytes, where)
         if node_local and comm.rank != src:  # every node's copy of this checkpoint must be the same manifest
             try:
@@ -105,8 +110,10 @@ def find(comm: Comm, storage, p: str, node_local: bool, same: Mapping[str, Any] 
             if here is not None and here != mbytes:
                 raise FormatError(f"{storage.join(ckpt, MANIFEST_NAME)}: this node's manifest differs from the one "
                                   f"rank {src} read (damaged, or from another save)")
-    except (UnickptError, OSError) as e:
-        err = e
-    comm.agree(err, "load (reading the manifest)")
+        return man
+
+    man = comm.deferred("load (reading the manifest)", parse)
+    if not defer:
+        comm.flush("load (reading the manifest)")
     return ckpt, rel, man
 

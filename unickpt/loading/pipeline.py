@@ -15,7 +15,7 @@ from ..transport import Comm
 from .locate import changed, find, note_older_steps
 from .options import LoadOptions, LoadResult, _LOAD_LEGACY
 from .session import read_all
-from .target import Target, match_target, mismatch, unexpected_keys
+from .target import Target, agree_on_target, match_target
 from .verify import verify_share
 
 
@@ -134,11 +134,11 @@ def _load(state_dict, path, *, group, verify, missing, unexpected, cast, progres
     node_local = per_node(path)
     with ph.phase("manifest"):
         same = {"path": compared_path(path), "bucket_bytes": bucket_bytes}  # (verify and strict are per rank)
-        ckpt, _, man = find(comm, storage, p, node_local, same=same)
-    with ph.phase("validate"):
-        t = comm.step("load (checking the target state dict)", lambda: match_target(state_dict, man, ckpt, comm, cast))
-        t.unexpected = unexpected_keys(comm, man, t.covered, t.roles)
-        comm.step("load (matching the target to the checkpoint)", lambda: _refuse_mismatch(ckpt, man, t, missing, unexpected))
+        ckpt, _, man = find(comm, storage, p, node_local, same=same, defer=True)
+    with ph.phase("validate"):  # (failures of both stages agreed on in agree_on_target's first collective)
+        t = comm.deferred("load (checking the target state dict)", lambda: match_target(state_dict, man, ckpt, comm, cast))
+        agree_on_target(comm, ckpt, man, t, missing, unexpected)
+    assert t is not None and man is not None
     reads = _Reads(storage, ckpt, man, comm, verify, ph)
     reads.run(t.entries, node_local, progress, bucket_bytes, avoid_local)
     reads.agree()
@@ -157,12 +157,6 @@ def _load(state_dict, path, *, group, verify, missing, unexpected, cast, progres
              comm.rank, res.tensors, ckpt, human_bytes(res.bytes_read), res.seconds, res.gbps, res.verified,
              f", received {human_bytes(res.received)} from peers" if res.received else "")
     return res
-
-
-def _refuse_mismatch(ckpt: str, man: Manifest, t: Target, on_missing: str, on_unexpected: str) -> None:
-    if (t.missing and on_missing == "error") or (t.unexpected and on_unexpected == "error"):
-        raise mismatch(ckpt, man, t.missing if on_missing == "error" else [],
-                       t.unexpected if on_unexpected == "error" else [], t.objects)
 
 
 class _Reads:

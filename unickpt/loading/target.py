@@ -152,16 +152,33 @@ def _check_overlaps(entries: list[Entry]) -> None:
                                      "under two names, not overlapping views)")
 
 
-def unexpected_keys(comm: Comm, man: Manifest, covered: set[tuple[str, str]], roles: set[str]) -> list[str]:
-    """``role/name`` of stored tensors (and aliases) under a role some rank's target names
-    that no rank's target covers. Ranks hold different parts of a model (ZeRO-3, pipeline
-    stages): one all-reduce of a value per stored name, the same list on every rank."""
+def agree_on_target(comm: Comm, ckpt: str, man: Manifest | None, t: Target | None, on_missing: str,
+                    on_unexpected: str) -> None:
+    """Collective, the validate stage's agreement: sets ``t.unexpected`` (``role/name`` of
+    stored tensors, and aliases, under a role some rank's target names that no rank's target
+    covers: ranks hold different parts of a model, ZeRO-3 or pipeline stages) and raises on
+    every rank when any rank's target is refused. One all-reduce of a value per stored name
+    and two flags (this rank misses targets and refuses that; it refuses unexpected
+    tensors), whose header also settles what failed before on any rank (the manifest, the
+    target: deferred, ``t`` None there); only when some rank refuses, one agreement more,
+    so every rank raises with the refusing rank's reason."""
+    if t is None or man is None:  # a deferred failure here: the header below raises it everywhere
+        comm.min_max(torch.zeros(0, dtype=torch.int64), "load (matching the targets to the checkpoint)")
+        raise AssertionError("a deferred failure was not raised")  # (not reached)
     keys = sorted((*man.tensors, *man.aliases))
-    if not keys:
-        return []
-    val = torch.tensor([2 if k in covered else 1 if k[0] in roles else 0 for k in keys], dtype=torch.int64)
+    val = torch.tensor([2 if k in t.covered else 1 if k[0] in t.roles else 0 for k in keys]
+                       + [int(bool(t.missing) and on_missing == "error"), int(on_unexpected == "error")],
+                       dtype=torch.int64)
     _, top = comm.min_max(val, "load (matching the targets to the checkpoint)")
-    return [f"{r}/{n}" for (r, n), v in zip(keys, top.tolist()) if v == 1]
+    top = top.tolist()
+    t.unexpected = [f"{r}/{n}" for (r, n), v in zip(keys, top) if v == 1]
+    if top[-2] or (t.unexpected and top[-1]):  # some rank refuses (every rank sees the same flags)
+        def refuse() -> None:
+            if (t.missing and on_missing == "error") or (t.unexpected and on_unexpected == "error"):
+                raise mismatch(ckpt, man, t.missing if on_missing == "error" else [],
+                               t.unexpected if on_unexpected == "error" else [], t.objects)
+
+        comm.step("load (matching the target to the checkpoint)", refuse)
 
 
 def mismatch(ckpt: str, man: Manifest, missing: list[str], unexpected: list[str],
