@@ -523,6 +523,27 @@ def test_reshard_drops_several_roles(tmp_path):
     assert cli("verify", str(tmp_path / "dst"), "-q").returncode == 0
 
 
+def test_reshard_lossless_is_bit_exact_smaller_and_verifies(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 256, generator=g) * 0.02
+    sd = {"model": {"w": w.bfloat16()}, "master": {"w": w}, "optimizer": {"exp_avg": {"w": w * 1e-3}}}
+    unickpt.save(sd, tmp_path / "src", step=3)
+    r = cli("reshard", str(tmp_path / "src"), str(tmp_path / "dst"), "--lossless", "--json", "-q")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    out = _json(r)
+    assert out["stored_bytes"] < out["bytes"] / 1.15
+    assert cli("verify", str(tmp_path / "dst"), "-q").returncode == 0
+    assert "lossless (byte-grouped)" in cli("inspect", str(tmp_path / "dst")).stdout
+    t = {"model": {"w": torch.zeros(256, 256, dtype=torch.bfloat16)}, "master": {"w": torch.zeros(256, 256)},
+         "optimizer": {"exp_avg": {"w": torch.zeros(256, 256)}}}
+    unickpt.load(t, tmp_path / "dst")
+    assert torch.equal(t["model"]["w"].view(torch.int16), sd["model"]["w"].view(torch.int16))
+    assert torch.equal(t["master"]["w"].view(torch.int32), w.view(torch.int32))
+    assert torch.equal(t["optimizer"]["exp_avg"]["w"].view(torch.int32), sd["optimizer"]["exp_avg"]["w"].view(torch.int32))
+    line = _one_line(cli("reshard", str(tmp_path / "src"), str(tmp_path / "dst2"), "--lossless", "--zstd", "3"))
+    assert "replaces zstd" in line and not (tmp_path / "dst2").exists()
+
+
 def test_reshard_refuses_an_unknown_role_naming_the_roles_it_has(tmp_path):
     src = _roles_ckpt(tmp_path)
     line = _one_line(cli("reshard", str(src), str(tmp_path / "dst"), "--drop-role", "optimiser"))

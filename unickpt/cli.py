@@ -233,7 +233,8 @@ def _inspect(args):
     if man.compression:
         c = man.compression
         lines.append(f"compression  quant {c.get('quant') or 'O0'}, master {c.get('master', 'full')}, "
-                     f"zstd {c.get('zstd') or 'off'}; " + ", ".join(f"{k} x{n}" for k, n in info["codecs"].items()))
+                     f"zstd {c.get('zstd') or 'off'}{', lossless (byte-grouped)' if c.get('lossless') else ''}; "
+                     + ", ".join(f"{k} x{n}" for k, n in info["codecs"].items()))
     for role, n in man.bytes_by_role().items():
         q = info["quantization"].get(role)
         err = "" if q is None else (f"; {q['tensors']} quantized: lossy generations {q['generations']}"
@@ -477,6 +478,7 @@ def _reshard(args):
     res = _with_progress("reshard", args, lambda progress: reshard_offline(
         args.src, args.dst, drop_roles=drop, master=args.master, quant=args.quant,
         max_file_bytes=max_file, zstd=args.zstd, overwrite=args.overwrite, progress=progress,
+        lossless=args.lossless,
     ))
     res = dict(res, dropped_roles=sorted(set(drop)))
     return OK, res, (f"wrote {res['tensors']} tensors ({human_bytes(res['bytes'])}, {human_bytes(res['stored_bytes'])} "
@@ -575,6 +577,8 @@ def _parser() -> _Parser:
     pr.add_argument("--drop-optimizer", action="store_true", help="deprecated: --drop-role optimizer")
     pr.add_argument("--max-file-size", metavar="SIZE", help="split files beyond this size (e.g. 2GiB)")
     pr.add_argument("--zstd", type=int, metavar="LEVEL", help="zstd-frame optimizer and master files (model files stay plain)")
+    pr.add_argument("--lossless", action="store_true",
+                    help="byte-grouped entropy coding of every file, model included (bit-exact; not with --zstd)")
     pr.add_argument("--overwrite", action="store_true", help="replace DST (kept intact until the new one is in place)")
     pr.set_defaults(fn=_reshard)
     pc = sub.add_parser("convert", parents=[common], help="import a torch.distributed.checkpoint directory, streaming")

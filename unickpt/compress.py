@@ -53,6 +53,12 @@ class Compression:
             weight) or ``"drop"`` (rebuilt from the model weight on load: lossy unless the
             model weight is fp32).
         zstd: zstd level (1-22) for optimizer and master files, or ``None``.
+        lossless: byte-grouped entropy coding of every file, model files included (each
+            tensor's bytes cut into planes, the exponent planes entropy-coded; bit-exact,
+            ~1.49x on bf16 weights, ~1.2x on fp32 masters and moments; docs/compression.md).
+            Stacks with ``quant`` and ``master``; replaces ``zstd`` (pass one of the two).
+            Model files are then framed, not plain safetensors: ``unickpt export`` writes
+            plain ones.
         eps: the optimizer's epsilon; ``sqrt(v) + eps`` (Adam's denominator) is what O1/O2
             quantize of the second moment.
         block: O2 group size (even, >= 2).
@@ -71,6 +77,7 @@ class Compression:
     quant: str | None = None
     master: str = "full"
     zstd: int | None = None
+    lossless: bool = False
     eps: float = 1e-8
     block: int = _k.BLOCK
     rounding: str = "stochastic"
@@ -86,6 +93,11 @@ class Compression:
             raise InvalidArgumentError(f"master must be 'full', 'residual' or 'drop', got {self.master!r}")
         if self.zstd is not None and (type(self.zstd) is not int or not 1 <= self.zstd <= 22):
             raise InvalidArgumentError(f"zstd must be None or a level 1..22, got {self.zstd!r}")
+        if type(self.lossless) is not bool:
+            raise InvalidArgumentError(f"lossless must be True or False, got {self.lossless!r}")
+        if self.lossless and self.zstd is not None:
+            raise InvalidArgumentError("lossless=True replaces zstd (it entropy-codes every file's byte planes): "
+                                       "pass one of the two")
         if not (isinstance(self.eps, (int, float)) and math.isfinite(self.eps) and self.eps > 0):
             raise InvalidArgumentError(f"eps must be a finite number > 0, got {self.eps!r}")
         if type(self.block) is not int or not 2 <= self.block <= MAX_BLOCK or self.block % 2:
@@ -116,7 +128,7 @@ class Compression:
 
     @property
     def active(self) -> bool:
-        return self.quant is not None or self.master != "full" or self.zstd is not None
+        return self.quant is not None or self.master != "full" or self.zstd is not None or self.lossless
 
     def to_json(self) -> dict:
         return asdict(self)

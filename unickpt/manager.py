@@ -99,6 +99,7 @@ class UnifiedCheckpoint:
         quant: str | None = None,
         master: str = "full",
         zstd: int | None = None,
+        lossless: bool = False,
         max_generations: int | None = None,
         eps: float | None = None,
         memory_dir: str | os.PathLike | None = None,
@@ -123,7 +124,7 @@ class UnifiedCheckpoint:
             overlap: with ``async_save``, copy into staging while the next step's forward and
                 backward run: call :meth:`wait_for_staging` before the optimizer changes the
                 state.
-            quant, master, zstd: compression (docs/compression.md).
+            quant, master, zstd, lossless: compression (docs/compression.md).
             eps: Adam's ``eps``, which the O1/O2 codecs use (None: ``param_groups[0]["eps"]``
                 of the first optimizer among the state's values, else 1e-8).
             max_generations: the error budget of ``quant``: once the state has been through
@@ -147,7 +148,8 @@ class UnifiedCheckpoint:
             if type(v) is not bool:
                 raise errors.InvalidArgumentError(f"{name} must be True or False, got {v!r}")
         self.async_save, self.overlap, self.memory_skip_busy = async_save, overlap, memory_skip_busy
-        self.compression = Compression(quant=quant, master=master, zstd=zstd, max_generations=max_generations)
+        self.compression = Compression(quant=quant, master=master, zstd=zstd, lossless=lossless,
+                                       max_generations=max_generations)
         if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0):
             raise errors.InvalidArgumentError(f"eps must be a number > 0 or None, got {eps!r}")
         self.eps = None if eps is None else float(eps)

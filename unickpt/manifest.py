@@ -637,7 +637,8 @@ _COMPRESSION = {"quant": lambda v: v in (None, "O0", "O1", "O2"), "master": lamb
                 "rounding": lambda v: v in ("stochastic", "nearest"),
                 "max_generations": lambda v: v is None or (type(v) is int and v >= 0),
                 "over_budget": lambda v: v in ("lossless", "refuse"),
-                "lossy_generations": lambda v: type(v) is int and 0 <= v < 1 << 31}
+                "lossy_generations": lambda v: type(v) is int and 0 <= v < 1 << 31,
+                "lossless": lambda v: type(v) is bool}
 
 
 def _typed_fields(obj: dict, checks: dict, where: str) -> None:

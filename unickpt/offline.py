@@ -45,9 +45,11 @@ Progress = Callable[[int, int], None] | None
 class _Writer:
     """A new checkpoint written tensor by tensor, committed at the end. Tensors may carry a
     codec tag (:mod:`unickpt.codecs`): quantized moments are encoded whole, residual
-    masters are split against their model weight; ``zstd`` frames every non-model file."""
+    masters are split against their model weight; ``zstd`` frames every non-model file,
+    ``lossless`` byte-groups every file (:mod:`unickpt.container`)."""
 
-    def __init__(self, dst, overwrite: bool, zstd: int | None = None, step: int | None = None) -> None:
+    def __init__(self, dst, overwrite: bool, zstd: int | None = None, step: int | None = None,
+                 lossless: bool = False) -> None:
         self.storage, self.final = storage_for(dst)
         # the write transaction of saves: begin() sweeps the temporaries of dead owners of
         # this destination (an earlier killed reshard) and records this process as the owner
@@ -60,7 +62,7 @@ class _Writer:
                 self.storage.close()
             raise
         self.tmp = self.txn.tmp
-        self.zstd = zstd
+        self.zstd, self.lossless = zstd, lossless
         self.where: dict[tuple[str, str], tuple[str, dict]] = {}  # key -> (file, part -> TensorInfo)
         self.meta: dict[tuple[str, str], tuple[str, tuple[int, ...], dict | None]] = {}  # key -> (dtype, shape, tag)
         self.files: dict[str, tuple[str, bytes, int]] = {}  # name -> (role, header, size)
@@ -87,9 +89,9 @@ class _Writer:
                                          {"format": "pt", "unickpt_role": role})
                 size = len(header) + sum(info.nbytes for *_, info in stored)
                 self.files[fname] = (role, header, size)
-                z = self.zstd if role != "model" else None
-                self.out.create(fname, size, z)
-                self.out.open(fname, fname, size, header=header, zstd=z)
+                z = self.zstd if role != "model" and not self.lossless else None
+                self.out.create(fname, size, bool(z) or self.lossless)
+                self.out.open(fname, fname, size, header=header, zstd=z, lossless=self.lossless)
                 for _, _, _, (e, pt), info in stored:
                     self.where.setdefault((e[0], e[1]), (fname, {}))[1][pt] = info
             order += [e for p in parts for e in p if (e[0], e[1]) in self.where]
@@ -217,12 +219,13 @@ def _interrupts_held():
 def reshard_offline(
     src, dst, *, drop_roles: Iterable[str] = (), master: str = "full", quant: str | None = "O0",
     max_file_bytes: int | None = None, zstd: int | None = None, eps: float | None = None, block: int = BLOCK,
-    overwrite: bool = False, progress: Progress = None,
+    overwrite: bool = False, progress: Progress = None, lossless: bool = False,
 ) -> dict:
     """Rewrite checkpoint ``src`` at ``dst``, one tensor at a time: other file sizes, without
     the roles in ``drop_roles`` (their tensors and JSON state; e.g. ``["optimizer"]``), with
     the moments quantized (``quant`` O1/O2; O0 stores them decoded), masters
-    ``full``/``residual``/``drop``, zstd-framed optimizer and master files; fresh checksums.
+    ``full``/``residual``/``drop``, zstd-framed optimizer and master files or (``lossless``)
+    every file byte-grouped, bit-exact (docs/compression.md); fresh checksums.
     ``eps`` defaults to the source's (when it was quantized), else 1e-8. A role the
     checkpoint lacks is an :class:`InvalidArgumentError` naming the roles it has. What loads
     stays as it was: tied weights (aliases), per-rank tensors and the side files
@@ -235,7 +238,7 @@ def reshard_offline(
     aux = _side_files(src_storage, ckpt, man)  # a damaged one fails here, before DST exists
     if eps is None:
         eps = float((man.compression or {}).get("eps", 1e-8))
-    comp = Compression(quant=quant, master=master, zstd=zstd, eps=eps, block=block)
+    comp = Compression(quant=quant, master=master, zstd=zstd, eps=eps, block=block, lossless=lossless)
     keep = [t for t in man.tensors.values() if t.role not in drop]
     models = {t.name: t for t in keep if t.role == "model"}
     entries = []
@@ -265,7 +268,7 @@ def reshard_offline(
                | {man.tensors[("model", m)].file for t in keep for m in [t.coder.model_of(t.args)] if m is not None},
                readers)
     try:
-        w = _Writer(dst, overwrite, zstd, step=man.step)
+        w = _Writer(dst, overwrite, zstd, step=man.step, lossless=lossless)
     except BaseException:
         for r in readers.values():
             r.close()

@@ -20,7 +20,7 @@ import datetime as _dt
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Sequence, TypeVar
 
 from .._version import __version__
-from ..container import ZstdWriter
+from ..container import ZstdWriter, elements_of
 from ..format import Hasher, TensorInfo, build_header, order_key
 from ..manifest import FileEntry, Manifest
 
@@ -97,17 +97,23 @@ class FileSet:
     def path(self, name: str) -> str:
         return self.storage.join(self.folder, self.name_of(name))
 
-    def create(self, name: str, size: int, zstd: int | None = None) -> None:
+    def create(self, name: str, size: int, framed: bool | int | None = None) -> None:
         """Create file ``name`` at its full ``size`` (framed files grow as they are written)."""
-        self.storage.create_file(self.path(name), 0 if zstd else size)
+        self.storage.create_file(self.path(name), 0 if framed else size)
 
     def open(self, key: Hashable, name: str, size: int, *, header: bytes | None = None, header_len: int | None = None,
-             zstd: int | None = None, direct: bool | None = None) -> None:
+             zstd: int | None = None, lossless: bool = False, direct: bool | None = None) -> None:
         """Open file ``name`` (created already) for writing as ``key``; with ``header``,
         write it first (the file's owner does). ``header_len``: the header's length when
-        another writer writes it (offsets of :meth:`write` are in the data section)."""
+        another writer writes it (offsets of :meth:`write` are in the data section).
+        ``zstd`` (a level) or ``lossless`` (byte-grouped, the tensors' element sizes read
+        from ``header``): a framed file, which its owner alone writes."""
         path = self.path(name)
-        if zstd:
+        if lossless:
+            if header is None:
+                raise ValueError(f"{name}: a byte-grouped file is written by its owner, who has its header")
+            self.writers[key] = ZstdWriter(self.storage.open_writer(path, direct=False), elements=elements_of(header))
+        elif zstd:
             self.writers[key] = ZstdWriter(self.storage.open_writer(path, direct=False), zstd)
         else:
             self.writers[key] = self.storage.open_writer(path, direct=direct, size=size)

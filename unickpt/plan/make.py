@@ -24,9 +24,10 @@ into the writer's file (same node only) instead of travelling to the writer."""
 
 def make_plan(
     summaries: list[dict], *, bucket_bytes: int, max_file_bytes: int | None = None, zstd: int | None = None,
-    shared_writes: bool = True, rules: dict | None = None,
+    shared_writes: bool = True, rules: dict | None = None, lossless: bool = False,
 ) -> SavePlan:
-    """``zstd``: level for the files of every role but ``model`` (model files stay plain).
+    """``zstd``: level for the files of every role but ``model`` (model files stay plain);
+    ``lossless``: every file byte-grouped (:mod:`unickpt.container`).
     ``shared_writes``: the storage lets several ranks write one file (its
     :attr:`~unickpt.io.storage.Capabilities.shared_writes`); without it every piece is gathered
     to its file's one writer. ``rules``: ``{"sets": {sid: [unit digest]}, "units": {digest:
@@ -34,10 +35,10 @@ def make_plan(
     :func:`summarize` and :func:`assemble`); a claimed unit's pieces are never materialised
     unless its tensors fit no rule check (then they are planned as explicit pieces)."""
     with gc_paused():
-        return _make_plan(summaries, bucket_bytes, max_file_bytes, zstd, shared_writes, rules)
+        return _make_plan(summaries, bucket_bytes, max_file_bytes, zstd, shared_writes, rules, lossless)
 
 
-def _make_plan(summaries, bucket_bytes, max_file_bytes, zstd, shared_writes, rules) -> SavePlan:
+def _make_plan(summaries, bucket_bytes, max_file_bytes, zstd, shared_writes, rules, lossless=False) -> SavePlan:
     world = len(summaries)
     nodes = [str(s["node"]) for s in summaries]
     tensors: dict[tuple[str, str], TensorPlan] = {}
@@ -71,11 +72,12 @@ def _make_plan(summaries, bucket_bytes, max_file_bytes, zstd, shared_writes, rul
     node_of = np.array([node_id[n] for n in nodes], np.int64)
     for t in tensors.values():
         # framed files are written by their owner only, frame by frame
-        t.direct = shared_writes and _can_write_direct(t, nodes, node_of, memo) and not (zstd and t.role != "model")
+        t.direct = (shared_writes and _can_write_direct(t, nodes, node_of, memo)
+                    and not lossless and not (zstd and t.role != "model"))
     files = make_files(tensors, world, nodes, max_file_bytes)
-    if zstd:
-        for f in files:
-            f.zstd = zstd if f.role != "model" else None
+    for f in files:
+        f.lossless = lossless
+        f.zstd = zstd if f.role != "model" and not lossless else None
     chunks = make_chunks(files, world, bucket_bytes)
     return SavePlan(world, nodes, tensors, files, chunks, bucket_bytes, held_by, claims)
 

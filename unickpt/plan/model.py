@@ -148,6 +148,12 @@ class FilePlan:
     tensors: list[TensorPlan]
     header: bytes = b""
     zstd: int | None = None  # zstd level: the file is stored as zstd frames (unickpt.container)
+    lossless: bool = False  # stored as byte-grouped frames (unickpt.container)
+
+    @property
+    def framed(self) -> bool:
+        """Stored as frames (zstd or byte-grouped): written by its owner alone, frame by frame."""
+        return self.zstd is not None or self.lossless
 
     @property
     def data_bytes(self) -> int:

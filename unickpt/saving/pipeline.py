@@ -146,7 +146,8 @@ def plan_stage(comm: Comm, flat, state_dict, path, opts: SaveOptions, staged: St
         given = entries  # (the values as given: replicated copies are compared in these, not in their encoding)
         encoded, tags, exceptions, dropped, summary = comm.step(
             "save (compressing the master weights)", lambda: _encode(comm, entries, comp))
-        plan = _agree_plan(comm, summary, opts.bucket_bytes, opts.max_file_bytes, comp.zstd, storage.caps.shared_writes)
+        plan = _agree_plan(comm, summary, opts.bucket_bytes, opts.max_file_bytes, comp.zstd, storage.caps.shared_writes,
+                           comp.lossless)
         comm.step("save (tied weights, the manifest's size)", lambda: _check_ties_and_density(plan, aliases, json_state, opts))
         check_replicas(comm, plan, given, staged)
         if opts.replicas:  # copies on peer nodes: possible here? (before anything is written)
@@ -197,14 +198,14 @@ def _check_ties_and_density(plan: SavePlan, aliases: dict, json_state: dict, opt
 
 
 def _agree_plan(comm: Comm, summary: LocalSummary, bucket_bytes: int, max_file_bytes: int | None,
-                zstd: int | None = None, shared_writes: bool = True) -> SavePlan:
+                zstd: int | None = None, shared_writes: bool = True, lossless: bool = False) -> SavePlan:
     """Exchange heads (digest and rule claims); reuse the cached plan when every rank's
     summary is unchanged, otherwise exchange the payloads (explicit rows, each rule body
     once, sent by its lowest claimant) and plan again."""
     digests = tuple(comm.all_gather_bytes(summary.head(), "save (planning: summaries' digests)"))
     from ..plan import make as _make
 
-    key = (comm.world, digests, bucket_bytes, max_file_bytes, zstd, _make.DIRECT_MIN_RUN, shared_writes)
+    key = (comm.world, digests, bucket_bytes, max_file_bytes, zstd, lossless, _make.DIRECT_MIN_RUN, shared_writes)
     plan = next((p for g, k, p in _PLAN_CACHE if g() is comm.group and k == key), None)
     # caches are per process: reuse only if every rank has the plan, so all run the same collectives
     hits = comm.all_gather_bytes(b"1" if plan is not None else b"0", "save (planning: cached plans)")
@@ -213,7 +214,8 @@ def _agree_plan(comm: Comm, summary: LocalSummary, bucket_bytes: int, max_file_b
     summaries, rules = assemble(list(digests), comm.all_gather_bytes(summary.payload(list(digests), comm.rank),
                                                                    "save (planning: summaries)"))
     plan = comm.step("save (planning)", lambda: make_plan(summaries, bucket_bytes=bucket_bytes, zstd=zstd, rules=rules,
-                                                          max_file_bytes=max_file_bytes, shared_writes=shared_writes))
+                                                          max_file_bytes=max_file_bytes, shared_writes=shared_writes,
+                                                          lossless=lossless))
     if len(_PLAN_CACHE) >= _PLAN_CACHE_MAX:
         _PLAN_CACHE.pop(0)
     _PLAN_CACHE.append((_weak(comm.group), key, plan))
@@ -250,7 +252,7 @@ def open_stage(job: SaveJob) -> _commit.Transaction:
 
 def _create_files(job: SaveJob, txn: _commit.Transaction) -> None:
     for f in job.plan.files_of(job.comm.rank):
-        job.out.create(f.name, f.size, f.zstd)
+        job.out.create(f.name, f.size, f.framed)
 
 
 # -- write ---------------------------------------------------------------------------------

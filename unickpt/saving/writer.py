@@ -114,7 +114,7 @@ class RankWriter:
                 f = self.files[i]
                 mine = f.writer == self.rank
                 self.out.open(i, f.name, f.size, header=f.header if mine else None, header_len=len(f.header),
-                              zstd=f.zstd, direct=self.direct_io)
+                              zstd=f.zstd, lossless=f.lossless, direct=self.direct_io)
         except Exception as e:  # any error (not only OSError): the schedule must still be served
             self._fail(e)
 
@@ -200,7 +200,7 @@ def finish_files(plan: SavePlan, rank: int, out: FileSet, blobs: list[bytes]) ->
             pos += n
     for fi in sorted(mine):
         f = plan.files[fi]
-        if f.zstd:  # written by its owner alone, fsynced on close
+        if f.framed:  # written by its owner alone, fsynced on close
             if frags[fi]:
                 raise UnickptError(f"{f.name}: framed file received in-place fragments")
             continue
