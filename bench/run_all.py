@@ -20,7 +20,9 @@ Parts (each is the ``measure()`` function of a bench that also runs on its own):
   bench/memory_tier.py      the in-memory tier on 2 simulated nodes of 2 ranks: snapshot blocking
                             against an async save to disk, compute slowdown with a snapshot every
                             step, replication, recovery from memory against a cold disk load.
-  bench/compressed_save.py  saves with O0, O1, O2, O1 + zstd 3 (and their cold loads), DCP's save.
+  bench/compressed_save.py  saves with O0, O1, O2, O1 + zstd 3, lossless (and their cold loads), DCP's
+                            save; the same on storage throttled to 200 MB/s per rank; the
+                            mixed-precision table of docs/compression.md.
   bench/memory.py           peak extra RSS per rank: sync save, async save (trainer and writer),
                             load, export, offline reshard, each against its bound.
   bench/plan_scale.py       the save planner on 1,000 simulated ranks (its --quick), 3 layouts;
@@ -211,6 +213,21 @@ def table(res: dict) -> list[list[str]]:
                 v["save"] / floor, None if name == "dcp" else v["save"] / st["dcp"]["save"],
                 f"{v['bytes'] / 1e9:.3f} GB on disk ({v['bytes'] / o0['bytes']:.2f}x O0){load}")
         row("floor", "compressed: write O_DIRECT + fsync", floor, total / floor / 1e9)
+        thr = c.get("throttled") or {}
+        for name, v in thr.items():
+            row("unickpt", f"save {name}, storage throttled to {c['throttle_mbps']:.0f} MB/s per rank", v["save"],
+                total / v["save"] / 1e9, note=f"{v['save'] / thr['O0']['save']:.2f}x O0's throttled save; "
+                f"load {v['load']:.3f} s")
+        if thr:
+            for line in compressed_save.target_lines(c):
+                row("unickpt", "compression target", note=line)
+        if c.get("table"):
+            n = c["table_params"]
+            for k, v in c["table"].items():
+                t = c["table_throttled"][k]
+                row("unickpt", f"mixed-precision state, {k}", v["save"], note=f"{v['bytes'] / n:.2f} bytes/param; "
+                    f"save {v['save']:.2f} s, cold load {v['load']:.2f} s; throttled save {t['save']:.2f} s, "
+                    f"load {t['load']:.2f} s")
     if "memory" in res:
         for r in res["memory"]["rows"]:
             extra = "unmeasured" if r["extra"] is None else f"{r['extra'] / MiB:.0f} MiB"

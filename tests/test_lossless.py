@@ -190,3 +190,26 @@ def test_lossless_options_are_checked():
     with pytest.raises(InvalidArgumentError, match="lossless"):
         unickpt.Compression(lossless="yes")
     assert unickpt.Compression(lossless=True).active
+
+
+def test_frames_are_coded_on_threads_and_a_forked_child_codes_its_own():
+    """Several frames of one write are coded at once and written in order (the same bytes as
+    one thread codes); a child forked after the parent coded gets its own coder threads (an
+    executor inherited through fork has none: submitting to it would wait forever)."""
+    import signal
+
+    raw = _bytes(_values(torch.float32, 3 << 20))
+    inner = _Mem()
+    C.ZstdWriter(inner, elements=[(0, len(raw), 4)]).write_at(0, memoryview(raw))
+    alone = _Mem()
+    w = C.ZstdWriter(alone, elements=[(0, len(raw), 4)])
+    for a in range(0, len(raw), C.FRAME):  # one frame per call: coded on the caller's thread
+        w.write_at(a, memoryview(raw)[a:a + C.FRAME])
+    assert inner.buf == alone.buf
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        signal.alarm(60)
+        child = _Mem()
+        C.ZstdWriter(child, elements=[(0, len(raw), 4)]).write_at(0, memoryview(raw))
+        os._exit(0 if child.buf == inner.buf else 1)
+    assert os.waitpid(pid, 0)[1] == 0

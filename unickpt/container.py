@@ -184,6 +184,31 @@ def decode_planes(stored: memoryview, size: int, where: str, out: memoryview | N
     return out
 
 
+_POOL: dict = {}  # pid -> the frame coders of that process (a forked child makes its own)
+_POOL_LOCK = threading.Lock()
+CODERS = 4
+"""Most threads that code the frames of one write at once (``0``/``1``: the writing thread alone)."""
+
+
+def _coders():
+    """Threads that code frames (as many as this process may use cores, at most
+    :data:`CODERS`; None for one: the caller's thread codes them)."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    pid = os.getpid()
+    with _POOL_LOCK:
+        if pid not in _POOL:
+            _POOL.clear()  # (an executor inherited through fork has no threads: never submit to it)
+            try:
+                cores = len(os.sched_getaffinity(0))
+            except AttributeError:
+                cores = os.cpu_count() or 1
+            n = min(CODERS, cores)
+            _POOL[pid] = ThreadPoolExecutor(n, thread_name_prefix="unickpt-frames") if n > 1 else None
+        return _POOL[pid]
+
+
 class ZstdWriter:
     """Wraps an :class:`~unickpt.io.storage.ExtentWriter` of a fresh (empty) file, framing what
     is written: zstd frames at ``level``, or (``elements``: ``[(begin, end, itemsize)]`` of
@@ -195,13 +220,21 @@ class ZstdWriter:
 
     def __init__(self, inner, level: int | None = None, elements: list[tuple[int, int, int]] | None = None) -> None:
         self.inner = inner
+        self.level = level or 3
         self.elements = sorted(elements) if elements is not None else None
         self._starts = [e[0] for e in self.elements or ()]
-        self.cctx = (zstandard.ZstdCompressor(compression_params=_plane_params()) if self.elements is not None
-                     else zstandard.ZstdCompressor(level=level or 3))
+        self._ctx = threading.local()  # a compressor per thread (zstd contexts are not shared)
         self.pos = 0  # stored bytes so far
         self.frames: list[list[int]] = []
         self.logical = 0  # logical bytes written
+
+    @property
+    def cctx(self) -> zstandard.ZstdCompressor:
+        c = getattr(self._ctx, "c", None)
+        if c is None:
+            c = self._ctx.c = (zstandard.ZstdCompressor(compression_params=_plane_params()) if self.elements is not None
+                               else zstandard.ZstdCompressor(level=self.level))
+        return c
 
     @property
     def bytes_written(self) -> int:
@@ -224,10 +257,35 @@ class ZstdWriter:
         return (ZSTD, [comp]) if len(comp) <= WORTH * len(raw) else (RAW, [raw])
 
     def write_at(self, offset: int, data: memoryview, stable: bool = False) -> None:
+        """Frame ``data`` (logical bytes from ``offset``) and append the frames; returns once
+        every byte of ``data`` is coded and handed to the file. Several frames are coded at
+        once on :func:`_coders` threads (zstd and numpy release the GIL), written in order."""
         view = memoryview(data).cast("B")
-        for a in range(0, len(view), FRAME):
+        starts = range(0, len(view), FRAME)
+        pool = _coders() if len(starts) > 1 else None
+        if pool is None:
+            coded = (self._encode(offset + a, view[a : a + FRAME]) for a in starts)
+        else:
+            window = 2 * pool._max_workers  # (frames in flight: bounded memory)
+            futs: list = []
+
+            def ahead(i: int) -> None:
+                if i < len(starts):
+                    a = starts[i]
+                    futs.append(pool.submit(self._encode, offset + a, view[a : a + FRAME]))
+
+            for i in range(window):
+                ahead(i)
+
+            def gen():
+                for i in range(len(starts)):
+                    out = futs[i].result()
+                    futs[i] = None
+                    ahead(i + window)
+                    yield out
+            coded = gen()
+        for a, (kind, parts) in zip(starts, coded):
             raw = view[a : a + FRAME]
-            kind, parts = self._encode(offset + a, raw)
             start = self.pos
             for b in parts:
                 b = memoryview(b).cast("B")
