@@ -72,6 +72,57 @@ def test_a_target_refused_on_one_rank_raises_everywhere_before_reading(tmp_path)
         assert out[0][2] == 0 and out[1][2] == 0, (case, out)  # nothing was written into a target
 
 
+def _manifest_differs_with_objects(rank, world, root):
+    """A node's manifest differs: no rank may start matching its target (stateful objects'
+    own code: an optimizer's state would be created; a state_dict() may make collectives)."""
+    import glob
+    import json
+
+    import torch.distributed as tdist
+
+    from tests.crafted import seal
+
+    class Collective:  # a Stateful whose state_dict makes a collective of its own
+        def state_dict(self):
+            tdist.all_gather_object([None] * world, rank)
+            return {"x": torch.zeros(2)}
+
+        def load_state_dict(self, sd):
+            pass
+
+    os.environ["UNICKPT_NODE_ID"] = f"n{rank}"
+    root = os.path.join(root, "{node}")
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    unickpt.save({"model": m, "optim": opt, "extra": Collective()}, root, step=3)
+    tdist.barrier()
+    if rank == 1:
+        mine = glob.glob(os.path.join(root.replace("{node}", "n1"), "**", "unickpt.json"), recursive=True)[0]
+        with open(mine) as f:
+            man = json.load(f)
+        man["extra"] = {"tampered": True}
+        with open(mine, "wb") as f:
+            f.write(seal(man))
+    tdist.barrier()
+    m2 = torch.nn.Linear(4, 4)
+    o2 = torch.optim.AdamW(m2.parameters())
+    try:
+        unickpt.load({"model": m2, "optim": o2, "extra": Collective()}, root)
+        said = None
+    except UnickptError as e:
+        said = type(e).__name__
+    return said, len(o2.state)
+
+
+def test_a_node_manifest_that_differs_stops_every_rank_before_any_stateful_code(tmp_path):
+    out = dist.run(_manifest_differs_with_objects, 2, str(tmp_path), env={"UNICKPT_TIMEOUT_S": "60"})
+    assert out[1][0] == "FormatError" and out[0][0] == DistributedError.__name__, out
+    assert out[0][1] == 0 and out[1][1] == 0, out  # no rank's fresh optimizer got state
+
+
 def _overlapping(rank, world, root):
     w = unickpt.shard(torch.ones(3, 4), (4, 4), offsets=(rank, 0))  # rows 0-2 and 1-3 overlap
     try:

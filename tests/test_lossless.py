@@ -97,6 +97,16 @@ def test_frame_tables_accept_byte_grouped_frames_and_refuse_unknown_kinds():
         C.check_frames([[0, 10, 0, 7, 3]], 10, 7, "f")
 
 
+@pytest.mark.parametrize("kind", [C.ZSTD, C.PLANES])
+def test_a_coded_frame_never_stores_more_than_its_logical_bytes(kind):
+    """A reader allocates a frame's stored bytes: a table whose coded frame claims more (a
+    sparse file makes such a size free on disk) is refused, so a read's memory is bounded by
+    FRAME_MAX, not by the file."""
+    with pytest.raises(FormatError, match="stores more bytes"):
+        C.check_frames([[0, 4096, 0, 4 << 30, kind]], 4096, 4 << 30, "f")
+    assert C.check_frames([[0, 4096, 0, 4096, kind]], 4096, 4096, "f")
+
+
 class _Mem:
     def __init__(self):
         self.buf = bytearray()

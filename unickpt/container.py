@@ -323,6 +323,8 @@ def check_frames(frames, size: int, stored: int, where: str) -> list[tuple[int, 
             raise FormatError(f"{where}: uncompressed frame {f} must store exactly its logical bytes")
         if z and e - b > n * ZSTD_MAX_RATIO:
             raise FormatError(f"{where}: compressed frame {f} claims more logical bytes than {n} zstd bytes can hold")
+        if z and n > e - b:  # writers keep a coded frame only when it is smaller: this bounds a read's memory
+            raise FormatError(f"{where}: coded frame {f} stores more bytes than its logical ones")
         out.append((b, e, off, n, z))
         pos = e
     if pos != size:

@@ -61,17 +61,16 @@ def changed(storage: Storage, ckpt: str, man: Manifest) -> CheckpointChangedErro
     return CheckpointChangedError(f"{ckpt}: the checkpoint was replaced or removed while it was being read; load it again")
 
 
-def find(comm: Comm, storage, p: str, node_local: bool, same: Mapping[str, Any] | None = None,
-         defer: bool = False) -> tuple[str, str, Manifest | None]:
+def find(comm: Comm, storage, p: str, node_local: bool, same: Mapping[str, Any] | None = None
+         ) -> tuple[str, str, Manifest]:
     """Resolve the checkpoint and share its manifest: ``(checkpoint path, its name under
     p or "", manifest)``. Shared storage: rank 0 resolves. Node storage: every rank resolves
     in its node's directory; the lowest rank that found it sends the manifest, and every
     rank uses the same checkpoint name under its own root. ``same``: the load's arguments
-    that every rank must give alike (compared in the first collective). ``defer``: a failure
-    to parse or match this node's copy of the manifest is left to the caller's next
-    collective (:meth:`Comm.deferred`; the manifest is then None on this rank); else every
-    rank agrees on it here. Two collectives on shared storage (one broadcast), three on
-    node storage, when nothing fails."""
+    that every rank must give alike (compared in the first collective). A failure to find
+    the checkpoint rides the broadcast's header (:meth:`Comm.defer`); one to parse or match
+    this node's copy is agreed on before returning. Three collectives on shared storage,
+    four on node storage, when nothing fails."""
     err: BaseException | None = None
     found, rel, mbytes = False, "", b""
     if comm.rank == 0 or node_local:
@@ -113,7 +112,7 @@ def find(comm: Comm, storage, p: str, node_local: bool, same: Mapping[str, Any] 
         return man
 
     man = comm.deferred("load (reading the manifest)", parse)
-    if not defer:
-        comm.flush("load (reading the manifest)")
+    comm.flush("load (reading the manifest)")
+    assert man is not None
     return ckpt, rel, man
 

@@ -134,8 +134,11 @@ def _load(state_dict, path, *, group, verify, missing, unexpected, cast, progres
     node_local = per_node(path)
     with ph.phase("manifest"):
         same = {"path": compared_path(path), "bucket_bytes": bucket_bytes}  # (verify and strict are per rank)
-        ckpt, _, man = find(comm, storage, p, node_local, same=same, defer=True)
-    with ph.phase("validate"):  # (failures of both stages agreed on in agree_on_target's first collective)
+        # agreed here, not deferred: matching the target runs the stateful objects' own code
+        # (state_dict(), which may make collectives; an optimizer's state is created), which
+        # no rank may start while another has no manifest
+        ckpt, _, man = find(comm, storage, p, node_local, same=same)
+    with ph.phase("validate"):  # (a failed match agreed on in agree_on_target's first collective)
         t = comm.deferred("load (checking the target state dict)", lambda: match_target(state_dict, man, ckpt, comm, cast))
         agree_on_target(comm, ckpt, man, t, missing, unexpected)
     assert t is not None and man is not None
