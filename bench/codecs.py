@@ -94,9 +94,9 @@ def main() -> None:
 
 def lossless(args, tensors: dict) -> list[dict]:
     """Byte-grouped frames on one thread: ratio, compress and decompress GB/s per tensor kind."""
-    from unickpt import container
+    from unickpt import _coders, container
 
-    container.CODERS, container._POOL = 1, {}  # one thread: figures per core
+    _coders.CODERS, _coders._POOL = 1, {}  # one thread: figures per core
 
     class Mem:
         def __init__(self, n):

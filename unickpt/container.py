@@ -37,6 +37,7 @@ from collections import OrderedDict
 import numpy as np
 import zstandard
 
+from ._coders import coders
 from .errors import FormatError
 from .format import itemsize
 
@@ -184,31 +185,6 @@ def decode_planes(stored: memoryview, size: int, where: str, out: memoryview | N
     return out
 
 
-_POOL: dict = {}  # pid -> the frame coders of that process (a forked child makes its own)
-_POOL_LOCK = threading.Lock()
-CODERS = 4
-"""Most threads that code the frames of one write at once (``0``/``1``: the writing thread alone)."""
-
-
-def _coders():
-    """Threads that code frames (as many as this process may use cores, at most
-    :data:`CODERS`; None for one: the caller's thread codes them)."""
-    import os
-    from concurrent.futures import ThreadPoolExecutor
-
-    pid = os.getpid()
-    with _POOL_LOCK:
-        if pid not in _POOL:
-            _POOL.clear()  # (an executor inherited through fork has no threads: never submit to it)
-            try:
-                cores = len(os.sched_getaffinity(0))
-            except AttributeError:
-                cores = os.cpu_count() or 1
-            n = min(CODERS, cores)
-            _POOL[pid] = ThreadPoolExecutor(n, thread_name_prefix="unickpt-frames") if n > 1 else None
-        return _POOL[pid]
-
-
 class ZstdWriter:
     """Wraps an :class:`~unickpt.io.storage.ExtentWriter` of a fresh (empty) file, framing what
     is written: zstd frames at ``level``, or (``elements``: ``[(begin, end, itemsize)]`` of
@@ -259,10 +235,11 @@ class ZstdWriter:
     def write_at(self, offset: int, data: memoryview, stable: bool = False) -> None:
         """Frame ``data`` (logical bytes from ``offset``) and append the frames; returns once
         every byte of ``data`` is coded and handed to the file. Several frames are coded at
-        once on :func:`_coders` threads (zstd and numpy release the GIL), written in order."""
+        once on the process's coder threads (:mod:`unickpt._coders`: zstd and numpy release
+        the GIL), written in order."""
         view = memoryview(data).cast("B")
         starts = range(0, len(view), FRAME)
-        pool = _coders() if len(starts) > 1 else None
+        pool = coders() if len(starts) > 1 else None
         if pool is None:
             coded = (self._encode(offset + a, view[a : a + FRAME]) for a in starts)
         else:

@@ -15,7 +15,8 @@ import torch
 from .._copy import as_bytes, copy_runs
 from .._metrics import log
 from ..codecs import encode_chunk
-from ..compress import Compression, save_args
+from .._coders import coders
+from ..compress import Compression, merge_error, save_args
 from ..errors import UnickptError
 from ..format import BlockHasher, block_sums, torch_dtype
 from ..io.fileset import FileSet
@@ -339,26 +340,69 @@ def _finish_step(step: Step, src, bucket, scatters, offs):
     return items
 
 
+SUB_CHUNK = 16 << 20
+"""Bytes of input per quantized piece coded on its own (whole groups): the unit of the coder
+threads' work, so that coding one tensor proceeds while its earlier pieces are written."""
+
+
 def _write_items(items, out: FileSet, hashers, checks, qerr, step_args) -> None:
     """Write one step's segments (runs on the writer thread); quantized segments (whole
-    groups) are encoded here, so encoding overlaps the next step's gather."""
-    for fi, t, view, offset, start in items:
+    groups) are encoded here, so encoding overlaps the next step's gather, in pieces coded
+    several at once on the coder threads (:mod:`unickpt._coders`) while the finished ones
+    are written in order: on storage slower than the coder, the coding hides behind the
+    writes. Codes do not depend on how a tensor is cut (the dither is addressed by element)."""
+    pool = coders()
+    coded: dict[int, list] = {}  # item index -> its pieces' futures (or thunks), in order
+    try:
+        for i, (fi, t, view, offset, start) in enumerate(items):
+            if view.numel() and t.quantized:
+                coded[i] = [(pool.submit(job) if pool is not None else job)
+                            for job in _encode_jobs(t, view, start, step_args)]
+        _write_coded(items, coded, pool, out, hashers, checks, qerr)
+    except BaseException:
+        for jobs in coded.values():  # none still reads this step's bucket once we return
+            for job in jobs:
+                if pool is not None and not job.cancel():
+                    job.exception()
+        raise
+
+
+def _write_coded(items, coded, pool, out: FileSet, hashers, checks, qerr) -> None:
+    for i, (fi, t, view, offset, start) in enumerate(items):
         if view.numel() == 0:
             continue
         if t.quantized:
-            if view.data_ptr() % 8:
-                view = view.clone()
-            x = view.view(torch_dtype(t.dtype))
-            tag = {**t.codec, **step_args[t.key]} if t.key in step_args else t.codec
-            for part, poff, data in encode_chunk(tag, x, start, f"tensor {t.name!r} (role {t.role})",
-                                                 qerr.setdefault(f"{t.role}/{t.name}", [])):
-                if data.numel() == 0:
-                    continue
-                mv = memoryview(data.numpy())
-                checks.setdefault(f"{t.role}/{t.name}#{part}", []).extend(block_sums(mv, poff))
-                out.write(fi, t.parts[part][3] + poff, mv)
+            stats = qerr.setdefault(f"{t.role}/{t.name}", [])
+            for job in coded[i]:
+                parts, st = job.result() if pool is not None else job()
+                if st:
+                    merge_error(stats, st)
+                for part, poff, data in parts:
+                    if data.numel() == 0:
+                        continue
+                    mv = memoryview(data.numpy())
+                    checks.setdefault(f"{t.role}/{t.name}#{part}", []).extend(block_sums(mv, poff))
+                    out.write(fi, t.parts[part][3] + poff, mv)
             continue
         mv = memoryview(view.numpy())
         hashers[t.key].update(mv)
         out.write(fi, offset, mv)
 
+
+def _encode_jobs(t, view: torch.Tensor, start: int, step_args) -> list:
+    """The pieces of a quantized segment (elements from ``start``, whole groups), each a
+    callable returning ``(parts, error stats)``."""
+    if view.data_ptr() % 8:
+        view = view.clone()
+    x = view.view(torch_dtype(t.dtype))
+    tag = {**t.codec, **step_args[t.key]} if t.key in step_args else t.codec
+    what = f"tensor {t.name!r} (role {t.role})"
+    g = tag["group"]
+    step = max(g, (SUB_CHUNK // x.element_size() // g) * g)
+
+    def job(a: int, b: int):
+        def run():
+            st: list = []
+            return encode_chunk(tag, x[a:b], start + a, what, st), st
+        return run
+    return [job(a, min(a + step, x.numel())) for a in range(0, x.numel(), step)]
