@@ -801,8 +801,9 @@ def framed_files(draw):
     pieces = []
     for b, e in zip(bounds, bounds[1:]):
         raw = logical[b:e]
-        z = draw(st.booleans())
-        pieces.append((b, e, zstandard.ZstdCompressor(level=1).compress(raw) if z else raw, int(z)))
+        comp = zstandard.ZstdCompressor(level=1).compress(raw)
+        z = draw(st.booleans()) and len(comp) <= len(raw)  # (writers keep a coded frame only when it is smaller)
+        pieces.append((b, e, comp if z else raw, int(z)))
     order = draw(st.permutations(range(len(pieces))))
     stored, frames, off = b"", [None] * len(pieces), 0
     for i in order:

@@ -258,13 +258,6 @@ class Comm:
         if self._pending is None:
             self._pending = (as_typed(error), what)
 
-    def flush(self, what: str) -> None:
-        """Collective: raise on every rank any deferred failure (one all-gather of headers)."""
-        if self.active and self.world > 1:
-            self._gather("all_gather", what)
-        elif self._pending is not None:  # (not reached: a single process raises at once)
-            raise self._pending[0]
-
     def _settle(self) -> None:
         """Collective, when every rank has seen that some rank carries a deferred failure:
         say it (one untagged all-gather every rank makes) and raise on every rank."""

@@ -111,8 +111,5 @@ def find(comm: Comm, storage, p: str, node_local: bool, same: Mapping[str, Any] 
                                   f"rank {src} read (damaged, or from another save)")
         return man
 
-    man = comm.deferred("load (reading the manifest)", parse)
-    comm.flush("load (reading the manifest)")
-    assert man is not None
-    return ckpt, rel, man
+    return ckpt, rel, comm.step("load (reading the manifest)", parse)
 
