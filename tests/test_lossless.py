@@ -223,3 +223,39 @@ def test_frames_are_coded_on_threads_and_a_forked_child_codes_its_own():
         C.ZstdWriter(child, elements=[(0, len(raw), 4)]).write_at(0, memoryview(raw))
         os._exit(0 if child.buf == inner.buf else 1)
     assert os.waitpid(pid, 0)[1] == 0
+
+
+def test_threads_reading_parts_of_one_frame_read_and_decode_it_once():
+    """Read threads share the reader's decoded frames: a frame that several pieces cut is
+    read from storage once (a rank's reads of a lossless file stay near its stored bytes),
+    and every thread gets the right bytes."""
+    import threading
+
+    raw = _bytes(_values(torch.float32, 3 << 20))  # three frames
+    inner = _Mem()
+    w = C.ZstdWriter(inner, elements=[(0, len(raw), 4)])
+    w.write_at(0, memoryview(raw))
+    reads = []
+    real = inner.readinto
+
+    def counted(off, out):
+        reads.append(len(out))
+        real(off, out)
+    inner.readinto = counted
+    r = C.ZstdReader(inner, w.frames, len(raw), inner.size)
+    bad = []
+
+    def work(seed):
+        rng = np.random.default_rng(seed)
+        for _ in range(40):
+            lo = int(rng.integers(0, len(raw) - (1 << 20)))
+            out = bytearray(1 << 20)
+            r.readinto(lo, memoryview(out))
+            if out != raw[lo:lo + (1 << 20)]:
+                bad.append(lo)
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad and sum(reads) == inner.size  # each frame's stored bytes once

@@ -327,13 +327,17 @@ class ZstdReader:
         self.frames = check_frames(frames, size, stored, inner.path)
         self.starts = [f[0] for f in self.frames]
         self.size = size
-        self._local = threading.local()  # a few decompressed frames, per thread (codes and scales alternate)
+        # a few decompressed frames, shared by the reading threads (a frame two pieces cut is
+        # read and decoded once; codes and scales alternate), and the frames being decoded now
+        self._cache: OrderedDict[int, memoryview] = OrderedDict()
+        self._busy: dict[int, threading.Event] = {}
+        self._lock = threading.Lock()
 
     @property
     def bytes_read(self) -> int:
         return self.inner.bytes_read
 
-    CACHE = 4
+    CACHE = 8
 
     def _stored(self, i: int) -> memoryview:
         _, _, off, n, _ = self.frames[i]
@@ -342,12 +346,33 @@ class ZstdReader:
         return buf
 
     def _frame(self, i: int) -> memoryview:
-        cache = getattr(self._local, "c", None)
-        if cache is None:
-            cache = self._local.c = OrderedDict()
-        if i in cache:
-            cache.move_to_end(i)
-            return cache[i]
+        with self._lock:
+            if i in self._cache:
+                self._cache.move_to_end(i)
+                return self._cache[i]
+            ev = self._busy.get(i)
+            mine = ev is None
+            if mine:
+                ev = self._busy[i] = threading.Event()
+        if not mine:  # another thread decodes it: wait, then take it (or, gone already, decode it here)
+            ev.wait()
+            with self._lock:
+                if i in self._cache:
+                    return self._cache[i]
+            return self._decode(i)
+        try:
+            mv = self._decode(i)
+            with self._lock:
+                self._cache[i] = mv
+                if len(self._cache) > self.CACHE:
+                    self._cache.popitem(last=False)
+            return mv
+        finally:
+            with self._lock:
+                self._busy.pop(i, None)
+            ev.set()
+
+    def _decode(self, i: int) -> memoryview:
         b, e, off, n, z = self.frames[i]
         buf = self._stored(i)
         if z == PLANES:
@@ -369,11 +394,7 @@ class ZstdReader:
             if len(data) != e - b:
                 raise FormatError(f"{self.path}: frame at logical byte {b} holds {len(data)}+ bytes, expected {e - b}")
             buf = data
-        mv = memoryview(buf)
-        cache[i] = mv
-        if len(cache) > self.CACHE:
-            cache.popitem(last=False)
-        return mv
+        return memoryview(buf)
 
     def readinto(self, offset: int, out: memoryview) -> None:
         out = memoryview(out).cast("B")
@@ -386,7 +407,9 @@ class ZstdReader:
             b, e, z = self.frames[i][0], self.frames[i][1], self.frames[i][4]
             a = offset + done - b
             k = min(n - done, e - b - a)
-            if z == PLANES and a == 0 and k == e - b:  # a whole byte-grouped frame: decoded in place
+            if z == RAW:  # stored as is: only the bytes asked for
+                self.inner.readinto(self.frames[i][2] + a, out[done : done + k])
+            elif z == PLANES and a == 0 and k == e - b:  # a whole byte-grouped frame: decoded in place
                 decode_planes(self._stored(i), k, f"{self.path}: frame at logical byte {b}", out[done : done + k])
             else:
                 out[done : done + k] = self._frame(i)[a : a + k]
@@ -394,5 +417,6 @@ class ZstdReader:
             i += 1
 
     def close(self) -> None:
-        self._local = threading.local()
+        with self._lock:
+            self._cache.clear()
         self.inner.close()
