@@ -123,6 +123,36 @@ def test_a_node_manifest_that_differs_stops_every_rank_before_any_stateful_code(
     assert out[0][1] == 0 and out[1][1] == 0, out  # no rank's fresh optimizer got state
 
 
+def _first_node_manifest_damaged(rank, world, root):
+    import glob
+
+    import torch.distributed as tdist
+
+    os.environ["UNICKPT_NODE_ID"] = f"n{rank}"
+    root = os.path.join(root, "{node}")
+    unickpt.save({"model": {"w": unickpt.shard(torch.ones(2, 4), (4, 4), offsets=(2 * rank, 0))}}, root, step=3)
+    tdist.barrier()
+    if rank == 0:  # the copy every rank is sent (rank 0 found it first) no longer matches its seal
+        mine = glob.glob(os.path.join(root.replace("{node}", "n0"), "**", "unickpt.json"), recursive=True)[0]
+        with open(mine, "r+b") as f:
+            text = f.read().replace(b'"step":3', b'"step":4')
+            f.seek(0)
+            f.write(text)
+    tdist.barrier()
+    try:
+        unickpt.load({"model": {"w": torch.zeros(4, 4)}}, root)
+    except UnickptError as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def test_a_damaged_manifest_sent_by_another_node_is_not_blamed_on_this_nodes_file(tmp_path):
+    out = dist.run(_first_node_manifest_damaged, 2, str(tmp_path))
+    assert out[0][0] == out[1][0] == "FormatError", out
+    assert "/n0/" in out[0][1], out
+    assert "/n1/" not in out[1][1] and "rank 0 read on its node" in out[1][1], out
+
+
 def _overlapping(rank, world, root):
     w = unickpt.shard(torch.ones(3, 4), (4, 4), offsets=(rank, 0))  # rows 0-2 and 1-3 overlap
     try:

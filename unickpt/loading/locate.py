@@ -97,7 +97,10 @@ def find(comm: Comm, storage, p: str, node_local: bool, same: Mapping[str, Any] 
     rel_b, _, mbytes = blob.partition(b"\0")
     rel = rel_b.decode()
     ckpt = storage.join(p, rel) if rel else p
-    where = storage.join(ckpt, MANIFEST_NAME) + ("" if comm.rank == src else f" (the copy read by rank {src})")
+    here = storage.join(ckpt, MANIFEST_NAME)
+    # (node storage: another rank's path may differ from ours; never name our own file for its copy)
+    where = here if comm.rank == src else (f"the {MANIFEST_NAME} rank {src} read on its node" if node_local
+                                           else f"{here} (as rank {src} read it)")
 
     def parse() -> Manifest:
         man = _catalog.parse_checked(ckpt, mbytes, where)
