@@ -31,9 +31,9 @@ path and options, a load's path), in the same collective.
 A step whose failure need not stop the ranks before their next collective (nothing is written
 in between, and the next call's arguments do not depend on it) may *defer* its agreement
 (:meth:`Comm.deferred`): the failure rides in the header of the rank's next call, and every
-rank, seeing it there, raises before that call does anything else. A load's happy path so
-spends one collective where it spent three, and a failure still reaches every rank in the
-same bounded time.
+rank, seeing it there, raises before that call does anything else. A load so matches its
+target in one all-reduce where it made two agreements around it, and a failure still reaches
+every rank in the same bounded time.
 """
 
 from __future__ import annotations

@@ -141,7 +141,7 @@ def _load(state_dict, path, *, group, verify, missing, unexpected, cast, progres
     with ph.phase("validate"):  # (a failed match agreed on in agree_on_target's first collective)
         t = comm.deferred("load (checking the target state dict)", lambda: match_target(state_dict, man, ckpt, comm, cast))
         agree_on_target(comm, ckpt, man, t, missing, unexpected)
-    assert t is not None and man is not None
+    assert t is not None
     reads = _Reads(storage, ckpt, man, comm, verify, ph)
     reads.run(t.entries, node_local, progress, bucket_bytes, avoid_local)
     reads.agree()

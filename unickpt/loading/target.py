@@ -152,17 +152,17 @@ def _check_overlaps(entries: list[Entry]) -> None:
                                      "under two names, not overlapping views)")
 
 
-def agree_on_target(comm: Comm, ckpt: str, man: Manifest | None, t: Target | None, on_missing: str,
+def agree_on_target(comm: Comm, ckpt: str, man: Manifest, t: Target | None, on_missing: str,
                     on_unexpected: str) -> None:
     """Collective, the validate stage's agreement: sets ``t.unexpected`` (``role/name`` of
     stored tensors, and aliases, under a role some rank's target names that no rank's target
     covers: ranks hold different parts of a model, ZeRO-3 or pipeline stages) and raises on
     every rank when any rank's target is refused. One all-reduce of a value per stored name
     and two flags (this rank misses targets and refuses that; it refuses unexpected
-    tensors), whose header also settles what failed before on any rank (the manifest, the
-    target: deferred, ``t`` None there); only when some rank refuses, one agreement more,
-    so every rank raises with the refusing rank's reason."""
-    if t is None or man is None:  # a deferred failure here: the header below raises it everywhere
+    tensors), whose header also settles a match that failed on any rank (deferred, ``t``
+    None there); only when some rank refuses, one agreement more, so every rank raises with
+    the refusing rank's reason."""
+    if t is None:  # a deferred failure here: the header below raises it everywhere
         comm.min_max(torch.zeros(0, dtype=torch.int64), "load (matching the targets to the checkpoint)")
         raise AssertionError("a deferred failure was not raised")  # (not reached)
     keys = sorted((*man.tensors, *man.aliases))
