@@ -37,8 +37,9 @@ A directory is a *committed* checkpoint iff its name is final and it holds ``uni
 
 Sweeping (:func:`sweep_stale`, under the same lock as commits) removes a temporary only when
 its owner is provably gone: the owner record names a process of this host that no longer
-runs (the writer, or the trainer an asynchronous writer works for: such a writer outlives its
-trainer only until its watchdog notices, and a resumed job's sweep must not race that), or (another host, or no record) nothing in it changed for ``STALE_AFTER`` seconds. A
+runs (the writer, or the trainer an asynchronous writer works for: such a writer outlives
+its trainer only until its watchdog notices, and a resumed job's sweep must not race that),
+or (another host, or no record) nothing in it changed for ``STALE_AFTER`` seconds. A
 checkpoint moved aside by an overwrite that was interrupted between its two renames (stores
 without an atomic exchange) is put back; the newest committed checkpoint is never deleted.
 """

@@ -97,7 +97,7 @@ class FileSet:
     def path(self, name: str) -> str:
         return self.storage.join(self.folder, self.name_of(name))
 
-    def create(self, name: str, size: int, framed: bool | int | None = None) -> None:
+    def create(self, name: str, size: int, framed: bool = False) -> None:
         """Create file ``name`` at its full ``size`` (framed files grow as they are written)."""
         self.storage.create_file(self.path(name), 0 if framed else size)
 
