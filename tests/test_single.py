@@ -383,6 +383,24 @@ def test_owner_records_of_a_writer_name_its_trainer(monkeypatch):
     assert liveness.record_alive(rec, 0.0, 0.0, grace=1, stale=1)
 
 
+def test_a_master_policy_that_applies_to_nothing_warns_and_is_not_recorded(tmp_path):
+    """master='residual' with the masters under another key (not the role 'master') cannot
+    apply: said at once, and the manifest records what was applied (master full), so
+    `unickpt inspect` does not claim residual masters."""
+    import json
+    import warnings
+
+    w = torch.randn(8, 8)
+    opts = unickpt.SaveOptions(compression=unickpt.Compression(master="residual"))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        unickpt.save({"model": {"w": w.bfloat16()}, "masters": {"w": w}}, tmp_path / "a", options=opts)
+    assert any("applies to no tensor" in str(x.message) and "'master'" in str(x.message) for x in seen)
+    assert json.loads((tmp_path / "a" / "unickpt.json").read_text())["compression"].get("master", "full") == "full"
+    unickpt.save({"model": {"w": w.bfloat16()}, "master": {"w": w}}, tmp_path / "b", options=opts)
+    assert json.loads((tmp_path / "b" / "unickpt.json").read_text())["compression"]["master"] == "residual"
+
+
 def test_hostile_compressed_manifests_are_refused(tmp_path):
     """Codec arguments, parts, residual exceptions and zstd frames are validated before a byte
     of tensor data is read; a frame that does not decompress is a FormatError."""

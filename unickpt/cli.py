@@ -234,7 +234,7 @@ def _inspect(args):
         c = man.compression
         lines.append(f"compression  quant {c.get('quant') or 'O0'}, master {c.get('master', 'full')}, "
                      f"zstd {c.get('zstd') or 'off'}{', lossless (byte-grouped)' if c.get('lossless') else ''}; "
-                     + ", ".join(f"{k} x{n}" for k, n in info["codecs"].items()))
+                     "tensor codecs: " + ", ".join(f"{k} x{n}" for k, n in info["codecs"].items()))
     for role, n in man.bytes_by_role().items():
         q = info["quantization"].get(role)
         err = "" if q is None else (f"; {q['tensors']} quantized: lossy generations {q['generations']}"

@@ -236,6 +236,11 @@ def prepare(entries: list[Entry], comp: Compression, gather_json) -> tuple[list[
         raise StateDictError(f"master={comp.master!r}: another rank failed to inspect its state dict")
     refused = set().union(*(set(x["bad"]) for x in everyone))
     chosen = set().union(*(set(x["cand"]) for x in everyone)) - refused
+    if not chosen and not refused:  # never silently: the user asked for it
+        warnings.warn(
+            f"master={comp.master!r} applies to no tensor: the state has no role 'master' (a top-level key "
+            "holding the fp32 master weights as a mapping keyed like the 'model' role's tensors); stored as given",
+            stacklevel=4)
     if refused:
         warnings.warn(
             f"master={comp.master!r} does not apply to {len(refused)} master tensor(s) (no model weight of the same "

@@ -117,6 +117,12 @@ def build_manifest(plan: SavePlan, reports: list[dict], step, json_state, extra,
                                             z.get("frames", ()))
     quantized = any(t.codec is not None and t.quantized for t in plan.tensors.values())
     generations = lossy_generations + (1 if quantized else 0)
+    applied = {get(t.codec["codec"]).needs_model for t in plan.tensors.values() if t.codec is not None} | (
+        {True} if dropped else set())
+    if comp is not None and comp.master != "full" and True not in applied:  # recorded as applied
+        import dataclasses
+
+        comp = dataclasses.replace(comp, master="full")
     record = comp.to_json() if comp is not None and comp.active else {}
     if generations:  # (the state's history, also through lossless saves: the next resume carries it on)
         record["lossy_generations"] = generations
