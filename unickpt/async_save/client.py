@@ -33,6 +33,10 @@ from .staging import Staged, copy_into, place, ready_events
 
 __all__ = ["Checkpointer", "checkpointer", "shutdown"]
 
+ANSWER_WAIT_S = 10.0
+"""Longest wait, after the pipe to the writer broke, for its answer or its exit (the cause
+the failure reports)."""
+
 
 class Checkpointer(WriterLifecycle):
     """Staging buffer + persistent writer process of this rank, for one process group."""
@@ -212,14 +216,19 @@ class Checkpointer(WriterLifecycle):
         handle fails here)."""
         cause: BaseException = e
         if isinstance(e, (OSError, EOFError)) and proc is not None:  # the pipe broke: the writer ended
-            proc.join(timeout=1.0)
-            if proc.exitcode is not None:  # its answer (if it sent one) or its death is the cause
+            # its answer (if it sent one) or its death is the cause: wait for either, bounded
+            # (a writer at lower priority on a busy machine may take seconds to exit)
+            deadline = time.monotonic() + ANSWER_WAIT_S
+            while True:
+                proc.join(timeout=0.05)
                 with self._lock:
                     if not handle._finished:
-                        self._read(handle, conn, proc, exited=True)
-                if handle._error is not None:
-                    cause = handle._error
-                    cause.__cause__ = cause.__cause__ or e
+                        self._read(handle, conn, proc, exited=proc.exitcode is not None)
+                if handle._finished or proc.exitcode is not None or time.monotonic() > deadline:
+                    break
+            if handle._error is not None:
+                cause = handle._error
+                cause.__cause__ = cause.__cause__ or e
         handle._stage_error = cause
         try:  # the writers still meet: ours fails the save on every rank
             self._conn.send_bytes(encode(AbortSave(f"{type(e).__name__}: {e}")))
