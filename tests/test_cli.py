@@ -534,6 +534,8 @@ def test_reshard_lossless_is_bit_exact_smaller_and_verifies(tmp_path):
     assert out["stored_bytes"] < out["bytes"] / 1.15
     assert cli("verify", str(tmp_path / "dst"), "-q").returncode == 0
     assert "lossless (byte-grouped)" in cli("inspect", str(tmp_path / "dst")).stdout
+    files = _json(cli("inspect", str(tmp_path / "dst"), "--json"))["files"]
+    assert all(f["frames"].get("byte-grouped", 0) >= 1 for f in files.values()), files
     t = {"model": {"w": torch.zeros(256, 256, dtype=torch.bfloat16)}, "master": {"w": torch.zeros(256, 256)},
          "optimizer": {"exp_avg": {"w": torch.zeros(256, 256)}}}
     unickpt.load(t, tmp_path / "dst")

@@ -147,6 +147,15 @@ class _Said(logging.Handler):
 # --- commands: each returns (exit code, result for --json, text for stdout) -----------------
 
 
+def _frame_kinds(f) -> dict[str, int]:
+    """How many frames of a framed file are stored each way (unickpt.container)."""
+    names = {0: "raw", 1: "zstd", 2: "byte-grouped"}
+    out: dict[str, int] = {}
+    for fr in f.frames:
+        out[names.get(fr[4], str(fr[4]))] = out.get(names.get(fr[4], str(fr[4])), 0) + 1
+    return out
+
+
 def _codec_counts(man: Manifest) -> dict[str, int]:
     out: dict[str, int] = {}
     for t in man.tensors.values():
@@ -206,7 +215,8 @@ def _inspect(args):
         "bytes": man.total_bytes,
         "bytes_by_role": man.bytes_by_role(),
         "files": {n: {"role": f.role, "node": f.node, "writer": f.writer, "size": f.size, "stored": f.stored,
-                      "container": f.container} for n, f in man.files.items()},
+                      "container": f.container, **({"frames": _frame_kinds(f)} if f.container == "zstd" else {})}
+                  for n, f in man.files.items()},
         "compression": man.compression,
         "codecs": _codec_counts(man),
         "lossy_generations": man.lossy_generations,
