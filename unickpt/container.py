@@ -29,6 +29,7 @@ A frame is stored one of three ways (the frame's ``kind`` in the manifest):
 from __future__ import annotations
 
 import bisect
+import functools
 import io
 import struct
 import threading
@@ -37,7 +38,7 @@ from collections import OrderedDict
 import numpy as np
 import zstandard
 
-from ._coders import coders
+from ._coders import in_order
 from .errors import FormatError
 from .format import itemsize
 
@@ -239,38 +240,20 @@ class ZstdWriter:
         the GIL), written in order."""
         view = memoryview(data).cast("B")
         starts = range(0, len(view), FRAME)
-        pool = coders() if len(starts) > 1 else None
-        if pool is None:
-            coded = (self._encode(offset + a, view[a : a + FRAME]) for a in starts)
-        else:
-            window = 2 * pool._max_workers  # (frames in flight: bounded memory)
-            futs: list = []
-
-            def ahead(i: int) -> None:
-                if i < len(starts):
-                    a = starts[i]
-                    futs.append(pool.submit(self._encode, offset + a, view[a : a + FRAME]))
-
-            for i in range(window):
-                ahead(i)
-
-            def gen():
-                for i in range(len(starts)):
-                    out = futs[i].result()
-                    futs[i] = None
-                    ahead(i + window)
-                    yield out
-            coded = gen()
-        for a, (kind, parts) in zip(starts, coded):
-            raw = view[a : a + FRAME]
-            start = self.pos
-            for b in parts:
-                b = memoryview(b).cast("B")
-                if len(b):
-                    self.inner.write_at(self.pos, b)
-                    self.pos += len(b)
-            self.frames.append([offset + a, offset + a + len(raw), start, self.pos - start, kind])
-            self.logical += len(raw)
+        coded = in_order(functools.partial(self._encode, offset + a, view[a : a + FRAME]) for a in starts)
+        try:
+            for a, (kind, parts) in zip(starts, coded):
+                raw = view[a : a + FRAME]
+                start = self.pos
+                for b in parts:
+                    b = memoryview(b).cast("B")
+                    if len(b):
+                        self.inner.write_at(self.pos, b)
+                        self.pos += len(b)
+                self.frames.append([offset + a, offset + a + len(raw), start, self.pos - start, kind])
+                self.logical += len(raw)
+        finally:
+            coded.close()  # (after an error: no coder still reads ``data``)
 
     def close(self) -> list:
         self.inner.close()

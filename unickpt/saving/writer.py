@@ -15,7 +15,7 @@ import torch
 from .._copy import as_bytes, copy_runs
 from .._metrics import log
 from ..codecs import encode_chunk
-from .._coders import coders
+from .._coders import in_order
 from ..compress import Compression, merge_error, save_args
 from ..errors import UnickptError
 from ..format import BlockHasher, block_sums, torch_dtype
@@ -351,42 +351,31 @@ def _write_items(items, out: FileSet, hashers, checks, qerr, step_args) -> None:
     several at once on the coder threads (:mod:`unickpt._coders`) while the finished ones
     are written in order: on storage slower than the coder, the coding hides behind the
     writes. Codes do not depend on how a tensor is cut (the dither is addressed by element)."""
-    pool = coders()
-    coded: dict[int, list] = {}  # item index -> its pieces' futures (or thunks), in order
+    jobs = [_encode_jobs(t, view, start, step_args) if view.numel() and t.quantized else []
+            for _, t, view, _, start in items]
+    coded = in_order(job for mine in jobs for job in mine)  # every item's pieces, coded ahead, in order
     try:
-        for i, (fi, t, view, offset, start) in enumerate(items):
-            if view.numel() and t.quantized:
-                coded[i] = [(pool.submit(job) if pool is not None else job)
-                            for job in _encode_jobs(t, view, start, step_args)]
-        _write_coded(items, coded, pool, out, hashers, checks, qerr)
-    except BaseException:
-        for jobs in coded.values():  # none still reads this step's bucket once we return
-            for job in jobs:
-                if pool is not None and not job.cancel():
-                    job.exception()
-        raise
-
-
-def _write_coded(items, coded, pool, out: FileSet, hashers, checks, qerr) -> None:
-    for i, (fi, t, view, offset, start) in enumerate(items):
-        if view.numel() == 0:
-            continue
-        if t.quantized:
-            stats = qerr.setdefault(f"{t.role}/{t.name}", [])
-            for job in coded[i]:
-                parts, st = job.result() if pool is not None else job()
-                if st:
-                    merge_error(stats, st)
-                for part, poff, data in parts:
-                    if data.numel() == 0:
-                        continue
-                    mv = memoryview(data.numpy())
-                    checks.setdefault(f"{t.role}/{t.name}#{part}", []).extend(block_sums(mv, poff))
-                    out.write(fi, t.parts[part][3] + poff, mv)
-            continue
-        mv = memoryview(view.numpy())
-        hashers[t.key].update(mv)
-        out.write(fi, offset, mv)
+        for (fi, t, view, offset, start), mine in zip(items, jobs):
+            if view.numel() == 0:
+                continue
+            if t.quantized:
+                stats = qerr.setdefault(f"{t.role}/{t.name}", [])
+                for _ in mine:
+                    parts, st = next(coded)
+                    if st:
+                        merge_error(stats, st)
+                    for part, poff, data in parts:
+                        if data.numel() == 0:
+                            continue
+                        mv = memoryview(data.numpy())
+                        checks.setdefault(f"{t.role}/{t.name}#{part}", []).extend(block_sums(mv, poff))
+                        out.write(fi, t.parts[part][3] + poff, mv)
+                continue
+            mv = memoryview(view.numpy())
+            hashers[t.key].update(mv)
+            out.write(fi, offset, mv)
+    finally:
+        coded.close()  # (after an error: no coder still reads this step's bucket)
 
 
 def _encode_jobs(t, view: torch.Tensor, start: int, step_args) -> list:
