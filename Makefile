@@ -23,7 +23,10 @@ TEST_WORKERS ?= 2
 # more pytest options, e.g. `make test PYTEST_ARGS="--durations=30"` or `PYTEST_ARGS="tests/test_cli.py"`
 PYTEST_ARGS ?=
 
+# (the fused quantizer kernels compile once, ~10 s, into numba's cache: here, not inside
+# several test processes at once)
 test: $(STAMP)
+	$(BIN)/python -c "from unickpt.codecs.kernels import warm; warm()"
 	$(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope) $(PYTEST_ARGS)
 
 # `make bench`: every bench, ~2 GB state (bench/run_all.py); `make bench QUICK=1`: 0.25 GB, a few minutes

@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/codecs.py [--mb 256] [--repeats 5]
 
-Measures what saves write: O1 (8-bit) and O2 (4-bit) encode/decode of Adam's m (O1: q8_sym;
+Measures what saves write, cut as saves and loads cut it (encode: the writer's 16 MiB pieces
+with the error record every save keeps; decode: a load's 4 Mi-element windows): O1 (8-bit) and O2 (4-bit) encode/decode of Adam's m (O1: q8_sym;
 O2: q4_logm, geometric levels) and v (q8_logw/q4_logw: sqrt(v)+eps on a geometric grid,
 stochastic rounding), the codes of checkpoints before issue #36 for comparison ("legacy"),
 and the master-weight residual split/merge, against a memcpy of the same bytes in the same
@@ -24,8 +25,34 @@ import time
 
 import torch
 
+from unickpt.loading.coded import CODED_WINDOW
+from unickpt.saving.writer import SUB_CHUNK
 from unickpt.codecs.kernels import (decode_m, decode_mlog, decode_v, decode_w, encode_m, encode_mlog, encode_v, encode_w, group_size,
                             merge_master, split_master)
+
+
+def pieces(n: int, g: int, size: int) -> list[tuple[int, int]]:
+    """``[a, b)`` pieces of about ``size`` elements, on ``g``-element group boundaries."""
+    step = max(g, size // g * g)
+    return [(a, min(n, a + step)) for a in range(0, n, step)]
+
+
+def coded(enc, x, ps, keep=True):
+    """Encode ``x`` piece by piece (with the error record a save keeps): the parts of each
+    piece concatenated (``keep``), or dropped as a writer drops them once written."""
+    if not keep:
+        for a, b in ps:
+            enc(x[a:b], a)
+        return None
+    parts = [enc(x[a:b], a) for a, b in ps]
+    return tuple(torch.cat([p[i] for p in parts]) for i in range(len(parts[0])))
+
+
+def windows(ps, bits, g, dec, codes):
+    """Decode window by window, as a load does (the codes and scales of each window)."""
+    for a, b in ps:
+        c = codes[a:b] if bits == 8 else codes[a // 2 : (b + 1) // 2]
+        dec(c, a, b - a, lambda t: t[a // g : (b - 1) // g + 1])
 
 
 def timed(fn, repeats):
@@ -59,19 +86,24 @@ def main() -> None:
     rows = [("memcpy (reference)", timed(lambda: dst.copy_(m), args.repeats))]
     for bits, name in ((8, "O1"), (4, "O2")):
         g = group_size(shape, bits)
+        enc_p = pieces(n, g, SUB_CHUNK // 4)  # as the writer cuts a segment
+        dec_p = pieces(n, 1, CODED_WINDOW)  # as a load decodes a tensor
         if bits == 8:
-            mc, ms = encode_m(m, bits, g)
-            enc_m, dec_m = (lambda: encode_m(m, bits, g)), (lambda: decode_m(mc, ms, bits, g, 0, n))
+            enc_m1, dec_m1 = (lambda x, a: encode_m(x, bits, g, base=a, stats=[])), decode_m
         else:
-            mc, ms = encode_mlog(m, g)
-            enc_m, dec_m = (lambda: encode_mlog(m, g)), (lambda: decode_mlog(mc, ms, g, 1.5, 0, n))
-        wc, wl, wh = encode_w(v, bits, g, 1e-8, seed=1)
+            enc_m1 = lambda x, a: encode_mlog(x, g, base=a, stats=[])  # noqa: E731
+            dec_m1 = lambda c, s, bits_, g_, a, k: decode_mlog(c, s, g_, 1.5, a, k)  # noqa: E731
+        mc, ms = coded(enc_m1, m, enc_p)
+        wc, wl, wh = coded(lambda x, a: encode_w(x, bits, g, 1e-8, base=a, seed=1, stats=[]), v, enc_p)
         vc, vl, vh = encode_v(v, bits, g, 1e-8)
         rows += [
-            (f"{name} encode m", timed(enc_m, args.repeats)),
-            (f"{name} decode m", timed(dec_m, args.repeats)),
-            (f"{name} encode v", timed(lambda: encode_w(v, bits, g, 1e-8, seed=1), args.repeats)),
-            (f"{name} decode v", timed(lambda: decode_w(wc, wl, wh, bits, g, 1e-8, 0, n), args.repeats)),
+            (f"{name} encode m", timed(lambda: coded(enc_m1, m, enc_p, False), args.repeats)),
+            (f"{name} decode m", timed(lambda: windows(dec_p, bits, g, lambda c, a, k, s: dec_m1(c, s(ms), bits, g, a, k),
+                                                      mc), args.repeats)),
+            (f"{name} encode v", timed(lambda: coded(lambda x, a: encode_w(x, bits, g, 1e-8, base=a, seed=1, stats=[]),
+                                                     v, enc_p, False), args.repeats)),
+            (f"{name} decode v", timed(lambda: windows(dec_p, bits, g, lambda c, a, k, s: decode_w(
+                c, s(wl), s(wh), bits, g, 1e-8, a, k), wc), args.repeats)),
             (f"{name} encode v (legacy)", timed(lambda: encode_v(v, bits, g, 1e-8), args.repeats)),
             (f"{name} decode v (legacy)", timed(lambda: decode_v(vc, vl, vh, bits, g, 1e-8, 0, n), args.repeats)),
         ]

@@ -18,10 +18,11 @@ _CTX = None
 
 #: imported once by the forkserver, so that no rank of any job imports them again: a rank that
 #: calls ``torch.use_deterministic_algorithms`` imports torch._inductor (and dynamo, sympy:
-#: ~1.5-2.3 s on a CI core, per rank and job), the FSDP2 tests transformers' Llama (~1.4 s)
+#: ~1.5-2.3 s on a CI core, per rank and job), the FSDP2 tests transformers' Llama (~1.4 s), the
+#: quantizing tests numba's first dispatch of the fused kernels (~0.9 s: tests/warm_codecs.py)
 PRELOAD = ["torch", "torch.distributed", "torch._inductor", "torch.distributed.tensor", "torch.distributed.checkpoint",
            "torch.distributed.fsdp", "transformers.models.llama.modeling_llama", "psutil", "unickpt", "unickpt.train",
-           "unickpt.saving.pipeline", "unickpt.loading", "unickpt.async_save"]
+           "unickpt.saving.pipeline", "unickpt.loading", "unickpt.async_save", "tests.warm_codecs"]
 
 
 def _ctx():

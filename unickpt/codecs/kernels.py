@@ -36,8 +36,13 @@ it needs the codes of its range and the scales of the groups the range touches.
   cannot reproduce (ties whose rounding went up, NaN payloads) as exceptions, so
   ``merge_master`` is bit-exact for every input.
 
-Work is done in chunks of whole groups (``CHUNK`` elements), which keeps temporaries in cache
-and memory bounded.
+The saved codecs (``q8_sym``, ``q4_logm``, ``q8_logw``, ``q4_logw``) and the master residual
+run as compiled kernels (:mod:`.fused`, numba): one pass over each value's group while it is
+in cache, the error record computed in the same pass, the GIL released (the writer's coder
+threads run them side by side). What this module keeps in torch: the decoders' per-group
+value tables (16 or 256 values per group, from the formulas above, gathered by a kernel),
+and the codecs of earlier checkpoints (``q4_sym``, ``q8_rinv``/``q4_rinv``), worked in chunks
+of whole groups (``CHUNK`` elements) so temporaries stay in cache and memory bounded.
 """
 
 from __future__ import annotations
@@ -94,27 +99,89 @@ def _qmax(bits: int) -> int:
     return 127 if bits == 8 else 7
 
 
-def _chunks(n: int, group: int):
-    step = max(group, (CHUNK // group) * group)
-    for a in range(0, n, step):
-        yield a, min(n, a + step)
-
-
-def _grouped(x: torch.Tensor, group: int) -> torch.Tensor:
-    """(n_groups, group) view, the last group padded with zeros if needed."""
-    n = x.numel()
-    pad = (-n) % group
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad)])
-    return x.view(-1, group)
-
-
 def _check_finite(x: torch.Tensor, what: str, base: int = 0) -> None:
     if not bool(torch.isfinite(x).all()):
         bad = int((~torch.isfinite(x)).nonzero()[0, 0])
         raise CodecError(
             f"{what}: non-finite value {float(x.reshape(-1)[bad])} at element {bad + base}; refusing to quantize"
         )
+
+
+RUN = 1 << 14
+"""Elements per run of the fused kernels' scratch (64 KiB per buffer: stays in L2)."""
+
+
+def _fk():
+    """The compiled kernels (:mod:`fused`), imported on first use: numba's import (0.3 s)
+    is paid by processes that quantize, not by every process that imports unickpt."""
+    from . import fused
+
+    return fused
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().contiguous().numpy()
+
+
+def _scratch(dtype) -> np.ndarray:
+    return np.empty(RUN, dtype=dtype)
+
+
+def _errors(stats: list | None) -> np.ndarray:
+    """The fused kernels' error record: ``[sum of squared errors, sum of squares, max |error|]``
+    (empty: not asked for, not computed)."""
+    return np.zeros(4 if stats is not None else 0, dtype=np.float64)  # (the 4th: kernel scratch)
+
+
+def _record(stats: list | None, err: np.ndarray, n: int) -> None:
+    """Add a kernel's record of ``n`` elements to ``stats`` (:func:`_tally`'s layout)."""
+    if stats is None or n == 0:
+        return
+    new = [float(err[0]), float(err[1]), float(err[2]), 0.0, n]
+    if not stats:
+        stats.extend(new)
+    else:
+        stats[0] += new[0]
+        stats[1] += new[1]
+        stats[2] = max(stats[2], new[2])
+        stats[4] += new[4]
+
+
+def _refused(x: np.ndarray, bad: int, what: str, base: int, nonneg: bool) -> None:
+    """Raise for the element a kernel refused (``bad`` >= 0): non-finite, or negative where
+    ``nonneg`` (the second moment)."""
+    if bad < 0:
+        return
+    value = float(x[bad])
+    if nonneg and math.isfinite(value) and value < 0:
+        raise CodecError(f"{what}: negative second moment at element {bad + base}")
+    raise CodecError(f"{what}: non-finite value {value} at element {bad + base}; refusing to quantize")
+
+
+def _groups(start: int, count: int, group: int) -> int:
+    """Groups that elements ``[start, start+count)`` touch."""
+    return 0 if count <= 0 else (start + count - 1) // group - start // group + 1
+
+
+def _enough(t: torch.Tensor, n: int, what: str) -> None:
+    """The compiled decoders index without bounds checks: their inputs are checked here."""
+    if t.shape[0] < n:
+        raise CodecError(f"{n} {what} needed to decode, {t.shape[0]} given")
+
+
+def _gathered(codes: torch.Tensor, packed: bool, tables: torch.Tensor, group: int, start: int, count: int
+              ) -> torch.Tensor:
+    """Elements ``[start, start+count)`` as ``tables[group, code]`` (one row of values per
+    group from group ``start // group`` on): codes one byte each, or packed nibbles from the
+    byte of element ``start``."""
+    out = torch.empty(count, dtype=torch.float32)
+    if count:
+        nbytes = (start % 2 + count + 1) // 2 if packed else count
+        _enough(codes, nbytes, "codes")
+        _enough(tables, _groups(start, count, group), "groups' values")
+        _fk().dec_table(_np(codes[:nbytes].view(torch.uint8)), packed,
+                                      _np(tables.reshape(-1).float()), tables.shape[-1], group, start, out.numpy())
+    return out
 
 
 DITHER_TABLE = 1 << 16
@@ -168,20 +235,11 @@ def dither(seed: int, start: int, count: int) -> torch.Tensor:
     of the tensor gets the values of the whole, and each seed (a tensor at a step) shifts the
     whole sequence: an element's draw changes from save to save. Elements ``DITHER_TABLE``
     apart share a draw within one save (harmless: each is rounded on its own). A window of
-    the table, not a generator per element (~8 ns per value): see :func:`_draw`."""
+    the table, not a generator per element (~8 ns per value); the fused encoders read the table where it lies."""
     out = torch.empty(count, dtype=torch.float32)
     for at, window in _windows(seed, start, count):
         out[at : at + len(window)].copy_(window)
     return out
-
-
-def _draw(p: torch.Tensor, seed: int, start: int) -> torch.Tensor:
-    """``p`` (flat, probabilities) replaced in place by 1.0 where the element's dither value
-    is below it, else 0.0: one Bernoulli draw per element, compared against the table's
-    windows where they lie (no copy of the dither)."""
-    for at, window in _windows(seed, start, p.numel()):
-        p[at : at + len(window)].gt_(window)
-    return p
 
 
 # -- 4-bit packing ------------------------------------------------------------------------
@@ -298,6 +356,14 @@ def encode_m(m: torch.Tensor, bits: int, group: int, what: str = "exp_avg", base
     qmax = _qmax(bits)
     n = m.numel()
     scale = torch.empty(-(-n // group), dtype=torch.float32)
+    if bits == 8:  # O1: the fused kernel (4 bits here is q4_sym, earlier checkpoints' code)
+        codes = torch.empty(n, dtype=torch.int8)
+        x = _np(m)
+        err = _errors(stats)
+        bad = _fk().enc_sym8(x, group, codes.numpy(), scale.numpy(), err, _scratch(np.float32))
+        _refused(x, bad, what, base, False)
+        _record(stats, err, n)
+        return codes, scale
     # 8 bits: float -> int8 directly; 4 bits: packed per chunk while it is in cache
     codes = torch.empty(n, dtype=torch.int8) if bits == 8 else torch.empty(-(-n // 2), dtype=torch.uint8)
     buf = torch.empty(max(group, (CHUNK // group) * group) + group)
@@ -326,8 +392,16 @@ def decode_m(codes: torch.Tensor, scale: torch.Tensor, bits: int, group: int, st
     ``codes``: for 8 bits the codes of exactly that range; for 4 bits the packed bytes from
     byte ``start // 2`` on. ``scale``: the scales of groups ``start // group`` onwards.
     """
+    if bits == 8:
+        out = torch.empty(count, dtype=torch.float32)
+        _enough(codes, count, "codes")
+        _enough(scale, _groups(start, count, group), "scales")
+        _fk().dec_sym8(_np(codes[:count]), _np(scale[: _groups(start, count, group)]), group, start,
+                                     out.numpy())
+        return out
+
     def fn(c, s):
-        return (c.sub_(8) if bits == 4 else c).mul_(s)
+        return c.sub_(8).mul_(s)
 
     return _decode(codes, bits, group, start, count, (scale,), fn)
 
@@ -348,33 +422,23 @@ def encode_mlog(m: torch.Tensor, group: int, ratio: float = M_RATIO, what: str =
     each value takes the level nearest in log space (below the smallest: zero or the smallest,
     whichever is nearer). Relative, not absolute, error: small values in a group with a
     large one are not flushed to zero as 15 linear levels flush everything below absmax/14."""
+    if group % 2:
+        raise ValueError(f"O2 block size must be an even number >= 2, got {group}")
     m = m.reshape(-1).float()
     n = m.numel()
     scale = torch.empty(-(-n // group), dtype=torch.float32)
     codes = torch.empty(-(-n // 2), dtype=torch.uint8)
-    buf = torch.empty(max(group, (CHUNK // group) * group) + group)
-    inv_lr = 1 / math.log(ratio)
-    # position k = 7 + log_ratio(|m| / absmax); the smallest level is k = 1, zero is nearer
-    # below half of it, k < 1 + log_ratio(1/2): kept iff floor(k + 1 - log_ratio(1/2)) >= 1
-    keep_shift = 1 - math.log(0.5) * inv_lr
-    mag, kept = torch.empty_like(buf), torch.empty_like(buf)
-    for a, b in _aligned_chunks(0, n, group):
-        g, off, g0 = _per_group(m[a:b], a, group, buf)
-        r = torch.abs(g, out=mag[: g.numel()].view_as(g))
-        amax = r.amax(dim=1)
-        if not bool(torch.isfinite(amax).all()):
-            _check_finite(m[a:b], what, base + a)
-        scale[g0 : g0 + len(amax)] = amax
-        r.mul_(torch.where(amax > 0, amax.reciprocal(), torch.zeros_like(amax))[:, None])  # |m| / absmax in [0, 1]
-        k = r.log_().mul_(inv_lr).add_(7)  # (-inf for 0)
-        keep = torch.add(k, keep_shift, out=kept[: k.numel()].view_as(k)).floor_().clamp_(0, 1)  # 1.0 or 0.0, no mask
-        # the level nearest in log space, 1..7, or 0 (float arithmetic only: masks are slow)
-        j = k.round_().clamp_(1, 7).mul_(keep)
-        q = torch.copysign(j, g, out=j).view(-1)[off : off + (b - a)]
-        _pack_into(codes, a, q.add_(8))
-        if stats is not None:
-            _tally(stats, _mlog_values(j.sub_(8), amax[:, None], inv_lr, kept[: j.numel()].view_as(j))
-                   .view(-1)[off : off + (b - a)], m[a:b])
+    # position of |m| / absmax on the levels: k = 7 + log_ratio(|m| / absmax). Level j
+    # (1..7) is nearest in log space between the geometric midpoints ratio^(j - 7 -+ 1/2);
+    # below the smallest level, zero is nearer (in value) under half of it
+    thresholds = np.array([ratio ** -6 / 2] + [ratio ** (j - 6.5) for j in range(1, 7)], dtype=np.float32)
+    levels = np.array([ratio ** (j - 7) for j in range(1, 8)], dtype=np.float32)
+    x = _np(m)
+    err = _errors(stats)
+    bad = _fk().enc_mlog(x, group, thresholds, levels, codes.numpy(), scale.numpy(), err,
+                                       _scratch(np.int32), _scratch(np.float32))
+    _refused(x, bad, what, base, False)
+    _record(stats, err, n)
     return codes, scale
 
 
@@ -390,12 +454,11 @@ def decode_mlog(codes: torch.Tensor, scale: torch.Tensor, group: int, ratio: flo
                 ) -> torch.Tensor:
     """Elements ``[start, start+count)`` from :func:`encode_mlog`'s codes (packed bytes from
     byte ``start // 2`` on) and the scales of groups ``start // group`` onwards."""
-    inv_lr = 1 / math.log(ratio)
-
-    def fn(c, s):
-        return _mlog_values(c.sub_(8).clamp_(-7, 7), s, inv_lr)  # (code 0, which no encoder writes, reads as -7)
-
-    return _decode(codes, 4, group, start, count, (scale,), fn)
+    ng = _groups(start, count, group)
+    # the 16 values per unit scale (code 0, which no encoder writes, reads as -7), then per group
+    unit = _mlog_values(torch.arange(16, dtype=torch.float32).sub_(8).clamp_(-7, 7), torch.ones(()), 1 / math.log(ratio))
+    tables = scale[:ng, None].mul(unit)
+    return _gathered(codes, True, tables, group, start, count)
 
 
 # -- second moment: w = sqrt(v) + eps on a geometric grid -----------------------------------------
@@ -418,12 +481,6 @@ def _v_groups(v: torch.Tensor, a: int, b: int, group: int, buf: torch.Tensor, wh
     return g, g0, vmin, vmax
 
 
-def _w_groups(v: torch.Tensor, a: int, b: int, group: int, eps: float, buf: torch.Tensor, what: str, base: int):
-    """Groups of ``w = sqrt(v) + eps`` for ``v[a:b]`` (:func:`_v_groups`): ``(groups, first group)``."""
-    g, g0, _, _ = _v_groups(v, a, b, group, buf, what, base)
-    return g.sqrt_().add_(eps), g0
-
-
 def _v_outputs(v: torch.Tensor, bits: int, group: int, eps: float, what: str, of: str):
     """The second-moment encoders' inputs and outputs: ``v`` flat fp32 (``eps`` > 0 checked),
     levels, length, per-group lo/hi, codes and a group-aligned scratch buffer."""
@@ -443,35 +500,17 @@ def encode_w(v: torch.Tensor, bits: int, group: int, eps: float, what: str = "ex
     per-group max ``w``) of ``w = sqrt(v) + eps`` on the geometric grid of the module doc.
     ``seed``: stochastic rounding with ``E[1/w'] = 1/w`` (the update Adam makes is unbiased);
     else to the nearest level in log space."""
-    v, levels, n, lo_all, hi_all, codes, buf = _v_outputs(v, bits, group, eps, what, "sqrt(v) + eps")
-    low = torch.empty_like(buf) if seed is not None else None  # the lower level of each value
-    for a, b in _aligned_chunks(0, n, group):
-        k = b - a
-        w, g0 = _w_groups(v, a, b, group, eps, buf, what, base)
-        lo, hi = w.amin(dim=1), w.amax(dim=1)
-        lo_all[g0 : g0 + len(lo)] = lo
-        hi_all[g0 : g0 + len(hi)] = hi
-        step = hi.log().sub_(lo.log()).div_(levels)  # log of one level's ratio (0: one value)
-        inv = torch.where(step > 0, step.reciprocal(), torch.zeros_like(step))
-        p = w.div_(lo[:, None]).log_().mul_(inv[:, None]).clamp_(0, levels)  # position on the grid, in levels
-        if seed is None:
-            p.round_()
-        else:
-            # between levels k0 and k0+1 (ratio rho = e^step): up with probability P such
-            # that E[1/w'] = 1/w: P = (1 - rho^-f) / (1 - rho^-1) = expm1(-f step) / expm1(-step)
-            k0 = torch.floor(p, out=low[: p.numel()].view_as(p))
-            den = torch.where(step > 0, torch.expm1(step.neg()).neg_().reciprocal_(), torch.zeros_like(step))
-            # (1 - e^(-f step)) by exp, not expm1 (4x slower here): where f step is tiny the
-            # cancellation errs by ~1e-7 absolute, a level ~1e-7 apart: nothing to decide
-            up = p.sub_(k0).mul_(-step[:, None]).exp_().neg_().add_(1).mul_(den[:, None])
-            p = k0.add_(_draw(up.view(-1), seed, base + a).view_as(up)).clamp_(max=levels)
-        flat = p.view(-1)[:k]
-        if bits == 4:
-            _pack_into(codes, a, flat)
-        else:
-            codes[a:b].copy_(flat)
-        if stats is not None:
-            _tally(stats, _w_values(p, lo[:, None], hi[:, None], step[:, None], eps).view(-1)[:k], v[a:b])
+    v, levels, n, lo_all, hi_all, codes, _ = _v_outputs(v, bits, group, eps, what, "sqrt(v) + eps")
+    if bits == 4 and group % 2:
+        raise ValueError(f"O2 block size must be an even number >= 2, got {group}")
+    dpos = -1 if seed is None else (base + (seed * 0x9E3779B97F4A7C15 >> 16)) % DITHER_TABLE
+    x = _np(v)
+    err = _errors(stats)
+    bad = _fk().enc_w(x, group, levels, np.float32(eps), _table().numpy(), dpos, bits == 4, codes.numpy(),
+                                    lo_all.numpy(), hi_all.numpy(), _scratch(np.float32), _scratch(np.int32),
+                                    _scratch(np.float32), err)
+    _refused(x, bad, what, base, True)
+    _record(stats, err, n)
     return codes, lo_all, hi_all
 
 
@@ -491,7 +530,12 @@ def decode_w(codes, lo, hi, bits: int, group: int, eps: float, start: int, count
     def fn(c, gl, gh):
         return _w_values(c, gl, gh, gh.log().sub_(gl.log()).div_(levels), eps)
 
-    return _decode(codes, bits, group, start, count, (lo, hi), fn)
+    if group <= levels:  # shorter groups than their level tables: per element
+        return _decode(codes, bits, group, start, count, (lo, hi), fn)
+    ng = _groups(start, count, group)
+    gl, gh = lo[:ng, None], hi[:ng, None]
+    tables = fn(torch.arange(levels + 1, dtype=torch.float32).expand(ng, levels + 1).clone(), gl, gh)
+    return _gathered(codes, bits == 4, tables, group, start, count)
 
 
 # -- second moment, formats before logw: asymmetric on r = 1 / (sqrt(v) + eps) ----------------------
@@ -541,34 +585,19 @@ class Residual:
     exc_bits: torch.Tensor  # int32 bit patterns of the master at those indices
 
 
-def _merge_bits(hi16: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """fp32 bit patterns (int32) from bf16 bits (int16) and low halves (int16).
-
-    Rounding went up (so the upper half is the bf16 value minus one) iff the low half is
-    above 0x8000, or exactly 0x8000 with an even bf16 value: iff ``low - (h & 1) >= 0x8000``.
-    """
-    h = hi16.to(torch.int32).bitwise_and_(0xFFFF)
-    lo = low.to(torch.int32).bitwise_and_(0xFFFF)
-    up = torch.bitwise_and(h, 1).neg_().add_(lo).ge_(0x8000)
-    return h.sub_(up.to(torch.int32)).bitwise_left_shift_(16).bitwise_or_(lo)
-
-
 def split_master(master: torch.Tensor, model_bf16: torch.Tensor) -> Residual:
     """Residual of fp32 ``master`` against its bf16 model weight (same shape)."""
     mb = master.reshape(-1).contiguous().view(torch.int32)
     hb = model_bf16.reshape(-1).contiguous().view(torch.int16)
     if mb.numel() != hb.numel():
         raise CodecError(f"master has {mb.numel()} elements, the bf16 weight {hb.numel()}")
-    low = mb.to(torch.int16)  # keeps the low 16 bits
-    idx, bits = [], []
-    for a, b in _chunks(mb.numel(), 1):
-        diff = _merge_bits(hb[a:b], low[a:b]).ne_(mb[a:b])
-        if bool(diff.any()):
-            bad = diff.nonzero().reshape(-1)
-            idx.append(bad + a)
-            bits.append(mb[a:b][bad])
-    exc_index = torch.cat(idx) if idx else torch.zeros(0, dtype=torch.int64)
-    exc_bits = torch.cat(bits) if bits else torch.zeros(0, dtype=torch.int32)
+    low = torch.empty(mb.numel(), dtype=torch.int16)
+    k = _fk()
+    bad = k.split_master(mb.numpy(), hb.numpy(), low.numpy())
+    exc_index = torch.empty(bad, dtype=torch.int64)
+    exc_bits = torch.empty(bad, dtype=torch.int32)
+    if bad:
+        k.exceptions(mb.numpy(), hb.numpy(), low.numpy(), exc_index.numpy(), exc_bits.numpy())
     return Residual(low, exc_index, exc_bits)
 
 
@@ -578,9 +607,28 @@ def merge_master(model_bf16: torch.Tensor, low: torch.Tensor, exc_index: torch.T
     halves of that range; exceptions are given by full-tensor index (others are ignored)."""
     hb = model_bf16.reshape(-1).contiguous().view(torch.int16)
     out = torch.empty(hb.numel(), dtype=torch.int32)
-    for a, b in _chunks(hb.numel(), 1):
-        out[a:b] = _merge_bits(hb[a:b], low.reshape(-1)[a:b])
+    low = low.reshape(-1)
+    _enough(low, hb.numel(), "low halves")
+    _fk().merge_master(hb.numpy(), _np(low.view(torch.int16)), out.numpy())
     if exc_index.numel():
         sel = (exc_index >= start) & (exc_index < start + hb.numel())
         out[exc_index[sel] - start] = exc_bits[sel]
     return out.view(torch.float32)
+
+
+def warm() -> None:
+    """Compile (or load from numba's cache) every fused kernel the saved codecs use, on a
+    few values: a test run or a job can pay the one-time compile (~10 s) up front instead
+    of inside its first quantized save."""
+    x = torch.linspace(-1, 1, 256)
+    v = x.square()
+    for bits, group in ((8, 128), (4, 64)):
+        c, lo, hi = encode_w(v, bits, group, 1e-8, seed=0, stats=[])
+        decode_w(c, lo, hi, bits, group, 1e-8, 1, 200)
+        encode_w(v, bits, group, 1e-8)
+    c, s = encode_m(x, 8, 128, stats=[])
+    decode_m(c, s, 8, 128, 3, 200)
+    c, s = encode_mlog(x, 64, stats=[])
+    decode_mlog(c, s, 64, M_RATIO, 3, 200)
+    r = split_master(x, x.bfloat16())
+    merge_master(x.bfloat16(), r.low, r.exc_index, r.exc_bits)
