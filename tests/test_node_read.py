@@ -252,7 +252,8 @@ def test_needs_and_rounds_stay_inside_the_node(saved):
     out = dist.run(_load_recording_exchanges, 4, saved, nodes)
     for rank, ((_, _, ok), seen) in enumerate(out):
         assert ok, out
-        assert len(seen["gathered"]) == 4 and all(set(r) == {"node", "can", "token", "failed", "n", "verify", "cached"}
+        assert len(seen["gathered"]) == 4 and all(set(r) == {"node", "can", "token", "failed", "n", "verify", "cached",
+                                                              "remote"}
                                                   for r in seen["gathered"]), seen
         mates = {r for r, n in enumerate(nodes) if n == nodes[rank] and r != rank}
         assert seen["peers"] == mates, (rank, seen)

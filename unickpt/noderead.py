@@ -357,17 +357,20 @@ class _Node:
         return out
 
 
-def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, verify: bool, failed: bool
-                ) -> tuple[int, list[SharedJob], bool]:
+def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, verify: bool, failed: bool,
+                record: dict | None = None) -> tuple[int, list[SharedJob], bool]:
     """Collective over ``comm``: read ``jobs`` with the other ranks of this node.
 
     Every rank calls it exactly once per load (with ``failed=True`` when its own reads
     already failed: then every rank returns at once). ``files.get(name)`` opens readers,
     ``pool`` runs the reads. Returns ``(ranges verified here, jobs left to read alone,
-    aborted)``: ``aborted`` means some rank failed and nothing more should be read."""
+    aborted)``: ``aborted`` means some rank failed and nothing more should be read.
+    ``record``: the load's own figure for the next stage, ``{"remote": n}`` (pieces this rank
+    needs from other nodes), sent with this rank's record; every rank's comes back in
+    ``record["remote_counts"]`` (one all-gather for both decisions, not two)."""
     keys = list(man.tensors)
     index = {k: i for i, k in enumerate(keys)}
-    decided = _decide(comm, jobs, man, keys, index, verify, failed)
+    decided = _decide(comm, jobs, man, keys, index, verify, failed, record)
     if decided is None:
         return 0, [], True
     if not decided:
@@ -395,7 +398,8 @@ def read_shared(comm: Comm, jobs: list[SharedJob], man: Manifest, files, pool, v
         seg.close(background=True)
 
 
-def _decide(comm: Comm, jobs: list[SharedJob], man: Manifest, keys: list, index: dict, verify: bool, failed: bool):
+def _decide(comm: Comm, jobs: list[SharedJob], man: Manifest, keys: list, index: dict, verify: bool, failed: bool,
+            record: dict | None = None):
     """Whether this node reads shared (collective: every rank of the node decides the same
     from the same records): None when a rank failed already (every rank stops), False when
     the node reads alone, else ``(node, union of the needs, the node's plan)``."""
@@ -406,9 +410,12 @@ def _decide(comm: Comm, jobs: list[SharedJob], man: Manifest, keys: list, index:
     can = enabled() and os.path.isdir(SHM_DIR)
     blob = json.dumps([[t, a, b, kind] for (t, kind), m in sorted(need.items()) for a, b in _intervals(m)]).encode()
     me = {"node": node_id(), "can": can, "token": shm.new_name("read"), "failed": failed,
-          "n": len(blob), "verify": verify, "cached": _cached([j for j in jobs if j.long]) if can else None}
+          "n": len(blob), "verify": verify, "cached": _cached([j for j in jobs if j.long]) if can else None,
+          "remote": int((record or {}).get("remote", 0))}
     # a small record from every rank; the needs themselves travel only between the node's ranks
     all_ = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(me).encode(), "load (node-shared reads)")]
+    if record is not None:
+        record["remote_counts"] = [int(d.get("remote", 0)) for d in all_]
     if any(d["failed"] for d in all_):
         return None
     ranks = [r for r, d in enumerate(all_) if d["node"] == me["node"]]

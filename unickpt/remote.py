@@ -126,15 +126,17 @@ def _plan(needs: list[list], sees: list[set[str]], man: Manifest, bucket: int) -
 
 
 def load_remote(comm: Comm, remote: list[Entry], man: Manifest, sees_mine: set[str], read_fn, bucket: int,
-                verify: str = "auto"):
+                verify: str = "auto", counts: list[int] | None = None):
     """Collective. ``remote``: this rank's targets it cannot read; ``read_fn(entries, verify)``
     reads entries this rank can see and returns ``(bytes, verified, bad)``. ``verify``: this
     rank's own setting; a rank reading for peers verifies when any of them does, even with
     ``"none"`` for its own targets (a rank that checks never gets bytes a non-checking peer
     read unhashed). Returns the same figures for the reads this rank did for others, the
     bytes it received, and the first read error (raised by the caller after every step has
-    run)."""
-    if not any(comm.all_gather_int(len(remote), "load (pieces read for other nodes: how many)")):
+    run). ``counts``: every rank's ``len(remote)`` where an earlier all-gather carried them."""
+    if counts is None:
+        counts = comm.all_gather_int(len(remote), "load (pieces read for other nodes: how many)")
+    if not any(counts):
         return 0, 0, [], 0, None  # every rank reads all it needs itself (the common case): one small all-gather
     mine = [[e.role, e.name, dtype_name(e.local.dtype), e.layout.to_json()] for e in remote]
     record = {"needs": mine, "sees": sorted(sees_mine), "checks": verify != "none"}

@@ -188,15 +188,17 @@ class _Reads:
                 (remote if e.layout.numel and not files_needed(man, e.key) <= self.sees else local).append(e)
             entries = local
         self.entries = entries
+        # how many pieces each rank needs from other nodes rides the node-shared decision
+        record = {"remote": len(remote)} if node_local and comm.world > 1 else None
         with self.ph.phase("read"):
             try:
                 self._add(*read_all(entries, man, self.storage, self.ckpt, self.verify, progress, comm.rank, comm.world,
-                                    comm=comm if comm.world > 1 else None))
+                                    comm=comm if comm.world > 1 else None, record=record))
             except Exception as e:  # agreed later: every rank raises, none waits alone
                 self.err = changed(self.storage, self.ckpt, man) or e
             if node_local:  # collective, also for a rank whose own reads failed
                 with self.ph.phase("exchange"):
-                    self._exchange(remote, bucket_bytes)
+                    self._exchange(remote, bucket_bytes, (record or {}).get("remote_counts"))
         if self.verify == "full":
             self.comm.agree(self.err, "load (reading)")
             with self.ph.phase("verify"):
@@ -207,7 +209,7 @@ class _Reads:
         self.verified += verified
         self.bad += bad
 
-    def _exchange(self, remote: list[Entry], bucket_bytes: int) -> None:
+    def _exchange(self, remote: list[Entry], bucket_bytes: int, counts: list[int] | None) -> None:
         from ..remote import load_remote
 
         comm, man = self.comm, self.man
@@ -216,7 +218,7 @@ class _Reads:
             return read_all(proxies, man, self.storage, self.ckpt, mode, None, comm.rank, comm.world)
 
         b2, v2, bad2, self.received, e2 = load_remote(comm, remote, man, self.sees, read_for_peers, bucket_bytes,
-                                                      self.verify)
+                                                      self.verify, counts)
         self._add(b2, v2, bad2)
         self.err = self.err or e2
 

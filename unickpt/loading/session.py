@@ -86,11 +86,13 @@ class ReadSession:
     Pieces are issued in file order (the kernel's read-ahead follows them). A target is
     finished (copied back from a temporary if needed, its checksums tallied) once its pieces
     are done; :meth:`run` returns ``(bytes read, checksums verified, [(file, tensor)] that
-    failed)``. With ``comm`` the call is collective: every rank of it runs one session."""
+    failed)``. With ``comm`` the call is collective: every rank of it runs one session;
+    ``record`` (a dict) rides the node-shared decision's all-gather (:func:`read_shared`)."""
 
     def __init__(self, man: Manifest, storage, ckpt: str, verify: str, progress=None, rank: int = 0, world: int = 1,
-                 comm: Comm | None = None) -> None:
+                 comm: Comm | None = None, record: dict | None = None) -> None:
         self.man, self.verify, self.progress, self.comm = man, verify, progress, comm
+        self.record = record
         self.storage, self.ckpt = storage, ckpt
         self.rank, self.world = rank, world
         self.files = Files(storage, ckpt, man)
@@ -194,7 +196,7 @@ class ReadSession:
         """Node-shared reads (collective); the targets the node does not share are read
         alone. False when the node's reads were aborted (another rank failed)."""
         n, alone, aborted = read_shared(self.comm, self.shared, self.man, self.files, self.pool, self.verify != "none",
-                                        early is not None)
+                                        early is not None, self.record)
         if early is not None:
             raise early
         if aborted:
@@ -328,9 +330,10 @@ def _threads(files: Files, man: Manifest, entries: list[Entry], world: int) -> i
         return 0
 
 
-def read_all(entries, man: Manifest, storage, ckpt, verify, progress=None, rank=0, world=1, comm: Comm | None = None):
+def read_all(entries, man: Manifest, storage, ckpt, verify, progress=None, rank=0, world=1, comm: Comm | None = None,
+             record: dict | None = None):
     """:meth:`ReadSession.run` of a new session (see there)."""
-    return ReadSession(man, storage, ckpt, verify, progress, rank, world, comm).run(entries)
+    return ReadSession(man, storage, ckpt, verify, progress, rank, world, comm, record).run(entries)
 
 
 def plan_pieces(st: TensorEntry, runs: Runs, isz: int, verify: bool, size: int) -> list[tuple[int, int, list, int]]:
