@@ -34,7 +34,7 @@ _LAZY = {
     "LoadResult": ".loading", "LoadOptions": ".loading", "load": ".loading", "read_manifest": ".loading",
     "AsyncSave": ".async_save", "load_for_inference": ".inference", "SaveResult": ".saving", "SaveOptions": ".saving",
     "save": ".api", "save_async": ".api", "start_async_writer": ".api", "UnifiedCheckpoint": ".manager",
-    "Compression": ".compress", "PerRank": ".state", "per_rank": ".state",
+    "Compression": ".compress", "PerRank": ".state", "per_rank": ".state", "Mapping": ".mapping",
 }
 if TYPE_CHECKING:
     from .api import save, save_async, start_async_writer
@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from .layout import Layout, ShardedTensor, partition_flat, shard
     from .loading import LoadOptions, LoadResult, load, read_manifest
     from .manager import UnifiedCheckpoint
+    from .mapping import Mapping
     from .saving import SaveOptions, SaveResult
     from .state import PerRank, per_rank
 
@@ -114,6 +115,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "Compression",
+    "Mapping",
     "__version__",
     "errors",
     "save",

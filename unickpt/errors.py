@@ -23,6 +23,7 @@ __all__ = [
     "StorageError",
     "CheckpointChangedError",
     "InvalidArgumentError",
+    "MappingError",
     "MemoryBudgetError",
     "NotSupportedError",
 ]
@@ -116,6 +117,11 @@ class MemoryBudgetError(UnickptError, MemoryError):
     """The in-memory tier would not fit in a node's memory (its snapshots, replicas and
     staging, against the memory directory's free space, the host's available memory, or the
     budget given); raised before training starts, naming the node and the figures."""
+
+
+class MappingError(UnickptError, ValueError):
+    """A :class:`~unickpt.Mapping` cannot be honoured for this checkpoint and target (heads a
+    TP degree does not divide, sources of other sizes, pieces that do not tile the target)."""
 
 
 class InvalidArgumentError(UnickptError, ValueError):

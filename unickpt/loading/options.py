@@ -68,6 +68,10 @@ class LoadOptions:
     """Node-local checkpoints: data files this rank's node must not read from its own
     directory (a copy found damaged): they are read by ranks of nodes that hold another copy
     and sent."""
+    mapping: Any = field(default=None, repr=False)
+    """A :class:`~unickpt.Mapping`: target names made of boxes of stored tensors (fused
+    serving weights, stacked experts, renames; docs/serving.md), read and verified as any
+    load reads, checked before a byte is read."""
 
     def __post_init__(self) -> None:
         if self.verify not in ("auto", "full", "none"):
@@ -81,6 +85,11 @@ class LoadOptions:
         if isinstance(self.avoid_local, str) or not all(isinstance(f, str) for f in self.avoid_local):
             raise InvalidArgumentError(f"avoid_local must be file names, got {self.avoid_local!r}")
         object.__setattr__(self, "avoid_local", tuple(self.avoid_local))
+        if self.mapping is not None:
+            from .. import mapping as _mapping
+
+            if not isinstance(self.mapping, _mapping.Mapping):
+                raise InvalidArgumentError(f"mapping must be a unickpt.Mapping or None, got {type(self.mapping).__name__}")
 
 
 _LOAD_LEGACY = {f.name for f in fields(LoadOptions)}

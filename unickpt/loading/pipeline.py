@@ -84,7 +84,7 @@ def load(
     try:
         return _load(state_dict, path, group=group, verify=o.verify, missing=missing, unexpected=unexpected, cast=cast,
                      progress=progress, bucket_bytes=o.bucket_bytes, timeout_s=o.timeout_s,
-                     storage_options=o.storage_options, avoid_local=o.avoid_local)
+                     storage_options=o.storage_options, avoid_local=o.avoid_local, mapping=o.mapping)
     except (ChecksumError, FormatError, CheckpointNotFoundError) as e:  # (not found: a file the manifest lists)
         note_older_steps(e, path, o.storage_options)
         raise
@@ -120,7 +120,7 @@ def _legacy_load(options: LoadOptions | None, missing: str, unexpected: str,
 
 
 def _load(state_dict, path, *, group, verify, missing, unexpected, cast, progress, bucket_bytes, timeout_s,
-          storage_options, avoid_local) -> LoadResult:
+          storage_options, avoid_local, mapping=None) -> LoadResult:
     """The load's stages: find the checkpoint and share its manifest, match the target to it
     (nothing is written before every rank agrees), read (and receive, node-local), verify,
     then hand the values over. Each ends in one agreement, so a failure anywhere raises
@@ -139,7 +139,8 @@ def _load(state_dict, path, *, group, verify, missing, unexpected, cast, progres
         # no rank may start while another has no manifest
         ckpt, _, man = find(comm, storage, p, node_local, same=same)
     with ph.phase("validate"):  # (a failed match agreed on in agree_on_target's first collective)
-        t = comm.deferred("load (checking the target state dict)", lambda: match_target(state_dict, man, ckpt, comm, cast))
+        t = comm.deferred("load (checking the target state dict)", lambda: match_target(state_dict, man, ckpt, comm, cast,
+                                                                                              mapping))
         agree_on_target(comm, ckpt, man, t, missing, unexpected)
     assert t is not None
     reads = _Reads(storage, ckpt, man, comm, verify, ph)

@@ -34,11 +34,20 @@ class Target:
     unexpected: list[str] = field(default_factory=list)  # checkpoint tensors of its roles it does not ask for
 
 
-def match_target(state_dict, man: Manifest, ckpt: str, comm: Comm, cast: bool) -> Target:
+def match_target(state_dict, man: Manifest, ckpt: str, comm: Comm, cast: bool, mapping=None) -> Target:
     objects = {k for k, v in state_dict.items() if is_stateful(v)} if isinstance(state_dict, Mapping) else set()
     saved_state = from_json(man.state)
     state_dict, finish = for_load(state_dict, {r for r, _ in man.tensors}, saved_state)
     entries, _ = flatten(state_dict, comm.rank, comm.world)
+    if mapping is not None:  # mapped targets become views of themselves read from boxes of their sources
+        from ..mapping import expand
+
+        def stored_shape(role: str, name: str):
+            key = (role, name)
+            t = man.tensors.get(key) or man.tensors.get((role, man.aliases.get(key, "")))
+            return None if t is None else tuple(t.shape)
+
+        entries = expand(entries, mapping, stored_shape)
     entries, missing, skipped, covered, casts = validate(entries, man, ckpt, comm.world, cast)
     missing += json_missing(state_dict, saved_state)  # JSON values the checkpoint does not hold
     return Target(state_dict, saved_state, finish, entries, missing, skipped, covered, casts, roles_of(state_dict), objects)

@@ -1,0 +1,257 @@
+"""Mappings in the load plan (issue #41 item 1): a serving rank's fused tensors (``qkv_proj``,
+``gate_up_proj``, row- and vocab-parallel splits) and stacked experts read straight from a
+training checkpoint of ``transformers`` models built from configs, equal to slicing the
+trainer's tensors by hand; every mapping that cannot be honoured refused before a byte is
+written."""
+
+import os
+
+import pytest
+import torch
+
+import unickpt
+from tests import dist
+from unickpt.errors import ChecksumError, MappingError, TensorMissingError
+
+HF = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+          num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)
+
+
+def _model(kind: str):
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config
+
+    torch.manual_seed(0)
+    cfg = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "mixtral": MixtralConfig}[kind]
+    extra = {"num_local_experts": 4, "num_experts_per_tok": 2} if kind == "mixtral" else {}
+    config = cfg(**HF, **extra)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    with torch.no_grad():  # (biases are zero at init: make them tell rows apart)
+        for p in model.parameters():
+            p.normal_()
+    return model, config
+
+
+def _tp(x: torch.Tensor, dim: int, units: int, r: int, n: int) -> torch.Tensor:
+    """TP rank r's block of x along dim, in whole units (heads); fewer units than ranks:
+    one unit shared by n // units ranks."""
+    per = x.shape[dim] // units
+    if units % n == 0:
+        k = units // n
+        return x.narrow(dim, r * k * per, k * per)
+    return x.narrow(dim, (r // (n // units)) * per, per)
+
+
+def _fused_expected(sd: dict, config, r: int, n: int) -> dict:
+    """What a vLLM-style engine's TP rank r holds, sliced from the trainer's tensors by hand."""
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    out = {}
+    for k, v in sd.items():
+        if ".self_attn.q_proj." in k:
+            base, kind = k.split(".self_attn.q_proj.")
+            parts = [_tp(sd[f"{base}.self_attn.{x}_proj.{kind}"], 0, u, r, n) for x, u in (("q", heads), ("k", kv), ("v", kv))]
+            out[f"{base}.self_attn.qkv_proj.{kind}"] = torch.cat(parts)
+        elif ".mlp.gate_proj." in k:
+            base, kind = k.split(".mlp.gate_proj.")
+            out[f"{base}.mlp.gate_up_proj.{kind}"] = torch.cat(
+                [_tp(sd[f"{base}.mlp.{x}_proj.{kind}"], 0, n, r, n) for x in ("gate", "up")])
+        elif k.endswith(("o_proj.weight", "down_proj.weight")):
+            out[k] = _tp(v, 1, n, r, n)
+        elif k.endswith(("embed_tokens.weight", "lm_head.weight")):
+            out[k] = _tp(v, 0, n, r, n)
+        elif not any(s in k for s in (".k_proj.", ".v_proj.", ".up_proj.")):
+            out[k] = v
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mapping")
+    out = {}
+    for kind in ("llama", "qwen2", "mistral"):
+        model, config = _model(kind)
+        sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        unickpt.save({"model": sd}, str(root / kind))
+        out[kind] = (str(root / kind), sd, config)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_a_serving_rank_reads_its_fused_tp_shard_without_a_converter(saved, kind, tp):
+    path, sd, config = saved[kind]
+    for r in range(tp):
+        want = _fused_expected(sd, config, r, tp)
+        target = {k: torch.zeros_like(v) for k, v in want.items()}
+        res = unickpt.load({"model": target}, path, options=unickpt.LoadOptions(
+            mapping=unickpt.Mapping.fused(config, tp_rank=r, tp_size=tp)))
+        assert res.verified > 0
+        for k, v in want.items():
+            assert torch.equal(target[k], v), (kind, tp, r, k)
+
+
+def test_the_fused_weights_give_the_trainers_logits(saved):
+    """TP 1: the fused tensors split back into a fresh model give the trained model's logits
+    bit for bit (the fused layout holds exactly the trainer's values, in the engine's order)."""
+    from transformers import AutoModelForCausalLM
+
+    path, sd, config = saved["qwen2"]
+    want = _fused_expected(sd, config, 0, 1)
+    fused = {k: torch.zeros_like(v) for k, v in want.items()}
+    unickpt.load({"model": fused}, path, options=unickpt.LoadOptions(mapping=unickpt.Mapping.fused(config)))
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    back = {}
+    for k, v in fused.items():
+        if ".qkv_proj." in k:
+            base, kind = k.split(".self_attn.qkv_proj.")
+            for x, part in zip("qkv", torch.split(v, [q, kv, kv])):
+                back[f"{base}.self_attn.{x}_proj.{kind}"] = part
+        elif ".gate_up_proj." in k:
+            base, kind = k.split(".mlp.gate_up_proj.")
+            for x, part in zip(("gate", "up"), v.chunk(2)):
+                back[f"{base}.mlp.{x}_proj.{kind}"] = part
+        else:
+            back[k] = v
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    model.load_state_dict(back)
+    ref = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    ref.load_state_dict(sd)
+    ids = torch.arange(10).view(1, -1)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+def _hub_moe(sd: dict) -> dict:
+    """The Hub's Mixtral files from transformers 5's stacked experts: per-expert w1 (gate), w3
+    (up), w2 (down) and block_sparse_moe.gate."""
+    out = {}
+    for k, v in sd.items():
+        if k.endswith(".mlp.experts.gate_up_proj"):
+            base = k[: -len(".mlp.experts.gate_up_proj")]
+            for e in range(v.shape[0]):
+                w1, w3 = v[e].chunk(2)
+                out[f"{base}.block_sparse_moe.experts.{e}.w1.weight"] = w1.clone()
+                out[f"{base}.block_sparse_moe.experts.{e}.w3.weight"] = w3.clone()
+        elif k.endswith(".mlp.experts.down_proj"):
+            base = k[: -len(".mlp.experts.down_proj")]
+            for e in range(v.shape[0]):
+                out[f"{base}.block_sparse_moe.experts.{e}.w2.weight"] = v[e].clone()
+        elif k.endswith(".mlp.gate.weight"):
+            out[k.replace(".mlp.gate.", ".block_sparse_moe.gate.")] = v.clone()
+        else:
+            out[k] = v.clone()
+    return out
+
+
+def test_stacked_experts_from_the_hubs_per_expert_keys_give_the_models_logits(tmp_path):
+    """A Mixtral checkpoint in the Hub's per-expert keys loads into transformers 5's stacked
+    experts (gate and up side by side per expert) by mapping: the model's logits, bit for bit;
+    an expert-parallel rank's box of the stack reads only its experts."""
+    from transformers import AutoModelForCausalLM
+
+    model, config = _model("mixtral")
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    unickpt.save({"model": _hub_moe(sd)}, str(tmp_path / "moe"))
+    m = unickpt.Mapping.mixtral_experts()
+    fresh = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    unickpt.load({"model": fresh}, str(tmp_path / "moe"), options=unickpt.LoadOptions(mapping=m))
+    for k, v in sd.items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    ids = torch.arange(12).view(1, -1)
+    with torch.no_grad():
+        assert torch.equal(fresh(ids).logits, model(ids).logits)
+    # expert parallelism: experts 2 and 3 of a layer's stack (a box of the global tensor)
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    local = torch.zeros(2, *sd[name].shape[1:], dtype=torch.bfloat16)
+    res = unickpt.load({"model": {name: unickpt.shard(local, tuple(sd[name].shape), offsets=(2, 0, 0))}},
+                       str(tmp_path / "moe"), options=unickpt.LoadOptions(mapping=m))
+    assert torch.equal(local, sd[name][2:]) and res.tensors == 4  # w1 and w3 of experts 2 and 3
+    generic = unickpt.Mapping.stacked_experts(r"(.*)\.mlp\.experts\.down_proj", r"\1.block_sparse_moe.experts.{e}.w2.weight")
+    down = torch.zeros_like(sd["model.layers.0.mlp.experts.down_proj"])
+    unickpt.load({"model": {"model.layers.0.mlp.experts.down_proj": down}}, str(tmp_path / "moe"),
+                 options=unickpt.LoadOptions(mapping=generic))
+    assert torch.equal(down, sd["model.layers.0.mlp.experts.down_proj"])
+
+
+def test_renames_read_other_names_and_compose(saved):
+    path, sd, _ = saved["llama"]
+    m = unickpt.Mapping.rename({r"tok\.(.*)": r"model.embed_tokens.\1"}) + unickpt.Mapping.rename(
+        [(r"out", "lm_head.weight")])
+    target = {"tok.weight": torch.zeros_like(sd["model.embed_tokens.weight"]), "out": torch.zeros_like(sd["lm_head.weight"])}
+    unickpt.load({"model": target}, path, options=unickpt.LoadOptions(mapping=m))
+    assert torch.equal(target["tok.weight"], sd["model.embed_tokens.weight"])
+    assert torch.equal(target["out"], sd["lm_head.weight"])
+
+
+def test_mappings_that_cannot_be_honoured_are_refused_before_any_byte_is_written(saved, tmp_path):
+    path, sd, config = saved["llama"]
+    with pytest.raises(MappingError, match="does not divide its 4 heads"):
+        unickpt.Mapping.fused(config, tp_rank=0, tp_size=3)
+    with pytest.raises(MappingError, match="tp_rank"):
+        unickpt.Mapping.fused(config, tp_rank=2, tp_size=2)
+    with pytest.raises(MappingError, match="heads"):
+        unickpt.Mapping.fused(None)
+    want = _fused_expected(sd, config, 0, 2)
+    # a target of the wrong size (the TP=1 shape on a TP=2 mapping): nothing written
+    target = {k: torch.zeros_like(v) for k, v in want.items()}
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"
+    target[qkv] = torch.zeros(want[qkv].shape[0] * 2, want[qkv].shape[1], dtype=torch.bfloat16)
+    with pytest.raises(MappingError, match="qkv_proj"):
+        unickpt.load({"model": target}, path, options=unickpt.LoadOptions(
+            mapping=unickpt.Mapping.fused(config, tp_rank=0, tp_size=2)))
+    assert all(not t.any() for t in target.values())
+    # a source the checkpoint does not hold: named, nothing written
+    part = {k: v.clone() for k, v in sd.items() if ".v_proj." not in k}
+    unickpt.save({"model": part}, str(tmp_path / "partial"))
+    target = {k: torch.zeros_like(v) for k, v in want.items()}
+    with pytest.raises(TensorMissingError, match="v_proj"):
+        unickpt.load({"model": target}, str(tmp_path / "partial"), options=unickpt.LoadOptions(
+            mapping=unickpt.Mapping.fused(config, tp_rank=0, tp_size=2)))
+    assert all(not t.any() for t in target.values())
+    with pytest.raises(unickpt.errors.InvalidArgumentError, match="Mapping"):
+        unickpt.LoadOptions(mapping={"a": "b"})
+
+
+def test_a_damaged_byte_inside_a_mapped_piece_is_caught(saved, tmp_path):
+    import shutil
+
+    path, sd, config = saved["llama"]
+    dst = tmp_path / "copy"
+    shutil.copytree(path, dst)
+    _, man = unickpt.read_manifest(dst)
+    t = man.tensors[("model", "model.layers.1.self_attn.k_proj.weight")]
+    fe = man.files[t.file]
+    with open(dst / t.file, "r+b") as f:  # a byte of k_proj's first rows (TP rank 0's share)
+        f.seek(fe.data_start + t.begin + 3)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x40]))
+    want = _fused_expected(sd, config, 0, 2)
+    target = {k: torch.zeros_like(v) for k, v in want.items()}
+    with pytest.raises(ChecksumError, match="k_proj"):
+        unickpt.load({"model": target}, str(dst), options=unickpt.LoadOptions(
+            mapping=unickpt.Mapping.fused(config, tp_rank=0, tp_size=2)))
+
+
+def _serve(rank, world, path):
+    """An inference job of its own: TP ranks, each loading its fused shard (collective load)."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(**HF)
+    _, man = unickpt.read_manifest(path)
+    shapes = {n: t.shape for (r, n), t in man.tensors.items() if r == "model"}
+    full = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes.items()}
+    unickpt.load({"model": full}, path, group="local")
+    want = _fused_expected(full, config, rank, world)
+    target = {k: torch.zeros_like(v) for k, v in want.items()}
+    unickpt.load({"model": target}, path, options=unickpt.LoadOptions(
+        mapping=unickpt.Mapping.fused(config, tp_rank=rank, tp_size=world)))
+    return all(torch.equal(target[k], v) for k, v in want.items())
+
+
+def test_an_inference_job_of_two_tp_ranks_loads_its_shards_collectively(saved):
+    path, _, _ = saved["llama"]
+    assert dist.run(_serve, 2, path) == [True, True]
+    assert os.path.isdir(path)

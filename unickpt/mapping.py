@@ -1,0 +1,374 @@
+"""Name and layout mappings in the load plan: a target tensor made of boxes of stored tensors.
+
+A :class:`Mapping` says, for each target tensor (by name), which boxes of which stored tensors
+of the same role make it: a renamed tensor is one box (the whole source); a fused serving
+weight (``qkv_proj`` = q, k and v; ``gate_up_proj`` = gate and up) is several boxes side by
+side along its output dimension, each cut for the serving rank's tensor-parallel shard;
+stacked experts are one box per expert. The load plan then reads, for each target, only the
+byte ranges of those boxes (verified like any load) straight into views of the target: no
+converter, no full copy of the source on any rank.
+
+Boxes are in the coordinates of the target as the load sees it: a plain tensor's own shape,
+or the global shape of a DTensor or :func:`unickpt.shard` target. A rule answers
+``pieces(name, shape, source_shapes)``; every mapping is checked before a byte is read: its
+sources exist, their boxes lie inside them, and the boxes tile the target exactly (a TP
+degree that does not divide the heads, a source of another size: refused with
+:class:`~unickpt.errors.MappingError`).
+
+Built in (each tested against ``transformers`` models built from configs, tests/test_mapping.py):
+
+* :meth:`Mapping.fused` (Hugging Face Llama / Qwen2 / Mistral names -> the fused serving
+  layout of vLLM-style engines, for one TP rank: ``qkv_proj`` and ``gate_up_proj``
+  column-parallel, ``o_proj`` and ``down_proj`` row-parallel, embeddings and ``lm_head``
+  vocab-parallel, norms replicated);
+* :meth:`Mapping.stacked_experts` (per-expert keys -> one ``[E, ...]`` tensor), and
+  :meth:`Mapping.mixtral_experts` (the Hub's Mixtral files -> ``transformers`` 5's stacked
+  experts);
+* :meth:`Mapping.rename` (regular expressions).
+
+Not yet: torchtitan's Llama names <-> Hugging Face's (a rename plus the rotary row
+permutation of ``wq``/``wk``: a rename alone would load wrong values, so none is shipped);
+mappings of flat (ZeRO) targets other than renames (:class:`NotImplementedError`);
+transposes; ``load_for_inference``, ``export`` and the DCP reader take no mapping yet. A
+dtype cast is the load's own ``cast=True``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping as TMapping, Sequence
+
+from .errors import MappingError, TensorMissingError
+from .layout import Layout
+
+__all__ = ["Mapping", "Piece", "Rule"]
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A box of the target (``offsets``, ``sizes`` in the target's coordinates) filled from
+    the box of stored tensor ``source`` starting at ``source_offsets``. ``squeeze``: target
+    dimensions (of size 1 in the box) the source does not have (an expert's index in a
+    stacked tensor)."""
+
+    offsets: Shape
+    sizes: Shape
+    source: str
+    source_offsets: Shape
+    squeeze: tuple[int, ...] = ()
+
+    def source_sizes(self) -> Shape:
+        return tuple(s for d, s in enumerate(self.sizes) if d not in self.squeeze)
+
+
+class Rule:
+    """One rule of a mapping: which target names it takes and the pieces of each."""
+
+    def match(self, name: str) -> bool:
+        raise NotImplementedError
+
+    def pieces(self, name: str, shape: Shape, source_shape: Callable[[str], Shape | None]) -> list[Piece]:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class _Rename(Rule):
+    pattern: re.Pattern
+    repl: str
+
+    def match(self, name: str) -> bool:
+        return self.pattern.fullmatch(name) is not None
+
+    def source(self, name: str) -> str:
+        return self.pattern.sub(self.repl, name)
+
+    def pieces(self, name, shape, source_shape):
+        return [Piece((0,) * len(shape), tuple(shape), self.source(name), (0,) * len(shape))]
+
+
+def _tp_block(n: int, units: int, rank: int, size: int, what: str) -> tuple[int, int]:
+    """``(start, length)`` of TP rank ``rank``'s part of ``n`` rows made of ``units`` equal
+    units (heads): ``units / size`` units each, or, with fewer units than ranks, one unit
+    shared by ``size / units`` consecutive ranks (vLLM's replicated KV heads)."""
+    if units <= 0 or n % units:
+        raise MappingError(f"{what}: {n} rows are not {units} equal heads")
+    per = n // units
+    if units % size == 0:
+        k = units // size
+        return rank * k * per, k * per
+    if size % units == 0:
+        return (rank // (size // units)) * per, per
+    raise MappingError(f"{what}: tensor parallelism of {size} ranks does not divide its {units} heads "
+                       f"(nor do they divide it): no rank's share is whole heads")
+
+
+@dataclass(frozen=True)
+class _Fuse(Rule):
+    """Target ``pattern`` = its sources (``repls``, one per part) side by side along ``dim``;
+    with ``tp`` (rank, size), each source contributes TP rank ``rank``'s block of its rows
+    along ``dim`` (``units[i]`` heads: KV heads may be replicated)."""
+
+    pattern: re.Pattern
+    repls: tuple[str, ...]
+    dim: int = 0
+    tp: tuple[int, int] | None = None
+    units: tuple[int, ...] | None = None
+
+    def match(self, name: str) -> bool:
+        return self.pattern.fullmatch(name) is not None
+
+    def pieces(self, name, shape, source_shape):
+        out, at = [], 0
+        for i, r in enumerate(self.repls):
+            src = self.pattern.sub(r, name)
+            sshape = source_shape(src)
+            if sshape is None:
+                raise TensorMissingError(f"mapping: target {name!r} needs {src!r}, which the checkpoint does not hold")
+            if len(sshape) != len(shape):
+                raise MappingError(f"mapping: target {name!r} has {len(shape)} dimensions, its source {src!r} "
+                                   f"{len(sshape)}")
+            start, n = 0, sshape[self.dim]
+            if self.tp is not None:
+                units = self.units[i] if self.units else self.tp[1]
+                start, n = _tp_block(sshape[self.dim], units, self.tp[0], self.tp[1], f"mapping {src!r} -> {name!r}")
+            offs = [0] * len(shape)
+            offs[self.dim] = at
+            sizes = list(shape)
+            sizes[self.dim] = n
+            soffs = [0] * len(shape)
+            soffs[self.dim] = start
+            for d, (a, b) in enumerate(zip(shape, sshape)):
+                if d != self.dim and a != b:
+                    raise MappingError(f"mapping: target {name!r} has size {a} in dimension {d}, its source {src!r} "
+                                       f"{b}")
+            out.append(Piece(tuple(offs), tuple(sizes), src, tuple(soffs)))
+            at += n
+        if at != shape[self.dim]:
+            raise MappingError(f"mapping: target {name!r} has {shape[self.dim]} rows along dimension {self.dim}, its "
+                               f"sources give {at} ({', '.join(self.pattern.sub(r, name) for r in self.repls)}"
+                               + (f", TP rank {self.tp[0]} of {self.tp[1]}" if self.tp else "") + ")")
+        return out
+
+
+@dataclass(frozen=True)
+class _Split(Rule):
+    """Target ``pattern`` = TP rank ``rank``'s block of source ``repl`` along ``dim``
+    (row-parallel weights: ``dim=1``; vocab-parallel embeddings: ``dim=0``)."""
+
+    pattern: re.Pattern
+    repl: str
+    dim: int
+    tp: tuple[int, int]
+
+    def match(self, name: str) -> bool:
+        return self.pattern.fullmatch(name) is not None
+
+    def pieces(self, name, shape, source_shape):
+        src = self.pattern.sub(self.repl, name)
+        sshape = source_shape(src)
+        if sshape is None:
+            raise TensorMissingError(f"mapping: target {name!r} needs {src!r}, which the checkpoint does not hold")
+        if len(sshape) <= self.dim:
+            return _Rename(self.pattern, self.repl).pieces(name, shape, source_shape)
+        start, n = _tp_block(sshape[self.dim], self.tp[1], self.tp[0], self.tp[1], f"mapping {src!r} -> {name!r}")
+        soffs = [0] * len(shape)
+        soffs[self.dim] = start
+        return [Piece((0,) * len(shape), tuple(shape), src, tuple(soffs))]
+
+
+@dataclass(frozen=True)
+class _Stack(Rule):
+    """Target ``pattern`` (``[E, ...]``): row ``e`` is the sources ``repls`` (``{e}`` replaced
+    by the expert index) side by side along the row's dimension ``dim``."""
+
+    pattern: re.Pattern
+    repls: tuple[str, ...]
+    dim: int = 0
+
+    def match(self, name: str) -> bool:
+        return self.pattern.fullmatch(name) is not None
+
+    def pieces(self, name, shape, source_shape):
+        if len(shape) < 2:
+            raise MappingError(f"mapping: stacked target {name!r} has shape {list(shape)}: one row per expert needs "
+                               "at least two dimensions")
+        out = []
+        row = shape[1:]
+        for e in range(shape[0]):
+            at = 0
+            for r in self.repls:
+                src = self.pattern.sub(r.replace("{e}", str(e)), name)
+                sshape = source_shape(src)
+                if sshape is None:
+                    raise TensorMissingError(f"mapping: target {name!r} needs {src!r} (expert {e}), which the "
+                                             "checkpoint does not hold")
+                if len(sshape) != len(row) or any(a != b for d, (a, b) in enumerate(zip(row, sshape)) if d != self.dim):
+                    raise MappingError(f"mapping: expert {e} of target {name!r} has shape {list(row)}, its source "
+                                       f"{src!r} {list(sshape)}")
+                offs = [e] + [0] * len(row)
+                offs[1 + self.dim] = at
+                sizes = [1, *row]
+                sizes[1 + self.dim] = sshape[self.dim]
+                out.append(Piece(tuple(offs), tuple(sizes), src, (0,) * len(row), (0,)))
+                at += sshape[self.dim]
+        return out
+
+
+class Mapping:
+    """Target names -> boxes of stored tensors (module doc). Rules are tried in order; a
+    target no rule takes is read under its own name."""
+
+    def __init__(self, rules: Sequence[Rule] = ()) -> None:
+        self.rules = list(rules)
+
+    def __add__(self, other: "Mapping") -> "Mapping":
+        return Mapping(self.rules + other.rules)
+
+    def __repr__(self) -> str:
+        return f"Mapping({len(self.rules)} rules)"
+
+    def rule_for(self, name: str) -> Rule | None:
+        return next((r for r in self.rules if r.match(name)), None)
+
+    # -- built-ins ---------------------------------------------------------------------------
+
+    @staticmethod
+    def rename(pairs: Sequence[tuple[str, str]] | TMapping[str, str]) -> "Mapping":
+        r"""Targets named by regular expressions (``re.fullmatch``) read from the names their
+        replacements give (``re.sub`` syntax: ``\1``)."""
+        items = pairs.items() if isinstance(pairs, TMapping) else pairs
+        return Mapping([_Rename(re.compile(p), r) for p, r in items])
+
+    @staticmethod
+    def stacked_experts(target: str, *sources: str, dim: int = 0) -> "Mapping":
+        r"""``target`` (a regular expression, e.g. ``r"(.*)\.experts\.down_proj"``) is an
+        ``[E, ...]`` tensor whose row ``e`` is the stored tensors ``sources`` with ``{e}``
+        replaced by ``e`` (e.g. ``r"\1.experts.{e}.w2.weight"``), side by side along the
+        row's dimension ``dim`` when there are several (gate and up: one ``gate_up_proj``)."""
+        if not sources:
+            raise MappingError("Mapping.stacked_experts needs at least one source name")
+        return Mapping([_Stack(re.compile(target), tuple(sources), dim)])
+
+    @staticmethod
+    def mixtral_experts(prefix: str = "model.") -> "Mapping":
+        """Mixtral's per-expert keys (the Hugging Face Hub's files: ``block_sparse_moe.
+        experts.{e}.w1/w2/w3``, ``block_sparse_moe.gate``) -> the stacked experts of
+        ``transformers`` 5 (``mlp.experts.gate_up_proj`` = w1 then w3 per expert,
+        ``mlp.experts.down_proj`` = w2, ``mlp.gate``)."""
+        layer = rf"({re.escape(prefix)}layers\.\d+)"
+        return Mapping([
+            _Stack(re.compile(rf"{layer}\.mlp\.experts\.gate_up_proj"),
+                   (r"\1.block_sparse_moe.experts.{e}.w1.weight", r"\1.block_sparse_moe.experts.{e}.w3.weight"), 0),
+            _Stack(re.compile(rf"{layer}\.mlp\.experts\.down_proj"), (r"\1.block_sparse_moe.experts.{e}.w2.weight",), 0),
+            _Rename(re.compile(rf"{layer}\.mlp\.gate\.weight"), r"\1.block_sparse_moe.gate.weight"),
+        ])
+
+    @staticmethod
+    def fused(config: Any = None, *, tp_rank: int = 0, tp_size: int = 1, num_heads: int | None = None,
+              num_kv_heads: int | None = None, prefix: str = "model.") -> "Mapping":
+        """Hugging Face Llama-family names (Llama, Qwen2, Mistral) -> the fused serving layout
+        of vLLM-style engines for TP rank ``tp_rank`` of ``tp_size``: ``qkv_proj`` (q, k, v
+        heads of this rank, KV heads replicated when fewer than ranks), ``gate_up_proj``
+        (gate then up), column-parallel biases alike; ``o_proj``/``down_proj`` split along
+        their input dimension; ``embed_tokens``/``lm_head`` along the vocabulary; everything
+        else (norms) whole. ``config``: a ``transformers`` config (heads read from it), or
+        give ``num_heads``/``num_kv_heads``."""
+        heads = num_heads if num_heads is not None else getattr(config, "num_attention_heads", None)
+        kv = num_kv_heads if num_kv_heads is not None else getattr(config, "num_key_value_heads", None) or heads
+        if not isinstance(heads, int) or not isinstance(kv, int) or heads <= 0 or kv <= 0:
+            raise MappingError("Mapping.fused needs the attention heads: pass a transformers config or "
+                               "num_heads= and num_kv_heads=")
+        if not (isinstance(tp_size, int) and isinstance(tp_rank, int) and tp_size >= 1 and 0 <= tp_rank < tp_size):
+            raise MappingError(f"Mapping.fused: tp_rank {tp_rank!r} of tp_size {tp_size!r} is not a rank of the group")
+        tp = (tp_rank, tp_size)
+        _tp_block(heads, heads, tp_rank, tp_size, "query heads")  # refused now, not at the first load
+        _tp_block(kv, kv, tp_rank, tp_size, "key/value heads")
+        p = re.escape(prefix)
+        layer = rf"({p}layers\.\d+)"
+        rules: list[Rule] = []
+        for kind in ("weight", "bias"):
+            rules.append(_Fuse(re.compile(rf"{layer}\.self_attn\.qkv_proj\.{kind}"),
+                               tuple(rf"\1.self_attn.{x}_proj.{kind}" for x in "qkv"), 0, tp, (heads, kv, kv)))
+            rules.append(_Fuse(re.compile(rf"{layer}\.mlp\.gate_up_proj\.{kind}"),
+                               (rf"\1.mlp.gate_proj.{kind}", rf"\1.mlp.up_proj.{kind}"), 0, tp, None))
+        rules.append(_Split(re.compile(rf"{layer}\.self_attn\.o_proj\.weight"), r"\1.self_attn.o_proj.weight", 1, tp))
+        rules.append(_Split(re.compile(rf"{layer}\.mlp\.down_proj\.weight"), r"\1.mlp.down_proj.weight", 1, tp))
+        rules.append(_Split(re.compile(rf"({p}embed_tokens\.weight)"), r"\1", 0, tp))
+        rules.append(_Split(re.compile(r"(lm_head\.weight)"), r"\1", 0, tp))
+        return Mapping(rules)
+
+    # -- the load plan ---------------------------------------------------------------------------
+
+    def pieces(self, name: str, shape: Shape, source_shape: Callable[[str], Shape | None]) -> list[Piece] | None:
+        """The checked pieces of target ``name`` of ``shape``, or None (read as it is named)."""
+        rule = self.rule_for(name)
+        if rule is None:
+            return None
+        out = rule.pieces(name, tuple(shape), source_shape)
+        covered = 0
+        for pc in out:
+            sshape = source_shape(pc.source)
+            if sshape is None:
+                raise TensorMissingError(f"mapping: target {name!r} needs {pc.source!r}, which the checkpoint does "
+                                         "not hold")
+            ss = pc.source_sizes()
+            if len(ss) != len(sshape) or any(o < 0 or o + s > n for o, s, n in zip(pc.source_offsets, ss, sshape)):
+                raise MappingError(f"mapping: target {name!r} reads {list(ss)} from {pc.source!r} at "
+                                   f"{list(pc.source_offsets)}, outside its shape {list(sshape)}")
+            if any(o < 0 or o + s > n for o, s, n in zip(pc.offsets, pc.sizes, shape)):
+                raise MappingError(f"mapping: a piece of target {name!r} lies outside its shape {list(shape)}")
+            covered += math.prod(pc.sizes)
+        if covered != math.prod(shape):
+            raise MappingError(f"mapping: the pieces of target {name!r} cover {covered} of its {math.prod(shape)} "
+                               "elements")
+        return out
+
+
+def expand(entries: list, mapping: Mapping, source_shape: Callable[[str, str], Shape | None]) -> list:
+    """The load entries of ``entries`` under ``mapping``: each mapped target replaced by one
+    entry per piece it holds (a view of its local tensor, the piece's box of the source).
+    ``source_shape(role, name)``: the stored shape, or None."""
+    from .state import Entry
+
+    out = []
+    for e in entries:
+        pieces = mapping.pieces(e.name, e.layout.shape, lambda n, r=e.role: source_shape(r, n))
+        if pieces is None:
+            out.append(e)
+            continue
+        lay = e.layout
+        if lay.flat is not None:
+            if len(pieces) == 1 and isinstance(mapping.rule_for(e.name), _Rename):
+                out.append(Entry(e.role, pieces[0].source, e.local, lay, (), e.per_rank))
+                continue
+            raise NotImplementedError(f"mapping: target {e.role}/{e.name} is a flat (ZeRO) partition; only renames "
+                                      "apply to flat targets so far")
+        if e.aliases:
+            raise MappingError(f"mapping: target {e.role}/{e.name} is tied to {list(e.aliases)}: map each name on "
+                               "its own tensor")
+        for pc in pieces:
+            lo = [max(a, b) for a, b in zip(lay.offsets, pc.offsets)]
+            hi = [min(a + s, b + t) for a, s, b, t in zip(lay.offsets, lay.sizes, pc.offsets, pc.sizes)]
+            if any(h <= low for h, low in zip(hi, lo)):
+                continue  # this rank holds none of the piece
+            view = e.local[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, lay.offsets))]
+            for d in sorted(pc.squeeze, reverse=True):
+                view = view.select(d, 0)
+            src_off = tuple(so + (a - po) for d, (so, a, po) in enumerate(zip(_full(pc.source_offsets, pc.squeeze,
+                                                                                      len(lo)), lo, pc.offsets))
+                            if d not in pc.squeeze)
+            sizes = tuple(b - a for d, (a, b) in enumerate(zip(lo, hi)) if d not in pc.squeeze)
+            sshape = source_shape(e.role, pc.source)
+            assert sshape is not None
+            out.append(Entry(e.role, pc.source, view, Layout(tuple(sshape), src_off, sizes, None, lay.replica)))
+    return out
+
+
+def _full(source_offsets: Shape, squeeze: tuple[int, ...], n: int) -> list[int]:
+    """Source offsets spread over the target's ``n`` dimensions (0 at squeezed ones)."""
+    it = iter(source_offsets)
+    return [0 if d in squeeze else next(it) for d in range(n)]
