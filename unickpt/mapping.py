@@ -24,11 +24,12 @@ Built in (each tested against ``transformers`` models built from configs, tests/
 * :meth:`Mapping.stacked_experts` (per-expert keys -> one ``[E, ...]`` tensor), and
   :meth:`Mapping.mixtral_experts` (the Hub's Mixtral files -> ``transformers`` 5's stacked
   experts);
+* :meth:`Mapping.hf_from_torchtitan` / :meth:`Mapping.torchtitan_from_hf` (Llama names both
+  ways; ``wq``/``wk`` rows permuted between the rotary layouts: boxes of the weight viewed
+  as ``(heads, hd/2, 2, cols)``, whole targets only);
 * :meth:`Mapping.rename` (regular expressions).
 
-Not yet: torchtitan's Llama names <-> Hugging Face's (a rename plus the rotary row
-permutation of ``wq``/``wk``: a rename alone would load wrong values, so none is shipped);
-mappings of flat (ZeRO) targets other than renames (:class:`NotImplementedError`);
+Not yet: mappings of flat (ZeRO) targets other than renames (:class:`NotImplementedError`);
 transposes; ``load_for_inference``, ``export`` and the DCP reader take no mapping yet. A
 dtype cast is the load's own ``cast=True``.
 """
@@ -60,8 +61,17 @@ class Piece:
     source: str
     source_offsets: Shape
     squeeze: tuple[int, ...] = ()
+    target_view: Shape | None = None
+    """The target read as this shape (same elements, row-major) before the box is taken."""
+    source_view: Shape | None = None
+    """The source read as this shape (same elements, row-major): boxes of it are the rows a
+    permutation picks (the rotary layouts)."""
+    src_sizes: Shape | None = None
+    """The source box's sizes where views make them differ from the target box's."""
 
     def source_sizes(self) -> Shape:
+        if self.src_sizes is not None:
+            return self.src_sizes
         return tuple(s for d, s in enumerate(self.sizes) if d not in self.squeeze)
 
 
@@ -218,6 +228,46 @@ class _Stack(Rule):
         return out
 
 
+@dataclass(frozen=True)
+class _Rotary(Rule):
+    """Target ``pattern`` = source ``repl`` with each head's rows permuted between the two
+    rotary layouts of Llama's q/k weights: Meta's and torchtitan's (the rotary pairs
+    interleaved, rows ``2b + a`` of a head) and Hugging Face's (the halves, rows
+    ``a * hd/2 + b``), as Hugging Face's conversion script permutes them. ``to_hf``: the
+    target is in Hugging Face's layout. Two pieces per head (``a`` = 0, 1), each a box of
+    the source or target viewed as ``(heads, hd/2, 2, cols)``."""
+
+    pattern: re.Pattern
+    repl: str
+    heads: int
+    to_hf: bool
+
+    def match(self, name: str) -> bool:
+        return self.pattern.fullmatch(name) is not None
+
+    def pieces(self, name, shape, source_shape):
+        src = self.pattern.sub(self.repl, name)
+        sshape = source_shape(src)
+        if sshape is None:
+            raise TensorMissingError(f"mapping: target {name!r} needs {src!r}, which the checkpoint does not hold")
+        if len(shape) != 2 or tuple(sshape) != tuple(shape) or shape[0] % (2 * self.heads):
+            raise MappingError(f"mapping: target {name!r} {list(shape)} is not {src!r} {list(sshape)} as {self.heads} "
+                               "heads of an even number of rows")
+        hd, cols = shape[0] // self.heads, shape[1]
+        view = (self.heads, hd // 2, 2, cols)
+        out = []
+        for h in range(self.heads):
+            for a in range(2):
+                rows = (h * hd + a * (hd // 2), 0)
+                if self.to_hf:  # the target's contiguous half-head <- the source's strided rows
+                    out.append(Piece(rows, (hd // 2, cols), src, (h, 0, a, 0), source_view=view,
+                                     src_sizes=(1, hd // 2, 1, cols)))
+                else:  # the target's strided rows <- the source's contiguous half-head
+                    out.append(Piece((h, 0, a, 0), (1, hd // 2, 1, cols), src, rows, squeeze=(0, 2), target_view=view,
+                                     src_sizes=(hd // 2, cols)))
+        return out
+
+
 class Mapping:
     """Target names -> boxes of stored tensors (module doc). Rules are tried in order; a
     target no rule takes is read under its own name."""
@@ -268,6 +318,23 @@ class Mapping:
         ])
 
     @staticmethod
+    def hf_from_torchtitan(config: Any = None, *, num_heads: int | None = None, num_kv_heads: int | None = None
+                           ) -> "Mapping":
+        """Hugging Face Llama names (targets) read from torchtitan's Llama names (stored),
+        ``wq``/``wk`` rows permuted between the rotary layouts as Hugging Face's conversion
+        script does: a torchtitan checkpoint loads into a ``transformers`` model."""
+        heads, kv = _heads(config, num_heads, num_kv_heads, "Mapping.hf_from_torchtitan")
+        return Mapping(_titan_rules(heads, kv, to_hf=True))
+
+    @staticmethod
+    def torchtitan_from_hf(config: Any = None, *, num_heads: int | None = None, num_kv_heads: int | None = None
+                           ) -> "Mapping":
+        """torchtitan's Llama names (targets) read from Hugging Face's (stored): the inverse
+        of :meth:`hf_from_torchtitan`."""
+        heads, kv = _heads(config, num_heads, num_kv_heads, "Mapping.torchtitan_from_hf")
+        return Mapping(_titan_rules(heads, kv, to_hf=False))
+
+    @staticmethod
     def fused(config: Any = None, *, tp_rank: int = 0, tp_size: int = 1, num_heads: int | None = None,
               num_kv_heads: int | None = None, prefix: str = "model.") -> "Mapping":
         """Hugging Face Llama-family names (Llama, Qwen2, Mistral) -> the fused serving layout
@@ -277,11 +344,7 @@ class Mapping:
         their input dimension; ``embed_tokens``/``lm_head`` along the vocabulary; everything
         else (norms) whole. ``config``: a ``transformers`` config (heads read from it), or
         give ``num_heads``/``num_kv_heads``."""
-        heads = num_heads if num_heads is not None else getattr(config, "num_attention_heads", None)
-        kv = num_kv_heads if num_kv_heads is not None else getattr(config, "num_key_value_heads", None) or heads
-        if not isinstance(heads, int) or not isinstance(kv, int) or heads <= 0 or kv <= 0:
-            raise MappingError("Mapping.fused needs the attention heads: pass a transformers config or "
-                               "num_heads= and num_kv_heads=")
+        heads, kv = _heads(config, num_heads, num_kv_heads, "Mapping.fused")
         if not (isinstance(tp_size, int) and isinstance(tp_rank, int) and tp_size >= 1 and 0 <= tp_rank < tp_size):
             raise MappingError(f"Mapping.fused: tp_rank {tp_rank!r} of tp_size {tp_size!r} is not a rank of the group")
         tp = (tp_rank, tp_size)
@@ -311,7 +374,7 @@ class Mapping:
         out = rule.pieces(name, tuple(shape), source_shape)
         covered = 0
         for pc in out:
-            sshape = source_shape(pc.source)
+            sshape = pc.source_view or source_shape(pc.source)
             if sshape is None:
                 raise TensorMissingError(f"mapping: target {name!r} needs {pc.source!r}, which the checkpoint does "
                                          "not hold")
@@ -319,13 +382,61 @@ class Mapping:
             if len(ss) != len(sshape) or any(o < 0 or o + s > n for o, s, n in zip(pc.source_offsets, ss, sshape)):
                 raise MappingError(f"mapping: target {name!r} reads {list(ss)} from {pc.source!r} at "
                                    f"{list(pc.source_offsets)}, outside its shape {list(sshape)}")
-            if any(o < 0 or o + s > n for o, s, n in zip(pc.offsets, pc.sizes, shape)):
+            if any(o < 0 or o + s > n for o, s, n in zip(pc.offsets, pc.sizes, pc.target_view or shape)):
                 raise MappingError(f"mapping: a piece of target {name!r} lies outside its shape {list(shape)}")
             covered += math.prod(pc.sizes)
         if covered != math.prod(shape):
             raise MappingError(f"mapping: the pieces of target {name!r} cover {covered} of its {math.prod(shape)} "
                                "elements")
         return out
+
+
+def _heads(config: Any, num_heads: int | None, num_kv_heads: int | None, what: str) -> tuple[int, int]:
+    heads = num_heads if num_heads is not None else getattr(config, "num_attention_heads", None)
+    kv = num_kv_heads if num_kv_heads is not None else getattr(config, "num_key_value_heads", None) or heads
+    if not isinstance(heads, int) or not isinstance(kv, int) or heads <= 0 or kv <= 0:
+        raise MappingError(f"{what} needs the attention heads: pass a transformers config or num_heads= and "
+                           "num_kv_heads=")
+    return heads, kv
+
+
+#: (torchtitan, Hugging Face) names of a Llama, as regular expressions of the layer index
+_TITAN_NAMES = [
+    (r"tok_embeddings\.weight", r"model.embed_tokens.weight"),
+    (r"layers\.(\d+)\.attention\.wv\.weight", r"model.layers.\1.self_attn.v_proj.weight"),
+    (r"layers\.(\d+)\.attention\.wo\.weight", r"model.layers.\1.self_attn.o_proj.weight"),
+    (r"layers\.(\d+)\.feed_forward\.w1\.weight", r"model.layers.\1.mlp.gate_proj.weight"),
+    (r"layers\.(\d+)\.feed_forward\.w2\.weight", r"model.layers.\1.mlp.down_proj.weight"),
+    (r"layers\.(\d+)\.feed_forward\.w3\.weight", r"model.layers.\1.mlp.up_proj.weight"),
+    (r"layers\.(\d+)\.attention_norm\.weight", r"model.layers.\1.input_layernorm.weight"),
+    (r"layers\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
+    (r"norm\.weight", r"model.norm.weight"),
+    (r"output\.weight", r"lm_head.weight"),
+]
+
+
+def _titan_rules(heads: int, kv: int, to_hf: bool) -> list[Rule]:
+    """Renames both ways between torchtitan's and Hugging Face's Llama names, and the rotary
+    permutation of q (``heads``) and k (``kv`` heads)."""
+    def regex(name: str) -> str:  # a replacement string as the pattern of the other direction
+        return re.escape(name).replace(r"\\1", r"(\d+)").replace(r"\1", r"(\d+)")
+
+    def repl(pattern: str) -> str:  # a pattern as the replacement of the other direction
+        return pattern.replace(r"(\d+)", r"\1").replace("\\.", ".")
+
+    rules: list[Rule] = []
+    for titan, hf in _TITAN_NAMES:
+        if to_hf:
+            rules.append(_Rename(re.compile(regex(hf)), repl(titan)))
+        else:
+            rules.append(_Rename(re.compile(titan), hf))
+    for x, h in (("q", heads), ("k", kv)):
+        titan, hf = rf"layers\.(\d+)\.attention\.w{x}\.weight", rf"model.layers.\1.self_attn.{x}_proj.weight"
+        if to_hf:
+            rules.append(_Rotary(re.compile(regex(hf)), repl(titan), h, True))
+        else:
+            rules.append(_Rotary(re.compile(titan), hf, h, False))
+    return rules
 
 
 def expand(entries: list, mapping: Mapping, source_shape: Callable[[str, str], Shape | None]) -> list:
@@ -341,6 +452,9 @@ def expand(entries: list, mapping: Mapping, source_shape: Callable[[str, str], S
             out.append(e)
             continue
         lay = e.layout
+        if any(pc.target_view or pc.source_view for pc in pieces):
+            out += _viewed(e, pieces, source_shape)
+            continue
         if lay.flat is not None:
             if len(pieces) == 1 and isinstance(mapping.rule_for(e.name), _Rename):
                 out.append(Entry(e.role, pieces[0].source, e.local, lay, (), e.per_rank))
@@ -365,6 +479,31 @@ def expand(entries: list, mapping: Mapping, source_shape: Callable[[str, str], S
             sshape = source_shape(e.role, pc.source)
             assert sshape is not None
             out.append(Entry(e.role, pc.source, view, Layout(tuple(sshape), src_off, sizes, None, lay.replica)))
+    return out
+
+
+def _viewed(e, pieces: list[Piece], source_shape) -> list:
+    """Entries of pieces that view the target or the source in another shape (permuted rows):
+    whole targets only, the box views made without copies."""
+    from .state import Entry
+
+    if not e.layout.is_full or e.layout.flat is not None:
+        raise NotImplementedError(f"mapping: target {e.role}/{e.name} is a part of its tensor; rows permuted by a "
+                                  "mapping (the rotary layouts) are read into whole targets only so far")
+    out = []
+    for pc in pieces:
+        try:
+            t = e.local.view(pc.target_view) if pc.target_view else e.local
+            view = t[tuple(slice(o, o + s) for o, s in zip(pc.offsets, pc.sizes))]
+            for d in sorted(pc.squeeze, reverse=True):
+                view = view.select(d, 0)
+            view = view.view(pc.source_sizes())
+        except RuntimeError as err:
+            raise NotImplementedError(f"mapping: target {e.role}/{e.name} (strides {list(e.local.stride())}) cannot be "
+                                      f"viewed as the mapping's pieces without a copy: {err}") from None
+        shape = pc.source_view or source_shape(e.role, pc.source)
+        out.append(Entry(e.role, pc.source, view, Layout(tuple(shape), tuple(pc.source_offsets), pc.source_sizes(),
+                                                         None, e.layout.replica), reshaped=pc.source_view is not None))
     return out
 
 

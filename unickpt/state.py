@@ -108,6 +108,9 @@ class Entry:
     """Other names of this role whose tensor is the same memory (tied weights)."""
     per_rank: bool = False
     """A :func:`per_rank` tensor: ``layout`` is row ``rank`` of a ``(world, *shape)`` tensor."""
+    reshaped: bool = False
+    """A mapping's piece (:mod:`unickpt.mapping`): ``layout.shape`` views the stored tensor in
+    another shape of the same elements (row-major, the same bytes)."""
 
     @property
     def key(self) -> tuple[str, str]:

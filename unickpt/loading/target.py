@@ -4,6 +4,7 @@ is missing and unexpected."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -97,7 +98,7 @@ def validate(entries: list[Entry], man: Manifest, ckpt: str, world: int = 1, cas
             if stored.shape[0] != world and tuple(stored.shape[1:]) == tuple(e.layout.shape[1:]):
                 skipped.append(f"{e.role}/{e.name}: per-rank value saved by {stored.shape[0]} ranks, not restored on {world}")
                 continue
-        if tuple(e.layout.shape) != stored.shape:
+        if tuple(e.layout.shape) != stored.shape and not (e.reshaped and math.prod(e.layout.shape) == math.prod(stored.shape)):
             raise ShapeMismatchError(
                 f"{ckpt}/{stored.file}: tensor {e.name!r} (role {e.role}) is stored with shape {list(stored.shape)}, "
                 f"the target has global shape {list(e.layout.shape)}"
@@ -112,9 +113,9 @@ def validate(entries: list[Entry], man: Manifest, ckpt: str, world: int = 1, cas
             local = torch.empty(e.local.shape, dtype=torch_dtype(stored.dtype), device=e.local.device)
             casts.append((e.local, local, f"{e.role}/{e.name}: {stored.dtype} -> {tdt}"))
         if key != e.key:
-            e = Entry(e.role, key[1], local, e.layout)
+            e = Entry(e.role, key[1], local, e.layout, reshaped=e.reshaped)
         elif local is not e.local:
-            e = Entry(e.role, e.name, local, e.layout, e.aliases, e.per_rank)
+            e = Entry(e.role, e.name, local, e.layout, e.aliases, e.per_rank, e.reshaped)
         keep.append(e)
     _check_overlaps(keep)
     return keep, missing, skipped, covered, casts
