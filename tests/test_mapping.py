@@ -309,3 +309,37 @@ def test_torchtitan_and_hugging_face_llama_names_both_ways_with_the_rotary_rows(
         half = torch.zeros(16, 32, dtype=torch.bfloat16)
         unickpt.load({"model": {"layers.0.attention.wq.weight": unickpt.shard(half, (32, 32), offsets=(0, 0))}}, path,
                      options=unickpt.LoadOptions(mapping=unickpt.Mapping.torchtitan_from_hf(config)))
+
+
+def test_a_rule_whose_pieces_overlap_or_leave_a_gap_is_refused(saved):
+    """A user's own rule: pieces that cover the target's element count but overlap (so some
+    element is never written) are refused, as are pieces outside the source."""
+    from unickpt.mapping import Piece, Rule
+
+    path, sd, _ = saved["llama"]
+
+    class Overlapping(Rule):
+        def __init__(self, rows_b):
+            self.rows_b = rows_b
+
+        def match(self, name):
+            return name == "w"
+
+        def pieces(self, name, shape, source_shape):
+            half = shape[0] // 2
+            return [Piece((0, 0), (half, shape[1]), "model.embed_tokens.weight", (0, 0)),
+                    Piece((self.rows_b, 0), (half, shape[1]), "model.embed_tokens.weight", (0, 0))]
+
+    target = torch.zeros(8, 32, dtype=torch.bfloat16)
+    with pytest.raises(MappingError, match="overlap"):
+        unickpt.load({"model": {"w": target}}, path, options=unickpt.LoadOptions(mapping=unickpt.Mapping([Overlapping(2)])))
+    assert not target.any()
+    unickpt.load({"model": {"w": target}}, path, options=unickpt.LoadOptions(mapping=unickpt.Mapping([Overlapping(4)])))
+    assert torch.equal(target[4:], sd["model.embed_tokens.weight"][:4])
+
+    class Outside(Overlapping):
+        def pieces(self, name, shape, source_shape):
+            return [Piece((0, 0), tuple(shape), "model.embed_tokens.weight", (62, 0))]
+
+    with pytest.raises(MappingError, match="outside its shape"):
+        unickpt.load({"model": {"w": target}}, path, options=unickpt.LoadOptions(mapping=unickpt.Mapping([Outside(0)])))

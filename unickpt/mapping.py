@@ -388,7 +388,31 @@ class Mapping:
         if covered != math.prod(shape):
             raise MappingError(f"mapping: the pieces of target {name!r} cover {covered} of its {math.prod(shape)} "
                                "elements")
+        _disjoint(name, out)  # (with the count above: they tile the target, no element twice or never)
         return out
+
+
+def _disjoint(name: str, pieces: list[Piece]) -> None:
+    """Refuse pieces of one target that overlap (an element written twice means another is
+    never written). Boxes compared pairwise, 256 at a time against all (numpy)."""
+    import numpy as np
+
+    views = {p.target_view for p in pieces}
+    if len(pieces) < 2 or len(views) > 1:
+        if len(views) > 1:
+            raise MappingError(f"mapping: the pieces of target {name!r} view it in different shapes")
+        return
+    lo = np.array([p.offsets for p in pieces], dtype=np.int64)
+    hi = lo + np.array([p.sizes for p in pieces], dtype=np.int64)
+    for a in range(0, len(pieces), 256):
+        both = (lo[a:a + 256, None, :] < hi[None, :, :]) & (lo[None, :, :] < hi[a:a + 256, None, :])
+        over = both.all(axis=2)
+        idx = np.arange(a, min(a + 256, len(pieces)))
+        over[np.arange(len(idx)), idx] = False  # (a box overlaps itself)
+        if over.any():
+            i, j = (int(v) for v in np.argwhere(over)[0])
+            raise MappingError(f"mapping: pieces of target {name!r} from {pieces[a + i].source!r} and "
+                               f"{pieces[j].source!r} overlap")
 
 
 def _heads(config: Any, num_heads: int | None, num_kv_heads: int | None, what: str) -> tuple[int, int]:
