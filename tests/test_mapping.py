@@ -343,3 +343,61 @@ def test_a_rule_whose_pieces_overlap_or_leave_a_gap_is_refused(saved):
 
     with pytest.raises(MappingError, match="outside its shape"):
         unickpt.load({"model": {"w": target}}, path, options=unickpt.LoadOptions(mapping=unickpt.Mapping([Outside(0)])))
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@st.composite
+def _attention(draw):
+    """A random attention shape: heads, KV heads dividing them, head dim (even), columns, and
+    a TP degree that divides the heads and divides or is divided by the KV heads."""
+    kv = draw(st.sampled_from([1, 2, 4]))
+    heads = kv * draw(st.sampled_from([1, 2, 3]))
+    tp = draw(st.sampled_from([n for n in (1, 2, 3, 4, 6, 8) if heads % n == 0 and (kv % n == 0 or n % kv == 0)]))
+    return heads, kv, 2 * draw(st.integers(1, 3)), draw(st.integers(1, 5)), tp
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shape=_attention(), seed=st.integers(0, 2**16))
+def test_property_fused_shards_and_rotary_round_trips_over_random_shapes(tmp_path_factory, shape, seed):
+    """Over random head counts, head dims, widths and TP degrees: each TP rank's fused q/k/v
+    rows equal slicing by hand; the TP ranks' shards, put back by hand, are the stored
+    tensors (serving -> training); and torchtitan_from_hf after hf_from_torchtitan is the
+    identity (the rotary permutations are each other's inverse)."""
+    heads, kv, hd, cols, tp = shape
+    g = torch.Generator().manual_seed(seed)
+    sd = {f"model.layers.0.self_attn.{x}_proj.weight": torch.randn(n * hd, cols, generator=g)
+          for x, n in (("q", heads), ("k", kv), ("v", kv))}
+    root = tmp_path_factory.mktemp("prop")
+    unickpt.save({"model": sd}, str(root / "hf"))
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    qs, ks, vs = [], [], []
+    for r in range(tp):
+        rows = (heads // tp + 2 * max(1, kv // tp)) * hd
+        target = torch.full((rows, cols), float("nan"))
+        unickpt.load({"model": {name: target}}, str(root / "hf"), options=unickpt.LoadOptions(
+            mapping=unickpt.Mapping.fused(num_heads=heads, num_kv_heads=kv, tp_rank=r, tp_size=tp)))
+        q, k, v = torch.split(target, [heads // tp * hd, max(1, kv // tp) * hd, max(1, kv // tp) * hd])
+        assert torch.equal(q, _tp(sd["model.layers.0.self_attn.q_proj.weight"], 0, heads, r, tp))
+        assert torch.equal(k, _tp(sd["model.layers.0.self_attn.k_proj.weight"], 0, kv, r, tp))
+        qs.append(q)
+        if kv % tp == 0 or r % (tp // kv) == 0:  # (replicated KV heads: one copy of each)
+            ks.append(k)
+            vs.append(v)
+    assert torch.equal(torch.cat(qs), sd["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(torch.cat(ks), sd["model.layers.0.self_attn.k_proj.weight"])
+    assert torch.equal(torch.cat(vs), sd["model.layers.0.self_attn.v_proj.weight"])
+    # rotary: HF -> torchtitan (a checkpoint of its own) -> HF is the identity
+    titan = {"layers.0.attention.wq.weight": torch.zeros(heads * hd, cols),
+             "layers.0.attention.wk.weight": torch.zeros(kv * hd, cols)}
+    unickpt.load({"model": titan}, str(root / "hf"), options=unickpt.LoadOptions(
+        mapping=unickpt.Mapping.torchtitan_from_hf(num_heads=heads, num_kv_heads=kv)))
+    assert torch.equal(titan["layers.0.attention.wq.weight"], _meta(sd["model.layers.0.self_attn.q_proj.weight"], heads))
+    unickpt.save({"model": titan}, str(root / "titan"))
+    back = {k: torch.zeros_like(v) for k, v in sd.items() if ".v_proj." not in k}
+    unickpt.load({"model": back}, str(root / "titan"), options=unickpt.LoadOptions(
+        mapping=unickpt.Mapping.hf_from_torchtitan(num_heads=heads, num_kv_heads=kv)))
+    for k, v in back.items():
+        assert torch.equal(v, sd[k]), k
