@@ -98,8 +98,11 @@ class Compression:
         if self.lossless and self.zstd is not None:
             raise InvalidArgumentError("lossless=True replaces zstd (it entropy-codes every file's byte planes): "
                                        "pass one of the two")
-        if not (isinstance(self.eps, (int, float)) and math.isfinite(self.eps) and self.eps > 0):
-            raise InvalidArgumentError(f"eps must be a finite number > 0, got {self.eps!r}")
+        if not (isinstance(self.eps, (int, float)) and 1.1754944e-38 <= self.eps <= 3.4028234e38):
+            # (a float32 normal number: the second moment's grid starts at sqrt(v) + eps in float32; a
+            # subnormal or zero eps puts codes off, an infinite one makes a checkpoint no load accepts)
+            raise InvalidArgumentError(f"eps must be a number in [1.2e-38, 3.4e38] (a float32 normal number > 0), "
+                                       f"got {self.eps!r}")
         if type(self.block) is not int or not 2 <= self.block <= MAX_BLOCK or self.block % 2:
             raise InvalidArgumentError(f"block must be an even integer in 2..2^20, got {self.block!r}")
         if self.rounding not in ("stochastic", "nearest"):

@@ -48,7 +48,7 @@ def encode_chunk(tag: dict, x: torch.Tensor, start: int, what: str = "", stats: 
     bytes)``. ``what``: the tensor, as errors name it. ``stats``: the chunk's quantization
     error is added to it (computed by the encoder from the codes it made, while the chunk is
     in cache; :func:`unickpt.compress.merge_error`, :func:`unickpt.compress.error_record`)."""
-    return get(tag["codec"]).encode(tag, x, start, what, stats)
+    return of_tag(tag).encode(tag, x, start, what, stats)  # (the tag checked, as decode_range checks it)
 
 
 def chunk_elems(tag: dict, bucket_elems: int) -> int:
@@ -69,6 +69,8 @@ def decode_range(tag: dict, parts: dict[str, torch.Tensor], lo: int, hi: int,
     :func:`byte_ranges` says, or a missing model weight, raise :class:`FormatError`."""
     name = tag.get("codec") if isinstance(tag, dict) else None
     codec = of_tag(tag)
+    if not (type(lo) is int and type(hi) is int and 0 <= lo <= hi < 1 << 62):
+        raise FormatError(f"codec {name}: elements [{lo!r}, {hi!r}) are not a range inside [0, 2^62)")
     for p, (b, e) in codec.byte_ranges(tag, lo, hi).items():
         x = parts.get(p) if isinstance(parts, dict) else None
         if not isinstance(x, torch.Tensor) or x.numel() * x.element_size() != e - b:

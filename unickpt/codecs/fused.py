@@ -86,23 +86,26 @@ def bits_max(xi):
 
 @fast
 def err_sums(x, dec):
-    """Sums of squared errors of ``dec`` against ``x`` and of squares of ``x``; ``dec``
-    overwritten with ``|error|``. Fast-math: values checked finite, a measurement."""
-    e2 = np.float32(0.0)
-    x2 = np.float32(0.0)
+    """Sums of squared errors of ``dec`` against ``x`` and of squares of ``x``, in float64
+    (squares of values near float32's largest overflow float32); ``dec`` overwritten with
+    ``|error|`` (at most FLT_MAX). Fast-math: values checked finite, a measurement."""
+    e2 = 0.0
+    x2 = 0.0
     for i in range(x.size):
-        d = dec[i] - x[i]
+        xi = np.float64(x[i])
+        d = np.float64(dec[i]) - xi
         e2 += d * d
-        x2 += x[i] * x[i]
-        dec[i] = abs(d)
+        x2 += xi * xi
+        d = abs(d)
+        dec[i] = np.float32(d if d < FLT_MAX else FLT_MAX)
     return e2, x2
 
 
 @jit
 def record(stats, x, dec):
     """Add the error of the decoded values ``dec`` (overwritten) of ``x`` to ``stats``:
-    ``[sum of squared errors, sum of squares, max |error|, scratch]``, sums in float32
-    per run and float64 across (a measurement)."""
+    ``[sum of squared errors, sum of squares, max |error|, scratch]``, sums in float64
+    (a measurement: their last digits depend on how the tensor was cut)."""
     e2, x2 = err_sums(x, dec)
     stats[0] += e2
     stats[1] += x2
@@ -166,7 +169,10 @@ def enc_sym8(x, group, codes, scale, stats, dbuf):
                     if mb > np.int32(0x7F7FFFFF):
                         return g * group + bad_index(x[g * group : min(n, (g + 1) * group)], False)
                     box[0] = mb
-                    scale[g] = boxf[0] / np.float32(127.0)
+                    s = boxf[0] / np.float32(127.0)
+                    while s * np.float32(127.0) > FLT_MAX:  # (127 s must not round past float32's largest)
+                        s = s * np.float32(0.99999994)
+                    scale[g] = s
                 s = scale[g]
                 inv = np.float32(1.0) / s if s > 0 else np.float32(0.0)
                 sym_codes(x[ga:gb], inv, s, codes[ga:gb], dbuf[ga - r : gb - r])
@@ -386,23 +392,31 @@ def w_codes(wbits, ws, us, lo2, inv2, step, c, rho, L, lo, hi, eps, seeded, wide
 
 
 @jit
-def w_search(ws, us, wt, vt, seeded, L, ks, dec):
-    """Codes of a narrow group (levels closer than log2's error): each ``w`` bracketed by
-    the group's level table ``wt`` (``L + 2`` entries, inf last), then rounded as
-    :func:`w_codes` does, from the bracketing levels themselves; ``dec`` from ``vt``."""
+def w_narrow(ws, us, lo, hi, eps, L, seeded, vt, ks, dec):
+    """Codes of a narrow group (a level narrower than :func:`log2_bits`' error) on the
+    decoder's own grid: its float32 step ``(log hi - log lo) / L``, each position
+    ``log(w / lo) / step`` in float64 (libm: such groups are rare), rounded as
+    :func:`w_codes` rounds; ``dec`` the decoder's value of each code (``vt``, filled here)."""
+    step32 = (np.float32(math.log(hi)) - np.float32(math.log(lo))) / np.float32(L)
+    step = np.float64(step32)
+    for k in range(L + 1):
+        w = np.float32(math.exp(np.float32(np.float32(k) * step32))) * lo
+        w = w if w > lo else lo
+        w = (w if w < hi else hi) - eps
+        w = w if w > 0 else np.float32(0.0)
+        vt[k] = w * w
+    den = -math.expm1(-step)
+    llo = math.log(np.float64(lo))
     for i in range(ws.size):
-        w = ws[i]
-        k = np.uint32(0)
-        while w >= wt[k + 1]:
-            k += 1
-        if k < L:
-            lw = wt[k]
-            hw = wt[k + 1]
-            if seeded:
-                up = us[i] * w * (hw - lw) < (w - lw) * hw
-            else:
-                up = np.float64(w) * np.float64(w) >= np.float64(lw) * np.float64(hw)
-            k = k + 1 if up else k
+        p = (math.log(np.float64(ws[i])) - llo) / step if step > 0 else 0.0
+        p = min(max(p, 0.0), np.float64(L))
+        k0 = int(p)
+        f = p - k0
+        if seeded:
+            up = np.float64(us[i]) * den < -math.expm1(-f * step)
+        else:
+            up = f >= 0.5
+        k = k0 + 1 if (up and k0 < L) else k0
         ks[i] = np.int32(k)
         dec[i] = vt[k]
 
@@ -425,7 +439,6 @@ def enc_w(v, group, levels, eps, dither, dpos, packed, codes, lo_out, hi_out, wb
     vi = v.view(np.int32)
     box = np.empty(2, dtype=np.int32)
     boxf = box.view(np.float32)
-    wt = np.empty(L + 2, dtype=np.float32)
     vt = np.empty(L + 1, dtype=np.float32)
     TABLE = 65536
     run = wbuf.size
@@ -474,19 +487,8 @@ def enc_w(v, group, levels, eps, dither, dpos, packed, codes, lo_out, hi_out, wb
                         w_codes(wbits[ga - r : gb - r], wbuf[ga - r : gb - r], us, lo2, inv2, step, -em,
                                 np.float32(1.0) / (np.float32(1.0) + em), L, lo, hi, eps, seeded,
                                 step > np.float32(0.36), ks, dec)
-                    else:  # a level narrower than log2_bits' error (~3e-7): bracket exactly
-                        rho = math.exp(float(step))
-                        w64 = float(lo)
-                        for k in range(L + 1):
-                            wt[k] = np.float32(min(max(w64, float(lo)), float(hi)))
-                            w64 *= rho
-                        wt[L] = hi
-                        wt[L + 1] = np.float32(np.inf)
-                        for k in range(L + 1):
-                            d = wt[k] - eps
-                            d = d if d > 0 else np.float32(0.0)
-                            vt[k] = d * d
-                        w_search(wbuf[ga - r : gb - r], us, wt, vt, seeded, L, ks, dec)
+                    else:  # a level narrower than log2_bits' error (~3e-7): the decoder's own grid
+                        w_narrow(wbuf[ga - r : gb - r], us, lo, hi, eps, L, seeded, vt, ks, dec)
                 else:
                     ks[:] = 0
                     d = lo - eps

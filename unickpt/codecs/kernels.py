@@ -120,7 +120,10 @@ def _fk():
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().cpu().contiguous().numpy()
+    return t.detach().cpu().reshape(-1).contiguous().numpy()
+
+
+FLT_MIN, FLT_MAX = float(torch.finfo(torch.float32).tiny), float(torch.finfo(torch.float32).max)
 
 
 def _scratch(dtype) -> np.ndarray:
@@ -163,10 +166,30 @@ def _groups(start: int, count: int, group: int) -> int:
     return 0 if count <= 0 else (start + count - 1) // group - start // group + 1
 
 
-def _enough(t: torch.Tensor, n: int, what: str) -> None:
-    """The compiled decoders index without bounds checks: their inputs are checked here."""
-    if t.shape[0] < n:
-        raise CodecError(f"{n} {what} needed to decode, {t.shape[0]} given")
+def _enough(t: torch.Tensor, n: int, what: str, dtype: torch.dtype | None = None) -> None:
+    """The compiled kernels index without bounds checks: their inputs are checked here
+    (elements of ``dtype``, when given: counted as the kernel will read them)."""
+    if dtype is not None and t.dtype != dtype:
+        raise CodecError(f"{what}: {dtype} expected, got {t.dtype}")
+    if t.dim() != 1 or t.shape[0] < n:
+        raise CodecError(f"{n} {what} needed, {t.numel()} given" + (f" (shape {list(t.shape)})" if t.dim() != 1 else ""))
+
+
+MAX_INDEX = 1 << 62
+"""Elements and groups the kernels address (int64 arithmetic: no sum of two may overflow);
+the manifest caps shapes below it."""
+
+
+def _check_args(bits: int, group: int, start: int = 0, count: int = 0) -> None:
+    """The arguments every kernel trusts: a positive group (even at 4 bits), a range inside
+    [0, MAX_INDEX)."""
+    if bits not in (4, 8):
+        raise CodecError(f"bits must be 4 or 8, got {bits!r}")
+    if type(group) is not int or not 1 <= group < MAX_INDEX or (bits == 4 and group % 2):
+        raise CodecError(f"group must be an integer in [1, 2^62){' and even at 4 bits' if bits == 4 else ''}, got "
+                         f"{group!r}")
+    if type(start) is not int or type(count) is not int or start < 0 or count < 0 or start + count >= MAX_INDEX:
+        raise CodecError(f"elements [{start}, {start} + {count}) are outside [0, 2^62)")
 
 
 def _gathered(codes: torch.Tensor, packed: bool, tables: torch.Tensor, group: int, start: int, count: int
@@ -177,10 +200,13 @@ def _gathered(codes: torch.Tensor, packed: bool, tables: torch.Tensor, group: in
     out = torch.empty(count, dtype=torch.float32)
     if count:
         nbytes = (start % 2 + count + 1) // 2 if packed else count
+        codes = codes.reshape(-1)
         _enough(codes, nbytes, "codes")
-        _enough(tables, _groups(start, count, group), "groups' values")
-        _fk().dec_table(_np(codes[:nbytes].view(torch.uint8)), packed,
-                                      _np(tables.reshape(-1).float()), tables.shape[-1], group, start, out.numpy())
+        width = 16 if packed else 256
+        if tables.dim() != 2 or tables.shape[1] != width or tables.shape[0] < _groups(start, count, group):
+            raise CodecError(f"{_groups(start, count, group)} groups' {width} values needed, got {list(tables.shape)}")
+        _fk().dec_table(_np(codes[:nbytes].view(torch.uint8)), packed, _np(tables.reshape(-1).float()), width, group,
+                        start, out.numpy())
     return out
 
 
@@ -352,6 +378,7 @@ def encode_m(m: torch.Tensor, bits: int, group: int, what: str = "exp_avg", base
     ``base`` (the tensor element ``m`` starts at) name a refused element in errors.
     ``stats``: the decoded values' error is added to it (:func:`_tally`), computed on the
     chunk while it is in cache."""
+    _check_args(bits, group, base, m.numel())
     m = m.reshape(-1).float()
     qmax = _qmax(bits)
     n = m.numel()
@@ -392,12 +419,13 @@ def decode_m(codes: torch.Tensor, scale: torch.Tensor, bits: int, group: int, st
     ``codes``: for 8 bits the codes of exactly that range; for 4 bits the packed bytes from
     byte ``start // 2`` on. ``scale``: the scales of groups ``start // group`` onwards.
     """
+    _check_args(bits, group, start, count)
     if bits == 8:
         out = torch.empty(count, dtype=torch.float32)
-        _enough(codes, count, "codes")
-        _enough(scale, _groups(start, count, group), "scales")
-        _fk().dec_sym8(_np(codes[:count]), _np(scale[: _groups(start, count, group)]), group, start,
-                                     out.numpy())
+        codes, scale = codes.reshape(-1), scale.reshape(-1)
+        _enough(codes, count, "codes", torch.int8)
+        _enough(scale, _groups(start, count, group), "scales", torch.float32)
+        _fk().dec_sym8(_np(codes[:count]), _np(scale[: _groups(start, count, group)]), group, start, out.numpy())
         return out
 
     def fn(c, s):
@@ -422,8 +450,8 @@ def encode_mlog(m: torch.Tensor, group: int, ratio: float = M_RATIO, what: str =
     each value takes the level nearest in log space (below the smallest: zero or the smallest,
     whichever is nearer). Relative, not absolute, error: small values in a group with a
     large one are not flushed to zero as 15 linear levels flush everything below absmax/14."""
-    if group % 2:
-        raise ValueError(f"O2 block size must be an even number >= 2, got {group}")
+    _check_args(4, group, base, m.numel())
+    _check_ratio(ratio)
     m = m.reshape(-1).float()
     n = m.numel()
     scale = torch.empty(-(-n // group), dtype=torch.float32)
@@ -442,6 +470,11 @@ def encode_mlog(m: torch.Tensor, group: int, ratio: float = M_RATIO, what: str =
     return codes, scale
 
 
+def _check_ratio(ratio: float) -> None:
+    if not (isinstance(ratio, (int, float)) and 1 < ratio <= 16):
+        raise CodecError(f"ratio must be a number in (1, 16], got {ratio!r}")
+
+
 def _mlog_values(q: torch.Tensor, scale: torch.Tensor, inv_lr: float, tmp: torch.Tensor | None = None
                  ) -> torch.Tensor:
     """Values of signed level indices ``q`` (float, in [-7, 7], overwritten):
@@ -454,7 +487,11 @@ def decode_mlog(codes: torch.Tensor, scale: torch.Tensor, group: int, ratio: flo
                 ) -> torch.Tensor:
     """Elements ``[start, start+count)`` from :func:`encode_mlog`'s codes (packed bytes from
     byte ``start // 2`` on) and the scales of groups ``start // group`` onwards."""
+    _check_args(4, group, start, count)
+    _check_ratio(ratio)
     ng = _groups(start, count, group)
+    scale = scale.reshape(-1)
+    _enough(scale, ng, "scales", torch.float32)
     # the 16 values per unit scale (code 0, which no encoder writes, reads as -7), then per group
     unit = _mlog_values(torch.arange(16, dtype=torch.float32).sub_(8).clamp_(-7, 7), torch.ones(()), 1 / math.log(ratio))
     tables = scale[:ng, None].mul(unit)
@@ -484,9 +521,10 @@ def _v_groups(v: torch.Tensor, a: int, b: int, group: int, buf: torch.Tensor, wh
 def _v_outputs(v: torch.Tensor, bits: int, group: int, eps: float, what: str, of: str):
     """The second-moment encoders' inputs and outputs: ``v`` flat fp32 (``eps`` > 0 checked),
     levels, length, per-group lo/hi, codes and a group-aligned scratch buffer."""
+    _check_args(bits, group)
     v = v.reshape(-1).float()
-    if not eps > 0:
-        raise CodecError(f"{what}: eps must be > 0 to quantize {of}, got {eps}")
+    if not (isinstance(eps, (int, float)) and FLT_MIN <= eps <= FLT_MAX):  # (float32 normal: the grid's floor)
+        raise CodecError(f"{what}: eps must be a float32 normal number > 0 to quantize {of}, got {eps}")
     n = v.numel()
     n_groups = -(-n // group)
     codes = torch.empty(n, dtype=torch.uint8) if bits == 8 else torch.empty(-(-n // 2), dtype=torch.uint8)
@@ -501,8 +539,7 @@ def encode_w(v: torch.Tensor, bits: int, group: int, eps: float, what: str = "ex
     ``seed``: stochastic rounding with ``E[1/w'] = 1/w`` (the update Adam makes is unbiased);
     else to the nearest level in log space."""
     v, levels, n, lo_all, hi_all, codes, _ = _v_outputs(v, bits, group, eps, what, "sqrt(v) + eps")
-    if bits == 4 and group % 2:
-        raise ValueError(f"O2 block size must be an even number >= 2, got {group}")
+    _check_args(bits, group, base, n)
     dpos = -1 if seed is None else (base + (seed * 0x9E3779B97F4A7C15 >> 16)) % DITHER_TABLE
     x = _np(v)
     err = _errors(stats)
@@ -518,21 +555,31 @@ def _w_values(k: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, step: torch.T
     """v of grid positions ``k`` (float, overwritten): ``w = lo * e^(k step)`` clamped to
     ``[lo, hi]``, ``v = max(w - eps, 0)^2``."""
     w = k.mul_(step).exp_().mul_(lo)
-    return torch.minimum(torch.maximum(w, lo), hi).sub_(eps).clamp_(min=0).square_()
+    return torch.minimum(torch.maximum(w, lo), hi).sub_(eps).clamp_(min=0).square_().clamp_(max=FLT_MAX)
 
 
 def decode_w(codes, lo, hi, bits: int, group: int, eps: float, start: int, count: int) -> torch.Tensor:
     """Elements ``[start, start+count)`` of v from :func:`encode_w`'s codes; arguments as in
     :func:`decode_m`. Decoded ``w`` is clamped to its group's ``[lo, hi]`` (no rounding of
     ``exp`` can leave it)."""
+    _check_args(bits, group, start, count)
     levels = (1 << bits) - 1
+    ng = _groups(start, count, group)
+    lo, hi = lo.reshape(-1), hi.reshape(-1)
+    _enough(lo, ng, "groups' lo", torch.float32)
+    _enough(hi, ng, "groups' hi", torch.float32)
 
     def fn(c, gl, gh):
+        wide = (gh / gl).log() > 88.0  # exp(k step) past float32 (a range hi/lo > 3.4e38, tiny eps)
+        if bool(wide.any()):  # those groups in float64: lo * e^(k step) as e^(k step + log lo)
+            l64, h64 = gl.double(), gh.double()
+            w = (c.double() * ((h64.log() - l64.log()) / levels) + l64.log()).exp()
+            v64 = torch.minimum(torch.maximum(w, l64), h64).sub(eps).clamp(min=0).square().clamp(max=FLT_MAX).float()
+            return torch.where(wide, v64, _w_values(c, gl, gh, gh.log().sub_(gl.log()).div_(levels), eps))
         return _w_values(c, gl, gh, gh.log().sub_(gl.log()).div_(levels), eps)
 
     if group <= levels:  # shorter groups than their level tables: per element
         return _decode(codes, bits, group, start, count, (lo, hi), fn)
-    ng = _groups(start, count, group)
     gl, gh = lo[:ng, None], hi[:ng, None]
     tables = fn(torch.arange(levels + 1, dtype=torch.float32).expand(ng, levels + 1).clone(), gl, gh)
     return _gathered(codes, bits == 4, tables, group, start, count)
@@ -605,11 +652,15 @@ def merge_master(model_bf16: torch.Tensor, low: torch.Tensor, exc_index: torch.T
                  start: int = 0) -> torch.Tensor:
     """fp32 master weights of elements ``[start, start+n)`` from the bf16 weights and low
     halves of that range; exceptions are given by full-tensor index (others are ignored)."""
+    if model_bf16.dtype != torch.bfloat16:
+        raise CodecError(f"model weights: bfloat16 expected, got {model_bf16.dtype}")
     hb = model_bf16.reshape(-1).contiguous().view(torch.int16)
     out = torch.empty(hb.numel(), dtype=torch.int32)
     low = low.reshape(-1)
-    _enough(low, hb.numel(), "low halves")
-    _fk().merge_master(hb.numpy(), _np(low.view(torch.int16)), out.numpy())
+    _enough(low, hb.numel(), "low halves", torch.int16)
+    if exc_index.numel() != exc_bits.numel():
+        raise CodecError(f"{exc_index.numel()} exception indices, {exc_bits.numel()} exception values")
+    _fk().merge_master(hb.numpy(), _np(low), out.numpy())
     if exc_index.numel():
         sel = (exc_index >= start) & (exc_index < start + hb.numel())
         out[exc_index[sel] - start] = exc_bits[sel]

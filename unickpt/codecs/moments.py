@@ -125,10 +125,14 @@ class _FirstMoment(Quantized):
     moment = "m"
     scale_bytes = 4
 
+    #: the largest code magnitude a decoder multiplies the scale by (-128 for 8 bits, -8 for 4)
+    top = 1.0
+
     def _scale(self, scale: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
-            raise FormatError(f"codec {self.name}: a group's scale (absmax) of elements [{lo}, {hi}) is negative or not "
-                              "finite: no encoder writes one")
+        if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()) or bool(
+                (scale > torch.finfo(torch.float32).max / self.top).any()):
+            raise FormatError(f"codec {self.name}: a group's scale (absmax) of elements [{lo}, {hi}) is negative, not "
+                              "finite, or so large that its codes decode past float32's range: no encoder writes one")
         return scale
 
 
@@ -138,8 +142,11 @@ class _SecondMoment(Quantized):
 
     def _ranges(self, args: dict, scales: torch.Tensor, lo: int, hi: int, floor: float) -> torch.Tensor:
         sc = scales.view(-1, 2)
+        ceiling = torch.finfo(torch.float32).max
+        if floor:  # w = sqrt(v) + eps: at most sqrt(float32's largest) + eps (a hair of slack for rounding)
+            ceiling = (math.sqrt(ceiling) + float(args["eps"])) * (1 + 2 ** -20)
         if not bool(torch.isfinite(sc).all()) or bool((sc[:, 0] > sc[:, 1]).any()) or bool((sc[:, 0] < floor).any()) \
-                or (floor == 0.0 and bool((sc[:, 0] <= 0).any())):
+                or (floor == 0.0 and bool((sc[:, 0] <= 0).any())) or bool((sc[:, 1] > ceiling).any()):
             raise FormatError(f"codec {self.name}: a group's range [lo, hi] of elements [{lo}, {hi}) is not finite, "
                               f"inverted or below {'eps' if floor else 'zero'}: no encoder writes one")
         return sc
@@ -158,6 +165,7 @@ class Q8Sym(_Symmetric):
     """O1's first moment: ``round(m / s)``, ``s = absmax / 127`` per row."""
 
     name, bits, code_dtype = "q8_sym", 8, "I8"
+    top = 128.0
 
 
 @register
@@ -219,6 +227,7 @@ class Q4Sym(_Symmetric):
     """Earlier checkpoints' O2 first moment (symmetric, 4 bits)."""
 
     name, bits = "q4_sym", 4
+    top = 8.0
 
 
 class _RInv(_SecondMoment):
