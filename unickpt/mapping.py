@@ -85,19 +85,30 @@ class Rule:
         raise NotImplementedError
 
 
-@dataclass(frozen=True)
-class _Rename(Rule):
+class _Pattern(Rule):
+    """A rule for the target names its regular expression ``pattern`` matches whole."""
+
     pattern: re.Pattern
-    repl: str
 
     def match(self, name: str) -> bool:
         return self.pattern.fullmatch(name) is not None
 
-    def source(self, name: str) -> str:
-        return self.pattern.sub(self.repl, name)
+    def source(self, name: str, repl: str, source_shape, what: str = "") -> tuple[str, Shape]:
+        """The stored name ``repl`` gives for ``name``, and its shape (missing: refused)."""
+        src = self.pattern.sub(repl, name)
+        sshape = source_shape(src)
+        if sshape is None:
+            raise TensorMissingError(f"mapping: target {name!r} needs {src!r}{what}, which the checkpoint does not hold")
+        return src, tuple(sshape)
+
+
+@dataclass(frozen=True)
+class _Rename(_Pattern):
+    pattern: re.Pattern
+    repl: str
 
     def pieces(self, name, shape, source_shape):
-        return [Piece((0,) * len(shape), tuple(shape), self.source(name), (0,) * len(shape))]
+        return [Piece((0,) * len(shape), tuple(shape), self.pattern.sub(self.repl, name), (0,) * len(shape))]
 
 
 def _tp_block(n: int, units: int, rank: int, size: int, what: str) -> tuple[int, int]:
@@ -117,7 +128,7 @@ def _tp_block(n: int, units: int, rank: int, size: int, what: str) -> tuple[int,
 
 
 @dataclass(frozen=True)
-class _Fuse(Rule):
+class _Fuse(_Pattern):
     """Target ``pattern`` = its sources (``repls``, one per part) side by side along ``dim``;
     with ``tp`` (rank, size), each source contributes TP rank ``rank``'s block of its rows
     along ``dim`` (``units[i]`` heads: KV heads may be replicated)."""
@@ -128,16 +139,11 @@ class _Fuse(Rule):
     tp: tuple[int, int] | None = None
     units: tuple[int, ...] | None = None
 
-    def match(self, name: str) -> bool:
-        return self.pattern.fullmatch(name) is not None
 
     def pieces(self, name, shape, source_shape):
         out, at = [], 0
         for i, r in enumerate(self.repls):
-            src = self.pattern.sub(r, name)
-            sshape = source_shape(src)
-            if sshape is None:
-                raise TensorMissingError(f"mapping: target {name!r} needs {src!r}, which the checkpoint does not hold")
+            src, sshape = self.source(name, r, source_shape)
             if len(sshape) != len(shape):
                 raise MappingError(f"mapping: target {name!r} has {len(shape)} dimensions, its source {src!r} "
                                    f"{len(sshape)}")
@@ -165,7 +171,7 @@ class _Fuse(Rule):
 
 
 @dataclass(frozen=True)
-class _Split(Rule):
+class _Split(_Pattern):
     """Target ``pattern`` = TP rank ``rank``'s block of source ``repl`` along ``dim``
     (row-parallel weights: ``dim=1``; vocab-parallel embeddings: ``dim=0``)."""
 
@@ -174,14 +180,9 @@ class _Split(Rule):
     dim: int
     tp: tuple[int, int]
 
-    def match(self, name: str) -> bool:
-        return self.pattern.fullmatch(name) is not None
 
     def pieces(self, name, shape, source_shape):
-        src = self.pattern.sub(self.repl, name)
-        sshape = source_shape(src)
-        if sshape is None:
-            raise TensorMissingError(f"mapping: target {name!r} needs {src!r}, which the checkpoint does not hold")
+        src, sshape = self.source(name, self.repl, source_shape)
         if len(sshape) <= self.dim:
             return _Rename(self.pattern, self.repl).pieces(name, shape, source_shape)
         start, n = _tp_block(sshape[self.dim], self.tp[1], self.tp[0], self.tp[1], f"mapping {src!r} -> {name!r}")
@@ -191,7 +192,7 @@ class _Split(Rule):
 
 
 @dataclass(frozen=True)
-class _Stack(Rule):
+class _Stack(_Pattern):
     """Target ``pattern`` (``[E, ...]``): row ``e`` is the sources ``repls`` (``{e}`` replaced
     by the expert index) side by side along the row's dimension ``dim``."""
 
@@ -199,8 +200,6 @@ class _Stack(Rule):
     repls: tuple[str, ...]
     dim: int = 0
 
-    def match(self, name: str) -> bool:
-        return self.pattern.fullmatch(name) is not None
 
     def pieces(self, name, shape, source_shape):
         if len(shape) < 2:
@@ -211,11 +210,7 @@ class _Stack(Rule):
         for e in range(shape[0]):
             at = 0
             for r in self.repls:
-                src = self.pattern.sub(r.replace("{e}", str(e)), name)
-                sshape = source_shape(src)
-                if sshape is None:
-                    raise TensorMissingError(f"mapping: target {name!r} needs {src!r} (expert {e}), which the "
-                                             "checkpoint does not hold")
+                src, sshape = self.source(name, r.replace("{e}", str(e)), source_shape, f" (expert {e})")
                 if len(sshape) != len(row) or any(a != b for d, (a, b) in enumerate(zip(row, sshape)) if d != self.dim):
                     raise MappingError(f"mapping: expert {e} of target {name!r} has shape {list(row)}, its source "
                                        f"{src!r} {list(sshape)}")
@@ -229,7 +224,7 @@ class _Stack(Rule):
 
 
 @dataclass(frozen=True)
-class _Rotary(Rule):
+class _Rotary(_Pattern):
     """Target ``pattern`` = source ``repl`` with each head's rows permuted between the two
     rotary layouts of Llama's q/k weights: Meta's and torchtitan's (the rotary pairs
     interleaved, rows ``2b + a`` of a head) and Hugging Face's (the halves, rows
@@ -242,14 +237,9 @@ class _Rotary(Rule):
     heads: int
     to_hf: bool
 
-    def match(self, name: str) -> bool:
-        return self.pattern.fullmatch(name) is not None
 
     def pieces(self, name, shape, source_shape):
-        src = self.pattern.sub(self.repl, name)
-        sshape = source_shape(src)
-        if sshape is None:
-            raise TensorMissingError(f"mapping: target {name!r} needs {src!r}, which the checkpoint does not hold")
+        src, sshape = self.source(name, self.repl, source_shape)
         if len(shape) != 2 or tuple(sshape) != tuple(shape) or shape[0] % (2 * self.heads):
             raise MappingError(f"mapping: target {name!r} {list(shape)} is not {src!r} {list(sshape)} as {self.heads} "
                                "heads of an even number of rows")

@@ -140,7 +140,11 @@ def _record(stats: list | None, err: np.ndarray, n: int) -> None:
     """Add a kernel's record of ``n`` elements to ``stats`` (:func:`_tally`'s layout)."""
     if stats is None or n == 0:
         return
-    new = [float(err[0]), float(err[1]), float(err[2]), 0.0, n]
+    _merge(stats, [float(err[0]), float(err[1]), float(err[2]), 0.0, n])
+
+
+def _merge(stats: list, new: list) -> None:
+    """``stats`` += one record ``[sum of squared errors, sum of squares, max |error|, 0, n]``."""
     if not stats:
         stats.extend(new)
     else:
@@ -234,14 +238,7 @@ def _tally(stats: list | None, decoded: torch.Tensor, x: torch.Tensor) -> None:
         return
     d = decoded.sub_(x)
     lo, hi = torch.aminmax(d)
-    new = [float(torch.dot(d, d)), float(torch.dot(x, x)), max(-float(lo), float(hi)), 0.0, x.numel()]
-    if not stats:
-        stats.extend(new)
-    else:
-        stats[0] += new[0]
-        stats[1] += new[1]
-        stats[2] = max(stats[2], new[2])
-        stats[4] += new[4]
+    _merge(stats, [float(torch.dot(d, d)), float(torch.dot(x, x)), max(-float(lo), float(hi)), 0.0, x.numel()])
 
 
 def _windows(seed: int, start: int, count: int):
