@@ -35,6 +35,7 @@ _LAZY = {
     "AsyncSave": ".async_save", "load_for_inference": ".inference", "SaveResult": ".saving", "SaveOptions": ".saving",
     "save": ".api", "save_async": ".api", "start_async_writer": ".api", "UnifiedCheckpoint": ".manager",
     "Compression": ".compress", "PerRank": ".state", "per_rank": ".state", "Mapping": ".mapping",
+    "WeightSubscriber": ".publish",
 }
 if TYPE_CHECKING:
     from .api import save, save_async, start_async_writer
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from .loading import LoadOptions, LoadResult, load, read_manifest
     from .manager import UnifiedCheckpoint
     from .mapping import Mapping
+    from .publish import WeightSubscriber
     from .saving import SaveOptions, SaveResult
     from .state import PerRank, per_rank
 
@@ -116,6 +118,7 @@ def __getattr__(name: str):
 __all__ = [
     "Compression",
     "Mapping",
+    "WeightSubscriber",
     "__version__",
     "errors",
     "save",

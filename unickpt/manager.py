@@ -112,6 +112,10 @@ class UnifiedCheckpoint:
         timeout_s: float | None = None,
         group: Any = None,
         on_event: Callable[[dict], None] | None = None,
+        publish_dir: str | os.PathLike | None = None,
+        publish_every: int = 1,
+        publish_dtype: Any = None,
+        publish_keep: int = 2,
     ) -> None:
         """
         Args:
@@ -139,6 +143,11 @@ class UnifiedCheckpoint:
                 else 600 s).
             group: the process group (None: the default group, or one process).
             on_event: called with each event (a dict; see the module doc).
+            publish_dir: live weight updates (docs/serving.md): every ``publish_every`` steps
+                the state's ``"model"`` role, cast to ``publish_dtype`` (None: as it is), is
+                published there as a version for :class:`~unickpt.WeightSubscriber` readers;
+                the newest ``publish_keep`` versions, and every version a reader is reading,
+                are kept. A file system path (local, tmpfs, shared).
         """
         if not isinstance(dir, (str, os.PathLike)) or not os.fspath(dir) or not isinstance(os.fspath(dir), str):
             raise errors.InvalidArgumentError(f"dir must be a non-empty path or URL, got {dir!r}")
@@ -179,6 +188,14 @@ class UnifiedCheckpoint:
                             ", ".join(given))
         _check_apart(self.dir, self.memory_dir, memory_dir)
         self.timeout_s, self.group, self.on_event = timeout_s, group, on_event
+        self.publish_dir = None if publish_dir is None else os.fspath(publish_dir)
+        self.publish_every, self.publish_keep = _whole("publish_every", publish_every, 1), _whole("publish_keep",
+                                                                                                 publish_keep, 1)
+        import torch
+
+        if publish_dtype is not None and not (isinstance(publish_dtype, torch.dtype) and publish_dtype.is_floating_point):
+            raise errors.InvalidArgumentError(f"publish_dtype must be a floating torch dtype or None, got {publish_dtype!r}")
+        self.publish_dtype = publish_dtype
         self.extra: dict[str, Any] = {}
         """Added to every checkpoint's manifest ``extra`` (the trainer records its model config)."""
         self.extra_files: dict[str, str] = {}
@@ -292,6 +309,19 @@ class UnifiedCheckpoint:
             self._snapshot(step, state, durable)
         elif durable:
             self.save(step, state)
+        if self.publish_dir is not None and step % self.publish_every == 0:
+            self._publish(step, state)
+
+    def _publish(self, step: int, state: Mapping[str, Any]) -> None:
+        """The model role as version ``step`` of ``publish_dir`` (collective; unickpt.publish)."""
+        from .publish import publish
+
+        if "model" not in state:
+            raise errors.InvalidArgumentError("publish_dir: the state has no 'model' entry to publish")
+        t0 = time.perf_counter()
+        res = publish(state["model"], self.publish_dir, step, dtype=self.publish_dtype, keep=self.publish_keep,
+                      group=self.group, storage_options=None, timeout_s=self.timeout_s)
+        self._emit({"event": "published", "step": step, "path": res.path, "seconds": time.perf_counter() - t0})
 
     def save(self, step: int, state: Mapping[str, Any]) -> Any:
         """A durable checkpoint of ``step`` now (collective): the :class:`~unickpt.SaveResult`,

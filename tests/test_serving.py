@@ -1,0 +1,202 @@
+"""Live weight updates (issue #41 item 2): a trainer publishes its model every K steps through
+UnifiedCheckpoint; inference ranks of a job of their own, in the fused TP layout, update a
+resident model in place; a version being read is never retired, a torn one never seen,
+whoever is killed when."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+import unickpt
+from tests import dist
+from tests.test_mapping import HF, _fused_expected
+from unickpt.publish import LEASES, retire_unleased
+
+STEPS = 4
+
+
+def _llama():
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**HF)
+    return AutoModelForCausalLM.from_config(config), config
+
+
+def _train_step(model, step: int) -> None:
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.add_(0.01 * (step + 1) * (i + 1))
+
+
+def test_a_resident_model_updates_in_place_to_each_published_version(tmp_path):
+    """One process each side: every update returns the newest version, the serving tensors
+    (fused, bf16) equal the trainer's weights of that step cast to bf16, no tensor is
+    reallocated; with nothing newer, update returns None by its timeout."""
+    model, config = _llama()
+    ckpt = unickpt.UnifiedCheckpoint(tmp_path / "ckpt", publish_dir=tmp_path / "pub", publish_every=2,
+                                     publish_dtype=torch.bfloat16, publish_keep=2)
+    want = {k: v.to(torch.bfloat16) for k, v in _fused_expected(model.state_dict(), config, 0, 1).items()}
+    serving = {k: torch.zeros_like(v) for k, v in want.items()}
+    ptrs = {k: v.data_ptr() for k, v in serving.items()}
+    sub = unickpt.WeightSubscriber(tmp_path / "pub", mapping=unickpt.Mapping.fused(config))
+    assert sub.update(serving, timeout=0.1) is None and sub.version is None
+    for step in range(1, STEPS + 1):
+        _train_step(model, step)
+        ckpt.step(step, {"model": model})
+        if step % 2 == 0:
+            assert sub.update(serving, timeout=5) == step
+            want = {k: v.to(torch.bfloat16) for k, v in _fused_expected(model.state_dict(), config, 0, 1).items()}
+            assert all(torch.equal(serving[k], v) for k, v in want.items())
+    assert {k: v.data_ptr() for k, v in serving.items()} == ptrs
+    assert sub.update(serving, timeout=0.2) is None and sub.version == STEPS
+    ckpt.close(final_save=False)
+    assert sorted(n for n in os.listdir(tmp_path / "pub") if n.startswith("step-")) == ["step-00000002",
+                                                                                       "step-00000004"]
+
+
+def test_a_leased_version_is_kept_and_a_dead_readers_lease_is_not(tmp_path):
+    from unickpt.io.storage import storage_for
+    from unickpt.liveness import me
+    from unickpt.publish import publish
+
+    pub = str(tmp_path / "pub")
+    m = torch.nn.Linear(4, 4)
+    publish(m, pub, 1)
+    os.makedirs(os.path.join(pub, LEASES))
+    live = os.path.join(pub, LEASES, "step-00000001.live")
+    with open(live, "w") as f:
+        f.write(__import__("json").dumps(me()))
+    dead_rec = dict(me(), pid=2**22 + 17)  # a pid that runs nowhere here
+    publish(m, pub, 2, keep=1)
+    publish(m, pub, 3, keep=1)
+    names = sorted(n for n in os.listdir(pub) if n.startswith("step-"))
+    assert names == ["step-00000001", "step-00000003"]  # 1 is read, 2 went
+    os.remove(live)
+    with open(os.path.join(pub, LEASES, "step-00000003.dead"), "w") as f:
+        f.write(__import__("json").dumps(dead_rec))
+    storage, root = storage_for(pub)
+    publish(m, pub, 4, keep=1)
+    assert sorted(n for n in os.listdir(pub) if n.startswith("step-")) == ["step-00000004"]
+    assert os.listdir(os.path.join(pub, LEASES)) == []  # the dead reader's lease is cleared
+    assert retire_unleased(storage, root, 1) == []
+
+
+def _trainer(rank, world, pub, steps):
+    model, _ = _llama()
+    ckpt = unickpt.UnifiedCheckpoint(os.path.join(pub, "..", "ckpt"), publish_dir=pub, publish_every=1,
+                                     publish_dtype=torch.bfloat16, publish_keep=2)
+    for step in range(1, steps + 1):
+        _train_step(model, step)
+        ckpt.step(step, {"model": model})
+        time.sleep(0.2)
+    ckpt.close(final_save=False)
+    return True
+
+
+def _inference(rank, world, pub, steps, die_in_load):
+    """TP rank ``rank`` of ``world``: update until the last version; each version's shard
+    checked against the trainer's weights of that step (recomputed here)."""
+    from unickpt.loading import session
+
+    model, config = _llama()
+    sub = unickpt.WeightSubscriber(pub, mapping=unickpt.Mapping.fused(config, tp_rank=rank, tp_size=world),
+                                   timeout_s=15)
+    serving = {k: torch.zeros_like(v, dtype=torch.bfloat16)
+               for k, v in _fused_expected(model.state_dict(), config, rank, world).items()}
+    if die_in_load and rank == 1:
+        run = session.ReadSession.run
+
+        def dying(self, entries):
+            os.kill(os.getpid(), signal.SIGKILL)
+            return run(self, entries)
+
+        session.ReadSession.run = dying
+    seen = []
+    try:
+        while not seen or seen[-1] < steps:
+            v = sub.update(serving, timeout=60)
+            assert v is not None
+            ref, _ = _llama()
+            for s in range(1, v + 1):
+                _train_step(ref, s)
+            want = _fused_expected({k: t.to(torch.bfloat16) for k, t in ref.state_dict().items()}, config, rank, world)
+            assert all(torch.equal(serving[k], t) for k, t in want.items()), v
+            seen.append(v)
+    except unickpt.errors.UnickptError as e:
+        return ("error", type(e).__name__, sub.version)
+    return ("ok", seen)
+
+
+def test_a_trainer_job_and_an_inference_job_of_other_sizes_on_loopback(tmp_path):
+    """Two jobs of their own (a 2-rank trainer publishing every step, a 2-rank TP inference
+    job in the fused layout): every version an inference rank holds is a whole version, equal
+    to the trainer's weights of that step; the last one arrives."""
+    pub = str(tmp_path / "pub")
+    os.makedirs(pub)
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(trainer=dist.run(_trainer, 2, pub, STEPS)))
+    t.start()
+    try:
+        res = dist.run(_inference, 2, pub, STEPS, False)
+    finally:
+        t.join(120)
+    assert out["trainer"] == [True, True]
+    for kind, seen in res:
+        assert kind == "ok" and seen[-1] == STEPS and seen == sorted(seen)
+
+
+def test_an_inference_rank_killed_mid_update_fails_its_peer_in_bounded_time(tmp_path):
+    """kill -9 of an inference rank inside a load: its peer raises a typed error (bounded by
+    the subscriber's timeout) and knows its model holds no whole version (version None); the
+    dead rank's lease holds nothing back."""
+    from unickpt.publish import publish
+
+    pub = str(tmp_path / "pub")
+    model, _ = _llama()
+    publish(model.state_dict(), pub, 1, dtype=torch.bfloat16)
+    res = dist.run(_inference, 2, pub, 1, True, may_die={1})
+    assert res[1] is None
+    assert res[0][0] == "error" and res[0][2] is None, res
+    publish(model.state_dict(), pub, 2, dtype=torch.bfloat16, keep=1)
+    publish(model.state_dict(), pub, 3, dtype=torch.bfloat16, keep=1)
+    assert sorted(n for n in os.listdir(pub) if n.startswith("step-")) == ["step-00000003"]
+
+
+def _dying_trainer(rank, world, pub):
+    from unickpt.publish import publish
+
+    model, _ = _llama()
+    publish(model.state_dict(), pub, 1, dtype=torch.bfloat16)
+    from unickpt.saving import writer
+
+    orig = writer.RankWriter.__init__
+
+    def dying(self, *a, **k):
+        os.kill(os.getpid(), signal.SIGKILL)
+        orig(self, *a, **k)
+
+    writer.RankWriter.__init__ = dying
+    _train_step(model, 1)
+    publish(model.state_dict(), pub, 2, dtype=torch.bfloat16)
+
+
+def test_a_trainer_killed_mid_publish_leaves_no_version_a_reader_can_see(tmp_path):
+    pub = str(tmp_path / "pub")
+    dist.run(_dying_trainer, 1, pub, may_die={0})
+    model, config = _llama()
+    sub = unickpt.WeightSubscriber(pub)
+    assert sub.newest() == 1
+    target = {k: torch.zeros_like(v, dtype=torch.bfloat16) for k, v in model.state_dict().items()}
+    assert sub.update(target, timeout=1) == 1
+    assert all(torch.equal(target[k], v.to(torch.bfloat16)) for k, v in model.state_dict().items())
+
+
+def test_publishing_to_an_object_store_is_refused_for_now():
+    with pytest.raises(unickpt.errors.NotSupportedError, match="object stores"):
+        unickpt.WeightSubscriber("s3://bucket/pub", storage_options={"key": "x", "secret": "y",
+                                                                   "endpoint_url": "http://127.0.0.1:9"})

@@ -1,0 +1,216 @@
+"""Live weight updates: a trainer publishes versions of its model; inference jobs keep a model
+resident and update it in place (docs/serving.md).
+
+A **version** is an ordinary committed checkpoint ``step-N`` of the model role under the
+publish directory, written by :func:`publish` (``UnifiedCheckpoint(publish_dir=...)`` calls it
+every ``publish_every`` steps): a version appears whole or not at all (the save's atomic
+commit), so a reader never sees a torn one.
+
+A **reader lease** keeps a version from being retired while it is read: before reading
+version N, each rank of a :class:`WeightSubscriber` writes a lease file (its owner record:
+host, pid, start time) under ``.leases/``, holding the directory's commit lock while it
+checks that N is still committed; :func:`publish` retires old versions under the same lock,
+skipping every version a live lease names. A lease is live while its process runs (this
+host) or for :data:`LEASE_STALE_S` after it was written (another host): a reader killed
+mid-read holds nothing back for long. Leases need the lock of a file system (local disk,
+tmpfs, a shared file system); object-store URLs are not supported yet
+(:class:`~unickpt.errors.NotSupportedError`).
+
+A subscriber loads into the model's own tensors (no reallocation), through a
+:class:`~unickpt.Mapping` when its layout differs from the trainer's. If an update fails
+(a rank killed, a damaged byte), the model holds part of the new version: ``version``
+becomes None and the next :meth:`WeightSubscriber.update` loads a whole version again;
+serve only after an update returned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Mapping
+
+import torch
+
+from . import errors
+from ._metrics import log
+from .io.catalog import committed_steps, step_of_name
+from .io.commit import new_token
+from .io.storage import storage_for
+
+__all__ = ["publish", "WeightSubscriber", "LEASE_STALE_S", "retire_unleased"]
+
+LEASES = ".leases"
+LEASE_STALE_S = 600.0
+"""Seconds another host's lease counts as live after it was written (a load longer than this
+from another host may have its version retired under it: the load then fails, typed)."""
+
+
+def _locking_storage(publish_dir, storage_options):
+    storage, root = storage_for(publish_dir, storage_options)
+    if not storage.caps.atomic_rename or not hasattr(storage, "lock"):
+        raise errors.NotSupportedError(f"{os.fspath(publish_dir)}: publishing needs a file system's commit lock (local "
+                                       "disk, tmpfs, a shared file system); object stores are not supported yet")
+    return storage, root
+
+
+def _model_state(model: Any) -> Mapping[str, Any]:
+    if isinstance(model, torch.nn.Module):
+        return model.state_dict()
+    if isinstance(model, Mapping):
+        return model
+    raise errors.InvalidArgumentError(f"a model (torch.nn.Module) or its state dict expected, got {type(model).__name__}")
+
+
+def publish(model: Any, publish_dir: str | os.PathLike, version: int, *, dtype: torch.dtype | None = None,
+            keep: int = 2, group: Any = None, storage_options: Mapping[str, Any] | None = None,
+            timeout_s: float | None = None):
+    """Publish ``model`` (a module or its state dict; DTensors and :func:`unickpt.shard`
+    tensors as any save takes them) as version ``version`` (collective): the model role,
+    floating tensors cast to ``dtype``, committed as ``step-{version}`` under ``publish_dir``;
+    then every version older than the newest ``keep`` that no live reader leases is retired.
+    Returns the :class:`~unickpt.SaveResult`."""
+    from .api import save
+    from .saving import SaveOptions
+
+    if type(version) is not int or version < 0:
+        raise errors.InvalidArgumentError(f"version must be an integer >= 0, got {version!r}")
+    if type(keep) is not int or keep < 1:
+        raise errors.InvalidArgumentError(f"keep must be an integer of at least 1, got {keep!r}")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise errors.InvalidArgumentError(f"dtype must be a floating torch dtype or None, got {dtype!r}")
+    storage, root = _locking_storage(publish_dir, storage_options)
+    state = {k: (v.to(dtype) if dtype is not None and isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+             for k, v in _model_state(model).items()}
+    res = save({"model": state}, storage.join(root, f"step-{version:08d}"), group=group, step=version,
+               options=SaveOptions(storage_options=storage_options, timeout_s=timeout_s))
+    rank = torch.distributed.get_rank(group) if torch.distributed.is_initialized() else 0
+    if rank == 0:
+        retired = retire_unleased(storage, root, keep, timeout_s)
+        if retired:
+            log.info("published version %d to %s; retired %s", version, root, ", ".join(retired))
+    return res
+
+
+def _leases(storage, root: str) -> list[tuple[str, int, dict | None, float]]:
+    """``(lease path, version, owner record or None, mtime)`` of every lease file."""
+    d = storage.join(root, LEASES)
+    if not storage.isdir(d):
+        return []
+    out = []
+    for name in storage.listdir(d):
+        path = storage.join(d, name)
+        v = step_of_name(name.split(".", 1)[0])
+        if v is None or not storage.isfile(path):
+            continue
+        try:
+            rec = json.loads(storage.read_bytes(path, 4096))
+        except Exception:
+            rec = None
+        out.append((path, v, rec, storage.mtime(path)))
+    return out
+
+
+def _alive(rec: dict | None, mtime: float, now: float) -> bool:
+    from .liveness import record_alive
+
+    return rec is not None and record_alive(rec, mtime, now, grace=60.0, stale=LEASE_STALE_S)
+
+
+def retire_unleased(storage, root: str, keep: int, timeout_s: float | None = None) -> list[str]:
+    """Retire the versions older than the newest ``keep`` that no live lease names (under the
+    directory's commit lock: a reader's lease is either seen here or finds its version gone);
+    leases of readers that are gone are removed. Returns the retired paths."""
+    now = time.time()
+    aside: list[tuple[str, str]] = []
+    with storage.lock(root, timeout_s):
+        leases = _leases(storage, root)
+        live = {v for _, v, rec, mt in leases if _alive(rec, mt, now)}
+        for path, _, rec, mt in leases:
+            if not _alive(rec, mt, now):
+                storage.remove_file(path)
+        for v, path in committed_steps(storage, root)[:-keep]:
+            if v in live:
+                continue
+            hidden = storage.join(root, f".{storage.basename(path)}.del-{new_token()}")
+            storage.rename_dir(path, hidden)  # (atomic: gone from every listing at once)
+            aside.append((path, hidden))
+    for _, hidden in aside:
+        storage.remove_tree(hidden)
+    return [p for p, _ in aside]
+
+
+class WeightSubscriber:
+    """An inference job's view of a publish directory (module doc). ``mapping``: the
+    :class:`~unickpt.Mapping` from the trainer's names and layout to the model's; ``group``:
+    the inference job's process group (every rank calls :meth:`update`)."""
+
+    def __init__(self, publish_dir: str | os.PathLike, *, mapping: Any = None, group: Any = None,
+                 storage_options: Mapping[str, Any] | None = None, timeout_s: float | None = None,
+                 poll_s: float = 0.05) -> None:
+        from .loading import LoadOptions
+
+        self.publish_dir = os.fspath(publish_dir)
+        self.storage, self.root = _locking_storage(publish_dir, storage_options)
+        self.options = LoadOptions(mapping=mapping, storage_options=storage_options, timeout_s=timeout_s)
+        if not (isinstance(poll_s, (int, float)) and 0 < poll_s <= 60):
+            raise errors.InvalidArgumentError(f"poll_s must be a number of seconds in (0, 60], got {poll_s!r}")
+        self.group, self.poll_s = group, float(poll_s)
+        self.version: int | None = None
+        """The version the model holds whole (None: none yet, or an update failed midway)."""
+
+    def newest(self) -> int | None:
+        """The newest committed version (this rank's own look; not collective)."""
+        steps = committed_steps(self.storage, self.root)
+        return steps[-1][0] if steps else None
+
+    def update(self, model: Any, *, timeout: float | None = None) -> int | None:
+        """Wait (at most ``timeout`` seconds; None: no bound) for a committed version newer than
+        the one the model holds, load it into the model's tensors in place and return it;
+        None when none came in time (the model unchanged). Collective over ``group``: the
+        ranks agree on the version, each leases it, all load it."""
+        from .loading import load
+        from .transport import Comm
+
+        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout >= 0):
+            raise errors.InvalidArgumentError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
+        comm = Comm(self.group, timeout_s=self.options.timeout_s)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            mine = self.newest() if comm.rank == 0 else None
+            v = comm.all_gather_int(-1 if mine is None else mine, "weight update (the newest version)")[0]
+            if v >= 0 and (self.version is None or v > self.version):
+                lease = self._lease(v)
+                try:
+                    if all(comm.all_gather_int(int(lease is not None), "weight update (leasing the version)")):
+                        self.version = None  # (until the load below has returned)
+                        load({"model": model}, self.storage.join(self.root, f"step-{v:08d}"), group=self.group,
+                             options=self.options)
+                        self.version = v
+                        return v
+                finally:
+                    self._release(lease)
+                continue  # (another rank found it retired: look again)
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            time.sleep(self.poll_s if deadline is None else max(0.0, min(self.poll_s, deadline - time.monotonic())))
+
+    def _lease(self, v: int) -> str | None:
+        """A lease on version ``v`` (its path), or None when ``v`` is no longer committed."""
+        from .liveness import me
+
+        d = self.storage.join(self.root, LEASES)
+        path = self.storage.join(d, f"step-{v:08d}.{new_token()}")
+        with self.storage.lock(self.root, self.options.timeout_s):
+            if v not in {s for s, _ in committed_steps(self.storage, self.root)}:
+                return None
+            self.storage.makedirs(d)
+            self.storage.write_bytes(path, json.dumps(me()).encode())
+        return path
+
+    def _release(self, lease: str | None) -> None:
+        if lease is not None:
+            try:
+                self.storage.remove_file(lease)
+            except FileNotFoundError:
+                pass
