@@ -101,16 +101,18 @@ class Checkpointer(WriterLifecycle):
     def close(self, timeout: float = 120.0) -> None:
         """Finish the pending save (errors are logged; at most ``timeout`` seconds), stop the
         writer, free the segment."""
-        if self._last is not None and not self._last._finished:
-            try:
-                self._last.wait(timeout=timeout)
-            except UnickptError as e:
-                log.warning("pending asynchronous save did not complete at shutdown: %s", e)
-        self._stop_writer(graceful=True)
-        self._rendezvous = None  # (its writers are gone)
-        if self._seg is not None:
-            self._seg.close(unlink=True)
-        self._seg = None
+        try:
+            if self._last is not None and not self._last._finished:
+                try:
+                    self._last.wait(timeout=timeout)
+                except UnickptError as e:
+                    log.warning("pending asynchronous save did not complete at shutdown: %s", e)
+            self._stop_writer(graceful=True)
+            self._rendezvous = None  # (its writers are gone)
+        finally:  # (whatever stopping met, at interpreter exit too: the segment is not left in /dev/shm)
+            if self._seg is not None:
+                self._seg.close(unlink=True)
+            self._seg = None
 
     # -- save ----------------------------------------------------------------------------------
 
