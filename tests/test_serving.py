@@ -200,3 +200,85 @@ def test_publishing_to_an_object_store_is_refused_for_now():
     with pytest.raises(unickpt.errors.NotSupportedError, match="object stores"):
         unickpt.WeightSubscriber("s3://bucket/pub", storage_options={"key": "x", "secret": "y",
                                                                    "endpoint_url": "http://127.0.0.1:9"})
+
+
+def test_findings_of_the_serving_attack_are_refused_typed(tmp_path):
+    """From an attack session on mappings and publishing: each now a typed refusal (or, for
+    a resumed run, a skipped publish), nothing silently wrong."""
+    import json
+    import socket
+
+    from transformers import LlamaConfig
+
+    from unickpt.errors import InvalidArgumentError, MappingError, NotSupportedError
+
+    model, config = _llama()
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    unickpt.save({"model": sd}, str(tmp_path / "ck" / "step-00000001"))
+    path = str(tmp_path / "ck")
+    # a row- or vocab-parallel target of another size than the rank's share: refused, untouched
+    for name, shape in (("model.layers.0.mlp.down_proj.weight", (32, 20)), ("lm_head.weight", (40, 32))):
+        t = torch.zeros(shape)
+        with pytest.raises(MappingError, match="share"):
+            unickpt.load({"model": {name: t}}, path, options=unickpt.LoadOptions(
+                mapping=unickpt.Mapping.fused(config, tp_rank=1, tp_size=2)))
+        assert not t.any()
+    # a config whose heads contradict the checkpoint (8 KV heads of 4 rows, where 2 of 16 are stored)
+    wrong = LlamaConfig(**{**HF, "num_attention_heads": 8, "num_key_value_heads": 8})
+    qkv = torch.zeros(32, 32)
+    with pytest.raises(MappingError, match="heads"):
+        unickpt.load({"model": {"model.layers.0.self_attn.qkv_proj.weight": qkv}}, path,
+                     options=unickpt.LoadOptions(mapping=unickpt.Mapping.fused(wrong, tp_rank=1, tp_size=4)))
+    for kw in (dict(num_heads=4, num_kv_heads=8), dict(num_heads=6, num_kv_heads=4),
+               dict(num_heads=4, num_kv_heads=2, tp_size=8, tp_rank=0), dict(num_heads=4, num_kv_heads=2, tp_size=True)):
+        with pytest.raises(MappingError):
+            unickpt.Mapping.fused(**kw)
+    # user rules
+    for bad in (lambda: unickpt.Mapping.rename([("x(", "a")]), lambda: unickpt.Mapping.rename([(1, 2)]),
+                lambda: unickpt.Mapping.rename([("a", "b", "c")]), lambda: unickpt.Mapping.stacked_experts("x", "y.w"),
+                lambda: unickpt.Mapping.stacked_experts("x", "y.{e}", dim=-1)):
+        with pytest.raises(MappingError):
+            bad()
+    with pytest.raises(MappingError):
+        unickpt.load({"model": {"a": torch.zeros(4, 4)}}, path, options=unickpt.LoadOptions(
+            mapping=unickpt.Mapping.rename([(r"a", r"\5")])))
+    with pytest.raises(TypeError):
+        unickpt.Mapping.rename({}) + "x"
+    # dir and publish_dir apart; an object store refused when built
+    with pytest.raises(InvalidArgumentError, match="apart"):
+        unickpt.UnifiedCheckpoint(tmp_path / "same", publish_dir=tmp_path / "same")
+    with pytest.raises(InvalidArgumentError, match="apart"):
+        unickpt.UnifiedCheckpoint(tmp_path / "d", publish_dir=tmp_path / "d" / "pub")
+    with pytest.raises(NotSupportedError):
+        unickpt.UnifiedCheckpoint(tmp_path / "d", publish_dir="s3://b/p", storage_options=None)
+    # a resumed run reaching a step an earlier run published: skipped, not a crash
+    events = []
+    ck = unickpt.UnifiedCheckpoint(tmp_path / "rs", every=4, publish_dir=tmp_path / "rp", publish_every=2)
+    for s in range(1, 7):
+        ck.step(s, {"model": model})
+    ck.close(final_save=False)
+    ck = unickpt.UnifiedCheckpoint(tmp_path / "rs", every=4, publish_dir=tmp_path / "rp", publish_every=2,
+                                   on_event=events.append)
+    assert ck.resume({"model": model}) == 4
+    ck.step(5, {"model": model})
+    ck.step(6, {"model": model})
+    ck.close(final_save=False)
+    assert {"event": "publish_skipped", "step": 6, "reason": "exists"} in events
+    # a planted lease naming no process: cleared, not a crash
+    pub = tmp_path / "planted"
+    os.makedirs(pub / LEASES)
+    (pub / LEASES / "step-00000001.x").write_text(json.dumps({"host": socket.gethostname(), "pid": -1}))
+    from unickpt.publish import publish
+
+    publish(sd, str(pub), 1)
+    publish(sd, str(pub), 2, keep=1)
+    assert sorted(n for n in os.listdir(pub) if n.startswith("step-")) == ["step-00000002"]
+    assert os.listdir(pub / LEASES) == []
+    # unickpt.retain keeps a leased step too
+    from unickpt.liveness import me
+
+    (pub / LEASES / "step-00000002.y").write_text(json.dumps(me()))
+    publish(sd, str(pub), 3, keep=5)
+    assert unickpt.retain(str(pub), 1) == [] and (pub / "step-00000002").is_dir()
+    with pytest.raises(InvalidArgumentError, match="model"):
+        unickpt.WeightSubscriber(str(pub)).update([torch.zeros(2)], timeout=0)

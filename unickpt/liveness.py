@@ -26,6 +26,8 @@ def start_time(pid: int) -> float | None:
     such process runs here (or it is a zombie: it has exited)."""
     import psutil
 
+    if type(pid) is not int or pid <= 0:  # (a record naming no process: psutil raises ValueError)
+        return None
     try:
         proc = psutil.Process(pid)
         if proc.status() == psutil.STATUS_ZOMBIE:

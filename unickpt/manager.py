@@ -189,6 +189,18 @@ class UnifiedCheckpoint:
         _check_apart(self.dir, self.memory_dir, memory_dir)
         self.timeout_s, self.group, self.on_event = timeout_s, group, on_event
         self.publish_dir = None if publish_dir is None else os.fspath(publish_dir)
+        if self.publish_dir is not None:
+            from .publish import _locking_storage
+
+            _locking_storage(self.publish_dir, None)  # (NotSupportedError now, not at the first step)
+            for a, b in ((self.dir, self.publish_dir), (self.publish_dir, self.dir),
+                         *(((self.memory_dir, self.publish_dir), (self.publish_dir, self.memory_dir))
+                           if self.memory_dir else ())):
+                ra, rb = os.path.realpath(a.split("{node}")[0]), os.path.realpath(b.split("{node}")[0])
+                if not is_url(a) and (ra == rb or ra.startswith(rb.rstrip("/") + "/")):
+                    raise errors.InvalidArgumentError(
+                        f"publish_dir {self.publish_dir!r} and {'dir' if self.dir in (a, b) else 'memory_dir'} must be "
+                        "apart (neither inside the other): each retires old step-* directories of its own")
         self.publish_every, self.publish_keep = _whole("publish_every", publish_every, 1), _whole("publish_keep",
                                                                                                  publish_keep, 1)
         import torch
@@ -319,8 +331,15 @@ class UnifiedCheckpoint:
         if "model" not in state:
             raise errors.InvalidArgumentError("publish_dir: the state has no 'model' entry to publish")
         t0 = time.perf_counter()
-        res = publish(state["model"], self.publish_dir, step, dtype=self.publish_dtype, keep=self.publish_keep,
-                      group=self.group, storage_options=None, timeout_s=self.timeout_s)
+        try:
+            res = publish(state["model"], self.publish_dir, step, dtype=self.publish_dtype, keep=self.publish_keep,
+                          group=self.group, storage_options=None, timeout_s=self.timeout_s)
+        except errors.CheckpointExistsError:
+            # a resumed run reaching a step an earlier run published: that version stays (a committed
+            # checkpoint is replaced only by a newer one); subscribers move on at the next step published
+            log.warning("publish_dir: version %d was published by an earlier run; not published again", step)
+            self._emit({"event": "publish_skipped", "step": step, "reason": "exists"})
+            return
         self._emit({"event": "published", "step": step, "path": res.path, "seconds": time.perf_counter() - t0})
 
     def save(self, step: int, state: Mapping[str, Any]) -> Any:

@@ -95,7 +95,10 @@ class _Pattern(Rule):
 
     def source(self, name: str, repl: str, source_shape, what: str = "") -> tuple[str, Shape]:
         """The stored name ``repl`` gives for ``name``, and its shape (missing: refused)."""
-        src = self.pattern.sub(repl, name)
+        try:
+            src = self.pattern.sub(repl, name)
+        except re.error as e:
+            raise MappingError(f"mapping: replacement {repl!r} for {self.pattern.pattern!r}: {e}") from None
         sshape = source_shape(src)
         if sshape is None:
             raise TensorMissingError(f"mapping: target {name!r} needs {src!r}{what}, which the checkpoint does not hold")
@@ -108,7 +111,11 @@ class _Rename(_Pattern):
     repl: str
 
     def pieces(self, name, shape, source_shape):
-        return [Piece((0,) * len(shape), tuple(shape), self.pattern.sub(self.repl, name), (0,) * len(shape))]
+        try:
+            src = self.pattern.sub(self.repl, name)
+        except re.error as e:
+            raise MappingError(f"mapping: replacement {self.repl!r} for {self.pattern.pattern!r}: {e}") from None
+        return [Piece((0,) * len(shape), tuple(shape), src, (0,) * len(shape))]
 
 
 def _tp_block(n: int, units: int, rank: int, size: int, what: str) -> tuple[int, int]:
@@ -116,7 +123,7 @@ def _tp_block(n: int, units: int, rank: int, size: int, what: str) -> tuple[int,
     units (heads): ``units / size`` units each, or, with fewer units than ranks, one unit
     shared by ``size / units`` consecutive ranks (vLLM's replicated KV heads)."""
     if units <= 0 or n % units:
-        raise MappingError(f"{what}: {n} rows are not {units} equal heads")
+        raise MappingError(f"{what}: {n} rows do not split into {units} equal parts (heads, or one per TP rank)")
     per = n // units
     if units % size == 0:
         k = units // size
@@ -141,9 +148,14 @@ class _Fuse(_Pattern):
 
 
     def pieces(self, name, shape, source_shape):
-        out, at = [], 0
+        out, at, per_unit = [], 0, set()
         for i, r in enumerate(self.repls):
             src, sshape = self.source(name, r, source_shape)
+            if self.units and len(sshape) > self.dim and sshape[self.dim] % self.units[i] == 0:
+                per_unit.add(sshape[self.dim] // self.units[i])
+            if len(per_unit) > 1:  # q, k and v heads of one size, or the config's head counts are not the checkpoint's
+                raise MappingError(f"mapping: target {name!r}: its sources' rows per head differ ({sorted(per_unit)}) "
+                                   f"with {self.units} heads: the heads given do not match the checkpoint")
             if len(sshape) != len(shape):
                 raise MappingError(f"mapping: target {name!r} has {len(shape)} dimensions, its source {src!r} "
                                    f"{len(sshape)}")
@@ -186,6 +198,11 @@ class _Split(_Pattern):
         if len(sshape) <= self.dim:
             return _Rename(self.pattern, self.repl).pieces(name, shape, source_shape)
         start, n = _tp_block(sshape[self.dim], self.tp[1], self.tp[0], self.tp[1], f"mapping {src!r} -> {name!r}")
+        share = list(sshape)
+        share[self.dim] = n
+        if tuple(shape) != tuple(share):  # (a box of the target's own size would read a neighbour's share)
+            raise MappingError(f"mapping: target {name!r} has shape {list(shape)}; TP rank {self.tp[0]} of "
+                               f"{self.tp[1]}'s share of {src!r} {list(sshape)} is {share}")
         soffs = [0] * len(shape)
         soffs[self.dim] = start
         return [Piece((0,) * len(shape), tuple(shape), src, tuple(soffs))]
@@ -202,9 +219,9 @@ class _Stack(_Pattern):
 
 
     def pieces(self, name, shape, source_shape):
-        if len(shape) < 2:
+        if len(shape) < 2 or self.dim >= len(shape) - 1:
             raise MappingError(f"mapping: stacked target {name!r} has shape {list(shape)}: one row per expert needs "
-                               "at least two dimensions")
+                               f"at least two dimensions, and the row a dimension {self.dim}")
         out = []
         row = shape[1:]
         for e in range(shape[0]):
@@ -266,6 +283,8 @@ class Mapping:
         self.rules = list(rules)
 
     def __add__(self, other: "Mapping") -> "Mapping":
+        if not isinstance(other, Mapping):
+            return NotImplemented
         return Mapping(self.rules + other.rules)
 
     def __repr__(self) -> str:
@@ -280,8 +299,13 @@ class Mapping:
     def rename(pairs: Sequence[tuple[str, str]] | TMapping[str, str]) -> "Mapping":
         r"""Targets named by regular expressions (``re.fullmatch``) read from the names their
         replacements give (``re.sub`` syntax: ``\1``)."""
-        items = pairs.items() if isinstance(pairs, TMapping) else pairs
-        return Mapping([_Rename(re.compile(p), r) for p, r in items])
+        items = list(pairs.items() if isinstance(pairs, TMapping) else pairs)
+        rules = []
+        for item in items:
+            if not (isinstance(item, tuple) and len(item) == 2 and all(isinstance(x, str) for x in item)):
+                raise MappingError(f"Mapping.rename takes (pattern, replacement) pairs of strings, got {item!r}")
+            rules.append(_Rename(_compile(item[0]), item[1]))
+        return Mapping(rules)
 
     @staticmethod
     def stacked_experts(target: str, *sources: str, dim: int = 0) -> "Mapping":
@@ -289,9 +313,13 @@ class Mapping:
         ``[E, ...]`` tensor whose row ``e`` is the stored tensors ``sources`` with ``{e}``
         replaced by ``e`` (e.g. ``r"\1.experts.{e}.w2.weight"``), side by side along the
         row's dimension ``dim`` when there are several (gate and up: one ``gate_up_proj``)."""
-        if not sources:
-            raise MappingError("Mapping.stacked_experts needs at least one source name")
-        return Mapping([_Stack(re.compile(target), tuple(sources), dim)])
+        if not sources or not all(isinstance(s, str) and "{e}" in s for s in sources):
+            raise MappingError(f"Mapping.stacked_experts needs source names with {{e}} (the expert index), got "
+                               f"{list(sources)!r}")
+        if type(dim) is not int or dim < 0:
+            raise MappingError(f"Mapping.stacked_experts: dim (where several sources sit side by side inside each "
+                               f"expert's row) must be an integer >= 0, got {dim!r}")
+        return Mapping([_Stack(_compile(target), tuple(sources), dim)])
 
     @staticmethod
     def mixtral_experts(prefix: str = "model.") -> "Mapping":
@@ -335,8 +363,13 @@ class Mapping:
         else (norms) whole. ``config``: a ``transformers`` config (heads read from it), or
         give ``num_heads``/``num_kv_heads``."""
         heads, kv = _heads(config, num_heads, num_kv_heads, "Mapping.fused")
-        if not (isinstance(tp_size, int) and isinstance(tp_rank, int) and tp_size >= 1 and 0 <= tp_rank < tp_size):
+        if not (type(tp_size) is int and type(tp_rank) is int and tp_size >= 1 and 0 <= tp_rank < tp_size):
             raise MappingError(f"Mapping.fused: tp_rank {tp_rank!r} of tp_size {tp_size!r} is not a rank of the group")
+        if kv > heads or heads % kv:
+            raise MappingError(f"Mapping.fused: {kv} key/value heads for {heads} query heads (they must divide them)")
+        if heads % tp_size:  # (query heads are never replicated)
+            raise MappingError(f"Mapping.fused: tensor parallelism of {tp_size} ranks does not divide its {heads} "
+                               "heads (query heads are never replicated)")
         tp = (tp_rank, tp_size)
         _tp_block(heads, heads, tp_rank, tp_size, "query heads")  # refused now, not at the first load
         _tp_block(kv, kv, tp_rank, tp_size, "key/value heads")
@@ -403,6 +436,15 @@ def _disjoint(name: str, pieces: list[Piece]) -> None:
             i, j = (int(v) for v in np.argwhere(over)[0])
             raise MappingError(f"mapping: pieces of target {name!r} from {pieces[a + i].source!r} and "
                                f"{pieces[j].source!r} overlap")
+
+
+def _compile(pattern: Any) -> re.Pattern:
+    if not isinstance(pattern, str):
+        raise MappingError(f"mapping: a target pattern must be a regular expression string, got {pattern!r}")
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise MappingError(f"mapping: target pattern {pattern!r}: {e}") from None
 
 
 def _heads(config: Any, num_heads: int | None, num_kv_heads: int | None, what: str) -> tuple[int, int]:

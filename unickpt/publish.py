@@ -34,16 +34,12 @@ import torch
 
 from . import errors
 from ._metrics import log
-from .io.catalog import committed_steps, step_of_name
+from .io.catalog import committed_steps
 from .io.commit import new_token
+from .io.leases import LEASE_STALE_S, LEASES, leased_steps
 from .io.storage import storage_for
 
-__all__ = ["publish", "WeightSubscriber", "LEASE_STALE_S", "retire_unleased"]
-
-LEASES = ".leases"
-LEASE_STALE_S = 600.0
-"""Seconds another host's lease counts as live after it was written (a load longer than this
-from another host may have its version retired under it: the load then fails, typed)."""
+__all__ = ["publish", "WeightSubscriber", "LEASE_STALE_S", "LEASES", "retire_unleased"]
 
 
 def _locking_storage(publish_dir, storage_options):
@@ -92,52 +88,16 @@ def publish(model: Any, publish_dir: str | os.PathLike, version: int, *, dtype: 
     return res
 
 
-def _leases(storage, root: str) -> list[tuple[str, int, dict | None, float]]:
-    """``(lease path, version, owner record or None, mtime)`` of every lease file."""
-    d = storage.join(root, LEASES)
-    if not storage.isdir(d):
-        return []
-    out = []
-    for name in storage.listdir(d):
-        path = storage.join(d, name)
-        v = step_of_name(name.split(".", 1)[0])
-        if v is None or not storage.isfile(path):
-            continue
-        try:
-            rec = json.loads(storage.read_bytes(path, 4096))
-        except Exception:
-            rec = None
-        out.append((path, v, rec, storage.mtime(path)))
-    return out
-
-
-def _alive(rec: dict | None, mtime: float, now: float) -> bool:
-    from .liveness import record_alive
-
-    return rec is not None and record_alive(rec, mtime, now, grace=60.0, stale=LEASE_STALE_S)
-
-
 def retire_unleased(storage, root: str, keep: int, timeout_s: float | None = None) -> list[str]:
-    """Retire the versions older than the newest ``keep`` that no live lease names (under the
-    directory's commit lock: a reader's lease is either seen here or finds its version gone);
-    leases of readers that are gone are removed. Returns the retired paths."""
-    now = time.time()
-    aside: list[tuple[str, str]] = []
+    """Retire the versions older than the newest ``keep`` that no live lease names
+    (:func:`unickpt.io.commit.retain`, which checks leases under the directory's commit lock:
+    a reader's lease is either seen there or finds its version gone); leases of readers that
+    are gone are cleared. Returns the retired paths."""
+    from .io.commit import retain
+
     with storage.lock(root, timeout_s):
-        leases = _leases(storage, root)
-        live = {v for _, v, rec, mt in leases if _alive(rec, mt, now)}
-        for path, _, rec, mt in leases:
-            if not _alive(rec, mt, now):
-                storage.remove_file(path)
-        for v, path in committed_steps(storage, root)[:-keep]:
-            if v in live:
-                continue
-            hidden = storage.join(root, f".{storage.basename(path)}.del-{new_token()}")
-            storage.rename_dir(path, hidden)  # (atomic: gone from every listing at once)
-            aside.append((path, hidden))
-    for _, hidden in aside:
-        storage.remove_tree(hidden)
-    return [p for p, _ in aside]
+        leased_steps(storage, root, clear=True)
+    return retain(storage, root, keep, timeout_s=timeout_s)
 
 
 class WeightSubscriber:
@@ -165,17 +125,21 @@ class WeightSubscriber:
         return steps[-1][0] if steps else None
 
     def update(self, model: Any, *, timeout: float | None = None) -> int | None:
-        """Wait (at most ``timeout`` seconds; None: no bound) for a committed version newer than
+        """Wait (at most ``timeout`` seconds; None: the subscriber's ``timeout_s``, by default
+        ``UNICKPT_TIMEOUT_S`` or 600 s) for a committed version newer than
         the one the model holds, load it into the model's tensors in place and return it;
         None when none came in time (the model unchanged). Collective over ``group``: the
         ranks agree on the version, each leases it, all load it."""
         from .loading import load
         from .transport import Comm
 
-        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout >= 0):
-            raise errors.InvalidArgumentError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
+        if timeout is not None and not (isinstance(timeout, (int, float)) and 0 <= timeout < float("inf")):
+            raise errors.InvalidArgumentError(f"timeout must be a finite number of seconds >= 0 or None, got {timeout!r}")
+        if not isinstance(model, (torch.nn.Module, Mapping)):
+            raise errors.InvalidArgumentError(f"update needs the model (a torch.nn.Module) or its state dict, got "
+                                              f"{type(model).__name__}")
         comm = Comm(self.group, timeout_s=self.options.timeout_s)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = time.monotonic() + (comm.timeout_s if timeout is None else timeout)
         while True:
             mine = self.newest() if comm.rank == 0 else None
             v = comm.all_gather_int(-1 if mine is None else mine, "weight update (the newest version)")[0]
@@ -191,9 +155,9 @@ class WeightSubscriber:
                 finally:
                     self._release(lease)
                 continue  # (another rank found it retired: look again)
-            if deadline is not None and time.monotonic() >= deadline:
+            if time.monotonic() >= deadline:
                 return None
-            time.sleep(self.poll_s if deadline is None else max(0.0, min(self.poll_s, deadline - time.monotonic())))
+            time.sleep(max(0.0, min(self.poll_s, deadline - time.monotonic())))
 
     def _lease(self, v: int) -> str | None:
         """A lease on version ``v`` (its path), or None when ``v`` is no longer committed."""

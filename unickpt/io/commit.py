@@ -231,21 +231,28 @@ def _sweep_prefix(storage: MarkerStorage, prefix: str) -> list[str]:
     return paths
 
 
-def retire(storage: Storage, path: str, timeout_s: float | None = None) -> None:
+def retire(storage: Storage, path: str, timeout_s: float | None = None, step: int | None = None) -> bool:
     """Delete a committed checkpoint without ever leaving half of it visible: it is renamed
     to a hidden ``.NAME.del-TOKEN`` first (atomic), then removed; a crash in between leaves
     a directory that any sweep removes. On object stores the manifest (the commit marker)
-    is deleted first, then the rest: a half-deleted checkpoint is never committed."""
+    is deleted first, then the rest: a half-deleted checkpoint is never committed. ``step``:
+    kept (False returned) while a live reader lease names it (:mod:`.leases`, checked under
+    the parent's commit lock, where readers take theirs)."""
     if not storage.caps.atomic_rename:
         storage.remove_file(storage.join(path, MANIFEST_NAME))
         storage.remove_tree(path)
-        return
+        return True
+    from .leases import leased_steps
+
     parent, name = storage.parent(path), storage.basename(path)
     gone = storage.join(parent, f".{name}.del-{new_token()}")
     with storage.lock(parent, timeout_s):
+        if step is not None and step in leased_steps(storage, parent, clear=True):
+            return False
         storage.rename_dir(path, gone)
     _fsync_quietly(storage, parent)
     storage.remove_tree(gone)
+    return True
 
 
 def retain(storage: Storage, root: str, keep: int, node: str | None = None, timeout_s: float | None = None) -> list[str]:
@@ -273,7 +280,7 @@ def retain(storage: Storage, root: str, keep: int, node: str | None = None, time
             log.warning("retention skipped: %s does not read (%s); older checkpoints are kept", kept, e)
             return []
     out = []
-    for _, old in steps[:-keep]:
+    for step, old in steps[:-keep]:
         nested = committed_under(storage, old, below=True)
         if nested is not None:  # not superseded by the newer steps: nothing here may delete it
             from .._metrics import log
@@ -281,8 +288,12 @@ def retain(storage: Storage, root: str, keep: int, node: str | None = None, time
             log.warning("retention kept %s: it holds another committed checkpoint, %s (move that one out "
                         "to let %s go)", old, nested, old)
             continue
-        retire(storage, old, timeout_s)
-        out.append(old)
+        if retire(storage, old, timeout_s, step):
+            out.append(old)
+        else:
+            from .._metrics import log
+
+            log.info("retention kept %s: a reader holds a lease on it", old)
     return out
 
 
