@@ -33,6 +33,9 @@ Parts (each is the ``measure()`` function of a bench that also runs on its own):
                             on a small model, 3 seeds, against the seed spread and against 5
                             nudges of 1e-4 (the chaos floor); per-cycle update error (~2 min).
                             The full run (3 seeds x 300 steps x 10 cycles, ~30 min) on its own.
+  bench/serving.py          a bf16 Llama (1 GB; --quick 0.25) published to tmpfs, a 2-rank TP inference job
+                            updating its fused model in place, against the fused reference pass over
+                            the same bytes and a per-parameter broadcast (issue #41 item 3).
   bench/parse_dos.py        parser time on the hostile inputs tests/test_fuzz.py bounds by
                             counting (worst-case JSON shapes of 512 KiB, the huge-dims attacks,
                             decodes in 2^40-element groups): a few seconds, the same in --quick.
@@ -62,10 +65,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench import async_save, compressed_save, fidelity, memory, memory_tier, parse_dos, reshard_load, save_load  # noqa: E402
+from bench import async_save, compressed_save, fidelity, memory, memory_tier, parse_dos, reshard_load, save_load, serving  # noqa: E402,E501
 from bench._common import MiB, OUT, RESULTS, fmt, log, machine, my_segments, print_table, write_json  # noqa: E402
 
-PARTS = ("save_load", "reshard", "async", "memtier", "compressed", "memory", "plan", "parse", "fidelity")
+PARTS = ("save_load", "reshard", "async", "memtier", "compressed", "memory", "plan", "parse", "fidelity", "serving")
 PRESETS = {  # state GB, rounds, compute loop s (async), memory rounds, plan_scale --max-pieces
     "quick": {"gb": 0.25, "repeats": 4, "loop_seconds": 1.0, "memory_repeats": 2, "plan_max_pieces": 1.5e5},
     "full": {"gb": 2.0, "repeats": 4, "loop_seconds": 3.0, "memory_repeats": 2, "plan_max_pieces": 1.5e6},
@@ -239,6 +242,18 @@ def table(res: dict) -> list[list[str]]:
                 None, f"1000 layers, rule summaries ({p['summary_kib']:.1f} KiB/rank); target < 1 s/rank: "
                 f"{'met' if p['plan_s'] < 1 else 'MISSED'}; peak {p['peak_mib']:.0f} MiB "
                 f"(target < 256: {'met' if p['peak_mib'] < 256 else 'MISSED'}); manifest {p['manifest_mib']:.2f} MiB")
+    if "serving" in res:
+        sv = res["serving"]
+        s = sv["slowest"]
+        ref = s["reference"]
+        need = max(r["needed"] for r in sv["ranks"])
+        read = max(r["read"] for r in sv["ranks"])
+        row("unickpt", f"live weight update, {sv['gb']} GB bf16 Llama -> 2 TP ranks (fused)", s["update"],
+            xf=s["update"] / ref, note=f"x floor = x the fused reference pass ({ref:.3f} s); target <= 1.3: "
+            f"{'met' if s['update'] <= 1.3 * ref else 'MISSED'}; a rank needs {need / 2**20:.0f} MiB, reads "
+            f"{read / 2**20:.0f} MiB")
+        row("baseline", "per-parameter broadcast (gloo), whole model", s["broadcast"], xf=s["broadcast"] / ref)
+        row("unickpt", "publish a version (trainer, tmpfs)", s["publish"])
     if "fidelity" in res:
         f = res["fidelity"]["summary"]
         floor = next(c for c in f["cases"] if c["mode"] == "floor")
@@ -307,6 +322,8 @@ def main() -> int:
                 res[part] = parse_dos.measure(max(n, 5))
             elif part == "fidelity":
                 res[part] = fidelity.measure(quick=True)
+            elif part == "serving":
+                res[part] = serving.measure(0.25 if args.quick else 1.0, n)
         except Exception as e:  # the other parts still run; the run fails at the end
             errors[part] = f"{type(e).__name__}: {e}"
             print(f"[bench] {part} FAILED:\n{traceback.format_exc()}", file=sys.stderr)

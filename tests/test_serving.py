@@ -282,3 +282,19 @@ def test_findings_of_the_serving_attack_are_refused_typed(tmp_path):
     assert unickpt.retain(str(pub), 1) == [] and (pub / "step-00000002").is_dir()
     with pytest.raises(InvalidArgumentError, match="model"):
         unickpt.WeightSubscriber(str(pub)).update([torch.zeros(2)], timeout=0)
+
+
+def _publish_alone(rank, world, pub):
+    from unickpt.publish import publish
+
+    if rank == 0:  # one rank of a running job publishes alone (group="local"), as a trainer's rank 0 may
+        publish({"w": torch.full((4,), 3.0)}, pub, 1, group="local")
+        publish({"w": torch.full((4,), 4.0)}, pub, 2, group="local", keep=1)
+    return True
+
+
+def test_one_rank_of_a_job_publishes_alone(tmp_path):
+    pub = str(tmp_path / "pub")
+    assert dist.run(_publish_alone, 2, pub) == [True, True]
+    t = {"w": torch.zeros(4)}
+    assert unickpt.WeightSubscriber(pub).update(t, timeout=1) == 2 and bool((t["w"] == 4).all())

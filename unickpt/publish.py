@@ -80,8 +80,9 @@ def publish(model: Any, publish_dir: str | os.PathLike, version: int, *, dtype: 
              for k, v in _model_state(model).items()}
     res = save({"model": state}, storage.join(root, f"step-{version:08d}"), group=group, step=version,
                options=SaveOptions(storage_options=storage_options, timeout_s=timeout_s))
-    rank = torch.distributed.get_rank(group) if torch.distributed.is_initialized() else 0
-    if rank == 0:
+    from .transport import Comm
+
+    if Comm(group, timeout_s=timeout_s).rank == 0:  # (group="local" too: this process alone)
         retired = retire_unleased(storage, root, keep, timeout_s)
         if retired:
             log.info("published version %d to %s; retired %s", version, root, ", ".join(retired))
