@@ -401,3 +401,27 @@ def test_property_fused_shards_and_rotary_round_trips_over_random_shapes(tmp_pat
         mapping=unickpt.Mapping.hf_from_torchtitan(num_heads=heads, num_kv_heads=kv)))
     for k, v in back.items():
         assert torch.equal(v, sd[k]), k
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(e=st.integers(1, 5), rows=st.integers(1, 4), cols=st.integers(1, 4), two=st.booleans(), data=st.data())
+def test_property_stacked_experts_over_random_shapes_and_expert_parallel_boxes(tmp_path_factory, e, rows, cols, two,
+                                                                                data):
+    """Per-expert keys (one or two per expert, side by side) into an [E, ...] stack, whole and
+    as a random box of experts (expert parallelism): equal to stacking by hand."""
+    g = torch.Generator().manual_seed(e * 100 + rows * 10 + cols)
+    sd = {f"l.experts.{i}.{w}": torch.randn(rows, cols, generator=g) for i in range(e) for w in (("a", "b") if two else ("a",))}
+    root = tmp_path_factory.mktemp("moe")
+    unickpt.save({"model": sd}, str(root / "c"))
+    srcs = (r"l.experts.{e}.a", r"l.experts.{e}.b") if two else (r"l.experts.{e}.a",)
+    m = unickpt.Mapping.stacked_experts(r"stack", *srcs)
+    full = torch.stack([torch.cat([sd[s.replace("{e}", str(i))] for s in srcs]) for i in range(e)])
+    target = torch.zeros_like(full)
+    unickpt.load({"model": {"stack": target}}, str(root / "c"), options=unickpt.LoadOptions(mapping=m))
+    assert torch.equal(target, full)
+    a = data.draw(st.integers(0, e - 1))
+    b = data.draw(st.integers(a + 1, e))
+    local = torch.zeros(b - a, *full.shape[1:])
+    unickpt.load({"model": {"stack": unickpt.shard(local, tuple(full.shape), offsets=(a, 0, 0))}}, str(root / "c"),
+                 options=unickpt.LoadOptions(mapping=m))
+    assert torch.equal(local, full[a:b])
