@@ -253,6 +253,7 @@ def table(res: dict) -> list[list[str]]:
             f"{'met' if s['update'] <= 1.3 * ref else 'MISSED'}; a rank needs {need / 2**20:.0f} MiB, reads "
             f"{read / 2**20:.0f} MiB")
         row("baseline", "per-parameter broadcast (gloo), whole model", s["broadcast"], xf=s["broadcast"] / ref)
+        row("baseline", "export + from_pretrained + slicing by hand", s["export"], xf=s["export"] / ref)
         row("unickpt", "publish a version (trainer, tmpfs)", s["publish"])
     if "fidelity" in res:
         f = res["fidelity"]["summary"]

@@ -14,6 +14,8 @@ Per round (medians over ``--repeats`` of the slowest rank, after one warm-up):
               publish to the last rank holding it;
   reference   the fused reference pass (bench/reference.py) over the bytes each rank's
               mapped pieces must read of the same version (read, hash, copy);
+  export      rank 0 exports a Hugging Face folder, every rank from_pretrained()s it and
+              slices its fused tensors by hand (the converter users write);
   broadcast   rank 0 holding the whole model sends every parameter with a
               ``torch.distributed`` broadcast, each rank then copies its shard out (the
               per-parameter sync users write);
@@ -57,14 +59,51 @@ def _shapes(config, r: int, n: int) -> dict:
     return out
 
 
+def _by_hand(sd: dict, config, r: int, n: int) -> dict:
+    """TP rank r's fused tensors sliced by hand from a Hugging Face state dict (the converter
+    users write)."""
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+
+    def block(x, dim, units):
+        per = x.shape[dim] // units
+        if units % n == 0:
+            return x.narrow(dim, r * (units // n) * per, units // n * per)
+        return x.narrow(dim, (r // (n // units)) * per, per)
+
+    out = {}
+    for k, x in sd.items():
+        if ".self_attn.q_proj." in k:
+            b = k.split(".self_attn.q_proj.")[0]
+            out[f"{b}.self_attn.qkv_proj.weight"] = torch_cat(
+                [block(sd[f"{b}.self_attn.{p}_proj.weight"], 0, u) for p, u in (("q", heads), ("k", kv), ("v", kv))])
+        elif ".mlp.gate_proj." in k:
+            b = k.split(".mlp.gate_proj.")[0]
+            out[f"{b}.mlp.gate_up_proj.weight"] = torch_cat([block(sd[f"{b}.mlp.{p}_proj.weight"], 0, n)
+                                                             for p in ("gate", "up")])
+        elif k.endswith(("o_proj.weight", "down_proj.weight")):
+            out[k] = block(x, 1, n)
+        elif k.endswith(("embed_tokens.weight", "lm_head.weight")):
+            out[k] = block(x, 0, n)
+        elif k.endswith("norm.weight"):
+            out[k] = x
+    return out
+
+
+def torch_cat(xs):
+    import torch
+
+    return torch.cat(xs)
+
+
 def _job(rank: int, world: int, cfg: dict) -> dict:
     import torch
     import torch.distributed as dist
-    from transformers import LlamaConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     import unickpt
     from bench import reference
     from unickpt.mapping import expand
+    from unickpt.export import export_hf
     from unickpt.publish import publish
     from unickpt.state import flatten
 
@@ -73,8 +112,6 @@ def _job(rank: int, world: int, cfg: dict) -> dict:
     torch.manual_seed(0)
     full = None
     if rank == 0:  # the trainer's model (bf16), built once: random weights of the config's shapes
-        from transformers import AutoModelForCausalLM
-
         model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
         full = {k: v.detach() for k, v in model.state_dict().items()}
         del model
@@ -82,7 +119,7 @@ def _job(rank: int, world: int, cfg: dict) -> dict:
     mapping = unickpt.Mapping.fused(config, tp_rank=rank, tp_size=world)
     sub = unickpt.WeightSubscriber(pub, mapping=mapping, poll_s=0.01)
     needed = sum(t.numel() * 2 for t in serving.values())
-    rows: dict[str, list[float]] = {"publish": [], "update": [], "reference": [], "broadcast": []}
+    rows: dict[str, list[float]] = {"publish": [], "update": [], "reference": [], "broadcast": [], "export": []}
     read = []
     for rnd in range(cfg["repeats"] + 1):
         v = rnd + 1
@@ -113,11 +150,30 @@ def _job(rank: int, world: int, cfg: dict) -> dict:
             t = full[n] if rank == 0 else torch.empty(tuple(man.tensors[("model", n)].shape), dtype=torch.bfloat16)
             dist.broadcast(t, 0)
         tb = time.perf_counter() - t0  # (the shard copies are what the update also does: left out, in its favour)
+        # the converter path: rank 0 exports a Hugging Face folder, every rank from_pretrained()s it and
+        # copies its fused shard out by hand
+        dist.barrier()
+        t0 = time.perf_counter()
+        folder = os.path.join(pub, f"hf-{v}")
+        if rank == 0:
+            export_hf(path, folder, config=config)
+        dist.barrier()
+        hf = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.bfloat16).state_dict()
+        with torch.no_grad():
+            for k, t in _by_hand(hf, config, rank, world).items():
+                assert torch.equal(serving[k], t), k  # (both paths give the same tensors)
+                serving[k].copy_(t)
+        del hf
+        dist.barrier()
+        te = time.perf_counter() - t0
+        if rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
         if rnd:  # (round 0: warm-up)
             rows["publish"].append(tp)
             rows["update"].append(tu)
             rows["reference"].append(ref["s"])
             rows["broadcast"].append(tb)
+            rows["export"].append(te)
             read.append(ref["bytes_read"])
     return {"rows": rows, "needed": needed, "read": median(read)}
 
@@ -150,7 +206,8 @@ def main() -> None:
           f"{args.repeats}, slowest rank")
     print(f"{'what':<34}{'s':>8}{'x reference':>13}")
     for k, label in (("update", "WeightSubscriber.update"), ("reference", "fused reference pass (same bytes)"),
-                     ("broadcast", "per-parameter broadcast (gloo)"), ("publish", "publish (trainer, tmpfs)")):
+                     ("broadcast", "per-parameter broadcast (gloo)"),
+                     ("export", "export + from_pretrained + slicing"), ("publish", "publish (trainer, tmpfs)")):
         print(f"{label:<34}{slow[k]:8.3f}{slow[k] / slow['reference']:13.2f}")
     for r, o in enumerate(out):
         print(f"rank {r}: needs {o['needed'] / 2**20:.1f} MiB, the reference reads {o['read'] / 2**20:.1f} MiB")
