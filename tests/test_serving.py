@@ -298,3 +298,15 @@ def test_one_rank_of_a_job_publishes_alone(tmp_path):
     assert dist.run(_publish_alone, 2, pub) == [True, True]
     t = {"w": torch.zeros(4)}
     assert unickpt.WeightSubscriber(pub).update(t, timeout=1) == 2 and bool((t["w"] == 4).all())
+
+
+def test_a_lease_is_never_written_through_a_planted_link(tmp_path):
+    from unickpt.publish import publish
+
+    pub, elsewhere = tmp_path / "pub", tmp_path / "elsewhere"
+    publish({"w": torch.ones(4)}, str(pub), 1)
+    os.makedirs(elsewhere)
+    os.symlink(elsewhere, pub / LEASES)
+    with pytest.raises(unickpt.errors.FormatError, match="link"):
+        unickpt.WeightSubscriber(str(pub)).update({"w": torch.zeros(4)}, timeout=1)
+    assert os.listdir(elsewhere) == []

@@ -36,7 +36,7 @@ from . import errors
 from ._metrics import log
 from .io.catalog import committed_steps
 from .io.commit import new_token
-from .io.leases import LEASE_STALE_S, LEASES, leased_steps
+from .io.leases import LEASE_STALE_S, LEASES
 from .io.storage import storage_for
 
 __all__ = ["publish", "WeightSubscriber", "LEASE_STALE_S", "LEASES", "retire_unleased"]
@@ -92,13 +92,11 @@ def publish(model: Any, publish_dir: str | os.PathLike, version: int, *, dtype: 
 def retire_unleased(storage, root: str, keep: int, timeout_s: float | None = None) -> list[str]:
     """Retire the versions older than the newest ``keep`` that no live lease names
     (:func:`unickpt.io.commit.retain`, which checks leases under the directory's commit lock:
-    a reader's lease is either seen there or finds its version gone); leases of readers that
-    are gone are cleared. Returns the retired paths."""
+    a reader's lease is either seen there or finds its version gone; leases of readers that
+    are gone are cleared as it retires). Returns the retired paths."""
     from .io.commit import retain
 
-    with storage.lock(root, timeout_s):
-        leased_steps(storage, root, clear=True)
-    return retain(storage, root, keep, timeout_s=timeout_s)
+    return retain(storage, root, keep, timeout_s=timeout_s)  # (it clears dead readers' leases as it retires)
 
 
 class WeightSubscriber:
@@ -166,6 +164,8 @@ class WeightSubscriber:
 
         d = self.storage.join(self.root, LEASES)
         path = self.storage.join(d, f"step-{v:08d}.{new_token()}")
+        if os.path.islink(d) or (os.path.lexists(d) and not os.path.isdir(d)):  # (a file system: _locking_storage)
+            raise errors.FormatError(f"{d}: not a directory of its own (a link or a file): no lease is written there")
         with self.storage.lock(self.root, self.options.timeout_s):
             if v not in {s for s, _ in committed_steps(self.storage, self.root)}:
                 return None

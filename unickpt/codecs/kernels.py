@@ -515,10 +515,10 @@ def _v_groups(v: torch.Tensor, a: int, b: int, group: int, buf: torch.Tensor, wh
     return g, g0, vmin, vmax
 
 
-def _v_outputs(v: torch.Tensor, bits: int, group: int, eps: float, what: str, of: str):
-    """The second-moment encoders' inputs and outputs: ``v`` flat fp32 (``eps`` > 0 checked),
-    levels, length, per-group lo/hi, codes and a group-aligned scratch buffer."""
-    _check_args(bits, group)
+def _v_outputs(v: torch.Tensor, bits: int, group: int, eps: float, what: str, of: str, base: int = 0):
+    """The second-moment encoders' inputs and outputs: ``v`` flat fp32 (arguments and ``eps``
+    checked), levels, length, per-group lo/hi and codes."""
+    _check_args(bits, group, base, v.numel())
     v = v.reshape(-1).float()
     if not (isinstance(eps, (int, float)) and FLT_MIN <= eps <= FLT_MAX):  # (float32 normal: the grid's floor)
         raise CodecError(f"{what}: eps must be a float32 normal number > 0 to quantize {of}, got {eps}")
@@ -526,7 +526,7 @@ def _v_outputs(v: torch.Tensor, bits: int, group: int, eps: float, what: str, of
     n_groups = -(-n // group)
     codes = torch.empty(n, dtype=torch.uint8) if bits == 8 else torch.empty(-(-n // 2), dtype=torch.uint8)
     return (v, (1 << bits) - 1, n, torch.empty(n_groups, dtype=torch.float32), torch.empty(n_groups, dtype=torch.float32),
-            codes, torch.empty(max(group, (CHUNK // group) * group) + group))
+            codes)
 
 
 def encode_w(v: torch.Tensor, bits: int, group: int, eps: float, what: str = "exp_avg_sq", base: int = 0,
@@ -535,8 +535,7 @@ def encode_w(v: torch.Tensor, bits: int, group: int, eps: float, what: str = "ex
     per-group max ``w``) of ``w = sqrt(v) + eps`` on the geometric grid of the module doc.
     ``seed``: stochastic rounding with ``E[1/w'] = 1/w`` (the update Adam makes is unbiased);
     else to the nearest level in log space."""
-    v, levels, n, lo_all, hi_all, codes, _ = _v_outputs(v, bits, group, eps, what, "sqrt(v) + eps")
-    _check_args(bits, group, base, n)
+    v, levels, n, lo_all, hi_all, codes = _v_outputs(v, bits, group, eps, what, "sqrt(v) + eps", base)
     dpos = -1 if seed is None else (base + (seed * 0x9E3779B97F4A7C15 >> 16)) % DITHER_TABLE
     x = _np(v)
     err = _errors(stats)
@@ -588,7 +587,8 @@ def decode_w(codes, lo, hi, bits: int, group: int, eps: float, start: int, count
 def encode_v(v: torch.Tensor, bits: int, group: int, eps: float, what: str = "exp_avg_sq", base: int = 0):
     """Whole groups of ``v`` -> (codes uint8 (packed for 4 bits), per-group min, per-group max) of r
     (``what``, ``base``: as :func:`encode_m`'s)."""
-    v, levels, n, lo_all, hi_all, codes, buf = _v_outputs(v, bits, group, eps, what, "1/(sqrt(v)+eps)")
+    v, levels, n, lo_all, hi_all, codes = _v_outputs(v, bits, group, eps, what, "1/(sqrt(v)+eps)", base)
+    buf = torch.empty(max(group, (CHUNK // group) * group) + group)  # (group-aligned scratch of the torch path)
     for a, b in _aligned_chunks(0, n, group):
         k = b - a
         g, g0, vmin, vmax = _v_groups(v, a, b, group, buf, what, base)
