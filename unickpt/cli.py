@@ -450,6 +450,29 @@ def _check_export_destination(dst: str, overwrite: bool) -> None:
         storage.close()
 
 
+def _titan_mapping(src: str, config: str | None):
+    """``Mapping.hf_from_torchtitan`` with the heads of the config export writes (``--config``,
+    or the checkpoint's own config.json)."""
+    from .export import _aux_json, _given_config
+    from .io.storage import storage_for
+    from .loading import read_manifest
+    from .mapping import Mapping
+
+    conf = _given_config(config)
+    if conf is None:
+        ckpt, man = read_manifest(src)
+        storage, _ = storage_for(ckpt)
+        try:
+            conf = _aux_json(storage, ckpt, man, "config.json")
+        finally:
+            storage.close()
+    if conf is None or not isinstance(conf.get("num_attention_heads"), int):
+        raise InvalidArgumentError("--from-torchtitan needs the model's attention heads: pass --config with a Hugging "
+                                   "Face config.json (num_attention_heads, num_key_value_heads)")
+    kv = conf.get("num_key_value_heads")
+    return Mapping.hf_from_torchtitan(num_heads=conf["num_attention_heads"], num_kv_heads=kv if isinstance(kv, int) else None)
+
+
 def _export(args):
     from .export import DTYPE_NAMES, export_hf
     from .io.storage import storage_for
@@ -457,9 +480,10 @@ def _export(args):
     max_shard = _size(args.max_shard_size)
     _source(args.src)
     _check_export_destination(args.dst, args.overwrite)
+    mapping = _titan_mapping(args.src, args.config) if args.from_torchtitan else None
     res = _with_progress("export", args, lambda progress: export_hf(
         args.src, args.dst, dtype=DTYPE_NAMES[args.dtype] if args.dtype else None,
-        max_shard_bytes=max_shard, config=args.config, overwrite=args.overwrite, progress=progress,
+        max_shard_bytes=max_shard, config=args.config, overwrite=args.overwrite, progress=progress, mapping=mapping,
     ))
     storage, final = storage_for(res["path"])
     try:
@@ -573,6 +597,8 @@ def _parser() -> _Parser:
     pe.add_argument("--max-shard-size", default="5GiB", metavar="SIZE", help="largest safetensors shard (default 5GiB)")
     pe.add_argument("--config", metavar="FILE", help="the config.json to write into DST: the file, or a folder holding it (default: the checkpoint's own)")
     pe.add_argument("--overwrite", action="store_true", help="replace DST (kept intact until the new one is in place)")
+    pe.add_argument("--from-torchtitan", action="store_true", help="SRC holds torchtitan Llama names: write Hugging "
+                    "Face names, the q/k rows permuted (heads from --config or the checkpoint's config.json)")
     pe.set_defaults(fn=_export)
     pr = sub.add_parser("reshard", parents=[common],
                         help="rewrite a checkpoint offline (other file sizes, fewer roles, compression), streaming")

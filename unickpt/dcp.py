@@ -133,6 +133,11 @@ class StorageReader(_dcp_storage.StorageReader):
         process_group: the group given to ``dcp.load`` (default: the default group). Used only
             for ``{node}`` paths (pieces this node does not hold are read by ranks that hold
             them and sent) and ``verify="full"`` there.
+        mapping: a :class:`~unickpt.Mapping`: the checkpoint as the tensors it makes
+            (:meth:`Mapping.targets`, in every role), so ``dcp.load`` fills a state dict of
+            other names and layouts (a torchtitan model from a Hugging Face checkpoint:
+            ``Mapping.torchtitan_from_hf(config)``); each piece DCP asks for reads only the
+            boxes of the stored tensors it needs.
 
     Example::
 
@@ -146,9 +151,11 @@ class StorageReader(_dcp_storage.StorageReader):
     """
 
     def __init__(self, path: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None,
-                 verify: str = "auto", process_group=None, timeout_s: float | None = None) -> None:
+                 verify: str = "auto", process_group=None, timeout_s: float | None = None, mapping=None) -> None:
         # checked as unickpt.load checks them (typed errors naming the argument)
-        LoadOptions(verify=verify, storage_options=storage_options, timeout_s=timeout_s)  # type: ignore[arg-type]
+        LoadOptions(verify=verify, storage_options=storage_options, timeout_s=timeout_s,  # type: ignore[arg-type]
+                    mapping=mapping)
+        self.mapping = mapping
         self.path = path
         self.storage_options = storage_options
         self.verify = verify
@@ -162,6 +169,7 @@ class StorageReader(_dcp_storage.StorageReader):
         self._man: Manifest | None = None
         self._json: dict[str, Any] = {}
         self._keys: dict[str, tuple[str, str]] = {}
+        self._mapped: dict[str, tuple[str, str, tuple[int, ...]]] = {}  # DCP key -> (role, target, shape)
         self._rank = 0
         self._comm: Comm | None = None
 
@@ -219,6 +227,9 @@ class StorageReader(_dcp_storage.StorageReader):
             keys[fqn] = (role, stored)
             sdm[fqn] = sdm[_fqn(role, stored)]
             paths[fqn] = (name,) if role == OTHER_ROLE else (role, name)
+        mapped: dict[str, tuple[str, str, tuple[int, ...]]] = {}
+        if self.mapping is not None:
+            sdm, paths, keys, mapped = self._map(ckpt, man, sdm, paths, keys)
         leaves: dict[str, tuple[tuple, Any]] = {}
         for k, v in from_json(man.state).items():  # (NaN and infinities as floats: leaves)
             _json_leaves(v, (k,), leaves)
@@ -228,9 +239,47 @@ class StorageReader(_dcp_storage.StorageReader):
                                           "manifest's state; load this checkpoint with unickpt.load")
             sdm[fqn] = BytesStorageMetadata()
             paths[fqn] = path
-        self._storage, self._ckpt, self._man, self._keys = storage, ckpt, man, keys
+        self._storage, self._ckpt, self._man, self._keys, self._mapped = storage, ckpt, man, keys, mapped
         self._json = {fqn: value for fqn, (_, value) in leaves.items()}
         return Metadata(state_dict_metadata=sdm, planner_data=paths, storage_meta=StorageMeta(checkpoint_id=ckpt))
+
+    def _map(self, ckpt: str, man: Manifest, sdm: dict, paths: dict, keys: dict):
+        """The tensor keys of the metadata replaced by the mapping's targets, role by role:
+        a target no rule makes reads its stored tensor as before; the others are recorded
+        (``mapped``) with their shapes and read through :func:`unickpt.mapping.expand`."""
+        mapping = self.mapping
+        out_sdm = {k: v for k, v in sdm.items() if k not in keys}  # (the JSON leaves)
+        out_paths = {k: v for k, v in paths.items() if k not in keys}
+        out_keys: dict[str, tuple[str, str]] = {}
+        mapped: dict[str, tuple[str, str, tuple[int, ...]]] = {}
+        by_role: dict[str, dict[str, str]] = {}
+        for fqn, (role, stored) in keys.items():
+            name = paths[fqn][-1]
+            by_role.setdefault(role, {})[name] = stored
+        for role, names in sorted(by_role.items()):
+            shapes = {n: tuple(man.tensors[(role, s)].shape) for n, s in names.items()}
+            for t, shape in mapping.targets(shapes).items():
+                fqn = _fqn(role, t)
+                if fqn in out_sdm or fqn in out_keys:
+                    raise NotSupportedError(f"{ckpt}: the mapping's target {t!r} of role {role} has the DCP key {fqn!r} "
+                                            "of another entry; load this checkpoint with unickpt.load")
+                out_paths[fqn] = (t,) if role == OTHER_ROLE else (role, t)
+                pieces = mapping.pieces(t, shape, shapes.get)
+                if pieces is None:  # read as it is named
+                    out_keys[fqn] = (role, names[t])
+                    out_sdm[fqn] = sdm[_fqn(role, t)]
+                    continue
+                dts = {man.tensors[(role, names[p.source])].dtype for p in pieces}
+                if len(dts) != 1:
+                    raise NotSupportedError(f"{ckpt}: the mapping's target {t!r} of role {role} is made of tensors of "
+                                            f"different dtypes ({sorted(dts)}); load it with unickpt.load")
+                mapped[fqn] = (role, t, shape)
+                out_keys[fqn] = (role, t)
+                size = torch.Size(shape)
+                out_sdm[fqn] = TensorStorageMetadata(
+                    properties=TensorProperties(dtype=torch_dtype(dts.pop())), size=size,
+                    chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(size)), sizes=size)])
+        return out_sdm, out_paths, out_keys, mapped
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self._man is None:  # metadata handed over without read_metadata: read ours
@@ -280,7 +329,7 @@ class StorageReader(_dcp_storage.StorageReader):
         finally:
             self._comm = None  # the load's last collective: hold no process group past it (see write_data)
         for target, dest in casts:
-            target.copy_(dest)
+            target.copy_(dest.view(target.shape) if dest.shape != target.shape else dest)
         for ri, target in commits:
             planner.commit_tensor(ri, target)
         return _done(None)
@@ -307,6 +356,9 @@ class StorageReader(_dcp_storage.StorageReader):
             key = self._keys.get(fqn)
             if key is None:
                 raise TensorMissingError(f"{ckpt}: no tensor {fqn!r} in the checkpoint")
+            if fqn in self._mapped:
+                self._target_mapped(ri, planner, fqn, entries, casts, commits)
+                continue
             st = man.tensors[key]
             if any(ri.storage_index.offset or ()):
                 raise FormatError(f"{ckpt}: DCP asks tensor {fqn!r} from a chunk at {list(ri.storage_index.offset)}; "
@@ -322,6 +374,38 @@ class StorageReader(_dcp_storage.StorageReader):
                 casts.append((target, dest))
             entries.append(Entry(key[0], key[1], dest, lay))
             commits.append((ri, target))
+
+    def _target_mapped(self, ri, planner: LoadPlanner, fqn: str, entries: list, casts: list, commits: list) -> None:
+        """A read item of a mapped target: its piece as boxes of the stored tensors
+        (:func:`unickpt.mapping.expand`)."""
+        from .mapping import expand
+
+        man, ckpt = self._man, self._ckpt
+        role, t, shape = self._mapped[fqn]
+        if any(ri.storage_index.offset or ()):
+            raise FormatError(f"{ckpt}: DCP asks target {fqn!r} from a chunk at {list(ri.storage_index.offset)}; the "
+                              "mapping's targets are one chunk at offset 0")
+        target = planner.resolve_tensor(ri).detach()
+        lay = Layout(tuple(shape), tuple(ri.storage_offsets), tuple(ri.lengths))
+        if target.numel() != lay.numel:
+            raise ShapeMismatchError(f"{ckpt}: target {fqn!r} of the mapping: DCP's target piece has shape "
+                                     f"{list(target.shape)}, the read asks {list(ri.lengths)}")
+
+        def stored(r: str, name: str):  # (tied names read the stored tensor)
+            return man.tensors.get((r, name)) or man.tensors.get((r, man.aliases.get((r, name), "")))
+
+        def stored_shape(r: str, name: str):
+            st = stored(r, name)
+            return None if st is None else tuple(st.shape)
+
+        pieces = self.mapping.pieces(t, shape, lambda n: stored_shape(role, n))
+        sdt = torch_dtype(stored(role, pieces[0].source).dtype)  # (one dtype: checked in read_metadata)
+        dest = target
+        if target.dtype != sdt or tuple(target.shape) != tuple(ri.lengths):
+            dest = torch.empty(tuple(ri.lengths), dtype=sdt)
+            casts.append((target, dest))
+        entries += expand([Entry(role, t, dest, lay)], self.mapping, stored_shape)
+        commits.append((ri, target))
 
     def _read(self, entries: list[Entry], plan: LoadPlan, err: BaseException | None = None) -> None:
         """unickpt's reading path (loading.session.read_all; node-local: remote.load_remote), then the

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import re
 import time
@@ -53,6 +54,7 @@ def export_hf(
     max_shard_bytes: int = 5 << 30,
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    mapping: Any = None,
 ) -> dict:
     """Write the model weights of checkpoint ``src`` as a Hugging Face folder at ``dst``.
 
@@ -68,6 +70,10 @@ def export_hf(
             gets a file of its own).
         overwrite: replace a folder already at ``dst``.
         progress: called with (bytes written, total bytes) after each tensor.
+        mapping: write the tensors this :class:`~unickpt.Mapping` makes from the stored ones
+            (:meth:`Mapping.targets`), e.g. ``Mapping.hf_from_torchtitan(config)`` for a
+            torchtitan checkpoint; each is read from only the byte ranges it needs, verified,
+            a batch of at most 256 MiB at a time.
 
     Returns figures: ``{"path", "files", "tensors", "bytes", "seconds", "gbps"}``.
 
@@ -77,6 +83,10 @@ def export_hf(
         AutoModelForCausalLM.from_pretrained("hf-model")   # bf16 parameters
     """
     t0 = time.perf_counter()
+    from .mapping import Mapping as _Mapping
+
+    if mapping is not None and not isinstance(mapping, _Mapping):
+        raise InvalidArgumentError(f"mapping must be a unickpt.Mapping or None, got {type(mapping).__name__}")
     if dtype is not None and dtype not in DTYPE_NAMES.values():
         raise InvalidArgumentError(f"export dtype must be one of torch.bfloat16, torch.float16, torch.float32, got {dtype!r}")
     given = _given_config(config)  # before anything is opened: a bad argument is the caller's to fix
@@ -87,13 +97,12 @@ def export_hf(
     try:
         conf = given if given is not None else _aux_json(src_storage, ckpt, man, "config.json")
         gen = _aux_bytes(src_storage, ckpt, man, GENERATION_CONFIG)  # copied as it is, once checked
-        # name written -> stored tensor holding its values
-        source = _names(ckpt, man)
-        # the source files are checked (regular, of the recorded size, headers intact) before
-        # anything of the claimed size is created
-        open_files(src_storage, ckpt, man, {man.tensors[("model", s)].file for s in source.values()}, readers)
-        source = _drop_tied(src_storage, ckpt, man, source, _tied_keys(conf, source), readers)
-        out_dtype = {n: _out_dtype(man.tensors[("model", s)].dtype, dtype) for n, s in source.items()}
+        # name written -> (shape, stored dtype), and how to read them
+        if mapping is None:
+            items, read = _plain_source(src_storage, ckpt, man, conf, readers)
+        else:
+            items, read = _mapped_source(src_storage, ckpt, man, conf, readers, mapping)
+        out_dtype = {n: _out_dtype(dt, dtype) for n, (_, dt) in items.items()}
         if conf is not None:
             _set_dtype(conf, out_dtype)
         txn = _commit.Transaction(storage, final, overwrite=overwrite, folder=True)
@@ -104,8 +113,7 @@ def export_hf(
         storage.close()
         raise
     try:
-        shards, total = _write_shards(txn, storage, src_storage, ckpt, man, source, out_dtype, readers,
-                                      max_shard_bytes, progress)
+        shards, total = _write_shards(txn, storage, items, read, out_dtype, max_shard_bytes, progress)
         if conf is not None:
             txn.put("config.json", (json.dumps(conf, indent=2, sort_keys=True) + "\n").encode())
         if gen is not None:
@@ -119,9 +127,9 @@ def export_hf(
             r.close()
         storage.close()
     secs = time.perf_counter() - t0
-    log.info("exported %d tensors (%s) from %s to %s in %.2f s (%.2f GB/s)", len(source), human_bytes(total), ckpt, final,
+    log.info("exported %d tensors (%s) from %s to %s in %.2f s (%.2f GB/s)", len(items), human_bytes(total), ckpt, final,
              secs, gbps(total, secs))
-    return {"path": final, "files": shards, "tensors": len(source), "bytes": total, "seconds": secs, "gbps": gbps(total, secs)}
+    return {"path": final, "files": shards, "tensors": len(items), "bytes": total, "seconds": secs, "gbps": gbps(total, secs)}
 
 
 def _out_dtype(stored: str, dtype: torch.dtype | None) -> str:
@@ -130,26 +138,94 @@ def _out_dtype(stored: str, dtype: torch.dtype | None) -> str:
     return dtype_name(dtype) if dtype is not None and torch_dtype(stored).is_floating_point else stored
 
 
-def _write_shards(txn, storage, src_storage, ckpt: str, man, source: dict[str, str], out_dtype: dict[str, str],
-                  readers: dict, max_shard_bytes: int, progress) -> tuple[int, int]:
+def _plain_source(storage, ckpt: str, man, conf, readers: dict):
+    """The model role's tensors under their own names (tied ones once, as ``save_pretrained``
+    writes them): ``({name: (shape, dtype)}, read)``; ``read(names)`` yields ``(name,
+    tensor)`` in that order, each verified."""
+    source = _names(ckpt, man)  # name written -> stored tensor holding its values
+    # the source files are checked (regular, of the recorded size, headers intact) before
+    # anything of the claimed size is created
+    open_files(storage, ckpt, man, {man.tensors[("model", s)].file for s in source.values()}, readers)
+    source = _drop_tied(storage, ckpt, man, source, _tied_keys(conf, source), readers)
+    items = {n: (tuple(man.tensors[("model", s)].shape), man.tensors[("model", s)].dtype) for n, s in source.items()}
+
+    def read(names):
+        for n in names:
+            yield n, read_whole(storage, ckpt, man, "model", source[n], readers)
+
+    return items, read
+
+
+MAPPED_BATCH = 256 << 20
+
+
+def _mapped_source(storage, ckpt: str, man, conf, readers: dict, mapping):
+    """:func:`_plain_source` through ``mapping``: its targets, read by the load plan (only the
+    boxes each needs, verified) in batches of at most :data:`MAPPED_BATCH` bytes. Tied targets
+    that are each one whole stored tensor are written once, as without a mapping."""
+    from .loading import LoadOptions, load
+    from .transport import LOCAL
+
+    names = _names(ckpt, man)
+    stored = {n: man.tensors[("model", s)] for n, s in names.items()}
+    shapes = mapping.targets({n: tuple(st.shape) for n, st in stored.items()})
+    items, whole, files = {}, {}, set()
+    for t, shape in shapes.items():
+        pieces = mapping.pieces(t, shape, lambda s: tuple(stored[s].shape) if s in stored else None)
+        srcs = [p.source for p in pieces] if pieces is not None else [t]
+        dts = {stored[s].dtype for s in srcs}
+        if len(dts) != 1:
+            raise FormatError(f"{ckpt}: target {t!r} of the mapping is made of tensors of different dtypes "
+                              f"({', '.join(f'{s}: {stored[s].dtype}' for s in srcs)}); export without the mapping")
+        files.update(stored[s].file for s in srcs)
+        items[t] = (tuple(shape), dts.pop())
+        p = pieces[0] if pieces else None
+        if pieces is None or (len(pieces) == 1 and p.target_view is None and p.source_view is None and not p.squeeze
+                              and tuple(p.sizes) == tuple(stored[p.source].shape) == tuple(shape)):
+            whole[t] = names[srcs[0]]
+    open_files(storage, ckpt, man, files, readers)
+    ties = {a: b for a, b in _tied_keys(conf, shapes).items() if a in whole and b in whole}
+    kept = _drop_tied(storage, ckpt, man, whole, ties, readers)
+    items = {t: v for t, v in items.items() if t in kept or t not in whole}
+
+    def read(order):
+        batch: list[str] = []
+        size = 0
+        for n in [*order, None]:
+            nb = 0 if n is None else math.prod(items[n][0]) * torch_dtype(items[n][1]).itemsize
+            if batch and (n is None or size + nb > MAPPED_BATCH):  # (a batch: <= MAPPED_BATCH, or one tensor)
+                got = {b: torch.empty(items[b][0], dtype=torch_dtype(items[b][1])) for b in batch}
+                load({"model": got}, ckpt, group=LOCAL, options=LoadOptions(mapping=mapping))
+                for b in batch:
+                    yield b, got.pop(b)
+                batch, size = [], 0
+            if n is not None:
+                batch.append(n)
+                size += nb
+
+    return items, read
+
+
+def _write_shards(txn, storage, items: dict, read, out_dtype: dict[str, str], max_shard_bytes: int,
+                  progress) -> tuple[int, int]:
     """The safetensors shards and the index into the transaction's folder: (files, bytes)."""
-    nbytes = {n: man.tensors[("model", s)].numel * torch_dtype(out_dtype[n]).itemsize for n, s in source.items()}
+    nbytes = {n: math.prod(shape) * torch_dtype(out_dtype[n]).itemsize for n, (shape, _) in items.items()}
     # shards: tensors in safetensors order, cut at max_shard_bytes
-    shards = split_by_size(sorted(source, key=lambda n: order_key(out_dtype[n], n)), nbytes.__getitem__, max_shard_bytes)
+    shards = split_by_size(sorted(items, key=lambda n: order_key(out_dtype[n], n)), nbytes.__getitem__, max_shard_bytes)
     total = sum(nbytes.values())
     done = 0
     weight_map = {}
     out = FileSet(storage, txn.tmp)
     for i, names in enumerate(shards, start=1):
         fname = file_name("model", i, len(shards))
-        header, stored = pack(((n, out_dtype[n], man.tensors[("model", source[n])].shape, n) for n in names),
-                                 {"format": "pt"})
+        header, stored = pack(((n, out_dtype[n], items[n][0], n) for n in names), {"format": "pt"})
         fsize = len(header) + sum(nbytes[n] for n in names)
         out.create(fname, fsize)
         try:
             out.open(fname, fname, fsize, header=header)
-            for n, _, _, _, info in stored:
-                x = read_whole(src_storage, ckpt, man, "model", source[n], readers)
+            infos = {n: info for n, _, _, _, info in stored}
+            for n, x in read([n for n, _, _, _, _ in stored]):
+                info = infos[n]
                 if x.dtype != torch_dtype(out_dtype[n]):
                     x = x.to(torch_dtype(out_dtype[n]))
                 data = x.reshape(-1).view(torch.uint8) if x.numel() else torch.empty(0, dtype=torch.uint8)

@@ -11,12 +11,13 @@ from typing import Callable, Iterable
 import torch
 
 from ._metrics import log
-from .errors import InvalidArgumentError, LayoutError, TensorMissingError
+from .errors import InvalidArgumentError, LayoutError, MappingError, TensorMissingError
 from .format import torch_dtype
 from .io.files import open_files
 from .io.storage import storage_for
 from .layout import Layout, ShardedTensor
 from .loading import LoadOptions, load, read_manifest
+from .mapping import Mapping
 from .transport import LOCAL
 
 
@@ -46,6 +47,7 @@ def load_for_inference(
     keys: Iterable[str] | None = None,
     tp_dim: Callable[[str, tuple[int, ...]], int | None] = llama_tp_dim,
     storage_options: dict | None = None,
+    mapping: Mapping | None = None,
 ) -> dict[str, torch.Tensor]:
     """The model weights of the checkpoint at ``path`` (a checkpoint or a root of ``step-*``).
 
@@ -57,9 +59,19 @@ def load_for_inference(
         keys: names or shell-style patterns (``"model.layers.0.*"``) to load; default all
             (per-rank values saved with ``unickpt.per_rank`` are not weights: never returned).
         storage_options: for a URL ``path``, options of its file system (docs/storage.md).
+        mapping: return the tensors this :class:`~unickpt.Mapping` makes from the stored
+            ones (:meth:`Mapping.targets`: e.g. ``Mapping.fused(config, tp_rank=, tp_size=)``,
+            the fused serving layout of one TP rank, or ``Mapping.hf_from_torchtitan(config)``),
+            each read from only the byte ranges it needs; ``keys`` then name its targets.
+            The mapping cuts TP shards itself: not with ``tp_rank``/``tp_size``.
 
     Works in one process whether or not torch.distributed is initialised (no collective).
     """
+    if mapping is not None and not isinstance(mapping, Mapping):
+        raise InvalidArgumentError(f"mapping must be a unickpt.Mapping or None, got {type(mapping).__name__}")
+    if mapping is not None and tp_size is not None:
+        raise InvalidArgumentError("a mapping cuts tensor-parallel shards itself (Mapping.fused(config, tp_rank=, "
+                                   "tp_size=)): give tp_rank/tp_size to the mapping, not to load_for_inference")
     if (tp_rank is None) != (tp_size is None):
         raise InvalidArgumentError("give both tp_rank and tp_size, or neither")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -87,6 +99,9 @@ def load_for_inference(
     if not names:
         raise TensorMissingError(f"{ckpt}: the checkpoint holds no model tensors" +
                                  (f" (only per-rank values: {per_rank[:5]})" if per_rank else ""))
+    if mapping is not None:
+        return _mapped(ckpt, man, mapping, {n: man.tensors[("model", stored_name[n])] for n in names}, keys, dtype,
+                       device, storage_options)
     if keys is not None:
         pats = list(keys)
         chosen = [n for n in names if any(n == p or fnmatch.fnmatchcase(n, p) for p in pats)]
@@ -135,3 +150,40 @@ def load_for_inference(
         out[n] = done[id(x)]
     return out
 
+
+def _chosen(ckpt: str, names: list[str], keys: Iterable[str] | None, what: str = "model tensor") -> list[str]:
+    """The names ``keys`` (names or shell patterns) choose; a key that chooses none: refused."""
+    if keys is None:
+        return names
+    pats = list(keys)
+    missing = [p for p in pats if not any(n == p or fnmatch.fnmatchcase(n, p) for n in names)]
+    if missing:
+        raise TensorMissingError(f"{ckpt}: no {what} matches {missing}")
+    return [n for n in names if any(n == p or fnmatch.fnmatchcase(n, p) for p in pats)]
+
+
+def _mapped(ckpt: str, man, mapping: Mapping, stored: dict, keys, dtype, device, storage_options) -> dict:
+    """:func:`load_for_inference` through a mapping: its targets (:meth:`Mapping.targets`),
+    each of its sources' dtype, loaded by the load plan (only the boxes each needs)."""
+    shapes = mapping.targets({n: tuple(st.shape) for n, st in stored.items()})
+    chosen = _chosen(ckpt, sorted(shapes), keys, "target of the mapping")
+    targets: dict[str, torch.Tensor] = {}
+    files = set()
+    for n in chosen:
+        pieces = mapping.pieces(n, shapes[n], lambda s: tuple(stored[s].shape) if s in stored else None)
+        srcs = [p.source for p in pieces] if pieces is not None else [n]
+        dts = {stored[s].dtype for s in srcs}
+        if len(dts) != 1:
+            raise MappingError(f"{ckpt}: target {n!r} of the mapping is made of tensors of different dtypes "
+                               f"({', '.join(f'{s}: {stored[s].dtype}' for s in srcs)})")
+        files.update(stored[s].file for s in srcs)
+        targets[n] = torch.empty(shapes[n], dtype=torch_dtype(dts.pop()))
+    storage, _ = storage_for(ckpt, storage_options)
+    readers: dict = {}
+    try:  # the files are checked (regular, of the recorded size, headers intact) before a byte is read
+        open_files(storage, ckpt, man, files, readers)
+    finally:
+        for r in readers.values():
+            r.close()
+    load({"model": targets}, ckpt, group=LOCAL, options=LoadOptions(storage_options=storage_options, mapping=mapping))
+    return {n: t.to(device=device, dtype=dtype or t.dtype) for n, t in targets.items()}

@@ -84,11 +84,53 @@ class Rule:
     def pieces(self, name: str, shape: Shape, source_shape: Callable[[str], Shape | None]) -> list[Piece]:
         raise NotImplementedError
 
+    def targets(self, stored: TMapping[str, Shape]) -> dict[str, Shape]:
+        """The target names (and shapes) this rule makes from the stored tensors ``stored``
+        (name -> shape): what a load that enumerates its targets (``load_for_inference``,
+        ``export_hf``, the DCP reader) asks for."""
+        raise NotImplementedError(f"mapping: {type(self).__name__} cannot list the targets it makes from a checkpoint's "
+                                  "names; define targets() on the rule, or load into targets you name (unickpt.load)")
+
 
 class _Pattern(Rule):
     """A rule for the target names its regular expression ``pattern`` matches whole."""
 
     pattern: re.Pattern
+
+    def _repl(self) -> str:
+        """The replacement that names the first source of a target (for :meth:`targets`)."""
+        raise NotImplementedError
+
+    def _shape(self, name: str, stored: TMapping[str, Shape], experts: int) -> Shape:
+        """Target ``name``'s shape from its sources' (``experts``: how many, when stacked)."""
+        raise NotImplementedError
+
+    def targets(self, stored):
+        """Each stored name the first source's replacement could give is run backwards
+        through it (:func:`_inverse`); a candidate counts when the pattern takes it and the
+        replacement gives that stored name back."""
+        inv = _inverse(self.pattern, self._repl())
+        if inv is None:
+            raise MappingError(f"mapping: the targets of pattern {self.pattern.pattern!r} cannot be listed from the "
+                               f"checkpoint's names (only literal text and groups can be written back from "
+                               f"{self._repl()!r}); load into targets you name with unickpt.load")
+        regex, fill = inv
+        found: dict[str, set[int]] = {}
+        for s in stored:
+            m = regex.fullmatch(s)
+            if m is None:
+                continue
+            t = fill(m)
+            repl = self._repl()
+            e = m.groupdict().get("e")
+            if e is not None:
+                repl = repl.replace("{e}", e)
+            if t is None or self.pattern.fullmatch(t) is None or self.pattern.sub(repl, t) != s:
+                continue
+            found.setdefault(t, set())
+            if e is not None:
+                found[t].add(int(e))
+        return {t: self._shape(t, stored, max(es) + 1 if es else 0) for t, es in sorted(found.items())}
 
     def match(self, name: str) -> bool:
         return self.pattern.fullmatch(name) is not None
@@ -109,6 +151,12 @@ class _Pattern(Rule):
 class _Rename(_Pattern):
     pattern: re.Pattern
     repl: str
+
+    def _repl(self):
+        return self.repl
+
+    def _shape(self, name, stored, experts):
+        return tuple(stored[self.pattern.sub(self.repl, name)])
 
     def pieces(self, name, shape, source_shape):
         try:
@@ -146,6 +194,23 @@ class _Fuse(_Pattern):
     tp: tuple[int, int] | None = None
     units: tuple[int, ...] | None = None
 
+    def _repl(self):
+        return self.repls[0]
+
+    def _shape(self, name, stored, experts):
+        rows, first = 0, None
+        for i, r in enumerate(self.repls):
+            src, sshape = self.source(name, r, stored.get)
+            first = first or sshape
+            if len(sshape) <= self.dim:
+                raise MappingError(f"mapping: target {name!r}: its source {src!r} {list(sshape)} has no dimension "
+                                   f"{self.dim} to put side by side")
+            n = sshape[self.dim]
+            if self.tp is not None:
+                units = self.units[i] if self.units else self.tp[1]
+                n = _tp_block(n, units, self.tp[0], self.tp[1], f"mapping {src!r} -> {name!r}")[1]
+            rows += n
+        return first[:self.dim] + (rows,) + first[self.dim + 1:]
 
     def pieces(self, name, shape, source_shape):
         out, at, per_unit = [], 0, set()
@@ -192,6 +257,15 @@ class _Split(_Pattern):
     dim: int
     tp: tuple[int, int]
 
+    def _repl(self):
+        return self.repl
+
+    def _shape(self, name, stored, experts):
+        src, sshape = self.source(name, self.repl, stored.get)
+        if len(sshape) <= self.dim:
+            return sshape
+        start, n = _tp_block(sshape[self.dim], self.tp[1], self.tp[0], self.tp[1], f"mapping {src!r} -> {name!r}")
+        return sshape[:self.dim] + (n,) + sshape[self.dim + 1:]
 
     def pieces(self, name, shape, source_shape):
         src, sshape = self.source(name, self.repl, source_shape)
@@ -217,6 +291,21 @@ class _Stack(_Pattern):
     repls: tuple[str, ...]
     dim: int = 0
 
+    def _repl(self):
+        return self.repls[0]
+
+    def _shape(self, name, stored, experts):
+        row = None
+        for r in self.repls:
+            src, sshape = self.source(name, r.replace("{e}", "0"), stored.get, " (expert 0)")
+            if len(sshape) <= self.dim:
+                raise MappingError(f"mapping: expert 0 of target {name!r}: its source {src!r} {list(sshape)} has no "
+                                   f"dimension {self.dim}")
+            if row is None:
+                row = list(sshape)
+            else:
+                row[self.dim] += sshape[self.dim]
+        return (experts, *row)
 
     def pieces(self, name, shape, source_shape):
         if len(shape) < 2 or self.dim >= len(shape) - 1:
@@ -254,6 +343,11 @@ class _Rotary(_Pattern):
     heads: int
     to_hf: bool
 
+    def _repl(self):
+        return self.repl
+
+    def _shape(self, name, stored, experts):
+        return self.source(name, self.repl, stored.get)[1]
 
     def pieces(self, name, shape, source_shape):
         src, sshape = self.source(name, self.repl, source_shape)
@@ -389,6 +483,29 @@ class Mapping:
 
     # -- the load plan ---------------------------------------------------------------------------
 
+    def targets(self, stored: TMapping[str, Shape]) -> dict[str, Shape]:
+        """The tensors this mapping makes from a checkpoint's tensors ``stored`` (name ->
+        shape, tied names included): each rule's targets (checked as a load checks them),
+        then every stored tensor no target reads, under its own name. What
+        ``load_for_inference``, ``export_hf`` and the DCP reader load. A stored name a rule
+        takes as a target whose sources are missing is refused (typed), never dropped."""
+        stored = {n: tuple(s) for n, s in stored.items()}
+        out: dict[str, Shape] = {}
+        used: set[str] = set()
+        for rule in self.rules:
+            for t, shape in rule.targets(stored).items():
+                if t in out or self.rule_for(t) is not rule:  # (an earlier rule takes this name)
+                    continue
+                out[t] = shape
+                used.update(pc.source for pc in self.pieces(t, shape, stored.get) or ())
+        for s, shape in stored.items():
+            if s in out or s in used:
+                continue
+            if self.rule_for(s) is not None:  # a target this mapping makes from other tensors
+                self.pieces(s, shape, stored.get)  # (raises: its sources are not all there)
+            out[s] = shape
+        return dict(sorted(out.items()))
+
     def pieces(self, name: str, shape: Shape, source_shape: Callable[[str], Shape | None]) -> list[Piece] | None:
         """The checked pieces of target ``name`` of ``shape``, or None (read as it is named)."""
         rule = self.rule_for(name)
@@ -413,6 +530,95 @@ class Mapping:
                                "elements")
         _disjoint(name, out)  # (with the count above: they tile the target, no element twice or never)
         return out
+
+
+_BACKREF = re.compile(r"\\(?:(\d+)|g<(\w+)>)|\{e\}")
+
+
+def _template(pattern: str) -> list[str | int] | None:
+    """``pattern`` as literal text and its (top-level) groups' numbers, or None when it is
+    anything else (classes, repeats or alternatives outside a group): then a target name
+    cannot be written from the groups' values."""
+    out: list[str | int] = []
+    i, group = 0, 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            if i + 1 < len(pattern) and not pattern[i + 1].isalnum():
+                out.append(pattern[i + 1])
+                i += 2
+                continue
+            return None
+        if c == "(":
+            if pattern.startswith("(?", i) and not pattern.startswith("(?P<", i):
+                return None
+            depth, j = 1, i + 1
+            while j < len(pattern) and depth:
+                if pattern[j] == "\\":
+                    j += 2
+                    continue
+                if pattern[j] == "[":  # a class may hold parentheses
+                    k = pattern.find("]", j + 2)
+                    if k < 0:
+                        return None
+                    j = k + 1
+                    continue
+                if pattern[j] == "(":
+                    if not pattern.startswith("(?:", j):
+                        return None  # nested groups renumber: not written back
+                    depth += 1
+                elif pattern[j] == ")":
+                    depth -= 1
+                j += 1
+            if depth:
+                return None
+            group += 1
+            out.append(group)
+            i = j
+            continue
+        if c in ".^$*+?{}[]|)":
+            return None
+        out.append(c)
+        i += 1
+    return out
+
+
+def _inverse(pattern: re.Pattern, repl: str):
+    """``(regex, fill)``: ``regex`` matches the stored names replacement ``repl`` can give
+    (its group references and ``{e}`` as groups), ``fill(match)`` the target name whose
+    pattern groups those values fill (None when a group of the target has no value). None
+    when ``pattern`` cannot be written back (:func:`_template`) or ``repl`` holds escapes."""
+    template = _template(pattern.pattern)
+    if template is None:
+        return None
+    parts, seen, at = [], set(), 0
+    for m in _BACKREF.finditer(repl):
+        lit = repl[at:m.start()]
+        if "\\" in lit:
+            return None
+        parts.append(re.escape(lit))
+        if m.group(0) == "{e}":
+            name, body = "e", r"\d+"
+        else:
+            ref = m.group(1) or m.group(2)
+            idx = int(ref) if ref.isdigit() else pattern.groupindex.get(ref)
+            if idx is None:
+                return None
+            name, body = f"g{idx}", ".+?"
+        parts.append(f"(?P={name})" if name in seen else f"(?P<{name}>{body})")
+        seen.add(name)
+        at = m.end()
+    if "\\" in repl[at:]:
+        return None
+    parts.append(re.escape(repl[at:]))
+    if any(isinstance(x, int) and f"g{x}" not in seen for x in template):
+        return None
+    regex = re.compile("".join(parts))
+
+    def fill(m: re.Match) -> str:
+        return "".join(x if isinstance(x, str) else m.group(f"g{x}") for x in template)
+
+    return regex, fill
 
 
 def _disjoint(name: str, pieces: list[Piece]) -> None:

@@ -1,0 +1,150 @@
+"""Mappings where the load lists its own targets (issue #41 item 1): ``Mapping.targets``
+enumerates what a mapping makes from a checkpoint's names, so ``load_for_inference``,
+``export_hf`` (and ``unickpt export --from-torchtitan``) and the DCP reader take a mapping;
+each read verified, only the boxes each target needs."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import unickpt
+from tests import dist
+from tests.test_mapping import _fused_expected, _hub_moe, _model, _titan
+from unickpt.errors import InvalidArgumentError, MappingError, TensorMissingError
+from unickpt.export import export_hf
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    root = tmp_path_factory.mktemp("targets")
+    model, config = _model("llama")
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    unickpt.save({"model": sd}, str(root / "hf"), extra_files={"config.json": config.to_json_string()})
+    titan = _titan(sd, config)
+    unickpt.save({"model": titan}, str(root / "titan"))
+    return root, sd, titan, config
+
+
+def test_targets_lists_what_each_built_in_makes_and_passes_the_rest_through(llama):
+    _, sd, titan, config = llama
+    stored = {k: tuple(v.shape) for k, v in sd.items()}
+    for r in range(2):
+        want = _fused_expected(sd, config, r, 2)
+        assert unickpt.Mapping.fused(config, tp_rank=r, tp_size=2).targets(stored) == {
+            k: tuple(v.shape) for k, v in sorted(want.items())}
+    to_titan = unickpt.Mapping.torchtitan_from_hf(config).targets(stored)
+    assert to_titan == {k: tuple(v.shape) for k, v in sorted(titan.items())}
+    assert unickpt.Mapping.hf_from_torchtitan(config).targets(to_titan) == dict(sorted(stored.items()))
+    # a rename passes what it does not take through, under its own name
+    m = unickpt.Mapping.rename({r"tok\.(.*)": r"model.embed_tokens.\1"})
+    got = m.targets(stored)
+    assert "tok.weight" in got and "model.embed_tokens.weight" not in got and len(got) == len(stored)
+    # the Hub's per-expert keys -> stacked experts: the expert count read from the names
+    moe, mconf = _model("mixtral")
+    msd = {k: tuple(v.shape) for k, v in moe.state_dict().items()}
+    hub = {k: tuple(v.shape) for k, v in _hub_moe(dict(moe.state_dict())).items()}
+    assert unickpt.Mapping.mixtral_experts().targets(hub) == dict(sorted(msd.items()))
+
+
+def test_targets_refuses_what_it_cannot_honour_typed(llama):
+    _, sd, _, config = llama
+    stored = {k: tuple(v.shape) for k, v in sd.items()}
+    gone = {k: v for k, v in stored.items() if "layers.1.self_attn.v_proj" not in k}
+    with pytest.raises(TensorMissingError, match="v_proj"):  # a fused target missing a source
+        unickpt.Mapping.fused(config, tp_rank=0, tp_size=2).targets(gone)
+    fused = dict(unickpt.Mapping.fused(config).targets(stored))  # already fused: a name a rule makes from others
+    with pytest.raises(TensorMissingError, match="needs .*gate_proj|needs .*q_proj"):
+        unickpt.Mapping.fused(config).targets(fused)
+    with pytest.raises(MappingError, match="cannot be listed"):  # a pattern that is not text and groups
+        unickpt.Mapping.rename({r"x+\.(.*)": r"\1"}).targets(stored)
+    experts = {f"e.{i}.w": (2, 3) for i in (0, 1, 3)}  # expert 2 missing: the stack has a hole
+    with pytest.raises(TensorMissingError, match="expert 2"):
+        unickpt.Mapping.stacked_experts(r"(e)", r"\1.{e}.w").targets(experts)
+
+
+def test_load_for_inference_through_a_mapping(llama):
+    root, sd, titan, config = llama
+    for r in range(2):
+        want = _fused_expected(sd, config, r, 2)
+        got = unickpt.load_for_inference(str(root / "hf"), mapping=unickpt.Mapping.fused(config, tp_rank=r, tp_size=2))
+        assert sorted(got) == sorted(want) and all(torch.equal(got[k], v) for k, v in want.items())
+    got = unickpt.load_for_inference(str(root / "hf"), mapping=unickpt.Mapping.torchtitan_from_hf(config),
+                                     keys=["layers.1.attention.*"], dtype=torch.float32)
+    assert sorted(got) == sorted(k for k in titan if k.startswith("layers.1.attention."))
+    assert all(torch.equal(v, titan[k].float()) for k, v in got.items())
+    with pytest.raises(InvalidArgumentError, match="cuts tensor-parallel shards itself"):
+        unickpt.load_for_inference(str(root / "hf"), mapping=unickpt.Mapping.fused(config), tp_rank=0, tp_size=2)
+    with pytest.raises(TensorMissingError, match="target of the mapping"):
+        unickpt.load_for_inference(str(root / "hf"), mapping=unickpt.Mapping.fused(config), keys=["*.q_proj.*"])
+
+
+def test_export_through_a_mapping_gives_a_folder_from_pretrained_loads(llama, tmp_path):
+    """A torchtitan checkpoint exported with Hugging Face names (q/k rows permuted): the
+    folder loads with from_pretrained and gives the model's logits bit for bit; from the
+    CLI too, the heads read from --config."""
+    from transformers import AutoModelForCausalLM
+
+    root, sd, _, config = llama
+    res = export_hf(str(root / "titan"), str(tmp_path / "a"), mapping=unickpt.Mapping.hf_from_torchtitan(config),
+                    config=config)
+    assert res["tensors"] == len(sd)
+    ref = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    ref.load_state_dict(sd)
+    ref.save_pretrained(str(tmp_path / "ref"))  # (from_pretrained keeps rotary buffers in fp32: compare like with like)
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ref"))
+    ids = torch.arange(11).view(1, -1)
+    for folder in ("a", "b"):
+        if folder == "b":
+            (tmp_path / "config.json").write_text(config.to_json_string())
+            p = subprocess.run([sys.executable, "-m", "unickpt", "export", str(root / "titan"), str(tmp_path / "b"),
+                                "--from-torchtitan", "--config", str(tmp_path / "config.json")],
+                               capture_output=True, text=True, timeout=300)
+            assert p.returncode == 0, p.stderr
+        m = AutoModelForCausalLM.from_pretrained(str(tmp_path / folder))
+        with torch.no_grad():
+            assert torch.equal(m(ids).logits, ref(ids).logits)
+    index = json.loads((tmp_path / "a" / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == sorted(sd)
+    p = subprocess.run([sys.executable, "-m", "unickpt", "export", str(root / "titan"), str(tmp_path / "c"),
+                        "--from-torchtitan"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "--config" in p.stderr and not os.path.exists(tmp_path / "c")
+
+
+def test_the_dcp_reader_fills_a_state_dict_of_the_mappings_names(llama):
+    import torch.distributed.checkpoint as dcp
+
+    root, sd, titan, config = llama
+    target = {"model": {k: torch.zeros(v.shape, dtype=torch.float32) for k, v in titan.items()}}  # (DCP casts)
+    reader = unickpt.dcp.StorageReader(str(root / "hf"), mapping=unickpt.Mapping.torchtitan_from_hf(config))
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    assert all(torch.equal(target["model"][k], v.float()) for k, v in titan.items())
+    with pytest.raises(InvalidArgumentError, match="mapping"):
+        unickpt.dcp.StorageReader(str(root / "hf"), mapping={"a": "b"})
+
+
+def _dcp_experts(rank, world, path):
+    """Two ranks, stacked experts as DTensors sharded over the experts (expert parallelism),
+    filled by dcp.load from the Hub's per-expert keys through the mapping."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    _, man = unickpt.read_manifest(path)
+    m = unickpt.Mapping.mixtral_experts()
+    shapes = m.targets({n: t.shape for (r, n), t in man.tensors.items() if r == "model"})
+    full = {k: torch.zeros(s, dtype=torch.bfloat16) for k, s in shapes.items()}
+    unickpt.load({"model": full}, path, group="local", options=unickpt.LoadOptions(mapping=m))
+    sd = {"model": {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)]) for k, v in full.items()}}
+    dcp.load(sd, storage_reader=unickpt.dcp.StorageReader(path, mapping=m))
+    return all(torch.equal(v.full_tensor(), full[k]) for k, v in sd["model"].items()) and len(full) > 4
+
+
+def test_the_dcp_reader_maps_into_expert_parallel_dtensors(tmp_path):
+    model, _ = _model("mixtral")
+    unickpt.save({"model": _hub_moe(dict(model.state_dict()))}, str(tmp_path / "moe"))
+    assert dist.run(_dcp_experts, 2, str(tmp_path / "moe")) == [True, True]
