@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import unickpt
 from tests import dist
@@ -148,3 +149,61 @@ def test_the_dcp_reader_maps_into_expert_parallel_dtensors(tmp_path):
     model, _ = _model("mixtral")
     unickpt.save({"model": _hub_moe(dict(model.state_dict()))}, str(tmp_path / "moe"))
     assert dist.run(_dcp_experts, 2, str(tmp_path / "moe")) == [True, True]
+
+
+def test_transposes_gpt2_conv1d_weights_into_linear_layout_whole_and_as_shards(tmp_path):
+    """GPT-2 stores its Conv1D weights [in, out]; an engine holding nn.Linear's [out, in]
+    reads them transposed, whole (load_for_inference lists them) and as row or column TP
+    shards of the transposed target (the matching box of the source, nothing else)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16,
+                                       bos_token_id=0, eos_token_id=0))
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    unickpt.save({"model": sd}, str(tmp_path / "g"))
+    conv = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
+    m = unickpt.Mapping.transpose(r".*\.(c_attn|c_proj|c_fc)\.weight")
+    got = unickpt.load_for_inference(str(tmp_path / "g"), mapping=m)
+    assert sorted(got) == sorted(sd)
+    for k, v in sd.items():
+        assert torch.equal(got[k], v.t() if k.endswith(conv) else v), k
+    name = "transformer.h.1.mlp.c_fc.weight"  # stored [32, 128]: the target is [128, 32]
+    for offsets, sizes in (((64, 0), (64, 32)), ((0, 16), (128, 16)), ((10, 3), (30, 7))):
+        local = torch.full(sizes, float("nan"))
+        res = unickpt.load({"model": {name: unickpt.shard(local, (128, 32), offsets=offsets)}}, str(tmp_path / "g"),
+                           options=unickpt.LoadOptions(mapping=m))
+        box = sd[name].t()[offsets[0]:offsets[0] + sizes[0], offsets[1]:offsets[1] + sizes[1]]
+        assert torch.equal(local, box) and res.tensors == 1
+    with pytest.raises(MappingError, match="order"):  # a target of the untransposed shape
+        unickpt.load({"model": {name: torch.zeros(32, 128)}}, str(tmp_path / "g"), options=unickpt.LoadOptions(mapping=m))
+    for bad in ((0, 0), (1,), (0, 2), "10"):
+        with pytest.raises(MappingError, match="perm"):
+            unickpt.Mapping.transpose("x", perm=bad)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_property_transposes_and_their_inverse_over_random_shapes_and_boxes(tmp_path_factory, data):
+    """A random tensor of 2-4 dimensions, a random permutation: a random box of the permuted
+    target equals the box of ``permute`` by hand; the permuted tensor, saved and read back
+    through the inverse permutation (listed by ``targets``), is the original (serving ->
+    training -> serving)."""
+    shape = tuple(data.draw(st.lists(st.integers(1, 5), min_size=2, max_size=4)))
+    perm = tuple(data.draw(st.permutations(range(len(shape)))))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    x = torch.randn(shape, generator=g)
+    root = tmp_path_factory.mktemp("tr")
+    unickpt.save({"model": {"w": x}}, str(root / "a"))
+    t_shape = tuple(shape[p] for p in perm)
+    offsets = tuple(data.draw(st.integers(0, n - 1)) for n in t_shape)
+    sizes = tuple(data.draw(st.integers(1, n - o)) for n, o in zip(t_shape, offsets))
+    local = torch.full(sizes, float("nan"))
+    m = unickpt.Mapping.transpose("w", perm=perm)
+    unickpt.load({"model": {"w": unickpt.shard(local, t_shape, offsets=offsets)}}, str(root / "a"),
+                 options=unickpt.LoadOptions(mapping=m))
+    assert torch.equal(local, x.permute(perm)[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))])
+    unickpt.save({"model": {"w": x.permute(perm).contiguous()}}, str(root / "b"))
+    inv = tuple(perm.index(j) for j in range(len(perm)))
+    back = unickpt.load_for_inference(str(root / "b"), mapping=unickpt.Mapping.transpose("w", perm=inv))
+    assert torch.equal(back["w"], x)

@@ -68,10 +68,15 @@ class Piece:
     permutation picks (the rotary layouts)."""
     src_sizes: Shape | None = None
     """The source box's sizes where views make them differ from the target box's."""
+    perm: Shape | None = None
+    """A transpose: the target's dimension ``d`` is the source's dimension ``perm[d]``
+    (``source_offsets`` in the source's order)."""
 
     def source_sizes(self) -> Shape:
         if self.src_sizes is not None:
             return self.src_sizes
+        if self.perm is not None:
+            return tuple(self.sizes[self.perm.index(j)] for j in range(len(self.perm)))
         return tuple(s for d, s in enumerate(self.sizes) if d not in self.squeeze)
 
 
@@ -330,6 +335,34 @@ class _Stack(_Pattern):
 
 
 @dataclass(frozen=True)
+class _Transpose(_Pattern):
+    """Target ``pattern`` = source ``repl`` with its dimensions permuted: the target's
+    dimension ``d`` is the source's ``perm[d]`` (``(1, 0)``: a transposed matrix, as GPT-2's
+    ``Conv1D`` weights are to ``nn.Linear``'s)."""
+
+    pattern: re.Pattern
+    repl: str
+    perm: tuple[int, ...]
+
+    def _repl(self):
+        return self.repl
+
+    def _shape(self, name, stored, experts):
+        src, sshape = self.source(name, self.repl, stored.get)
+        if len(sshape) != len(self.perm):
+            raise MappingError(f"mapping: target {name!r} permutes {len(self.perm)} dimensions, its source {src!r} has "
+                               f"{len(sshape)} ({list(sshape)})")
+        return tuple(sshape[p] for p in self.perm)
+
+    def pieces(self, name, shape, source_shape):
+        src, sshape = self.source(name, self.repl, source_shape)
+        if len(sshape) != len(self.perm) or tuple(shape) != tuple(sshape[p] for p in self.perm):
+            raise MappingError(f"mapping: target {name!r} has shape {list(shape)}; {src!r} {list(sshape)} with its "
+                               f"dimensions in the order {list(self.perm)} is {[sshape[p] for p in self.perm]}")
+        return [Piece((0,) * len(shape), tuple(shape), src, (0,) * len(shape), perm=self.perm)]
+
+
+@dataclass(frozen=True)
 class _Rotary(_Pattern):
     """Target ``pattern`` = source ``repl`` with each head's rows permuted between the two
     rotary layouts of Llama's q/k weights: Meta's and torchtitan's (the rotary pairs
@@ -414,6 +447,22 @@ class Mapping:
             raise MappingError(f"Mapping.stacked_experts: dim (where several sources sit side by side inside each "
                                f"expert's row) must be an integer >= 0, got {dim!r}")
         return Mapping([_Stack(_compile(target), tuple(sources), dim)])
+
+    @staticmethod
+    def transpose(target: str, source: str = r"\g<0>", perm: Sequence[int] = (1, 0)) -> "Mapping":
+        r"""Targets named by ``target`` (a regular expression) are the stored tensor
+        ``source`` (its replacement; default: the same name) with dimensions permuted:
+        the target's dimension ``d`` is the source's ``perm[d]``. E.g. GPT-2's ``Conv1D``
+        weights (``[in, out]``) for an engine that holds ``nn.Linear``'s ``[out, in]``:
+        ``Mapping.transpose(r".*\.(c_attn|c_proj|c_fc)\.weight")``. A TP shard of the
+        target reads the matching box of the source."""
+        p = tuple(perm) if isinstance(perm, (list, tuple)) else None
+        if p is None or sorted(p) != list(range(len(p))) or not all(type(x) is int for x in p) or len(p) < 2:
+            raise MappingError(f"Mapping.transpose: perm must list the dimensions 0..n-1 (n >= 2) in the target's order, "
+                               f"got {perm!r}")
+        if not isinstance(source, str):
+            raise MappingError(f"Mapping.transpose: source must be a replacement string, got {source!r}")
+        return Mapping([_Transpose(_compile(target), source, p)])
 
     @staticmethod
     def mixtral_experts(prefix: str = "model.") -> "Mapping":
@@ -587,10 +636,8 @@ def _inverse(pattern: re.Pattern, repl: str):
     """``(regex, fill)``: ``regex`` matches the stored names replacement ``repl`` can give
     (its group references and ``{e}`` as groups), ``fill(match)`` the target name whose
     pattern groups those values fill (None when a group of the target has no value). None
-    when ``pattern`` cannot be written back (:func:`_template`) or ``repl`` holds escapes."""
-    template = _template(pattern.pattern)
-    if template is None:
-        return None
+    when ``pattern`` cannot be written back (:func:`_template`; unless ``repl`` holds the
+    whole target, ``\\g<0>``) or ``repl`` holds escapes."""
     parts, seen, at = [], set(), 0
     for m in _BACKREF.finditer(repl):
         lit = repl[at:m.start()]
@@ -611,9 +658,12 @@ def _inverse(pattern: re.Pattern, repl: str):
     if "\\" in repl[at:]:
         return None
     parts.append(re.escape(repl[at:]))
-    if any(isinstance(x, int) and f"g{x}" not in seen for x in template):
-        return None
     regex = re.compile("".join(parts))
+    if "g0" in seen:  # the whole target name is in the stored one
+        return regex, lambda m: m.group("g0")
+    template = _template(pattern.pattern)
+    if template is None or any(isinstance(x, int) and f"g{x}" not in seen for x in template):
+        return None
 
     def fill(m: re.Match) -> str:
         return "".join(x if isinstance(x, str) else m.group(f"g{x}") for x in template)
@@ -732,6 +782,13 @@ def expand(entries: list, mapping: Mapping, source_shape: Callable[[str, str], S
             if any(h <= low for h, low in zip(hi, lo)):
                 continue  # this rank holds none of the piece
             view = e.local[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, lay.offsets))]
+            if pc.perm is not None:  # the box in the source's order of dimensions (a view, no copy)
+                inv = tuple(pc.perm.index(j) for j in range(len(pc.perm)))
+                sshape = source_shape(e.role, pc.source)
+                out.append(Entry(e.role, pc.source, view.permute(inv), Layout(
+                    tuple(sshape), tuple(pc.source_offsets[j] + lo[inv[j]] - pc.offsets[inv[j]] for j in range(len(inv))),
+                    tuple(hi[inv[j]] - lo[inv[j]] for j in range(len(inv))), None, lay.replica)))
+                continue
             for d in sorted(pc.squeeze, reverse=True):
                 view = view.select(d, 0)
             src_off = tuple(so + (a - po) for d, (so, a, po) in enumerate(zip(_full(pc.source_offsets, pc.squeeze,
