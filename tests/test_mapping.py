@@ -305,10 +305,17 @@ def test_torchtitan_and_hugging_face_llama_names_both_ways_with_the_rotary_rows(
     unickpt.load({"model": target}, path, options=unickpt.LoadOptions(mapping=unickpt.Mapping.torchtitan_from_hf(config)))
     for k, v in titan.items():
         assert torch.equal(target[k], v), k
-    with pytest.raises(NotImplementedError, match="whole targets"):  # a row shard of a permuted weight: not yet
-        half = torch.zeros(16, 32, dtype=torch.bfloat16)
-        unickpt.load({"model": {"layers.0.attention.wq.weight": unickpt.shard(half, (32, 32), offsets=(0, 0))}}, path,
+    # row shards (FSDP, TP) and column blocks of the permuted weights, both ways, rows cut mid-head
+    for (offsets, sizes) in (((0, 0), (16, 32)), ((16, 0), (16, 32)), ((5, 0), (11, 32)), ((3, 7), (20, 9))):
+        box = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+        part = torch.full(sizes, float("nan"), dtype=torch.bfloat16)
+        unickpt.load({"model": {"layers.0.attention.wq.weight": unickpt.shard(part, (32, 32), offsets=offsets)}}, path,
                      options=unickpt.LoadOptions(mapping=unickpt.Mapping.torchtitan_from_hf(config)))
+        assert torch.equal(part, titan["layers.0.attention.wq.weight"][box]), offsets
+        part = torch.full(sizes, float("nan"), dtype=torch.bfloat16)
+        unickpt.load({"model": {"model.layers.0.self_attn.q_proj.weight": unickpt.shard(part, (32, 32), offsets=offsets)}},
+                     str(tmp_path / "titan"), options=unickpt.LoadOptions(mapping=unickpt.Mapping.hf_from_torchtitan(config)))
+        assert torch.equal(part, sd["model.layers.0.self_attn.q_proj.weight"][box]), offsets
 
 
 def test_a_rule_whose_pieces_overlap_or_leave_a_gap_is_refused(saved):
@@ -401,6 +408,21 @@ def test_property_fused_shards_and_rotary_round_trips_over_random_shapes(tmp_pat
         mapping=unickpt.Mapping.hf_from_torchtitan(num_heads=heads, num_kv_heads=kv)))
     for k, v in back.items():
         assert torch.equal(v, sd[k]), k
+    # a box of the permuted rows (an FSDP or TP row shard, cut anywhere; a column block), both ways
+    rows = heads * hd
+    r0 = seed % rows
+    r1 = r0 + 1 + (seed // 7) % (rows - r0)
+    c0 = (seed // 3) % cols
+    c1 = c0 + 1 + (seed // 11) % (cols - c0)
+    for name, path, m, want in (
+            ("layers.0.attention.wq.weight", root / "hf", unickpt.Mapping.torchtitan_from_hf(num_heads=heads),
+             _meta(sd["model.layers.0.self_attn.q_proj.weight"], heads)),
+            ("model.layers.0.self_attn.q_proj.weight", root / "titan", unickpt.Mapping.hf_from_torchtitan(num_heads=heads),
+             sd["model.layers.0.self_attn.q_proj.weight"])):
+        part = torch.full((r1 - r0, c1 - c0), float("nan"))
+        unickpt.load({"model": {name: unickpt.shard(part, (rows, cols), offsets=(r0, c0))}}, str(path),
+                     options=unickpt.LoadOptions(mapping=m))
+        assert torch.equal(part, want[r0:r1, c0:c1]), (name, r0, r1, c0, c1)
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

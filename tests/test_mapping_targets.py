@@ -207,3 +207,28 @@ def test_property_transposes_and_their_inverse_over_random_shapes_and_boxes(tmp_
     inv = tuple(perm.index(j) for j in range(len(perm)))
     back = unickpt.load_for_inference(str(root / "b"), mapping=unickpt.Mapping.transpose("w", perm=inv))
     assert torch.equal(back["w"], x)
+
+
+def _fsdp_titan(rank, world, path, titan_path):
+    """Three ranks holding torchtitan's Llama as FSDP2-style DTensors (rows sharded, cut inside
+    heads where the rows do not split evenly) load a Hugging Face checkpoint through
+    torchtitan_from_hf: each rank's rows of the permuted wq/wk equal the torchtitan tensors'."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from transformers import LlamaConfig
+
+    from tests.test_mapping import HF
+
+    mesh = init_device_mesh("cpu", (world,))
+    _, man = unickpt.read_manifest(titan_path)
+    full = {n: torch.zeros(t.shape, dtype=torch.bfloat16) for (r, n), t in man.tensors.items() if r == "model"}
+    unickpt.load({"model": full}, titan_path, group="local")
+    sd = {k: distribute_tensor(torch.full_like(v, float("nan")), mesh, [Shard(0)]) for k, v in full.items()}
+    unickpt.load({"model": sd}, path, options=unickpt.LoadOptions(
+        mapping=unickpt.Mapping.torchtitan_from_hf(LlamaConfig(**HF))))
+    return all(torch.equal(v.full_tensor(), full[k]) for k, v in sd.items())
+
+
+def test_a_hugging_face_checkpoint_loads_into_torchtitans_fsdp2_shards(llama):
+    root, _, _, _ = llama
+    assert dist.run(_fsdp_titan, 3, str(root / "hf"), str(root / "titan")) == [True] * 3  # (32 rows: 11, 11, 10)

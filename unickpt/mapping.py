@@ -765,7 +765,7 @@ def expand(entries: list, mapping: Mapping, source_shape: Callable[[str, str], S
             continue
         lay = e.layout
         if any(pc.target_view or pc.source_view for pc in pieces):
-            out += _viewed(e, pieces, source_shape)
+            out += _viewed(e, mapping.rule_for(e.name), source_shape)
             continue
         if lay.flat is not None:
             if len(pieces) == 1 and isinstance(mapping.rule_for(e.name), _Rename):
@@ -801,28 +801,44 @@ def expand(entries: list, mapping: Mapping, source_shape: Callable[[str, str], S
     return out
 
 
-def _viewed(e, pieces: list[Piece], source_shape) -> list:
-    """Entries of pieces that view the target or the source in another shape (permuted rows):
-    whole targets only, the box views made without copies."""
+def _viewed(e, rule: Rule | None, source_shape) -> list:
+    """Entries of a target whose rows a :class:`_Rotary` rule permutes, whole or any box of
+    it (a TP or FSDP row shard, a column block): for each head's half ``a`` and the pair
+    index ``b`` range the box holds, the target's rows ``h*hd + 2b + a`` (strided, Meta's
+    layout) and the source's ``h*hd + a*hd/2 + b`` (contiguous, Hugging Face's), or the
+    other way round. Every view is made without a copy."""
     from .state import Entry
 
-    if not e.layout.is_full or e.layout.flat is not None:
-        raise NotImplementedError(f"mapping: target {e.role}/{e.name} is a part of its tensor; rows permuted by a "
-                                  "mapping (the rotary layouts) are read into whole targets only so far")
+    lay = e.layout
+    if not isinstance(rule, _Rotary) or lay.flat is not None:
+        raise NotImplementedError(f"mapping: target {e.role}/{e.name} is a flat (ZeRO) partition; rows permuted by a "
+                                  "mapping (the rotary layouts) are read into whole tensors or boxes of them only")
+    src = rule.pattern.sub(rule.repl, e.name)
+    rows, cols = lay.shape
+    hd = rows // rule.heads
+    half = hd // 2
+    (r0, c0), (nr, nc) = lay.offsets, lay.sizes
+    r1 = r0 + nr
     out = []
-    for pc in pieces:
-        try:
-            t = e.local.view(pc.target_view) if pc.target_view else e.local
-            view = t[tuple(slice(o, o + s) for o, s in zip(pc.offsets, pc.sizes))]
-            for d in sorted(pc.squeeze, reverse=True):
-                view = view.select(d, 0)
-            view = view.view(pc.source_sizes())
-        except RuntimeError as err:
-            raise NotImplementedError(f"mapping: target {e.role}/{e.name} (strides {list(e.local.stride())}) cannot be "
-                                      f"viewed as the mapping's pieces without a copy: {err}") from None
-        shape = pc.source_view or source_shape(e.role, pc.source)
-        out.append(Entry(e.role, pc.source, view, Layout(tuple(shape), tuple(pc.source_offsets), pc.source_sizes(),
-                                                         None, e.layout.replica), reshaped=pc.source_view is not None))
+    for h in range(rule.heads):
+        for a in range(2):
+            if rule.to_hf:  # target rows h*hd + a*half + b <- source rows h*hd + 2b + a
+                lo = h * hd + a * half
+                b0, b1 = max(0, r0 - lo), min(half, r1 - lo)
+                if b1 <= b0:
+                    continue
+                view = e.local[lo + b0 - r0:lo + b1 - r0].view(1, b1 - b0, 1, nc)
+                out.append(Entry(e.role, src, view, Layout((rule.heads, half, 2, cols), (h, b0, a, c0),
+                                                             (1, b1 - b0, 1, nc), None, lay.replica), reshaped=True))
+            else:  # target rows h*hd + 2b + a <- source rows h*hd + a*half + b
+                b0 = max(0, -(-(r0 - h * hd - a) // 2))
+                b1 = min(half, -(-(r1 - h * hd - a) // 2))
+                if b1 <= b0:
+                    continue
+                start = h * hd + 2 * b0 + a - r0
+                view = e.local[start:start + 2 * (b1 - b0) - 1:2]
+                out.append(Entry(e.role, src, view, Layout(tuple(source_shape(e.role, src)), (h * hd + a * half + b0, c0),
+                                                             (b1 - b0, nc), None, lay.replica)))
     return out
 
 
