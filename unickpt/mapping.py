@@ -25,13 +25,16 @@ Built in (each tested against ``transformers`` models built from configs, tests/
   :meth:`Mapping.mixtral_experts` (the Hub's Mixtral files -> ``transformers`` 5's stacked
   experts);
 * :meth:`Mapping.hf_from_torchtitan` / :meth:`Mapping.torchtitan_from_hf` (Llama names both
-  ways; ``wq``/``wk`` rows permuted between the rotary layouts: boxes of the weight viewed
-  as ``(heads, hd/2, 2, cols)``, whole targets only);
+  ways; ``wq``/``wk`` rows permuted between the rotary layouts, into whole tensors or any
+  box of them: strided views of the target or boxes of the source viewed as
+  ``(heads, hd/2, 2, cols)``);
+* :meth:`Mapping.transpose` (dimensions permuted; any box of the target);
 * :meth:`Mapping.rename` (regular expressions).
 
-Not yet: mappings of flat (ZeRO) targets other than renames (:class:`NotImplementedError`);
-transposes; ``load_for_inference``, ``export`` and the DCP reader take no mapping yet. A
-dtype cast is the load's own ``cast=True``.
+:meth:`Mapping.targets` lists what a mapping makes from a checkpoint's names (each rule's
+replacement run backwards): what ``load_for_inference``, ``export_hf`` and the DCP reader
+load with a mapping. Not yet: mappings of flat (ZeRO) targets other than renames
+(:class:`NotImplementedError`). A dtype cast is the load's own ``cast=True``.
 """
 
 from __future__ import annotations
