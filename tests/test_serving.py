@@ -310,3 +310,24 @@ def test_a_lease_is_never_written_through_a_planted_link(tmp_path):
     with pytest.raises(unickpt.errors.FormatError, match="link"):
         unickpt.WeightSubscriber(str(pub)).update({"w": torch.zeros(4)}, timeout=1)
     assert os.listdir(elsewhere) == []
+
+
+def _uneven_clocks(rank, world, pub):
+    """The ranks give update different timeouts (as clocks that drift apart would): rank 0's
+    verdict holds for all, so none is left alone in a collective."""
+    model, config = _llama()
+    sub = unickpt.WeightSubscriber(pub, timeout_s=30)
+    target = {k: torch.zeros_like(v, dtype=torch.bfloat16) for k, v in model.state_dict().items()}
+    first = sub.update(target, timeout=5)                     # version 1 is there
+    none = sub.update(target, timeout=0.3 if rank == 0 else 20)  # nothing newer: rank 0's clock runs out first
+    then = sub.update(target, timeout=0 if rank == 0 else 20)    # the ranks are still in step
+    return first, none, then
+
+
+def test_ranks_whose_timeouts_differ_still_agree_when_update_gives_up(tmp_path):
+    from unickpt.publish import publish
+
+    pub = str(tmp_path / "pub")
+    model, _ = _llama()
+    publish(model.state_dict(), pub, 1, dtype=torch.bfloat16)
+    assert dist.run(_uneven_clocks, 2, pub, timeout=120) == [(1, None, None), (1, None, None)]

@@ -139,10 +139,18 @@ class WeightSubscriber:
                                               f"{type(model).__name__}")
         comm = Comm(self.group, timeout_s=self.options.timeout_s)
         deadline = time.monotonic() + (comm.timeout_s if timeout is None else timeout)
-        while True:
-            mine = self.newest() if comm.rank == 0 else None
-            v = comm.all_gather_int(-1 if mine is None else mine, "weight update (the newest version)")[0]
-            if v >= 0 and (self.version is None or v > self.version):
+        while True:  # rank 0 decides for all: a newer version, "wait", or "no more waiting" (-2)
+            code = -1
+            if comm.rank == 0:
+                mine = self.newest()
+                if mine is not None and (self.version is None or mine > self.version):
+                    code = mine
+                elif time.monotonic() >= deadline:
+                    code = -2
+            v = comm.all_gather_int(code, "weight update (the newest version)")[0]
+            if v == -2:  # (one verdict: a rank whose clock ran out first never leaves the others waiting)
+                return None
+            if v >= 0:
                 lease = self._lease(v)
                 try:
                     if all(comm.all_gather_int(int(lease is not None), "weight update (leasing the version)")):
@@ -154,9 +162,7 @@ class WeightSubscriber:
                 finally:
                     self._release(lease)
                 continue  # (another rank found it retired: look again)
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(max(0.0, min(self.poll_s, deadline - time.monotonic())))
+            time.sleep(max(0.0, min(self.poll_s, deadline - time.monotonic())) if comm.rank == 0 else self.poll_s / 2)
 
     def _lease(self, v: int) -> str | None:
         """A lease on version ``v`` (its path), or None when ``v`` is no longer committed."""
