@@ -1,26 +1,30 @@
-"""Live weight updates (issue #41 item 3): a bf16 Llama published, a 2-rank TP inference job in
-the fused serving layout updating its resident model, against the fused reference pass and a
-per-parameter broadcast, in one run.
+"""Live weight updates (issue #41 item 3): a trainer job (2 ranks, FSDP2) publishes a bf16
+Llama, an inference job (2 ranks, TP 2, fused serving layout) updates its resident model,
+against the fused reference pass, a per-parameter broadcast and the converter path, in one run.
 
-    .venv/bin/python bench/serving.py [--gb 0.5] [--repeats 3] [--dir /dev/shm/...]
+    .venv/bin/python bench/serving.py [--gb 1.0] [--repeats 3] [--dir /dev/shm/...]
 
-The model: a ``transformers`` Llama config sized to ``--gb`` of bf16 weights (hidden 1024,
-8 query / 2 KV heads, vocabulary 8192, as many layers as the size takes), random weights.
-Per round (medians over ``--repeats`` of the slowest rank, after one warm-up):
-  publish     rank 0 publishes version ``v`` to ``--dir`` (a save of the model role, to tmpfs
-              by default: the node's memory tier); the trainer's cost, reported apart;
-  update      every inference rank's ``WeightSubscriber.update`` of version ``v`` into its
-              resident fused tensors (``Mapping.fused``, TP 2), from the barrier after the
-              publish to the last rank holding it;
-  reference   the fused reference pass (bench/reference.py) over the bytes each rank's
-              mapped pieces must read of the same version (read, hash, copy);
-  export      rank 0 exports a Hugging Face folder, every rank from_pretrained()s it and
-              slices its fused tensors by hand (the converter users write);
-  broadcast   rank 0 holding the whole model sends every parameter with a
-              ``torch.distributed`` broadcast, each rank then copies its shard out (the
-              per-parameter sync users write);
-Bytes read per rank (``LoadResult``) against the bytes it needs (its fused tensors).
-Target (issue #41): update <= 1.3x the reference. Timings are a bench's, not a test's.
+One run of 4 processes on this node: ranks 0-1 are the trainer (a ``transformers`` Llama
+config sized to ``--gb`` of bf16 weights: hidden 1024, 8 query / 2 KV heads, vocabulary 8192,
+as many layers as the size takes; fp32 parameters sharded with ``fully_shard``), ranks 2-3
+the inference job (their own process group). Per round (medians over ``--repeats``, after
+one warm-up), every figure timed from the trainer's ``UnifiedCheckpoint.step()`` returning
+on both trainer ranks to the last inference rank holding the version:
+  update      every inference rank's ``WeightSubscriber.update`` (polling every 5 ms,
+              ``Mapping.fused``, TP 2): waits for the version, loads it in place, verified;
+  reference   the fused reference pass (bench/reference.py) over the bytes each inference
+              rank's mapped pieces must read of the same version (read, hash, copy), timed
+              apart after the update (no waiting in it);
+  broadcast   the per-parameter sync users write: the trainer gathers each parameter
+              (``full_tensor``), casts it to bf16 and trainer rank 0 broadcasts it to the
+              inference ranks (gloo), which slice their fused shards out by hand;
+  export      the converter: trainer rank 0 exports the published version as a Hugging Face
+              folder, each inference rank ``from_pretrained``s it and slices by hand;
+  publish     the trainer's ``step()`` that publishes (a bf16 save of the FSDP2 model to
+              ``--dir``, tmpfs by default: the node's memory tier), reported apart.
+Bytes read per inference rank (``WeightSubscriber.last.bytes_read``) against the bytes it
+needs (its fused tensors) and the reference's. Target (issue #41): update <= 1.3x the
+reference. Timings are a bench's, not a test's.
 """
 
 from __future__ import annotations
@@ -98,122 +102,180 @@ def torch_cat(xs):
 def _job(rank: int, world: int, cfg: dict) -> dict:
     import torch
     import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     import unickpt
     from bench import reference
-    from unickpt.mapping import expand
     from unickpt.export import export_hf
-    from unickpt.publish import publish
+    from unickpt.mapping import expand
     from unickpt.state import flatten
 
     config = LlamaConfig(**cfg["model"])
     pub = cfg["dir"]
-    torch.manual_seed(0)
-    full = None
-    if rank == 0:  # the trainer's model (bf16), built once: random weights of the config's shapes
-        model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
-        full = {k: v.detach() for k, v in model.state_dict().items()}
-        del model
-    serving = {k: torch.zeros(s, dtype=torch.bfloat16) for k, s in _shapes(config, rank, world).items()}
-    mapping = unickpt.Mapping.fused(config, tp_rank=rank, tp_size=world)
-    sub = unickpt.WeightSubscriber(pub, mapping=mapping, poll_s=0.01)
-    needed = sum(t.numel() * 2 for t in serving.values())
+    groups = [dist.new_group(r) for r in ([0, 1], [2, 3], [0, 2, 3])]  # (every rank makes every group)
+    tg, ig, bg = groups
+    trainer = rank < 2
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    names = sorted(shapes)
+    if trainer:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)  # fp32 parameters, sharded over the trainer's ranks
+        mesh = DeviceMesh.from_group(tg, "cpu")
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        params = dict(model.named_parameters())
+        ckpt = unickpt.UnifiedCheckpoint(cfg["ckpt"], publish_dir=pub, publish_every=1, publish_dtype=torch.bfloat16,
+                                         publish_keep=2, group=tg)
+    else:
+        tp = rank - 2
+        mapping = unickpt.Mapping.fused(config, tp_rank=tp, tp_size=2)
+        serving = {k: torch.zeros(s, dtype=torch.bfloat16) for k, s in mapping.targets(shapes).items()}
+        sub = unickpt.WeightSubscriber(pub, mapping=mapping, group=ig, poll_s=0.005)
+        needed = sum(t.numel() * 2 for t in serving.values())
     rows: dict[str, list[float]] = {"publish": [], "update": [], "reference": [], "broadcast": [], "export": []}
-    read = []
+    read: list[int] = []
+    ref_read: list[int] = []
+
+    def since_step(t_step: float | None, t_done: float | None) -> float:
+        """From the later trainer rank's step() return to the last inference rank done
+        (CLOCK_MONOTONIC: one clock for the node's processes)."""
+        got = [None] * world
+        dist.all_gather_object(got, (t_step, t_done))
+        return max(x[1] for x in got[2:]) - max(x[0] for x in got[:2])
+
     for rnd in range(cfg["repeats"] + 1):
         v = rnd + 1
-        t0 = time.perf_counter()
-        if rank == 0:
+        dist.barrier()
+        t_step = t_done = None
+        if trainer:
             with torch.no_grad():
-                for t in full.values():
-                    t.add_(1)  # (a new version: other values)
-            publish(full, pub, v, keep=2, group="local")
-        tp = time.perf_counter() - t0
+                for p in params.values():
+                    p.to_local().add_(1e-3)  # (the optimizer's step: new values)
+            t0 = time.monotonic()
+            ckpt.step(v, {"model": model})  # publishes version v
+            t_step = time.monotonic()
+            tp_s = t_step - t0
+        else:
+            got = sub.update(serving, timeout=600)
+            t_done = time.monotonic()
+            assert got == v, (got, v)
+            read.append(sub.last.bytes_read)
+            phases = dict(sub.last.phases, load=sub.last.seconds)
+        tu = since_step(t_step, t_done)
+        tr = 0.0
+        if not trainer:  # the reference: the same pieces (the mapping's boxes) read, hashed and copied once more
+            path = os.path.join(pub, f"step-{v:08d}")
+            _, man = unickpt.read_manifest(path)
+            entries, _ = flatten({"model": serving})
+            pieces = expand(entries, mapping, lambda r, n: tuple(man.tensors[(r, n)].shape) if (r, n) in man.tensors
+                            else None)
+            sd = {"model": {e.name: unickpt.shard(e.local, e.layout.shape, offsets=e.layout.offsets,
+                                                  sizes=e.layout.sizes) for e in pieces}}
+            jobs = reference.plan(path, sd)
+            dist.barrier(group=ig)
+            ref = reference.run(jobs)
+            assert not ref["bad"], ref["bad"]
+            tr = ref["s"]
+            ref_read.append(ref["bytes_read"])
+        got_r = [None] * world
+        dist.all_gather_object(got_r, tr)
+        tr = max(got_r[2:])
+        # the per-parameter broadcast: gathered, cast, sent from trainer rank 0, sliced by hand
         dist.barrier()
-        t0 = time.perf_counter()
-        got = sub.update(serving, timeout=600)
-        tu = time.perf_counter() - t0
-        assert got == v, (got, v)
-        path = os.path.join(pub, f"step-{v:08d}")
-        # the reference: the same pieces (the mapping's boxes) read, hashed and copied once more
-        _, man = unickpt.read_manifest(path)
-        entries, _ = flatten({"model": serving})
-        pieces = expand(entries, mapping, lambda r, n: tuple(man.tensors[(r, n)].shape) if (r, n) in man.tensors else None)
-        sd = {"model": {e.name: unickpt.shard(e.local, e.layout.shape, offsets=e.layout.offsets, sizes=e.layout.sizes)
-                        for e in pieces}}
-        ref = reference.run_checked(reference.plan(path, sd))
-        # per-parameter broadcast from rank 0's whole model, then each rank's shard copied out
+        t_step = time.monotonic() if trainer else None
+        recv = {}
+        for n in names:
+            if trainer:
+                x = params[n].full_tensor().to(torch.bfloat16) if n in params else None
+                if rank == 0:
+                    dist.broadcast(x, 0, group=bg)
+            else:
+                x = torch.empty(shapes[n], dtype=torch.bfloat16)
+                dist.broadcast(x, 0, group=bg)
+                recv[n] = x
+        if not trainer:
+            with torch.no_grad():
+                for k, t in _by_hand(recv, config, tp, 2).items():
+                    assert torch.equal(serving[k], t), k  # (the update gave the same tensors)
+                    serving[k].copy_(t)
+            del recv
+        tb = since_step(t_step, None if trainer else time.monotonic())
+        # the converter: export, from_pretrained on each inference rank, slicing by hand
         dist.barrier()
-        t0 = time.perf_counter()
-        for n in sorted(n for r, n in man.tensors if r == "model"):
-            t = full[n] if rank == 0 else torch.empty(tuple(man.tensors[("model", n)].shape), dtype=torch.bfloat16)
-            dist.broadcast(t, 0)
-        tb = time.perf_counter() - t0  # (the shard copies are what the update also does: left out, in its favour)
-        # the converter path: rank 0 exports a Hugging Face folder, every rank from_pretrained()s it and
-        # copies its fused shard out by hand
-        dist.barrier()
-        t0 = time.perf_counter()
+        t_step = time.monotonic() if trainer else None
         folder = os.path.join(pub, f"hf-{v}")
         if rank == 0:
-            export_hf(path, folder, config=config)
-        dist.barrier()
-        hf = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.bfloat16).state_dict()
-        with torch.no_grad():
-            for k, t in _by_hand(hf, config, rank, world).items():
-                assert torch.equal(serving[k], t), k  # (both paths give the same tensors)
-                serving[k].copy_(t)
-        del hf
-        dist.barrier()
-        te = time.perf_counter() - t0
+            export_hf(os.path.join(pub, f"step-{v:08d}"), folder, config=config)
+        if rank != 1:
+            dist.barrier(group=bg)
+        if not trainer:
+            hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).state_dict()
+            with torch.no_grad():
+                for k, t in _by_hand(hf, config, tp, 2).items():
+                    serving[k].copy_(t)
+            del hf
+        te = since_step(t_step, None if trainer else time.monotonic())
         if rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
         if rnd:  # (round 0: warm-up)
-            rows["publish"].append(tp)
             rows["update"].append(tu)
-            rows["reference"].append(ref["s"])
+            rows["reference"].append(tr)
             rows["broadcast"].append(tb)
             rows["export"].append(te)
-            read.append(ref["bytes_read"])
-    return {"rows": rows, "needed": needed, "read": median(read)}
+            if trainer:
+                rows["publish"].append(tp_s)
+    if trainer:
+        ckpt.close(final_save=False)
+        return {"rows": rows}
+    return {"rows": rows, "needed": needed, "read": median(read), "ref_read": median(ref_read), "phases": phases}
 
 
 def measure(gb: float, repeats: int, pub: str = "/dev/shm/unickpt-bench-serving") -> dict:
-    """The bench's rounds: ``{"slowest": {what: median seconds}, "ranks": [{needed, read}]}``."""
+    """The bench's rounds: ``{"slowest": {what: median seconds}, "ranks": [{needed, read, ref_read}]}``
+    (inference ranks)."""
     shutil.rmtree(pub, ignore_errors=True)
     os.makedirs(pub)
-    cfg = {"model": config_for(gb), "dir": pub, "repeats": repeats}
-    log(f"serving bench: {cfg['model']['num_hidden_layers']} layers, ~{gb} GB bf16, TP 2, publish dir {pub}")
+    ck = pub.rstrip("/") + "-ckpt"
+    cfg = {"model": config_for(gb), "dir": pub, "ckpt": ck, "repeats": repeats}
+    log(f"serving bench: {cfg['model']['num_hidden_layers']} layers, ~{gb} GB bf16; trainer 2 ranks (FSDP2), "
+        f"inference 2 ranks (TP 2); publish dir {pub}")
     try:
-        out = run_ranks(_job, 2, cfg)
+        out = run_ranks(_job, 4, cfg)
     finally:
         shutil.rmtree(pub, ignore_errors=True)
-    slow = {k: median(max(col) for col in zip(*(o["rows"][k] for o in out))) for k in out[0]["rows"]}
-    return {"slowest": slow, "ranks": [{"needed": o["needed"], "read": o["read"]} for o in out], "gb": gb,
+        shutil.rmtree(ck, ignore_errors=True)
+    slow = {k: median(out[0]["rows"][k]) for k in ("update", "reference", "broadcast", "export", "publish")}
+    return {"slowest": slow, "ranks": [{k: o[k] for k in ("needed", "read", "ref_read", "phases")} for o in out[2:]],
+            "gb": gb,
             "repeats": repeats}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--gb", type=float, default=0.5)
+    ap.add_argument("--gb", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default="/dev/shm/unickpt-bench-serving")
     args = ap.parse_args()
     res = measure(args.gb, args.repeats, args.dir)
     slow = res["slowest"]
     out = res["ranks"]
-    print(f"\nlive weight update, {args.gb} GB bf16 Llama, 2 inference ranks (TP 2, fused layout), medians of "
-          f"{args.repeats}, slowest rank")
-    print(f"{'what':<34}{'s':>8}{'x reference':>13}")
+    print(f"\nlive weight update, {args.gb} GB bf16 Llama: trainer 2 ranks (FSDP2), inference 2 ranks (TP 2, fused), "
+          f"medians of {args.repeats}, from the trainer's step() returning to the last inference rank holding it")
+    print(f"{'what':<40}{'s':>8}{'x reference':>13}")
     for k, label in (("update", "WeightSubscriber.update"), ("reference", "fused reference pass (same bytes)"),
                      ("broadcast", "per-parameter broadcast (gloo)"),
-                     ("export", "export + from_pretrained + slicing"), ("publish", "publish (trainer, tmpfs)")):
-        print(f"{label:<34}{slow[k]:8.3f}{slow[k] / slow['reference']:13.2f}")
+                     ("export", "export + from_pretrained + slicing"), ("publish", "the publishing step() (tmpfs)")):
+        print(f"{label:<40}{slow[k]:8.3f}{slow[k] / slow['reference']:13.2f}")
     for r, o in enumerate(out):
-        print(f"rank {r}: needs {o['needed'] / 2**20:.1f} MiB, the reference reads {o['read'] / 2**20:.1f} MiB")
+        print(f"inference rank {r}: needs {o['needed'] / 2**20:.1f} MiB, reads {o['read'] / 2**20:.1f} MiB "
+              f"({o['read'] / o['needed']:.2f}x), the reference reads {o['ref_read'] / 2**20:.1f} MiB; last update's "
+              f"load, s: " + ", ".join(f"{k} {x:.3f}" for k, x in o["phases"].items()))
     ok = slow["update"] <= 1.3 * slow["reference"]
     print(f"update {slow['update'] / slow['reference']:.2f}x the reference (target <= 1.3: {'met' if ok else 'MISSED'})")
-
 
 if __name__ == "__main__":
     main()

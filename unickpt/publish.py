@@ -117,6 +117,9 @@ class WeightSubscriber:
         self.group, self.poll_s = group, float(poll_s)
         self.version: int | None = None
         """The version the model holds whole (None: none yet, or an update failed midway)."""
+        self.last: Any = None
+        """The :class:`~unickpt.LoadResult` of the last update that loaded (bytes read,
+        seconds, checksummed ranges verified)."""
 
     def newest(self) -> int | None:
         """The newest committed version (this rank's own look; not collective)."""
@@ -155,8 +158,8 @@ class WeightSubscriber:
                 try:
                     if all(comm.all_gather_int(int(lease is not None), "weight update (leasing the version)")):
                         self.version = None  # (until the load below has returned)
-                        load({"model": model}, self.storage.join(self.root, f"step-{v:08d}"), group=self.group,
-                             options=self.options)
+                        self.last = load({"model": model}, self.storage.join(self.root, f"step-{v:08d}"),
+                                         group=self.group, options=self.options)
                         self.version = v
                         return v
                 finally:
