@@ -133,7 +133,7 @@ class WeightSubscriber:
         None when none came in time (the model unchanged). Collective over ``group``: the
         ranks agree on the version, each leases it, all load it."""
         from .loading import load
-        from .transport import Comm
+        from .transport import LOCAL, Comm
 
         if timeout is not None and not (isinstance(timeout, (int, float)) and 0 <= timeout < float("inf")):
             raise errors.InvalidArgumentError(f"timeout must be a finite number of seconds >= 0 or None, got {timeout!r}")
@@ -157,9 +157,18 @@ class WeightSubscriber:
                 lease = self._lease(v)
                 try:
                     if all(comm.all_gather_int(int(lease is not None), "weight update (leasing the version)")):
-                        self.version = None  # (until the load below has returned)
-                        self.last = load({"model": model}, self.storage.join(self.root, f"step-{v:08d}"),
-                                         group=self.group, options=self.options)
+                        self.version = None  # (until the load below has returned on every rank)
+                        # each rank reads its own pieces of the version the ranks agreed on and
+                        # holds a lease on (no collective inside: the load's own agreements are
+                        # what cost most in an update), then one agreement: a failure anywhere
+                        # raises everywhere, typed
+                        err = None
+                        try:
+                            self.last = load({"model": model}, self.storage.join(self.root, f"step-{v:08d}"),
+                                             group=LOCAL, options=self.options)
+                        except Exception as e:
+                            err = e
+                        comm.agree(err, "weight update (loading the version)")
                         self.version = v
                         return v
                 finally:

@@ -8,7 +8,7 @@ import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -64,10 +64,16 @@ class _Job:
     dest: torch.Tensor
     local: torch.Tensor
     direct: bool
+    nbytes: int = -1
+    """Bytes of the target's runs (set once: a load has hundreds of targets)."""
+    dest_np: Any = None
+    """``dest`` as a numpy array (a view: slicing it costs less than slicing the tensor)."""
 
-    @property
-    def nbytes(self) -> int:
-        return self.runs.numel * self.isz
+    def __post_init__(self) -> None:
+        if self.nbytes < 0:
+            self.nbytes = self.runs.numel * self.isz
+        if self.dest_np is None:
+            self.dest_np = self.dest.numpy()
 
 
 class ReadSession:
@@ -104,6 +110,7 @@ class ReadSession:
         self.in_flight = 0  # bytes of targets whose pieces are not finished yet
         self.shared: list[SharedJob] = []  # targets read node-shared, if the node shares (with comm)
         self._local = threading.local()  # each read thread's buffer
+        self._bounds: dict = {}  # stored tensor key -> its checksummed ranges' bounds
 
     def run(self, entries: list[Entry]) -> tuple[int, int, list[tuple[str, str]]]:
         todo, twins = _twins(self._order(entries))
@@ -210,9 +217,10 @@ class ReadSession:
         """Issue the pieces of ``job`` on the pool; finish earlier targets while more than
         READ_AHEAD bytes (or 256 targets) are in flight."""
         size = max(job.isz, self.piece - self.piece % job.isz)  # whole elements: each read is placed from its start
-        windows = Windows(job.runs.starts, job.runs.lengths, job.runs.local)
-        futs = [self.pool.submit(self._piece, job, windows, size, *p)
-                for p in plan_pieces(job.st, job.runs, job.isz, self.verify != "none", size)]
+        pieces = plan_pieces(job.st, job.runs, job.isz, self.verify != "none", size, self._bounds_of(job.st))
+        # (placed through a buffer only where a piece is not inside one run)
+        windows = Windows(job.runs.starts, job.runs.lengths, job.runs.local) if any(p[3] < 0 for p in pieces) else None
+        futs = [self.pool.submit(self._piece, job, windows, size, *p) for p in pieces]
         self.in_flight += job.nbytes
         self.pending.append((job, futs))
         while self.pending and (self.in_flight > READ_AHEAD or not self.pending[0][1] or len(self.pending) > 256):
@@ -223,14 +231,17 @@ class ReadSession:
         bytes at a time, each hashed and placed before the next is read (``at >= 0``: straight
         into the target's bytes at ``at``)."""
         if e - b <= size:  # the common case: one read, its ranges hashed whole (no stream state)
-            view = job.dest[at : at + e - b] if at >= 0 else self._buffer(size)[: e - b]
-            job.reader.readinto(job.base + b, memoryview(view.numpy()))
+            if at >= 0:
+                mv = memoryview(job.dest_np[at : at + e - b])
+            else:
+                buf, buf_np = self._buffers(size)
+                mv = memoryview(buf_np[: e - b])
+            job.reader.readinto(job.base + b, mv)
             ok = True
             if ranges:
-                mv = memoryview(view.numpy())
                 ok = all(Hasher.of(mv[rb - b : re_ - b]) == hx for rb, re_, hx in ranges)
             if at < 0:
-                copy_window(view, b // job.isz, e // job.isz, windows, job.dest, job.isz)
+                copy_window(buf[: e - b], b // job.isz, e // job.isz, windows, job.dest, job.isz)
             return ok, len(ranges)
         check = StreamCheck(ranges) if ranges else None  # a range larger than a read
         if check is not None:
@@ -247,11 +258,23 @@ class ReadSession:
             pos += k
         return (True, 0) if check is None else (check.ok, check.checked)
 
+    def _bounds_of(self, st: TensorEntry):
+        """:func:`bounds` of ``st``, once per stored tensor (several targets may read one)."""
+        be = self._bounds.get(st.key)
+        if be is None and st.checksums:
+            be = self._bounds[st.key] = bounds(st)
+        return be
+
     def _buffer(self, size: int) -> torch.Tensor:
-        buf = getattr(self._local, "buf", None)
-        if buf is None or buf.numel() < size:
-            buf = self._local.buf = torch.empty(size, dtype=torch.uint8)
-        return buf
+        return self._buffers(size)[0]
+
+    def _buffers(self, size: int) -> tuple[torch.Tensor, Any]:
+        """This read thread's buffer of at least ``size`` bytes, and its numpy view."""
+        got = getattr(self._local, "buf", None)
+        if got is None or got[0].numel() < size:
+            t = torch.empty(size, dtype=torch.uint8)
+            got = self._local.buf = (t, t.numpy())
+        return got
 
     def _done_of(self, job: _Job) -> Callable[[tuple[bool, int]], None]:
         return lambda checked: self._finish(job, [], checked)
@@ -336,7 +359,8 @@ def read_all(entries, man: Manifest, storage, ckpt, verify, progress=None, rank=
     return ReadSession(man, storage, ckpt, verify, progress, rank, world, comm, record).run(entries)
 
 
-def plan_pieces(st: TensorEntry, runs: Runs, isz: int, verify: bool, size: int) -> list[tuple[int, int, list, int]]:
+def plan_pieces(st: TensorEntry, runs: Runs, isz: int, verify: bool, size: int,
+                be: tuple[np.ndarray, np.ndarray] | None = None) -> list[tuple[int, int, list, int]]:
     """The pieces that read the runs of a raw stored tensor: ``(begin, end, ranges, at)``.
 
     A piece covers whole checksummed ranges that the runs touch (with ``verify``; else 1 MiB
@@ -349,12 +373,18 @@ def plan_pieces(st: TensorEntry, runs: Runs, isz: int, verify: bool, size: int) 
     re_ = (runs.starts + runs.lengths) * isz
     nbytes = st.end - st.begin
     if verify and st.checksums:
-        be = bounds(st)
+        be = be if be is not None else bounds(st)
         sums = st.checksums
     else:
         grid = np.arange(0, max(nbytes, 1), CHECK_BLOCK, dtype=np.int64)
         be, sums = (grid, np.minimum(grid + CHECK_BLOCK, nbytes)), None
-    idx = np.flatnonzero(touched(be, rb, re_))
+    if len(rb) == 1:  # one run (a whole tensor, a row block): the ranges it touches by two searches
+        b0, e0 = int(rb[0]), int(re_[0])
+        lo = int(np.searchsorted(be[1], b0, side="right")) if e0 > b0 else 0
+        hi = int(np.searchsorted(be[0], e0, side="left")) if e0 > b0 else 0
+        idx = np.arange(lo, max(lo, hi), dtype=np.int64)
+    else:
+        idx = np.flatnonzero(touched(be, rb, re_))
     if not len(idx):
         return []
     B, E = be[0][idx], be[1][idx]
