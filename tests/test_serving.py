@@ -196,10 +196,72 @@ def test_a_trainer_killed_mid_publish_leaves_no_version_a_reader_can_see(tmp_pat
     assert all(torch.equal(target[k], v.to(torch.bfloat16)) for k, v in model.state_dict().items())
 
 
-def test_publishing_to_an_object_store_is_refused_for_now():
-    with pytest.raises(unickpt.errors.NotSupportedError, match="object stores"):
-        unickpt.WeightSubscriber("s3://bucket/pub", storage_options={"key": "x", "secret": "y",
-                                                                   "endpoint_url": "http://127.0.0.1:9"})
+def test_publishing_through_an_object_store_with_leases(s3, tmp_path, monkeypatch):
+    """Versions on S3 (the loopback server): a subscriber updates from them; a version a
+    reader leases is uncommitted when retired (no new reader starts on it) but its files stay
+    until the lease is gone, then a later publish sweeps them; a lease taken on a version
+    whose manifest is gone is dropped (the reader looks again)."""
+    from unickpt.io import commit
+    from unickpt.io.storage import storage_for
+
+    pub = s3.bucket("pub") + "/run"
+    model, config = _llama()
+    ckpt = unickpt.UnifiedCheckpoint(tmp_path / "ckpt", publish_dir=pub, publish_every=1, publish_dtype=torch.bfloat16,
+                                     publish_keep=1)
+    want = {k: v.to(torch.bfloat16) for k, v in _fused_expected(model.state_dict(), config, 0, 1).items()}
+    serving = {k: torch.zeros_like(v) for k, v in want.items()}
+    sub = unickpt.WeightSubscriber(pub, mapping=unickpt.Mapping.fused(config))
+    ckpt.step(1, {"model": model})
+    assert sub.update(serving, timeout=10) == 1
+    assert all(torch.equal(serving[k], v) for k, v in want.items())
+    reader = unickpt.WeightSubscriber(pub)
+    lease = reader._lease(1)  # a reader in the middle of reading version 1
+    assert lease is not None
+    _train_step(model, 2)
+    ckpt.step(2, {"model": model})  # keep=1: version 1 is retired, but leased
+    storage, root = storage_for(pub)
+    step1 = storage.join(root, "step-00000001")
+    assert unickpt.WeightSubscriber(pub).newest() == 2
+    assert any(m.key.endswith(".safetensors") for m in storage.list_objects(step1))  # its bytes are still there
+    assert reader._lease(1) is None  # uncommitted: a new lease on it is dropped
+    assert sub.update(serving, timeout=10) == 2
+    want = {k: v.to(torch.bfloat16) for k, v in _fused_expected(model.state_dict(), config, 0, 1).items()}
+    assert all(torch.equal(serving[k], v) for k, v in want.items())
+    reader._release(lease)
+    monkeypatch.setattr(commit, "NO_OWNER_GRACE", 0.0)  # (files written a moment ago count as orphans now)
+    _train_step(model, 3)
+    ckpt.step(3, {"model": model})
+    assert storage.list_objects(step1) == []  # swept once nobody reads it
+    assert sorted(s for s, _ in __import__("unickpt.io.catalog", fromlist=["x"]).committed_steps(storage, root)) == [3]
+    ckpt.close(final_save=False)
+
+
+def test_a_long_update_keeps_its_lease_fresh(tmp_path, monkeypatch):
+    """A load longer than a quarter of the lease's life rewrites the lease while it runs (a
+    reader on another host is judged by the lease's age)."""
+    import unickpt.loading as loading
+    import unickpt.publish as publish_mod
+    from unickpt.publish import publish
+
+    pub = str(tmp_path / "pub")
+    model, _ = _llama()
+    publish(model.state_dict(), pub, 1, dtype=torch.bfloat16)
+    monkeypatch.setattr(publish_mod, "LEASE_STALE_S", 0.4)  # (rewritten every 0.1 s)
+    seen = []
+    real = loading.load
+
+    def slow(*a, **k):
+        d = os.path.join(pub, LEASES)
+        for _ in range(8):
+            time.sleep(0.1)
+            seen.extend(os.path.getmtime(os.path.join(d, n)) for n in os.listdir(d))
+        return real(*a, **k)
+
+    monkeypatch.setattr(loading, "load", slow)
+    target = {k: torch.zeros_like(v, dtype=torch.bfloat16) for k, v in model.state_dict().items()}
+    assert unickpt.WeightSubscriber(pub).update(target, timeout=5) == 1
+    assert len(set(seen)) >= 3  # the lease was written again and again during the load
+    assert os.listdir(os.path.join(pub, LEASES)) == []  # and released after it
 
 
 def test_findings_of_the_serving_attack_are_refused_typed(tmp_path):
@@ -244,13 +306,13 @@ def test_findings_of_the_serving_attack_are_refused_typed(tmp_path):
             mapping=unickpt.Mapping.rename([(r"a", r"\5")])))
     with pytest.raises(TypeError):
         unickpt.Mapping.rename({}) + "x"
-    # dir and publish_dir apart; an object store refused when built
+    # dir and publish_dir apart; a process-local store refused when built (other jobs cannot see it)
     with pytest.raises(InvalidArgumentError, match="apart"):
         unickpt.UnifiedCheckpoint(tmp_path / "same", publish_dir=tmp_path / "same")
     with pytest.raises(InvalidArgumentError, match="apart"):
         unickpt.UnifiedCheckpoint(tmp_path / "d", publish_dir=tmp_path / "d" / "pub")
-    with pytest.raises(NotSupportedError):
-        unickpt.UnifiedCheckpoint(tmp_path / "d", publish_dir="s3://b/p", storage_options=None)
+    with pytest.raises(NotSupportedError, match="one process"):
+        unickpt.UnifiedCheckpoint(tmp_path / "d", publish_dir="memory://b/p")
     # a resumed run reaching a step an earlier run published: skipped, not a crash
     events = []
     ck = unickpt.UnifiedCheckpoint(tmp_path / "rs", every=4, publish_dir=tmp_path / "rp", publish_every=2)

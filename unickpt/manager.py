@@ -138,7 +138,8 @@ class UnifiedCheckpoint:
                 (other nodes holding a copy; None: 1 when the job spans several nodes, else
                 0; reduced with a warning when fewer nodes are alive), ``memory_keep``,
                 ``memory_skip_busy``, ``memory_budget`` (bytes per node; None: free memory).
-            storage_options: for a URL ``dir``: options of its file system (docs/storage.md).
+            storage_options: for a URL ``dir`` (and ``publish_dir``): options of its file system
+                (docs/storage.md).
             timeout_s: bound of every wait for the other ranks (default ``UNICKPT_TIMEOUT_S``,
                 else 600 s).
             group: the process group (None: the default group, or one process).
@@ -190,9 +191,9 @@ class UnifiedCheckpoint:
         self.timeout_s, self.group, self.on_event = timeout_s, group, on_event
         self.publish_dir = None if publish_dir is None else os.fspath(publish_dir)
         if self.publish_dir is not None:
-            from .publish import _locking_storage
+            from .publish import _publish_storage
 
-            _locking_storage(self.publish_dir, None)  # (NotSupportedError now, not at the first step)
+            _publish_storage(self.publish_dir, storage_options)  # (refused now, not at the first step)
             for a, b in ((self.dir, self.publish_dir), (self.publish_dir, self.dir),
                          *(((self.memory_dir, self.publish_dir), (self.publish_dir, self.memory_dir))
                            if self.memory_dir else ())):
@@ -333,7 +334,7 @@ class UnifiedCheckpoint:
         t0 = time.perf_counter()
         try:
             res = publish(state["model"], self.publish_dir, step, dtype=self.publish_dtype, keep=self.publish_keep,
-                          group=self.group, storage_options=None, timeout_s=self.timeout_s)
+                          group=self.group, storage_options=self.storage_options, timeout_s=self.timeout_s)
         except errors.CheckpointExistsError:
             # a resumed run reaching a step an earlier run published: that version stays (a committed
             # checkpoint is replaced only by a newer one); subscribers move on at the next step published

@@ -8,13 +8,17 @@ commit), so a reader never sees a torn one.
 
 A **reader lease** keeps a version from being retired while it is read: before reading
 version N, each rank of a :class:`WeightSubscriber` writes a lease file (its owner record:
-host, pid, start time) under ``.leases/``, holding the directory's commit lock while it
-checks that N is still committed; :func:`publish` retires old versions under the same lock,
-skipping every version a live lease names. A lease is live while its process runs (this
-host) or for :data:`LEASE_STALE_S` after it was written (another host): a reader killed
-mid-read holds nothing back for long. Leases need the lock of a file system (local disk,
-tmpfs, a shared file system); object-store URLs are not supported yet
-(:class:`~unickpt.errors.NotSupportedError`).
+host, pid, start time) under ``.leases/``, then checks that N is still committed. On a file
+system it does both under the directory's commit lock, and :func:`publish` retires old
+versions under the same lock, skipping every version a live lease names. On an object store
+(no lock) the order does it: the publisher deletes a version's manifest (its commit marker)
+first and lists the leases after, so a reader that found the manifest wrote its lease before
+that listing, which sees it; the version's files then stay until its leases are gone
+(removed by a later publish's sweep), and a reader that finds no manifest drops its lease
+and looks again. A lease is live while its process runs (this host) or for
+:data:`LEASE_STALE_S` after it was last written (another host); the reader rewrites it every
+quarter of that while its load runs, so a long load keeps its version and a reader killed
+mid-read holds nothing back for long.
 
 A subscriber loads into the model's own tensors (no reallocation), through a
 :class:`~unickpt.Mapping` when its layout differs from the trainer's. If an update fails
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from typing import Any, Mapping
 
@@ -42,11 +47,15 @@ from .io.storage import storage_for
 __all__ = ["publish", "WeightSubscriber", "LEASE_STALE_S", "LEASES", "retire_unleased"]
 
 
-def _locking_storage(publish_dir, storage_options):
+def _publish_storage(publish_dir, storage_options):
+    """The storage of a publish directory: a file system with its commit lock, or an object
+    store (leases ordered by the manifest, module doc)."""
     storage, root = storage_for(publish_dir, storage_options)
-    if not storage.caps.atomic_rename or not hasattr(storage, "lock"):
-        raise errors.NotSupportedError(f"{os.fspath(publish_dir)}: publishing needs a file system's commit lock (local "
-                                       "disk, tmpfs, a shared file system); object stores are not supported yet")
+    if storage.caps.atomic_rename and not hasattr(storage, "lock"):
+        raise errors.NotSupportedError(f"{os.fspath(publish_dir)}: publishing on a file system needs its commit lock")
+    if storage.caps.process_local:
+        raise errors.NotSupportedError(f"{os.fspath(publish_dir)}: memory:// lives in one process; a publish directory "
+                                       "is for other jobs (a file system or an object store)")
     return storage, root
 
 
@@ -75,7 +84,7 @@ def publish(model: Any, publish_dir: str | os.PathLike, version: int, *, dtype: 
         raise errors.InvalidArgumentError(f"keep must be an integer of at least 1, got {keep!r}")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise errors.InvalidArgumentError(f"dtype must be a floating torch dtype or None, got {dtype!r}")
-    storage, root = _locking_storage(publish_dir, storage_options)
+    storage, root = _publish_storage(publish_dir, storage_options)
     state = {k: (v.to(dtype) if dtype is not None and isinstance(v, torch.Tensor) and v.is_floating_point() else v)
              for k, v in _model_state(model).items()}
     res = save({"model": state}, storage.join(root, f"step-{version:08d}"), group=group, step=version,
@@ -94,9 +103,19 @@ def retire_unleased(storage, root: str, keep: int, timeout_s: float | None = Non
     (:func:`unickpt.io.commit.retain`, which checks leases under the directory's commit lock:
     a reader's lease is either seen there or finds its version gone; leases of readers that
     are gone are cleared as it retires). Returns the retired paths."""
-    from .io.commit import retain
+    from .io.commit import retain, sweep_stale
 
-    return retain(storage, root, keep, timeout_s=timeout_s)  # (it clears dead readers' leases as it retires)
+    out = retain(storage, root, keep, timeout_s=timeout_s)  # (it clears dead readers' leases as it retires)
+    if not storage.caps.atomic_rename:  # versions retired while leased: their files, once the leases are gone
+        sweep_stale(storage, root, timeout_s=timeout_s)
+        _clear_dead_leases(storage, root)
+    return out
+
+
+def _clear_dead_leases(storage, root: str) -> None:
+    from .io.leases import leased_steps
+
+    leased_steps(storage, root, clear=True)
 
 
 class WeightSubscriber:
@@ -110,7 +129,7 @@ class WeightSubscriber:
         from .loading import LoadOptions
 
         self.publish_dir = os.fspath(publish_dir)
-        self.storage, self.root = _locking_storage(publish_dir, storage_options)
+        self.storage, self.root = _publish_storage(publish_dir, storage_options)
         self.options = LoadOptions(mapping=mapping, storage_options=storage_options, timeout_s=timeout_s)
         if not (isinstance(poll_s, (int, float)) and 0 < poll_s <= 60):
             raise errors.InvalidArgumentError(f"poll_s must be a number of seconds in (0, 60], got {poll_s!r}")
@@ -163,11 +182,17 @@ class WeightSubscriber:
                         # what cost most in an update), then one agreement: a failure anywhere
                         # raises everywhere, typed
                         err = None
+                        stop = threading.Event()
+                        refresher = self._refresh(lease, stop)
                         try:
                             self.last = load({"model": model}, self.storage.join(self.root, f"step-{v:08d}"),
                                              group=LOCAL, options=self.options)
                         except Exception as e:
                             err = e
+                        finally:
+                            stop.set()
+                            if refresher is not None:
+                                refresher.join()
                         comm.agree(err, "weight update (loading the version)")
                         self.version = v
                         return v
@@ -182,7 +207,13 @@ class WeightSubscriber:
 
         d = self.storage.join(self.root, LEASES)
         path = self.storage.join(d, f"step-{v:08d}.{new_token()}")
-        if os.path.islink(d) or (os.path.lexists(d) and not os.path.isdir(d)):  # (a file system: _locking_storage)
+        if not self.storage.caps.atomic_rename:  # an object store: the lease first, then the manifest
+            self.storage.write_bytes(path, json.dumps(me()).encode())
+            if v in {s for s, _ in committed_steps(self.storage, self.root)}:
+                return path
+            self._release(path)
+            return None
+        if os.path.islink(d) or (os.path.lexists(d) and not os.path.isdir(d)):  # (a file system)
             raise errors.FormatError(f"{d}: not a directory of its own (a link or a file): no lease is written there")
         with self.storage.lock(self.root, self.options.timeout_s):
             if v not in {s for s, _ in committed_steps(self.storage, self.root)}:
@@ -190,6 +221,25 @@ class WeightSubscriber:
             self.storage.makedirs(d)
             self.storage.write_bytes(path, json.dumps(me()).encode())
         return path
+
+    def _refresh(self, lease: str | None, stop: threading.Event) -> threading.Thread | None:
+        """Rewrite ``lease`` every quarter of :data:`LEASE_STALE_S` until ``stop`` is set (a
+        load longer than that keeps its version from another host's point of view)."""
+        from .liveness import me
+
+        if lease is None:
+            return None
+
+        def run() -> None:
+            while not stop.wait(LEASE_STALE_S / 4):
+                try:
+                    self.storage.write_bytes(lease, json.dumps(me()).encode())
+                except Exception as e:  # (the load goes on; a retired version fails it, typed)
+                    log.warning("weight update: could not refresh the reader lease %s: %s", lease, e)
+
+        t = threading.Thread(target=run, name="unickpt-lease", daemon=True)
+        t.start()
+        return t
 
     def _release(self, lease: str | None) -> None:
         if lease is not None:

@@ -191,9 +191,16 @@ def _referenced(storage: Storage, prefix: str) -> set[str] | None:
 def _sweep_prefix(storage: MarkerStorage, prefix: str) -> list[str]:
     """Object stores: delete the objects of dead writes under checkpoint prefix ``prefix``:
     data files named with a write's token, and owner records, that the committed manifest
-    (if any) does not list and whose owner is provably gone. Nothing else is ever deleted."""
+    (if any) does not list and whose owner is provably gone. Nothing else is ever deleted,
+    and nothing of a step a live reader lease names (a retired version still being read)."""
+    from .leases import leased_steps
+
+    step = step_of_name(storage.basename(prefix))
+    if step is not None and step in leased_steps(storage, storage.parent(prefix)):
+        return []
     objs = {m.key: m for m in storage.list_objects(prefix)}
-    if not any(_token_of(n) for n in objs):
+    remains = step is not None and bool(objs) and all(n in SIDE_FILES for n in objs)  # (of a step-* prefix only)
+    if not any(_token_of(n) for n in objs) and not remains:
         return []
     now = time.time()
     owners = {}
@@ -224,6 +231,10 @@ def _sweep_prefix(storage: MarkerStorage, prefix: str) -> list[str]:
         elif now - meta.mtime < NO_OWNER_GRACE:  # its owner may be about to record itself
             continue
         doomed.append(name)
+    if not referenced and step is not None:  # no manifest: side files (put only after a commit) left alone
+        rest = [n for n in objs if n not in doomed]  # are a retired checkpoint's remains (its retire was cut
+        if rest and all(n in SIDE_FILES for n in rest):  # short, or waited for a reader's lease)
+            doomed += rest
     doomed.sort(key=lambda n: (n.startswith(".owner-"), n))  # owner records last
     paths = [storage.join(prefix, n) for n in doomed]
     if paths:
@@ -238,11 +249,17 @@ def retire(storage: Storage, path: str, timeout_s: float | None = None, step: in
     is deleted first, then the rest: a half-deleted checkpoint is never committed. ``step``:
     kept (False returned) while a live reader lease names it (:mod:`.leases`, checked under
     the parent's commit lock, where readers take theirs)."""
+    from .leases import leased_steps
+
     if not storage.caps.atomic_rename:
-        storage.remove_file(storage.join(path, MANIFEST_NAME))
+        storage.remove_file(storage.join(path, MANIFEST_NAME))  # no reader starts on it from here on
+        # a reader writes its lease before it checks the manifest: one that saw the manifest
+        # wrote its lease before the delete above, so this listing sees it (object stores list
+        # what was written before); its files then stay until the leases are gone (sweep_stale)
+        if step is not None and step in leased_steps(storage, storage.parent(path)):
+            return False
         storage.remove_tree(path)
         return True
-    from .leases import leased_steps
 
     parent, name = storage.parent(path), storage.basename(path)
     gone = storage.join(parent, f".{name}.del-{new_token()}")
