@@ -247,6 +247,8 @@ class StorageReader(_dcp_storage.StorageReader):
         """The tensor keys of the metadata replaced by the mapping's targets, role by role:
         a target no rule makes reads its stored tensor as before; the others are recorded
         (``mapped``) with their shapes and read through :func:`unickpt.mapping.expand`."""
+        from .mapping import mapped_targets
+
         mapping = self.mapping
         out_sdm = {k: v for k, v in sdm.items() if k not in keys}  # (the JSON leaves)
         out_paths = {k: v for k, v in paths.items() if k not in keys}
@@ -257,27 +259,22 @@ class StorageReader(_dcp_storage.StorageReader):
             name = paths[fqn][-1]
             by_role.setdefault(role, {})[name] = stored
         for role, names in sorted(by_role.items()):
-            shapes = {n: tuple(man.tensors[(role, s)].shape) for n, s in names.items()}
-            for t, shape in mapping.targets(shapes).items():
+            planned = mapped_targets(mapping, {n: man.tensors[(role, s)] for n, s in names.items()}, ckpt)
+            for t, m in planned.items():
                 fqn = _fqn(role, t)
                 if fqn in out_sdm or fqn in out_keys:
                     raise NotSupportedError(f"{ckpt}: the mapping's target {t!r} of role {role} has the DCP key {fqn!r} "
                                             "of another entry; load this checkpoint with unickpt.load")
                 out_paths[fqn] = (t,) if role == OTHER_ROLE else (role, t)
-                pieces = mapping.pieces(t, shape, shapes.get)
-                if pieces is None:  # read as it is named
+                if m.pieces is None:  # read as it is named
                     out_keys[fqn] = (role, names[t])
                     out_sdm[fqn] = sdm[_fqn(role, t)]
                     continue
-                dts = {man.tensors[(role, names[p.source])].dtype for p in pieces}
-                if len(dts) != 1:
-                    raise NotSupportedError(f"{ckpt}: the mapping's target {t!r} of role {role} is made of tensors of "
-                                            f"different dtypes ({sorted(dts)}); load it with unickpt.load")
-                mapped[fqn] = (role, t, shape)
+                mapped[fqn] = (role, t, m.shape)
                 out_keys[fqn] = (role, t)
-                size = torch.Size(shape)
+                size = torch.Size(m.shape)
                 out_sdm[fqn] = TensorStorageMetadata(
-                    properties=TensorProperties(dtype=torch_dtype(dts.pop())), size=size,
+                    properties=TensorProperties(dtype=torch_dtype(m.dtype)), size=size,
                     chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(size)), sizes=size)])
         return out_sdm, out_paths, out_keys, mapped
 

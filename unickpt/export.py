@@ -164,27 +164,17 @@ def _mapped_source(storage, ckpt: str, man, conf, readers: dict, mapping):
     boxes each needs, verified) in batches of at most :data:`MAPPED_BATCH` bytes. Tied targets
     that are each one whole stored tensor are written once, as without a mapping."""
     from .loading import LoadOptions, load
+    from .mapping import mapped_targets
     from .transport import LOCAL
 
     names = _names(ckpt, man)
     stored = {n: man.tensors[("model", s)] for n, s in names.items()}
-    shapes = mapping.targets({n: tuple(st.shape) for n, st in stored.items()})
-    items, whole, files = {}, {}, set()
-    for t, shape in shapes.items():
-        pieces = mapping.pieces(t, shape, lambda s: tuple(stored[s].shape) if s in stored else None)
-        srcs = [p.source for p in pieces] if pieces is not None else [t]
-        dts = {stored[s].dtype for s in srcs}
-        if len(dts) != 1:
-            raise FormatError(f"{ckpt}: target {t!r} of the mapping is made of tensors of different dtypes "
-                              f"({', '.join(f'{s}: {stored[s].dtype}' for s in srcs)}); export without the mapping")
-        files.update(stored[s].file for s in srcs)
-        items[t] = (tuple(shape), dts.pop())
-        p = pieces[0] if pieces else None
-        if pieces is None or (len(pieces) == 1 and p.target_view is None and p.source_view is None and not p.squeeze
-                              and tuple(p.sizes) == tuple(stored[p.source].shape) == tuple(shape)):
-            whole[t] = names[srcs[0]]
+    planned = mapped_targets(mapping, stored, ckpt)
+    items = {t: (m.shape, m.dtype) for t, m in planned.items()}
+    whole = {t: names[m.whole] for t, m in planned.items() if m.whole is not None}
+    files = {stored[s].file for m in planned.values() for s in m.sources}
     open_files(storage, ckpt, man, files, readers)
-    ties = {a: b for a, b in _tied_keys(conf, shapes).items() if a in whole and b in whole}
+    ties = {a: b for a, b in _tied_keys(conf, planned).items() if a in whole and b in whole}
     kept = _drop_tied(storage, ckpt, man, whole, ties, readers)
     items = {t: v for t, v in items.items() if t in kept or t not in whole}
 

@@ -11,13 +11,13 @@ from typing import Callable, Iterable
 import torch
 
 from ._metrics import log
-from .errors import InvalidArgumentError, LayoutError, MappingError, TensorMissingError
+from .errors import InvalidArgumentError, LayoutError, TensorMissingError
 from .format import torch_dtype
 from .io.files import open_files
 from .io.storage import storage_for
 from .layout import Layout, ShardedTensor
 from .loading import LoadOptions, load, read_manifest
-from .mapping import Mapping
+from .mapping import Mapping, mapped_targets
 from .transport import LOCAL
 
 
@@ -163,25 +163,15 @@ def _chosen(ckpt: str, names: list[str], keys: Iterable[str] | None, what: str =
 
 
 def _mapped(ckpt: str, man, mapping: Mapping, stored: dict, keys, dtype, device, storage_options) -> dict:
-    """:func:`load_for_inference` through a mapping: its targets (:meth:`Mapping.targets`),
+    """:func:`load_for_inference` through a mapping: its targets (:func:`mapped_targets`),
     each of its sources' dtype, loaded by the load plan (only the boxes each needs)."""
-    shapes = mapping.targets({n: tuple(st.shape) for n, st in stored.items()})
-    chosen = _chosen(ckpt, sorted(shapes), keys, "target of the mapping")
-    targets: dict[str, torch.Tensor] = {}
-    files = set()
-    for n in chosen:
-        pieces = mapping.pieces(n, shapes[n], lambda s: tuple(stored[s].shape) if s in stored else None)
-        srcs = [p.source for p in pieces] if pieces is not None else [n]
-        dts = {stored[s].dtype for s in srcs}
-        if len(dts) != 1:
-            raise MappingError(f"{ckpt}: target {n!r} of the mapping is made of tensors of different dtypes "
-                               f"({', '.join(f'{s}: {stored[s].dtype}' for s in srcs)})")
-        files.update(stored[s].file for s in srcs)
-        targets[n] = torch.empty(shapes[n], dtype=torch_dtype(dts.pop()))
+    planned = mapped_targets(mapping, stored, ckpt)
+    chosen = _chosen(ckpt, list(planned), keys, "target of the mapping")
+    targets = {n: torch.empty(planned[n].shape, dtype=torch_dtype(planned[n].dtype)) for n in chosen}
     storage, _ = storage_for(ckpt, storage_options)
     readers: dict = {}
     try:  # the files are checked (regular, of the recorded size, headers intact) before a byte is read
-        open_files(storage, ckpt, man, files, readers)
+        open_files(storage, ckpt, man, {stored[s].file for n in chosen for s in planned[n].sources}, readers)
     finally:
         for r in readers.values():
             r.close()

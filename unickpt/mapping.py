@@ -47,7 +47,7 @@ from typing import Any, Callable, Mapping as TMapping, Sequence
 from .errors import MappingError, TensorMissingError
 from .layout import Layout
 
-__all__ = ["Mapping", "Piece", "Rule"]
+__all__ = ["Mapping", "Piece", "Rule", "MappedTarget", "mapped_targets"]
 
 Shape = tuple[int, ...]
 
@@ -672,6 +672,47 @@ def _inverse(pattern: re.Pattern, repl: str):
         return "".join(x if isinstance(x, str) else m.group(f"g{x}") for x in template)
 
     return regex, fill
+
+
+@dataclass(frozen=True)
+class MappedTarget:
+    """A tensor a mapping makes from a checkpoint (:func:`mapped_targets`): its shape, its
+    sources' dtype (stored name), the stored tensors it reads and its pieces (None: read as
+    it is named)."""
+
+    shape: Shape
+    dtype: str
+    sources: tuple[str, ...]
+    pieces: list[Piece] | None
+
+    @property
+    def whole(self) -> str | None:
+        """The stored tensor this target is, whole and unpermuted (a rename or a name no rule
+        takes), else None."""
+        p = self.pieces[0] if self.pieces else None
+        if self.pieces is None or (len(self.pieces) == 1 and p.target_view is None and p.source_view is None
+                                   and p.perm is None and not p.squeeze and tuple(p.sizes) == tuple(self.shape)
+                                   and not any(p.source_offsets)):
+            return self.sources[0]
+        return None
+
+
+def mapped_targets(mapping: "Mapping", stored: TMapping[str, Any], where: str) -> dict[str, MappedTarget]:
+    """The targets ``mapping`` makes from ``stored`` (name -> a manifest's tensor entry:
+    ``.shape``, ``.dtype``), checked, in name order: what a load that lists its own targets
+    reads. A target whose sources differ in dtype is refused (``where``: the checkpoint,
+    for the message)."""
+    shapes = mapping.targets({n: tuple(st.shape) for n, st in stored.items()})
+    out = {}
+    for t, shape in shapes.items():
+        pieces = mapping.pieces(t, shape, lambda s: tuple(stored[s].shape) if s in stored else None)
+        srcs = tuple(dict.fromkeys(p.source for p in pieces)) if pieces is not None else (t,)
+        dts = {stored[s].dtype for s in srcs}
+        if len(dts) != 1:
+            raise MappingError(f"{where}: target {t!r} of the mapping is made of tensors of different dtypes "
+                               f"({', '.join(f'{s}: {stored[s].dtype}' for s in srcs)})")
+        out[t] = MappedTarget(tuple(shape), dts.pop(), srcs, pieces)
+    return out
 
 
 def _disjoint(name: str, pieces: list[Piece]) -> None:
