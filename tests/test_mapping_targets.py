@@ -232,3 +232,33 @@ def _fsdp_titan(rank, world, path, titan_path):
 def test_a_hugging_face_checkpoint_loads_into_torchtitans_fsdp2_shards(llama):
     root, _, _, _ = llama
     assert dist.run(_fsdp_titan, 3, str(root / "hf"), str(root / "titan")) == [True] * 3  # (32 rows: 11, 11, 10)
+
+
+def test_zero_flat_partitions_take_every_mapping(llama):
+    """ZeRO-style flat partitions (3 ranks' ranges of the tensors flattened back to back,
+    cut inside rows) of torchtitan's names, of the fused layout and of transposed tensors,
+    each read through its mapping: every partition equals the same range of the target
+    made by hand (rotary rows permuted, q/k/v side by side, dimensions swapped)."""
+    from unickpt.layout import Layout, ShardedTensor, partition_flat
+
+    root, sd, titan, config = llama
+    fused = _fused_expected(sd, config, 1, 2)
+    transposed = {k: v.t().contiguous() for k, v in sd.items() if v.dim() == 2}
+    cases = ((unickpt.Mapping.torchtitan_from_hf(config), titan),
+             (unickpt.Mapping.fused(config, tp_rank=1, tp_size=2), fused),
+             (unickpt.Mapping.transpose(r".*"), transposed))
+    cut_in_rows = 0
+    for mapping, want in cases:
+        names = sorted(want)
+        shapes = [tuple(want[n].shape) for n in names]
+        for rank in range(3):
+            parts = partition_flat(shapes, 3, rank, names=names)
+            cut_in_rows += sum(1 for _, lay, _, _ in parts if lay.flat[0] % lay.sizes[-1] or lay.flat[1] % lay.sizes[-1])
+            buf = torch.full((sum(b - a for _, _, a, b in parts),), float("nan"), dtype=torch.bfloat16)
+            targets = {names[i]: ShardedTensor(buf[a:b], Layout(lay.shape, lay.offsets, lay.sizes, lay.flat))
+                       for i, lay, a, b in parts}
+            unickpt.load({"model": targets}, str(root / "hf"), options=unickpt.LoadOptions(mapping=mapping))
+            for i, lay, a, b in parts:
+                start, stop = lay.flat
+                assert torch.equal(buf[a:b], want[names[i]].reshape(-1)[start:stop]), (names[i], rank)
+    assert cut_in_rows >= 3  # (ranges that start or stop inside a row: partial rows as boxes)

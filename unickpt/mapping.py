@@ -33,8 +33,8 @@ Built in (each tested against ``transformers`` models built from configs, tests/
 
 :meth:`Mapping.targets` lists what a mapping makes from a checkpoint's names (each rule's
 replacement run backwards): what ``load_for_inference``, ``export_hf`` and the DCP reader
-load with a mapping. Not yet: mappings of flat (ZeRO) targets other than renames
-(:class:`NotImplementedError`). A dtype cast is the load's own ``cast=True``.
+load with a mapping. Flat (ZeRO) targets are read as the boxes that tile their range. A
+dtype cast is the load's own ``cast=True``.
 """
 
 from __future__ import annotations
@@ -808,15 +808,18 @@ def expand(entries: list, mapping: Mapping, source_shape: Callable[[str, str], S
             out.append(e)
             continue
         lay = e.layout
-        if any(pc.target_view or pc.source_view for pc in pieces):
-            out += _viewed(e, mapping.rule_for(e.name), source_shape)
-            continue
         if lay.flat is not None:
             if len(pieces) == 1 and isinstance(mapping.rule_for(e.name), _Rename):
                 out.append(Entry(e.role, pieces[0].source, e.local, lay, (), e.per_rank))
                 continue
-            raise NotImplementedError(f"mapping: target {e.role}/{e.name} is a flat (ZeRO) partition; only renames "
-                                      "apply to flat targets so far")
+            if e.aliases:
+                raise MappingError(f"mapping: target {e.role}/{e.name} is tied to {list(e.aliases)}: map each name on "
+                                   "its own tensor")
+            out += expand(_flat_boxes(e), mapping, source_shape)  # (boxes of the partition, each a view of it)
+            continue
+        if any(pc.target_view or pc.source_view for pc in pieces):
+            out += _viewed(e, mapping.rule_for(e.name), source_shape)
+            continue
         if e.aliases:
             raise MappingError(f"mapping: target {e.role}/{e.name} is tied to {list(e.aliases)}: map each name on "
                                "its own tensor")
@@ -845,6 +848,39 @@ def expand(entries: list, mapping: Mapping, source_shape: Callable[[str, str], S
     return out
 
 
+def _flat_boxes(e) -> list:
+    """A flat (ZeRO) target as the boxes that tile its range of the box's row-major
+    flattening (at most two per dimension: a partial row, whole rows, ...), each an entry
+    whose local tensor is a view of the partition's own memory."""
+    from .state import Entry
+
+    lay = e.layout
+    start, stop = lay.flat
+    flat = e.local.reshape(-1)
+    if flat.numel() != stop - start or (flat.numel() and flat.data_ptr() != e.local.data_ptr()) or (
+            flat.numel() > 1 and flat.stride(0) != 1):
+        raise NotImplementedError(f"mapping: target {e.role}/{e.name} is a flat partition whose memory is not one "
+                                  "contiguous run of its elements")
+    sizes = tuple(lay.sizes)
+    strides = [math.prod(sizes[k + 1:]) for k in range(len(sizes))]
+    out, a = [], start
+    while a < stop and sizes:
+        idx = [(a // st) % n for st, n in zip(strides, sizes)]
+        for k, st in enumerate(strides):  # the outermost dimension at which whole units start here and fit
+            if a % st == 0 and a + st <= stop:
+                cnt = min((stop - a) // st, sizes[k] - idx[k])
+                box = (1,) * k + (cnt,) + sizes[k + 1:]
+                view = flat[a - start:a - start + cnt * st].view(box)
+                offs = tuple(o + i for o, i in zip(lay.offsets, idx))
+                out.append(Entry(e.role, e.name, view, Layout(lay.shape, offs, box, None, lay.replica), (), e.per_rank))
+                a += cnt * st
+                break
+    if not sizes and stop > start:  # (a 0-d tensor: its one element)
+        out.append(Entry(e.role, e.name, flat.view(()), Layout(lay.shape, lay.offsets, sizes, None, lay.replica), (),
+                         e.per_rank))
+    return out
+
+
 def _viewed(e, rule: Rule | None, source_shape) -> list:
     """Entries of a target whose rows a :class:`_Rotary` rule permutes, whole or any box of
     it (a TP or FSDP row shard, a column block): for each head's half ``a`` and the pair
@@ -854,9 +890,9 @@ def _viewed(e, rule: Rule | None, source_shape) -> list:
     from .state import Entry
 
     lay = e.layout
-    if not isinstance(rule, _Rotary) or lay.flat is not None:
-        raise NotImplementedError(f"mapping: target {e.role}/{e.name} is a flat (ZeRO) partition; rows permuted by a "
-                                  "mapping (the rotary layouts) are read into whole tensors or boxes of them only")
+    if not isinstance(rule, _Rotary) or lay.flat is not None:  # (flat targets come here as their boxes)
+        raise NotImplementedError(f"mapping: target {e.role}/{e.name}: pieces that view a target in another shape "
+                                  "are read by the rotary rules only")
     src = rule.pattern.sub(rule.repl, e.name)
     rows, cols = lay.shape
     hd = rows // rule.heads
