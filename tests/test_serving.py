@@ -194,6 +194,41 @@ def test_a_trainer_killed_mid_publish_leaves_no_version_a_reader_can_see(tmp_pat
     target = {k: torch.zeros_like(v, dtype=torch.bfloat16) for k, v in model.state_dict().items()}
     assert sub.update(target, timeout=1) == 1
     assert all(torch.equal(target[k], v.to(torch.bfloat16)) for k, v in model.state_dict().items())
+    assert any(n.startswith(".step-00000002.tmp-") for n in os.listdir(pub))  # what the killed publish left
+    from unickpt.publish import publish
+
+    publish(model.state_dict(), pub, 3, dtype=torch.bfloat16)
+    assert sorted(n for n in os.listdir(pub) if n != LEASES) == ["step-00000001", "step-00000003"]  # swept
+
+
+def test_a_run_that_starts_over_and_the_mistakes_a_new_user_made(tmp_path):
+    """From a newcomer's session: a run started over on a publish_dir holding newer versions
+    skips its publishes, typed and said (they would be retired at once, unseen); update
+    refuses {'model': ...} with what to pass instead; cast=True converts like a load."""
+    from unickpt.publish import publish
+
+    pub = str(tmp_path / "pub")
+    model, config = _llama()
+    publish(model.state_dict(), pub, 10)  # (fp32: an earlier run, further on)
+    with pytest.raises(unickpt.errors.NewerVersionError, match="older than the newest published version 10"):
+        publish(model.state_dict(), pub, 3)
+    events = []
+    ck = unickpt.UnifiedCheckpoint(tmp_path / "ck", publish_dir=pub, on_event=events.append)
+    ck.step(1, {"model": model})
+    ck.close(final_save=False)
+    assert {"event": "publish_skipped", "step": 1, "reason": "older"} in events
+    assert sorted(n for n in os.listdir(pub) if n.startswith("step-")) == ["step-00000010"]
+    sub = unickpt.WeightSubscriber(pub, mapping=unickpt.Mapping.fused(config))
+    serving = {k: torch.zeros_like(v, dtype=torch.bfloat16)
+               for k, v in _fused_expected(model.state_dict(), config, 0, 1).items()}
+    with pytest.raises(unickpt.errors.InvalidArgumentError, match="not {'model': ...}"):
+        sub.update({"model": serving}, timeout=1)
+    with pytest.raises(unickpt.errors.DtypeMismatchError):  # stored fp32, targets bf16
+        sub.update(serving, timeout=1)
+    sub = unickpt.WeightSubscriber(pub, mapping=unickpt.Mapping.fused(config), cast=True)
+    assert sub.update(serving, timeout=1) == 10
+    want = _fused_expected(model.state_dict(), config, 0, 1)
+    assert all(torch.equal(serving[k], v.to(torch.bfloat16)) for k, v in want.items())
 
 
 def test_publishing_through_an_object_store_with_leases(s3, tmp_path, monkeypatch):

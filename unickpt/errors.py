@@ -10,6 +10,7 @@ __all__ = [
     "UnickptError",
     "CheckpointNotFoundError",
     "CheckpointExistsError",
+    "NewerVersionError",
     "FormatError",
     "ChecksumError",
     "TensorMissingError",
@@ -39,6 +40,11 @@ class CheckpointNotFoundError(UnickptError, FileNotFoundError):
 
 class CheckpointExistsError(UnickptError, FileExistsError):
     """The destination already holds a committed checkpoint and overwrite was not asked."""
+
+
+class NewerVersionError(CheckpointExistsError):
+    """A publish directory already holds a newer version than the one being published
+    (subscribers only take newer versions): resume the run, or publish to a fresh directory."""
 
 
 class FormatError(UnickptError, ValueError):

@@ -335,6 +335,12 @@ class UnifiedCheckpoint:
         try:
             res = publish(state["model"], self.publish_dir, step, dtype=self.publish_dtype, keep=self.publish_keep,
                           group=self.group, storage_options=self.storage_options, timeout_s=self.timeout_s)
+        except errors.NewerVersionError as e:
+            # a run that started over (not resumed) on a publish_dir holding newer versions: nothing it
+            # publishes would reach a subscriber until it passes them
+            log.warning("publish_dir: %s", e)
+            self._emit({"event": "publish_skipped", "step": step, "reason": "older"})
+            return
         except errors.CheckpointExistsError:
             # a resumed run reaching a step an earlier run published: that version stays (a committed
             # checkpoint is replaced only by a newer one); subscribers move on at the next step published

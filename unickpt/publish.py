@@ -85,6 +85,12 @@ def publish(model: Any, publish_dir: str | os.PathLike, version: int, *, dtype: 
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise errors.InvalidArgumentError(f"dtype must be a floating torch dtype or None, got {dtype!r}")
     storage, root = _publish_storage(publish_dir, storage_options)
+    steps = committed_steps(storage, root)
+    if steps and version < steps[-1][0]:  # (retention would retire it at once; subscribers wait for newer)
+        raise errors.NewerVersionError(
+            f"{os.fspath(publish_dir)}: version {version} is older than the newest published version {steps[-1][0]}: "
+            "subscribers only take newer versions. Resume the run (its steps continue), or publish to a fresh "
+            "publish_dir")
     state = {k: (v.to(dtype) if dtype is not None and isinstance(v, torch.Tensor) and v.is_floating_point() else v)
              for k, v in _model_state(model).items()}
     res = save({"model": state}, storage.join(root, f"step-{version:08d}"), group=group, step=version,
@@ -106,8 +112,10 @@ def retire_unleased(storage, root: str, keep: int, timeout_s: float | None = Non
     from .io.commit import retain, sweep_stale
 
     out = retain(storage, root, keep, timeout_s=timeout_s)  # (it clears dead readers' leases as it retires)
-    if not storage.caps.atomic_rename:  # versions retired while leased: their files, once the leases are gone
-        sweep_stale(storage, root, timeout_s=timeout_s)
+    # what a killed publish left (its owner is gone), and on object stores the files of
+    # versions retired while leased, once the leases are gone
+    sweep_stale(storage, root, timeout_s=timeout_s)
+    if not storage.caps.atomic_rename:
         _clear_dead_leases(storage, root)
     return out
 
@@ -125,7 +133,7 @@ class WeightSubscriber:
 
     def __init__(self, publish_dir: str | os.PathLike, *, mapping: Any = None, group: Any = None,
                  storage_options: Mapping[str, Any] | None = None, timeout_s: float | None = None,
-                 poll_s: float = 0.05) -> None:
+                 poll_s: float = 0.05, cast: bool = False) -> None:
         from .loading import LoadOptions
 
         self.publish_dir = os.fspath(publish_dir)
@@ -133,7 +141,9 @@ class WeightSubscriber:
         self.options = LoadOptions(mapping=mapping, storage_options=storage_options, timeout_s=timeout_s)
         if not (isinstance(poll_s, (int, float)) and 0 < poll_s <= 60):
             raise errors.InvalidArgumentError(f"poll_s must be a number of seconds in (0, 60], got {poll_s!r}")
-        self.group, self.poll_s = group, float(poll_s)
+        if not isinstance(cast, bool):
+            raise errors.InvalidArgumentError(f"cast must be True or False, got {cast!r}")
+        self.group, self.poll_s, self.cast = group, float(poll_s), cast
         self.version: int | None = None
         """The version the model holds whole (None: none yet, or an update failed midway)."""
         self.last: Any = None
@@ -159,6 +169,10 @@ class WeightSubscriber:
         if not isinstance(model, (torch.nn.Module, Mapping)):
             raise errors.InvalidArgumentError(f"update needs the model (a torch.nn.Module) or its state dict, got "
                                               f"{type(model).__name__}")
+        if isinstance(model, Mapping) and list(model) == ["model"] and isinstance(model["model"], (Mapping,
+                                                                                                  torch.nn.Module)):
+            raise errors.InvalidArgumentError("update takes the model itself (a module, or the dict of its tensors), "
+                                              "not {'model': ...}: a version holds the model role only")
         comm = Comm(self.group, timeout_s=self.options.timeout_s)
         deadline = time.monotonic() + (comm.timeout_s if timeout is None else timeout)
         while True:  # rank 0 decides for all: a newer version, "wait", or "no more waiting" (-2)
@@ -186,7 +200,7 @@ class WeightSubscriber:
                         refresher = self._refresh(lease, stop)
                         try:
                             self.last = load({"model": model}, self.storage.join(self.root, f"step-{v:08d}"),
-                                             group=LOCAL, options=self.options)
+                                             group=LOCAL, cast=self.cast, options=self.options)
                         except Exception as e:
                             err = e
                         finally:
