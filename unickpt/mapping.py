@@ -411,6 +411,7 @@ class Mapping:
 
     def __init__(self, rules: Sequence[Rule] = ()) -> None:
         self.rules = list(rules)
+        self._memo: dict = {}  # (name, shape) -> (pieces, {source: shape}): built-in rules, checked pieces
 
     def __add__(self, other: "Mapping") -> "Mapping":
         if not isinstance(other, Mapping):
@@ -563,6 +564,10 @@ class Mapping:
         rule = self.rule_for(name)
         if rule is None:
             return None
+        key = (name, tuple(shape))
+        got = self._memo.get(key)
+        if got is not None and all(source_shape(s) == sh for s, sh in got[1].items()):
+            return got[0]  # (a built-in rule's pieces depend on its sources' shapes only: a subscriber's every update)
         out = rule.pieces(name, tuple(shape), source_shape)
         covered = 0
         for pc in out:
@@ -581,6 +586,8 @@ class Mapping:
             raise MappingError(f"mapping: the pieces of target {name!r} cover {covered} of its {math.prod(shape)} "
                                "elements")
         _disjoint(name, out)  # (with the count above: they tile the target, no element twice or never)
+        if isinstance(rule, _Pattern) and len(self._memo) < 1 << 16:
+            self._memo[key] = (out, {pc.source: source_shape(pc.source) for pc in out})
         return out
 
 
