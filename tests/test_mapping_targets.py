@@ -262,3 +262,57 @@ def test_zero_flat_partitions_take_every_mapping(llama):
                 start, stop = lay.flat
                 assert torch.equal(buf[a:b], want[names[i]].reshape(-1)[start:stop]), (names[i], rank)
     assert cut_in_rows >= 3  # (ranges that start or stop inside a row: partial rows as boxes)
+
+
+def test_findings_of_the_second_attack_on_mappings(llama, tmp_path, caplog):
+    """From an attack session: each finding now refused typed or done right."""
+    import re
+    import torch.distributed.checkpoint as dcp
+
+    from unickpt.mapping import _inverse
+
+    # a replacement naming a group the pattern lacks: typed, not re.error
+    with pytest.raises(MappingError, match="replacement"):
+        unickpt.Mapping.rename({r"(a)": r"\1\2"}).targets({"ab": (2,)})
+    # the inverse matches each group as the pattern's own group does: no backtracking over a
+    # crafted near-miss name (with `.+?` per group this took hours at 4 groups)
+    rx, _ = _inverse(re.compile(r"(\w+)_(\w+)_(\w+)_(\w+)"), r"\1.\2.\3.\4.w")
+    assert r"(?:\w+)" in rx.pattern
+    name = "x" + ".a" * 2000
+    assert unickpt.Mapping.rename({r"(\w+)_(\w+)_(\w+)_(\w+)": r"\1.\2.\3.\4.w"}).targets({name: (1,)}) == {name: (1,)}
+    # an empty group is written back too
+    assert unickpt.Mapping.rename({r"(.*)weight": r"\1w"}).targets({"w": (2,)}) == {"weight": (2,)}
+    # a stored tensor whose name a target takes is said, not dropped silently
+    with caplog.at_level("WARNING", logger="unickpt"):
+        assert unickpt.Mapping.rename({"w": "v"}).targets({"w": (2,), "v": (3,)}) == {"w": (3,)}
+    assert "read by no target" in caplog.text
+    # the remembered pieces belong to the rule that made them
+    root, sd, _, config = llama
+    w = sd["model.layers.0.mlp.down_proj.weight"]
+    m = unickpt.Mapping.rename({"t": "model.layers.0.mlp.down_proj.weight"})
+    x = torch.zeros(w.shape[1], w.shape[0], dtype=w.dtype)
+    unickpt.load({"model": {"t": torch.zeros_like(w)}}, str(root / "hf"), options=unickpt.LoadOptions(mapping=m))
+    m.rules.insert(0, unickpt.Mapping.transpose("t", "model.layers.0.mlp.down_proj.weight").rules[0])
+    unickpt.load({"model": {"t": x}}, str(root / "hf"), options=unickpt.LoadOptions(mapping=m))
+    assert torch.equal(x, w.t())
+    # a mapped target read from a tied (alias) name through the DCP reader
+    e = torch.randn(4, 3)
+    unickpt.save({"model": {"emb": e, "head": e, "x": torch.randn(2)}}, str(tmp_path / "tied" / "step-00000001"))
+    sd2 = {"model": {"emb": torch.zeros(4, 3), "out": torch.zeros(4, 3), "x": torch.zeros(2)}}
+    dcp.load(sd2, storage_reader=unickpt.dcp.StorageReader(str(tmp_path / "tied"),
+                                                         mapping=unickpt.Mapping.rename({"out": "head"})), no_dist=True)
+    assert torch.equal(sd2["model"]["out"], e)
+    # head counts that are not integers, or contradict the rows, are refused
+    with pytest.raises(MappingError):
+        unickpt.Mapping.hf_from_torchtitan(num_heads=True, num_kv_heads=2)
+    with pytest.raises(MappingError, match="each"):  # 2 heads of 8 rows do not make wq's 32 rows
+        unickpt.load({"model": {"model.layers.0.self_attn.q_proj.weight": torch.zeros(32, 32, dtype=torch.bfloat16)}},
+                     str(root / "titan"), options=unickpt.LoadOptions(
+                         mapping=unickpt.Mapping.hf_from_torchtitan(num_heads=2, num_kv_heads=2, head_dim=8)))
+    for bad in ({"num_attention_heads": True, "num_key_value_heads": 2}, {"num_attention_heads": 4,
+                "num_key_value_heads": "2"}, {"num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8}):
+        (tmp_path / "c.json").write_text(json.dumps(bad))
+        p = subprocess.run([sys.executable, "-m", "unickpt", "export", str(root / "titan"), str(tmp_path / "o"),
+                            "--from-torchtitan", "--config", str(tmp_path / "c.json")], capture_output=True, text=True,
+                           timeout=300)
+        assert p.returncode == 2 and not os.path.exists(tmp_path / "o"), (bad, p.stderr[-500:])

@@ -428,3 +428,26 @@ def test_ranks_whose_timeouts_differ_still_agree_when_update_gives_up(tmp_path):
     model, _ = _llama()
     publish(model.state_dict(), pub, 1, dtype=torch.bfloat16)
     assert dist.run(_uneven_clocks, 2, pub, timeout=120) == [(1, None, None), (1, None, None)]
+
+
+def test_another_hosts_lease_holds_its_version_for_its_life(tmp_path):
+    """A lease written by a reader on another host (a shared file system) keeps its version
+    while it is younger than LEASE_STALE_S, and not after (its reader may be gone)."""
+    import json
+
+    from unickpt.publish import LEASE_STALE_S, publish
+
+    pub = str(tmp_path / "pub")
+    publish({"w": torch.ones(4)}, pub, 1, keep=1)
+    os.makedirs(os.path.join(pub, LEASES))
+    lease = os.path.join(pub, LEASES, "step-00000001.abcdef")
+    with open(lease, "w") as f:
+        f.write(json.dumps({"host": "node-b-elsewhere", "pid": 4242, "started": 1.0}))
+    publish({"w": torch.ones(4) * 2}, pub, 2, keep=1)
+    assert sorted(n for n in os.listdir(pub) if n.startswith("step-")) == ["step-00000001", "step-00000002"]
+    old = time.time() - LEASE_STALE_S - 5
+    os.utime(lease, (old, old))
+    publish({"w": torch.ones(4) * 3}, pub, 3, keep=1)
+    assert sorted(n for n in os.listdir(pub) if n.startswith("step-")) == ["step-00000003"]
+    with pytest.raises(unickpt.errors.InvalidArgumentError, match="timeout"):
+        unickpt.WeightSubscriber(pub).update({"w": torch.zeros(4)}, timeout=True)

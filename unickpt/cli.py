@@ -453,6 +453,7 @@ def _check_export_destination(dst: str, overwrite: bool) -> None:
 def _titan_mapping(src: str, config: str | None):
     """``Mapping.hf_from_torchtitan`` with the heads of the config export writes (``--config``,
     or the checkpoint's own config.json)."""
+    from .errors import MappingError
     from .export import _aux_json, _given_config
     from .io.storage import storage_for
     from .loading import read_manifest
@@ -466,11 +467,21 @@ def _titan_mapping(src: str, config: str | None):
             conf = _aux_json(storage, ckpt, man, "config.json")
         finally:
             storage.close()
-    if conf is None or not isinstance(conf.get("num_attention_heads"), int):
-        raise InvalidArgumentError("--from-torchtitan needs the model's attention heads: pass --config with a Hugging "
-                                   "Face config.json (num_attention_heads, num_key_value_heads)")
-    kv = conf.get("num_key_value_heads")
-    return Mapping.hf_from_torchtitan(num_heads=conf["num_attention_heads"], num_kv_heads=kv if isinstance(kv, int) else None)
+    heads = None if conf is None else conf.get("num_attention_heads")
+    kv = None if conf is None else conf.get("num_key_value_heads", heads)
+    hd = None if conf is None else conf.get("head_dim")
+    hidden = None if conf is None else conf.get("hidden_size")
+    if type(heads) is not int or heads <= 0 or type(kv) is not int or kv <= 0 or not (hd is None or type(hd) is int):
+        raise InvalidArgumentError("--from-torchtitan needs the model's attention heads as integers: pass --config with "
+                                   "a Hugging Face config.json (num_attention_heads, num_key_value_heads, head_dim or "
+                                   f"hidden_size); got num_attention_heads={heads!r}, num_key_value_heads={kv!r}, "
+                                   f"head_dim={hd!r}")
+    if hd is None and type(hidden) is int and hidden % heads == 0:
+        hd = hidden // heads
+    try:
+        return Mapping.hf_from_torchtitan(num_heads=heads, num_kv_heads=kv, head_dim=hd)
+    except MappingError as e:
+        raise InvalidArgumentError(f"--from-torchtitan: {e}") from None
 
 
 def _export(args):

@@ -147,7 +147,9 @@ class StorageReader(_dcp_storage.StorageReader):
         set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
 
     Failures raise DCP's ``CheckpointException``; ``e.failures[rank][0]`` is unickpt's typed
-    error (:class:`~unickpt.errors.ChecksumError` naming file and tensor, ...).
+    error (:class:`~unickpt.errors.ChecksumError` naming file and tensor, ...). With
+    ``no_dist=True``, torch reports a failure while reading the metadata (a missing
+    checkpoint, a mapping refused) as an ``AssertionError`` quoting unickpt's error.
     """
 
     def __init__(self, path: str | os.PathLike, *, storage_options: Mapping[str, Any] | None = None,
@@ -401,7 +403,10 @@ class StorageReader(_dcp_storage.StorageReader):
         if target.dtype != sdt or tuple(target.shape) != tuple(ri.lengths):
             dest = torch.empty(tuple(ri.lengths), dtype=sdt)
             casts.append((target, dest))
-        entries += expand([Entry(role, t, dest, lay)], self.mapping, stored_shape)
+        for ent in expand([Entry(role, t, dest, lay)], self.mapping, stored_shape):
+            if ent.key not in man.tensors and ent.key in man.aliases:  # a tied name: the stored tensor's bytes
+                ent = dataclasses.replace(ent, name=man.aliases[ent.key])
+            entries.append(ent)
         commits.append((ri, target))
 
     def _read(self, entries: list[Entry], plan: LoadPlan, err: BaseException | None = None) -> None:

@@ -133,7 +133,13 @@ class _Pattern(Rule):
             e = m.groupdict().get("e")
             if e is not None:
                 repl = repl.replace("{e}", e)
-            if t is None or self.pattern.fullmatch(t) is None or self.pattern.sub(repl, t) != s:
+            if t is None or self.pattern.fullmatch(t) is None:
+                continue
+            try:
+                back = self.pattern.sub(repl, t)
+            except re.error as err:
+                raise MappingError(f"mapping: replacement {repl!r} for {self.pattern.pattern!r}: {err}") from None
+            if back != s:
                 continue
             found.setdefault(t, set())
             if e is not None:
@@ -164,7 +170,7 @@ class _Rename(_Pattern):
         return self.repl
 
     def _shape(self, name, stored, experts):
-        return tuple(stored[self.pattern.sub(self.repl, name)])
+        return self.source(name, self.repl, stored.get)[1]
 
     def pieces(self, name, shape, source_shape):
         try:
@@ -378,6 +384,7 @@ class _Rotary(_Pattern):
     repl: str
     heads: int
     to_hf: bool
+    head_dim: int | None = None
 
     def _repl(self):
         return self.repl
@@ -387,9 +394,10 @@ class _Rotary(_Pattern):
 
     def pieces(self, name, shape, source_shape):
         src, sshape = self.source(name, self.repl, source_shape)
-        if len(shape) != 2 or tuple(sshape) != tuple(shape) or shape[0] % (2 * self.heads):
+        if len(shape) != 2 or tuple(sshape) != tuple(shape) or shape[0] % (2 * self.heads) or (
+                self.head_dim is not None and shape[0] != self.heads * self.head_dim):
             raise MappingError(f"mapping: target {name!r} {list(shape)} is not {src!r} {list(sshape)} as {self.heads} "
-                               "heads of an even number of rows")
+                               "heads of an even number of rows" + (f" ({self.head_dim} each)" if self.head_dim else ""))
         hd, cols = shape[0] // self.heads, shape[1]
         view = (self.heads, hd // 2, 2, cols)
         out = []
@@ -483,21 +491,23 @@ class Mapping:
         ])
 
     @staticmethod
-    def hf_from_torchtitan(config: Any = None, *, num_heads: int | None = None, num_kv_heads: int | None = None
-                           ) -> "Mapping":
+    def hf_from_torchtitan(config: Any = None, *, num_heads: int | None = None, num_kv_heads: int | None = None,
+                           head_dim: int | None = None) -> "Mapping":
         """Hugging Face Llama names (targets) read from torchtitan's Llama names (stored),
         ``wq``/``wk`` rows permuted between the rotary layouts as Hugging Face's conversion
-        script does: a torchtitan checkpoint loads into a ``transformers`` model."""
+        script does: a torchtitan checkpoint loads into a ``transformers`` model. ``head_dim``
+        (default: the config's, or its ``hidden_size / num_heads``): checked against the
+        rows of ``wq``/``wk``, so wrong head counts are refused, not permuted."""
         heads, kv = _heads(config, num_heads, num_kv_heads, "Mapping.hf_from_torchtitan")
-        return Mapping(_titan_rules(heads, kv, to_hf=True))
+        return Mapping(_titan_rules(heads, kv, True, _head_dim(config, head_dim, heads, "Mapping.hf_from_torchtitan")))
 
     @staticmethod
-    def torchtitan_from_hf(config: Any = None, *, num_heads: int | None = None, num_kv_heads: int | None = None
-                           ) -> "Mapping":
+    def torchtitan_from_hf(config: Any = None, *, num_heads: int | None = None, num_kv_heads: int | None = None,
+                           head_dim: int | None = None) -> "Mapping":
         """torchtitan's Llama names (targets) read from Hugging Face's (stored): the inverse
         of :meth:`hf_from_torchtitan`."""
         heads, kv = _heads(config, num_heads, num_kv_heads, "Mapping.torchtitan_from_hf")
-        return Mapping(_titan_rules(heads, kv, to_hf=False))
+        return Mapping(_titan_rules(heads, kv, False, _head_dim(config, head_dim, heads, "Mapping.torchtitan_from_hf")))
 
     @staticmethod
     def fused(config: Any = None, *, tp_rank: int = 0, tp_size: int = 1, num_heads: int | None = None,
@@ -551,12 +561,21 @@ class Mapping:
                     continue
                 out[t] = shape
                 used.update(pc.source for pc in self.pieces(t, shape, stored.get) or ())
+        shadowed = []
         for s, shape in stored.items():
-            if s in out or s in used:
+            if s in used:
+                continue
+            if s in out:  # a target of that name is made from other tensors: this one is read by none
+                shadowed.append(s)
                 continue
             if self.rule_for(s) is not None:  # a target this mapping makes from other tensors
                 self.pieces(s, shape, stored.get)  # (raises: its sources are not all there)
             out[s] = shape
+        if shadowed:
+            from ._metrics import log
+
+            log.warning("mapping: %d stored tensor(s) read by no target, their names taken by targets made from "
+                        "other tensors: %s", len(shadowed), shadowed[:8])
         return dict(sorted(out.items()))
 
     def pieces(self, name: str, shape: Shape, source_shape: Callable[[str], Shape | None]) -> list[Piece] | None:
@@ -566,7 +585,7 @@ class Mapping:
             return None
         key = (name, tuple(shape))
         got = self._memo.get(key)
-        if got is not None and all(source_shape(s) == sh for s, sh in got[1].items()):
+        if got is not None and got[2] is rule and all(source_shape(s) == sh for s, sh in got[1].items()):
             return got[0]  # (a built-in rule's pieces depend on its sources' shapes only: a subscriber's every update)
         out = rule.pieces(name, tuple(shape), source_shape)
         covered = 0
@@ -587,17 +606,18 @@ class Mapping:
                                "elements")
         _disjoint(name, out)  # (with the count above: they tile the target, no element twice or never)
         if isinstance(rule, _Pattern) and len(self._memo) < 1 << 16:
-            self._memo[key] = (out, {pc.source: source_shape(pc.source) for pc in out})
+            self._memo[key] = (out, {pc.source: source_shape(pc.source) for pc in out}, rule)
         return out
 
 
 _BACKREF = re.compile(r"\\(?:(\d+)|g<(\w+)>)|\{e\}")
 
 
-def _template(pattern: str) -> list[str | int] | None:
+def _template(pattern: str, bodies: dict[int, str] | None = None) -> list[str | int] | None:
     """``pattern`` as literal text and its (top-level) groups' numbers, or None when it is
     anything else (classes, repeats or alternatives outside a group): then a target name
-    cannot be written from the groups' values."""
+    cannot be written from the groups' values. ``bodies``: filled with each group's own
+    regular expression."""
     out: list[str | int] = []
     i, group = 0, 0
     while i < len(pattern):
@@ -633,6 +653,9 @@ def _template(pattern: str) -> list[str | int] | None:
                 return None
             group += 1
             out.append(group)
+            if bodies is not None:
+                head = pattern.index(">", i) + 1 if pattern.startswith("(?P<", i) else i + 1
+                bodies[group] = pattern[head:j - 1]
             i = j
             continue
         if c in ".^$*+?{}[]|)":
@@ -644,10 +667,20 @@ def _template(pattern: str) -> list[str | int] | None:
 
 def _inverse(pattern: re.Pattern, repl: str):
     """``(regex, fill)``: ``regex`` matches the stored names replacement ``repl`` can give
-    (its group references and ``{e}`` as groups), ``fill(match)`` the target name whose
-    pattern groups those values fill (None when a group of the target has no value). None
-    when ``pattern`` cannot be written back (:func:`_template`; unless ``repl`` holds the
-    whole target, ``\\g<0>``) or ``repl`` holds escapes."""
+    (its group references and ``{e}`` as groups, each group as the pattern's own group
+    matches it: no broader, so a near miss costs no backtracking), ``fill(match)`` the
+    target name whose pattern groups those values fill. None when ``pattern`` cannot be
+    written back (:func:`_template`; unless ``repl`` holds the whole target, ``\\g<0>``) or
+    ``repl`` holds escapes."""
+    bodies: dict[int, str] = {}
+    template = _template(pattern.pattern, bodies)
+
+    def body(idx: int) -> str:
+        b = pattern.pattern if idx == 0 else bodies.get(idx)
+        if b is None or re.search(r"\\\d|\(\?P=|\\g<", b):  # (references inside would point elsewhere here)
+            return ".*?"
+        return f"(?:{b})"
+
     parts, seen, at = [], set(), 0
     for m in _BACKREF.finditer(repl):
         lit = repl[at:m.start()]
@@ -655,23 +688,25 @@ def _inverse(pattern: re.Pattern, repl: str):
             return None
         parts.append(re.escape(lit))
         if m.group(0) == "{e}":
-            name, body = "e", r"\d+"
+            name, b = "e", r"\d+"
         else:
             ref = m.group(1) or m.group(2)
             idx = int(ref) if ref.isdigit() else pattern.groupindex.get(ref)
             if idx is None:
                 return None
-            name, body = f"g{idx}", ".+?"
-        parts.append(f"(?P={name})" if name in seen else f"(?P<{name}>{body})")
+            name, b = f"g{idx}", body(idx)
+        parts.append(f"(?P={name})" if name in seen else f"(?P<{name}>{b})")
         seen.add(name)
         at = m.end()
     if "\\" in repl[at:]:
         return None
     parts.append(re.escape(repl[at:]))
-    regex = re.compile("".join(parts))
+    try:
+        regex = re.compile("".join(parts))
+    except re.error:  # (a group's own expression that does not stand alone)
+        return None
     if "g0" in seen:  # the whole target name is in the stored one
         return regex, lambda m: m.group("g0")
-    template = _template(pattern.pattern)
     if template is None or any(isinstance(x, int) and f"g{x}" not in seen for x in template):
         return None
 
@@ -757,10 +792,21 @@ def _compile(pattern: Any) -> re.Pattern:
 def _heads(config: Any, num_heads: int | None, num_kv_heads: int | None, what: str) -> tuple[int, int]:
     heads = num_heads if num_heads is not None else getattr(config, "num_attention_heads", None)
     kv = num_kv_heads if num_kv_heads is not None else getattr(config, "num_key_value_heads", None) or heads
-    if not isinstance(heads, int) or not isinstance(kv, int) or heads <= 0 or kv <= 0:
-        raise MappingError(f"{what} needs the attention heads: pass a transformers config or num_heads= and "
-                           "num_kv_heads=")
+    if type(heads) is not int or type(kv) is not int or heads <= 0 or kv <= 0:  # (True is no head count)
+        raise MappingError(f"{what} needs the attention heads as integers > 0: pass a transformers config or "
+                           f"num_heads= and num_kv_heads= (got {heads!r}, {kv!r})")
     return heads, kv
+
+
+def _head_dim(config: Any, head_dim: int | None, heads: int, what: str) -> int | None:
+    """Rows per head: given, the config's ``head_dim``, or its ``hidden_size / heads``; None
+    when none is known (then only the rows' divisibility by the heads is checked)."""
+    hd = head_dim if head_dim is not None else getattr(config, "head_dim", None)
+    if hd is None and type(getattr(config, "hidden_size", None)) is int and config.hidden_size % heads == 0:
+        hd = config.hidden_size // heads
+    if hd is not None and (type(hd) is not int or hd <= 0 or hd % 2):
+        raise MappingError(f"{what}: head_dim must be an even integer > 0, got {hd!r}")
+    return hd
 
 
 #: (torchtitan, Hugging Face) names of a Llama, as regular expressions of the layer index
@@ -778,7 +824,7 @@ _TITAN_NAMES = [
 ]
 
 
-def _titan_rules(heads: int, kv: int, to_hf: bool) -> list[Rule]:
+def _titan_rules(heads: int, kv: int, to_hf: bool, head_dim: int | None = None) -> list[Rule]:
     """Renames both ways between torchtitan's and Hugging Face's Llama names, and the rotary
     permutation of q (``heads``) and k (``kv`` heads)."""
     def regex(name: str) -> str:  # a replacement string as the pattern of the other direction
@@ -796,9 +842,9 @@ def _titan_rules(heads: int, kv: int, to_hf: bool) -> list[Rule]:
     for x, h in (("q", heads), ("k", kv)):
         titan, hf = rf"layers\.(\d+)\.attention\.w{x}\.weight", rf"model.layers.\1.self_attn.{x}_proj.weight"
         if to_hf:
-            rules.append(_Rotary(re.compile(regex(hf)), repl(titan), h, True))
+            rules.append(_Rotary(re.compile(regex(hf)), repl(titan), h, True, head_dim))
         else:
-            rules.append(_Rotary(re.compile(titan), hf, h, False))
+            rules.append(_Rotary(re.compile(titan), hf, h, False, head_dim))
     return rules
 
 

@@ -164,7 +164,8 @@ class WeightSubscriber:
         from .loading import load
         from .transport import LOCAL, Comm
 
-        if timeout is not None and not (isinstance(timeout, (int, float)) and 0 <= timeout < float("inf")):
+        if timeout is not None and (isinstance(timeout, bool) or not (isinstance(timeout, (int, float))
+                                                                       and 0 <= timeout < float("inf"))):
             raise errors.InvalidArgumentError(f"timeout must be a finite number of seconds >= 0 or None, got {timeout!r}")
         if not isinstance(model, (torch.nn.Module, Mapping)):
             raise errors.InvalidArgumentError(f"update needs the model (a torch.nn.Module) or its state dict, got "
@@ -199,8 +200,12 @@ class WeightSubscriber:
                         stop = threading.Event()
                         refresher = self._refresh(lease, stop)
                         try:
-                            self.last = load({"model": model}, self.storage.join(self.root, f"step-{v:08d}"),
-                                             group=LOCAL, cast=self.cast, options=self.options)
+                            path = dict(committed_steps(self.storage, self.root)).get(v)  # (its own name)
+                            if path is None:
+                                raise errors.CheckpointNotFoundError(f"{self.root}: version {v} was retired under "
+                                                                     "a lease (a lease older than LEASE_STALE_S?)")
+                            self.last = load({"model": model}, path, group=LOCAL, cast=self.cast,
+                                             options=self.options)
                         except Exception as e:
                             err = e
                         finally:

@@ -132,9 +132,13 @@ class LocalStorage:
         return out
 
     def mtime(self, path: str) -> float:
-        """Newest modification time of ``path`` and of the entries directly inside it."""
+        """Newest modification time of ``path`` and of the entries directly inside it (a
+        file: its own)."""
         try:
-            t = os.lstat(path).st_mtime
+            st = os.lstat(path)
+            t = st.st_mtime
+            if not stat.S_ISDIR(st.st_mode):
+                return t
             with os.scandir(path) as it:
                 for e in it:
                     try:
