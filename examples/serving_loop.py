@@ -21,6 +21,7 @@ and checks that its logits are those, bit for bit. Each side prints one JSON lin
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -115,7 +116,7 @@ def inference(args, rank: int, world: int) -> None:
         if version is None:
             emit(side="inference", rank=rank, event="idle", version=sub.version)
             break
-        line = dict(side="inference", rank=rank, event="updated", version=version)
+        line = dict(side="inference", rank=rank, event="updated", version=version, pid=os.getpid())
         if args.probe:
             line["logits_equal"] = check(args, cfg, serving, version, rank, world)
         emit(**line)
@@ -185,6 +186,7 @@ def main(argv=None) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        gc.collect()  # (torch's gloo may abort at exit while a device mesh of the model lives)
 
 
 if __name__ == "__main__":

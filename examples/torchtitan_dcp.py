@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import math
 import os
@@ -478,6 +479,10 @@ def train(args: argparse.Namespace) -> int:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    # torch's gloo may abort at interpreter exit while an object holding a group lives (the
+    # device mesh inside the FSDP2 model): free them while the interpreter is whole
+    del job, ckpt, sched
+    gc.collect()
     return 1 if problems else 0
 
 

@@ -71,16 +71,20 @@ def test_load_for_inference_through_a_mapping(llama):
     root, sd, titan, config = llama
     for r in range(2):
         want = _fused_expected(sd, config, r, 2)
-        got = unickpt.load_for_inference(str(root / "hf"), mapping=unickpt.Mapping.fused(config, tp_rank=r, tp_size=2))
+        got = unickpt.load_for_inference(str(root / "hf"), options=unickpt.LoadOptions(
+            mapping=unickpt.Mapping.fused(config, tp_rank=r, tp_size=2)))
         assert sorted(got) == sorted(want) and all(torch.equal(got[k], v) for k, v in want.items())
-    got = unickpt.load_for_inference(str(root / "hf"), mapping=unickpt.Mapping.torchtitan_from_hf(config),
+    got = unickpt.load_for_inference(str(root / "hf"), options=unickpt.LoadOptions(
+                                     mapping=unickpt.Mapping.torchtitan_from_hf(config)),
                                      keys=["layers.1.attention.*"], dtype=torch.float32)
     assert sorted(got) == sorted(k for k in titan if k.startswith("layers.1.attention."))
     assert all(torch.equal(v, titan[k].float()) for k, v in got.items())
     with pytest.raises(InvalidArgumentError, match="cuts tensor-parallel shards itself"):
-        unickpt.load_for_inference(str(root / "hf"), mapping=unickpt.Mapping.fused(config), tp_rank=0, tp_size=2)
+        unickpt.load_for_inference(str(root / "hf"), options=unickpt.LoadOptions(mapping=unickpt.Mapping.fused(config)),
+                                   tp_rank=0, tp_size=2)
     with pytest.raises(TensorMissingError, match="target of the mapping"):
-        unickpt.load_for_inference(str(root / "hf"), mapping=unickpt.Mapping.fused(config), keys=["*.q_proj.*"])
+        unickpt.load_for_inference(str(root / "hf"), options=unickpt.LoadOptions(mapping=unickpt.Mapping.fused(config)),
+                                   keys=["*.q_proj.*"])
 
 
 def test_export_through_a_mapping_gives_a_folder_from_pretrained_loads(llama, tmp_path):
@@ -164,7 +168,7 @@ def test_transposes_gpt2_conv1d_weights_into_linear_layout_whole_and_as_shards(t
     unickpt.save({"model": sd}, str(tmp_path / "g"))
     conv = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
     m = unickpt.Mapping.transpose(r".*\.(c_attn|c_proj|c_fc)\.weight")
-    got = unickpt.load_for_inference(str(tmp_path / "g"), mapping=m)
+    got = unickpt.load_for_inference(str(tmp_path / "g"), options=unickpt.LoadOptions(mapping=m))
     assert sorted(got) == sorted(sd)
     for k, v in sd.items():
         assert torch.equal(got[k], v.t() if k.endswith(conv) else v), k
@@ -205,7 +209,8 @@ def test_property_transposes_and_their_inverse_over_random_shapes_and_boxes(tmp_
     assert torch.equal(local, x.permute(perm)[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))])
     unickpt.save({"model": {"w": x.permute(perm).contiguous()}}, str(root / "b"))
     inv = tuple(perm.index(j) for j in range(len(perm)))
-    back = unickpt.load_for_inference(str(root / "b"), mapping=unickpt.Mapping.transpose("w", perm=inv))
+    back = unickpt.load_for_inference(str(root / "b"), options=unickpt.LoadOptions(
+        mapping=unickpt.Mapping.transpose("w", perm=inv)))
     assert torch.equal(back["w"], x)
 
 
@@ -316,3 +321,14 @@ def test_findings_of_the_second_attack_on_mappings(llama, tmp_path, caplog):
                             "--from-torchtitan", "--config", str(tmp_path / "c.json")], capture_output=True, text=True,
                            timeout=300)
         assert p.returncode == 2 and not os.path.exists(tmp_path / "o"), (bad, p.stderr[-500:])
+
+
+def test_load_for_inference_takes_its_rare_knobs_in_load_options(llama):
+    root, sd, _, _ = llama
+    with pytest.warns(DeprecationWarning, match="LoadOptions"):
+        got = unickpt.load_for_inference(str(root / "hf"), storage_options=None, keys=["model.norm.weight"])
+    assert torch.equal(got["model.norm.weight"], sd["model.norm.weight"])
+    with pytest.raises(InvalidArgumentError, match="LoadOptions"):
+        unickpt.load_for_inference(str(root / "hf"), mapping=unickpt.Mapping.rename({}))
+    with pytest.raises(InvalidArgumentError, match="options"):
+        unickpt.load_for_inference(str(root / "hf"), options={"mapping": None})

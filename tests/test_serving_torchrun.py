@@ -21,11 +21,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "serving_loop.py")
 
 
-def _start(tmp, side, *args):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "UNICKPT_TIMEOUT_S": "60"}
+def _start(tmp, side, *args, log=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "UNICKPT_TIMEOUT_S": "20"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(dist.free_port()), SCRIPT, side, "--dir", os.path.join(tmp, "run"), "--probe", *args]
-    out = open(os.path.join(tmp, f"{side}.log"), "w")
+    out = open(os.path.join(tmp, f"{log or side}.log"), "w")
     return subprocess.Popen(cmd, cwd=tmp, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -87,3 +87,37 @@ def test_the_trainer_job_killed_while_it_publishes_leaves_the_inference_side_who
         assert any(x.get("rank") == r and x["event"] == "idle" and x["version"] == ups[-1]["version"] for x in lines), text[-4000:]
     published = sorted(int(n.split("-")[1]) for n in os.listdir(os.path.join(tmp, "run", "pub")) if n.startswith("step-"))
     assert max(x["version"] for x in _updates(lines)[0]) <= max(published) < 40
+
+
+def test_an_inference_rank_killed_mid_update_and_the_job_started_again(tmp_path):
+    """kill -9 of one inference rank (its process, while the trainer publishes every step):
+    the inference job stops (its other rank fails typed, torchrun ends the job), having
+    served only whole versions; started again, it serves whole versions again."""
+    import signal
+
+    tmp = str(tmp_path)
+    trainer = _start(tmp, "trainer", "--steps", "30", "--publish-every", "1")
+    first = _start(tmp, "inference", "--steps", "30", "--timeout", "20", log="first")
+    try:
+        deadline = time.monotonic() + 240
+        while True:  # once rank 1 holds a version, kill -9 it: its next update is under way or about to be
+            lines, text = _lines(tmp, "first")
+            ups = [x for x in lines if x.get("rank") == 1 and x["event"] == "updated"]
+            if ups:
+                break
+            assert first.poll() is None and time.monotonic() < deadline, text[-3000:]
+            time.sleep(0.02)
+        os.kill(ups[-1]["pid"], signal.SIGKILL)
+        first.wait(timeout=120)  # bounded: the surviving rank fails within UNICKPT_TIMEOUT_S
+        second = _start(tmp, "inference", "--steps", "30", "--timeout", "20", log="second")
+        second.wait(timeout=300)
+        trainer.wait(timeout=120)
+    finally:
+        dist.kill_tree([trainer, first])
+    lines, text = _lines(tmp, "first")
+    assert first.returncode != 0
+    assert all(x["logits_equal"] is True for x in lines if x["event"] == "updated"), text[-3000:]
+    lines, text = _lines(tmp, "second")
+    assert second.returncode == 0, text[-3000:]
+    for r, ups in _updates(lines).items():
+        assert ups and all(x["logits_equal"] is True for x in ups) and ups[-1]["version"] == 30, (r, ups)

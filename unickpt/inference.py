@@ -6,7 +6,8 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-from typing import Callable, Iterable
+import warnings
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -46,8 +47,8 @@ def load_for_inference(
     tp_size: int | None = None,
     keys: Iterable[str] | None = None,
     tp_dim: Callable[[str, tuple[int, ...]], int | None] = llama_tp_dim,
-    storage_options: dict | None = None,
-    mapping: Mapping | None = None,
+    options: LoadOptions | None = None,
+    **deprecated: Any,
 ) -> dict[str, torch.Tensor]:
     """The model weights of the checkpoint at ``path`` (a checkpoint or a root of ``step-*``).
 
@@ -58,17 +59,29 @@ def load_for_inference(
             (default: Megatron rules for Llama names); replicated tensors come whole.
         keys: names or shell-style patterns (``"model.layers.0.*"``) to load; default all
             (per-rank values saved with ``unickpt.per_rank`` are not weights: never returned).
-        storage_options: for a URL ``path``, options of its file system (docs/storage.md).
-        mapping: return the tensors this :class:`~unickpt.Mapping` makes from the stored
-            ones (:meth:`Mapping.targets`: e.g. ``Mapping.fused(config, tp_rank=, tp_size=)``,
-            the fused serving layout of one TP rank, or ``Mapping.hf_from_torchtitan(config)``),
-            each read from only the byte ranges it needs; ``keys`` then name its targets.
-            The mapping cuts TP shards itself: not with ``tp_rank``/``tp_size``.
+        options: a :class:`~unickpt.LoadOptions` for the rare knobs: ``storage_options`` (a
+            URL ``path``'s file system, docs/storage.md), ``verify``, and ``mapping``: return
+            the tensors that :class:`~unickpt.Mapping` makes from the stored ones
+            (:meth:`Mapping.targets`: e.g. ``Mapping.fused(config, tp_rank=, tp_size=)``, the
+            fused serving layout of one TP rank, or ``Mapping.hf_from_torchtitan(config)``),
+            each read from only the byte ranges it needs; ``keys`` then name its targets. The
+            mapping cuts TP shards itself: not with ``tp_rank``/``tp_size``.
 
     Works in one process whether or not torch.distributed is initialised (no collective).
+    ``storage_options=`` beside ``options`` is deprecated (a warning; pass it in ``options``).
     """
-    if mapping is not None and not isinstance(mapping, Mapping):
-        raise InvalidArgumentError(f"mapping must be a unickpt.Mapping or None, got {type(mapping).__name__}")
+    if deprecated:
+        if set(deprecated) != {"storage_options"} or options is not None:
+            raise InvalidArgumentError(f"load_for_inference: unexpected argument(s) {sorted(deprecated)}: the rare "
+                                       "knobs (storage_options, mapping, verify) go in options=unickpt.LoadOptions(...)")
+        warnings.warn("load_for_inference(storage_options=...) is deprecated: pass "
+                      "options=unickpt.LoadOptions(storage_options=...)", DeprecationWarning, stacklevel=2)
+        options = LoadOptions(storage_options=deprecated["storage_options"])
+    if options is None:
+        options = LoadOptions()
+    if not isinstance(options, LoadOptions):
+        raise InvalidArgumentError(f"options must be a unickpt.LoadOptions or None, got {type(options).__name__}")
+    mapping, storage_options = options.mapping, options.storage_options
     if mapping is not None and tp_size is not None:
         raise InvalidArgumentError("a mapping cuts tensor-parallel shards itself (Mapping.fused(config, tp_rank=, "
                                    "tp_size=)): give tp_rank/tp_size to the mapping, not to load_for_inference")
@@ -101,7 +114,7 @@ def load_for_inference(
                                  (f" (only per-rank values: {per_rank[:5]})" if per_rank else ""))
     if mapping is not None:
         return _mapped(ckpt, man, mapping, {n: man.tensors[("model", stored_name[n])] for n in names}, keys, dtype,
-                       device, storage_options)
+                       device, options)
     if keys is not None:
         pats = list(keys)
         chosen = [n for n in names if any(n == p or fnmatch.fnmatchcase(n, p) for p in pats)]
@@ -140,7 +153,7 @@ def load_for_inference(
         sizes = list(st.shape)
         offsets[dim], sizes[dim] = tp_rank * k, k
         targets[n] = ShardedTensor(torch.empty(sizes, dtype=sdt), Layout(st.shape, tuple(offsets), tuple(sizes)))
-    load({"model": targets}, ckpt, group=LOCAL, missing="warn", options=LoadOptions(storage_options=storage_options))
+    load({"model": targets}, ckpt, group=LOCAL, missing="warn", options=options)
     out: dict[str, torch.Tensor] = {}
     done: dict[int, torch.Tensor] = {}  # tied weights stay one tensor
     for n, t in targets.items():
@@ -162,18 +175,18 @@ def _chosen(ckpt: str, names: list[str], keys: Iterable[str] | None, what: str =
     return [n for n in names if any(n == p or fnmatch.fnmatchcase(n, p) for p in pats)]
 
 
-def _mapped(ckpt: str, man, mapping: Mapping, stored: dict, keys, dtype, device, storage_options) -> dict:
+def _mapped(ckpt: str, man, mapping: Mapping, stored: dict, keys, dtype, device, options: LoadOptions) -> dict:
     """:func:`load_for_inference` through a mapping: its targets (:func:`mapped_targets`),
     each of its sources' dtype, loaded by the load plan (only the boxes each needs)."""
     planned = mapped_targets(mapping, stored, ckpt)
     chosen = _chosen(ckpt, list(planned), keys, "target of the mapping")
     targets = {n: torch.empty(planned[n].shape, dtype=torch_dtype(planned[n].dtype)) for n in chosen}
-    storage, _ = storage_for(ckpt, storage_options)
+    storage, _ = storage_for(ckpt, options.storage_options)
     readers: dict = {}
     try:  # the files are checked (regular, of the recorded size, headers intact) before a byte is read
         open_files(storage, ckpt, man, {stored[s].file for n in chosen for s in planned[n].sources}, readers)
     finally:
         for r in readers.values():
             r.close()
-    load({"model": targets}, ckpt, group=LOCAL, options=LoadOptions(storage_options=storage_options, mapping=mapping))
+    load({"model": targets}, ckpt, group=LOCAL, options=options)
     return {n: t.to(device=device, dtype=dtype or t.dtype) for n, t in targets.items()}
