@@ -332,3 +332,57 @@ def test_load_for_inference_takes_its_rare_knobs_in_load_options(llama):
         unickpt.load_for_inference(str(root / "hf"), mapping=unickpt.Mapping.rename({}))
     with pytest.raises(InvalidArgumentError, match="options"):
         unickpt.load_for_inference(str(root / "hf"), options={"mapping": None})
+
+
+def test_serving_layouts_read_back_as_training_names(llama, tmp_path):
+    """The inverses: a whole fused checkpoint read as Hugging Face's names (Mapping.unfused),
+    stacked experts as the Hub's per-expert keys (Mapping.hub_from_stacked_experts), listed
+    by targets(), equal to the originals, a row shard of one too."""
+    from tests.test_mapping import _hub_moe
+
+    root, sd, _, config = llama
+    fused = _fused_expected(sd, config, 0, 1)
+    unickpt.save({"model": fused}, str(tmp_path / "fused" / "step-00000001"))
+    back = unickpt.load_for_inference(str(tmp_path / "fused"), options=unickpt.LoadOptions(
+        mapping=unickpt.Mapping.unfused(config)))
+    assert sorted(back) == sorted(sd) and all(torch.equal(back[k], v) for k, v in sd.items())
+    model, _ = _model("mixtral")
+    stacked = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    hub = _hub_moe(stacked)
+    unickpt.save({"model": stacked}, str(tmp_path / "moe" / "step-00000001"))
+    m = unickpt.Mapping.hub_from_stacked_experts()
+    back = unickpt.load_for_inference(str(tmp_path / "moe"), options=unickpt.LoadOptions(mapping=m))
+    assert sorted(back) == sorted(hub) and all(torch.equal(back[k], v) for k, v in hub.items())
+    name = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
+    rows = hub[name].shape[0]
+    local = torch.zeros(rows - rows // 2, hub[name].shape[1], dtype=hub[name].dtype)
+    unickpt.load({"model": {name: unickpt.shard(local, tuple(hub[name].shape), offsets=(rows // 2, 0))}},
+                 str(tmp_path / "moe"), options=unickpt.LoadOptions(mapping=m))
+    assert torch.equal(local, hub[name][rows // 2:])
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kv=st.sampled_from([1, 2, 4]), mult=st.integers(1, 3), hd=st.sampled_from([2, 4, 6]), cols=st.integers(1, 5),
+       experts=st.integers(1, 4), inter=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_property_serving_to_training_to_serving_round_trips(tmp_path_factory, kv, mult, hd, cols, experts, inter,
+                                                              seed):
+    """Over random head counts, widths and expert stacks: serving tensors read as training
+    names (unfused, hub_from_stacked_experts) and those read back as serving tensors (fused,
+    mixtral_experts) are the serving tensors, bit for bit."""
+    heads = kv * mult
+    g = torch.Generator().manual_seed(seed)
+    p = "model.layers.0."
+    serving = {p + "self_attn.qkv_proj.weight": torch.randn((heads + 2 * kv) * hd, cols, generator=g),
+               p + "mlp.gate_up_proj.weight": torch.randn(2 * inter, cols, generator=g),
+               p + "mlp.experts.gate_up_proj": torch.randn(experts, 2 * inter, cols, generator=g),
+               p + "mlp.experts.down_proj": torch.randn(experts, cols, inter, generator=g)}
+    root = tmp_path_factory.mktemp("rt")
+    unickpt.save({"model": serving}, str(root / "serving" / "step-00000001"))
+    to_train = unickpt.Mapping.unfused(num_heads=heads, num_kv_heads=kv) + unickpt.Mapping.hub_from_stacked_experts()
+    train = unickpt.load_for_inference(str(root / "serving"), options=unickpt.LoadOptions(mapping=to_train))
+    assert len(train) == 5 + 3 * experts  # q, k, v, gate, up; w1, w3, w2 per expert
+    unickpt.save({"model": train}, str(root / "train" / "step-00000001"))
+    to_serve = unickpt.Mapping.fused(num_heads=heads, num_kv_heads=kv) + unickpt.Mapping.mixtral_experts()
+    again = unickpt.load_for_inference(str(root / "train"), options=unickpt.LoadOptions(mapping=to_serve))
+    assert sorted(again) == sorted(serving)
+    assert all(torch.equal(again[k], v) for k, v in serving.items())

@@ -24,6 +24,8 @@ Built in (each tested against ``transformers`` models built from configs, tests/
 * :meth:`Mapping.stacked_experts` (per-expert keys -> one ``[E, ...]`` tensor), and
   :meth:`Mapping.mixtral_experts` (the Hub's Mixtral files -> ``transformers`` 5's stacked
   experts);
+* the inverses :meth:`Mapping.unfused` (a whole fused layout -> Hugging Face's names) and
+  :meth:`Mapping.hub_from_stacked_experts` (stacked experts -> the Hub's per-expert keys);
 * :meth:`Mapping.hf_from_torchtitan` / :meth:`Mapping.torchtitan_from_hf` (Llama names both
   ways; ``wq``/``wk`` rows permuted between the rotary layouts, into whole tensors or any
   box of them: strided views of the target or boxes of the source viewed as
@@ -343,6 +345,103 @@ class _Stack(_Pattern):
         return out
 
 
+def _part(n: int, units: tuple[int, ...], k: int, what: str) -> tuple[int, int]:
+    """``(start, size)`` of part ``k`` of ``n`` rows cut in proportion to ``units`` (q, k and v
+    heads: ``(nh, nkv, nkv)``; gate and up: ``(1, 1)``)."""
+    total = sum(units)
+    if n % total:
+        raise MappingError(f"{what}: {n} rows do not split in the proportion {list(units)}")
+    per = n // total
+    return sum(units[:k]) * per, units[k] * per
+
+
+@dataclass(frozen=True)
+class _Slice(_Pattern):
+    """Target ``pattern`` = part ``k`` of source ``repl``'s rows cut in proportion to
+    ``units`` (a fused serving tensor read back as the training layout's own tensors)."""
+
+    pattern: re.Pattern
+    repl: str
+    units: tuple[int, ...]
+    k: int
+
+    def _repl(self):
+        return self.repl
+
+    def _shape(self, name, stored, experts):
+        src, sshape = self.source(name, self.repl, stored.get)
+        return (_part(sshape[0], self.units, self.k, f"mapping {src!r} -> {name!r}")[1], *sshape[1:])
+
+    def pieces(self, name, shape, source_shape):
+        src, sshape = self.source(name, self.repl, source_shape)
+        start, n = _part(sshape[0], self.units, self.k, f"mapping {src!r} -> {name!r}")
+        if tuple(shape) != (n, *sshape[1:]):
+            raise MappingError(f"mapping: target {name!r} has shape {list(shape)}; its part of {src!r} "
+                               f"{list(sshape)} is {[n, *sshape[1:]]}")
+        return [Piece((0,) * len(shape), tuple(shape), src, (start,) + (0,) * (len(shape) - 1))]
+
+
+@dataclass(frozen=True)
+class _Unstack(_Pattern):
+    """Target ``pattern`` (its group ``e``: the expert index) = part ``k`` (rows in
+    proportion to ``units``) of expert ``e``'s row of the stacked source ``repl``
+    (``[E, R, ...]``): a box of the source viewed as ``[E * R, ...]``."""
+
+    pattern: re.Pattern
+    repl: str
+    units: tuple[int, ...] = (1,)
+    k: int = 0
+
+    def _repl(self):
+        return self.repl
+
+    def _row(self, name, source_shape):
+        src, sshape = self.source(name, self.repl, source_shape)
+        if len(sshape) < 2:
+            raise MappingError(f"mapping: {src!r} {list(sshape)} is not a stack of experts")
+        start, n = _part(sshape[1], self.units, self.k, f"mapping {src!r} -> {name!r}")
+        return src, sshape, start, n
+
+    def _shape(self, name, stored, experts):
+        _, sshape, _, n = self._row(name, stored.get)
+        return (n, *sshape[2:])
+
+    def targets(self, stored):
+        """Each stored stack the replacement could name, run backwards (:func:`_repl_regex`),
+        gives one target per expert (the group ``e`` filled with its index)."""
+        got = _repl_regex(self.pattern, self.repl)
+        e_group = self.pattern.groupindex.get("e")
+        if got is None or got[2] is None or e_group is None:
+            raise MappingError(f"mapping: the targets of pattern {self.pattern.pattern!r} cannot be listed (literal "
+                               "text and groups, one of them (?P<e>...) the expert index)")
+        regex, _, template = got
+        out = {}
+        for s, sshape in stored.items():
+            m = regex.fullmatch(s)
+            if m is None or len(sshape) < 2:
+                continue
+            vals = {int(g[1:]): v for g, v in m.groupdict().items() if g[1:].isdigit()}
+            for e in range(sshape[0]):
+                vals[e_group] = str(e)
+                if any(isinstance(x, int) and x not in vals for x in template):
+                    break
+                t = "".join(x if isinstance(x, str) else vals[x] for x in template)
+                if self.pattern.fullmatch(t) is None or self.pattern.sub(self.repl, t) != s:
+                    break
+                out[t] = self._shape(t, stored, 0)
+        return dict(sorted(out.items()))
+
+    def pieces(self, name, shape, source_shape):
+        src, sshape, start, n = self._row(name, source_shape)
+        e = int(self.pattern.fullmatch(name).group("e"))
+        if not e < sshape[0] or tuple(shape) != (n, *sshape[2:]):
+            raise MappingError(f"mapping: target {name!r} {list(shape)} is not a part of expert {e} of {src!r} "
+                               f"{list(sshape)}")
+        view = (sshape[0] * sshape[1], *sshape[2:])
+        return [Piece((0,) * len(shape), tuple(shape), src, (e * sshape[1] + start,) + (0,) * (len(shape) - 1),
+                      source_view=view, src_sizes=tuple(shape))]
+
+
 @dataclass(frozen=True)
 class _Transpose(_Pattern):
     """Target ``pattern`` = source ``repl`` with its dimensions permuted: the target's
@@ -475,6 +574,39 @@ class Mapping:
         if not isinstance(source, str):
             raise MappingError(f"Mapping.transpose: source must be a replacement string, got {source!r}")
         return Mapping([_Transpose(_compile(target), source, p)])
+
+    @staticmethod
+    def unfused(config: Any = None, *, num_heads: int | None = None, num_kv_heads: int | None = None,
+                prefix: str = "model.") -> "Mapping":
+        """The inverse of :meth:`fused` at TP 1: Hugging Face's ``q_proj``/``k_proj``/
+        ``v_proj`` (and biases) read from the rows of a whole ``qkv_proj``, ``gate_proj``/
+        ``up_proj`` from ``gate_up_proj``; everything else as it is named."""
+        heads, kv = _heads(config, num_heads, num_kv_heads, "Mapping.unfused")
+        layer = rf"({re.escape(prefix)}layers\.\d+)"
+        rules: list[Rule] = []
+        for kind in ("weight", "bias"):
+            for i, x in enumerate("qkv"):
+                rules.append(_Slice(re.compile(rf"{layer}\.self_attn\.{x}_proj\.{kind}"),
+                                    rf"\1.self_attn.qkv_proj.{kind}", (heads, kv, kv), i))
+            for i, x in enumerate(("gate", "up")):
+                rules.append(_Slice(re.compile(rf"{layer}\.mlp\.{x}_proj\.{kind}"), rf"\1.mlp.gate_up_proj.{kind}",
+                                    (1, 1), i))
+        return Mapping(rules)
+
+    @staticmethod
+    def hub_from_stacked_experts(prefix: str = "model.") -> "Mapping":
+        """The inverse of :meth:`mixtral_experts`: the Hub's per-expert Mixtral keys
+        (``block_sparse_moe.experts.{e}.w1/w3`` the halves of each expert's row of
+        ``mlp.experts.gate_up_proj``, ``w2`` its row of ``down_proj``) read from
+        ``transformers`` 5's stacked experts."""
+        layer = rf"({re.escape(prefix)}layers\.\d+)"
+        exp = rf"{layer}\.block_sparse_moe\.experts\.(?P<e>\d+)"
+        return Mapping([
+            _Unstack(re.compile(rf"{exp}\.w1\.weight"), r"\1.mlp.experts.gate_up_proj", (1, 1), 0),
+            _Unstack(re.compile(rf"{exp}\.w3\.weight"), r"\1.mlp.experts.gate_up_proj", (1, 1), 1),
+            _Unstack(re.compile(rf"{exp}\.w2\.weight"), r"\1.mlp.experts.down_proj", (1,), 0),
+            _Rename(re.compile(rf"{layer}\.block_sparse_moe\.gate\.weight"), r"\1.mlp.gate.weight"),
+        ])
 
     @staticmethod
     def mixtral_experts(prefix: str = "model.") -> "Mapping":
@@ -665,13 +797,12 @@ def _template(pattern: str, bodies: dict[int, str] | None = None) -> list[str | 
     return out
 
 
-def _inverse(pattern: re.Pattern, repl: str):
-    """``(regex, fill)``: ``regex`` matches the stored names replacement ``repl`` can give
-    (its group references and ``{e}`` as groups, each group as the pattern's own group
-    matches it: no broader, so a near miss costs no backtracking), ``fill(match)`` the
-    target name whose pattern groups those values fill. None when ``pattern`` cannot be
-    written back (:func:`_template`; unless ``repl`` holds the whole target, ``\\g<0>``) or
-    ``repl`` holds escapes."""
+def _repl_regex(pattern: re.Pattern, repl: str) -> tuple[re.Pattern, set[str], list | None] | None:
+    """``(regex, groups, template)``: ``regex`` matches the stored names replacement ``repl``
+    can give, its group references and ``{e}`` as named groups (``g1``..., ``e``), each
+    group as the pattern's own group matches it (no broader, so a near miss costs no
+    backtracking); ``template``: :func:`_template` of ``pattern``. None when ``repl`` holds
+    escapes or a reference to no group."""
     bodies: dict[int, str] = {}
     template = _template(pattern.pattern, bodies)
 
@@ -702,9 +833,20 @@ def _inverse(pattern: re.Pattern, repl: str):
         return None
     parts.append(re.escape(repl[at:]))
     try:
-        regex = re.compile("".join(parts))
+        return re.compile("".join(parts)), seen, template
     except re.error:  # (a group's own expression that does not stand alone)
         return None
+
+
+def _inverse(pattern: re.Pattern, repl: str):
+    """``(regex, fill)``: :func:`_repl_regex`'s regex, and ``fill(match)`` the target name
+    whose pattern groups those values fill. None when ``pattern`` cannot be written back
+    (:func:`_template`; unless ``repl`` holds the whole target, ``\\g<0>``), a group of
+    the target has no value in the replacement, or ``repl`` holds escapes."""
+    got = _repl_regex(pattern, repl)
+    if got is None:
+        return None
+    regex, seen, template = got
     if "g0" in seen:  # the whole target name is in the stored one
         return regex, lambda m: m.group("g0")
     if template is None or any(isinstance(x, int) and f"g{x}" not in seen for x in template):
@@ -870,7 +1012,7 @@ def expand(entries: list, mapping: Mapping, source_shape: Callable[[str, str], S
                                    "its own tensor")
             out += expand(_flat_boxes(e), mapping, source_shape)  # (boxes of the partition, each a view of it)
             continue
-        if any(pc.target_view or pc.source_view for pc in pieces):
+        if isinstance(mapping.rule_for(e.name), _Rotary):
             out += _viewed(e, mapping.rule_for(e.name), source_shape)
             continue
         if e.aliases:
@@ -895,9 +1037,12 @@ def expand(entries: list, mapping: Mapping, source_shape: Callable[[str, str], S
                                                                                       len(lo)), lo, pc.offsets))
                             if d not in pc.squeeze)
             sizes = tuple(b - a for d, (a, b) in enumerate(zip(lo, hi)) if d not in pc.squeeze)
-            sshape = source_shape(e.role, pc.source)
-            assert sshape is not None
-            out.append(Entry(e.role, pc.source, view, Layout(tuple(sshape), src_off, sizes, None, lay.replica)))
+            sshape = pc.source_view or source_shape(e.role, pc.source)  # (a view: the source reshaped, row-major)
+            if sshape is None:
+                raise TensorMissingError(f"mapping: target {e.name!r} needs {pc.source!r}, which the checkpoint does "
+                                         "not hold")
+            out.append(Entry(e.role, pc.source, view, Layout(tuple(sshape), src_off, sizes, None, lay.replica),
+                             reshaped=pc.source_view is not None))
     return out
 
 
