@@ -85,17 +85,20 @@ def publish(model: Any, publish_dir: str | os.PathLike, version: int, *, dtype: 
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise errors.InvalidArgumentError(f"dtype must be a floating torch dtype or None, got {dtype!r}")
     storage, root = _publish_storage(publish_dir, storage_options)
+    from .transport import Comm
+
     steps = committed_steps(storage, root)
+    err = None
     if steps and version < steps[-1][0]:  # (retention would retire it at once; subscribers wait for newer)
-        raise errors.NewerVersionError(
+        err = errors.NewerVersionError(
             f"{os.fspath(publish_dir)}: version {version} is older than the newest published version {steps[-1][0]}: "
             "subscribers only take newer versions. Resume the run (its steps continue), or publish to a fresh "
             "publish_dir")
+    Comm(group, timeout_s=timeout_s).agree(err, "publish (newer than the published versions)")
     state = {k: (v.to(dtype) if dtype is not None and isinstance(v, torch.Tensor) and v.is_floating_point() else v)
              for k, v in _model_state(model).items()}
     res = save({"model": state}, storage.join(root, f"step-{version:08d}"), group=group, step=version,
                options=SaveOptions(storage_options=storage_options, timeout_s=timeout_s))
-    from .transport import Comm
 
     if Comm(group, timeout_s=timeout_s).rank == 0:  # (group="local" too: this process alone)
         retired = retire_unleased(storage, root, keep, timeout_s)
@@ -115,15 +118,11 @@ def retire_unleased(storage, root: str, keep: int, timeout_s: float | None = Non
     # what a killed publish left (its owner is gone), and on object stores the files of
     # versions retired while leased, once the leases are gone
     sweep_stale(storage, root, timeout_s=timeout_s)
-    if not storage.caps.atomic_rename:
-        _clear_dead_leases(storage, root)
+    if not storage.caps.atomic_rename:  # (under a file system's lock, retain cleared them)
+        from .io.leases import leased_steps
+
+        leased_steps(storage, root, clear=True)
     return out
-
-
-def _clear_dead_leases(storage, root: str) -> None:
-    from .io.leases import leased_steps
-
-    leased_steps(storage, root, clear=True)
 
 
 class WeightSubscriber:
