@@ -181,12 +181,11 @@ def main(argv=None) -> None:
     if world > 1:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    try:
-        (trainer if args.side == "trainer" else inference)(args, rank, world)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        gc.collect()  # (torch's gloo may abort at exit while a device mesh of the model lives)
+    (trainer if args.side == "trainer" else inference)(args, rank, world)
+    if dist.is_initialized():  # (after a failure the process exits with it: no barrier with a dead peer)
+        dist.barrier()  # the ranks leave together: torch's gloo may abort at exit while a peer still talks
+        dist.destroy_process_group()
+    gc.collect()  # (and while an object holding a group, a device mesh of the model, lives)
 
 
 if __name__ == "__main__":
