@@ -135,13 +135,7 @@ class _Pattern(Rule):
             e = m.groupdict().get("e")
             if e is not None:
                 repl = repl.replace("{e}", e)
-            if t is None or self.pattern.fullmatch(t) is None:
-                continue
-            try:
-                back = self.pattern.sub(repl, t)
-            except re.error as err:
-                raise MappingError(f"mapping: replacement {repl!r} for {self.pattern.pattern!r}: {err}") from None
-            if back != s:
+            if t is None or self.pattern.fullmatch(t) is None or self._sub(repl, t) != s:
                 continue
             found.setdefault(t, set())
             if e is not None:
@@ -151,12 +145,17 @@ class _Pattern(Rule):
     def match(self, name: str) -> bool:
         return self.pattern.fullmatch(name) is not None
 
-    def source(self, name: str, repl: str, source_shape, what: str = "") -> tuple[str, Shape]:
-        """The stored name ``repl`` gives for ``name``, and its shape (missing: refused)."""
+    def _sub(self, repl: str, name: str) -> str:
+        """The stored name replacement ``repl`` gives for target ``name`` (a bad group
+        reference: refused, typed)."""
         try:
-            src = self.pattern.sub(repl, name)
+            return self.pattern.sub(repl, name)
         except re.error as e:
             raise MappingError(f"mapping: replacement {repl!r} for {self.pattern.pattern!r}: {e}") from None
+
+    def source(self, name: str, repl: str, source_shape, what: str = "") -> tuple[str, Shape]:
+        """The stored name ``repl`` gives for ``name``, and its shape (missing: refused)."""
+        src = self._sub(repl, name)
         sshape = source_shape(src)
         if sshape is None:
             raise TensorMissingError(f"mapping: target {name!r} needs {src!r}{what}, which the checkpoint does not hold")
@@ -175,11 +174,7 @@ class _Rename(_Pattern):
         return self.source(name, self.repl, stored.get)[1]
 
     def pieces(self, name, shape, source_shape):
-        try:
-            src = self.pattern.sub(self.repl, name)
-        except re.error as e:
-            raise MappingError(f"mapping: replacement {self.repl!r} for {self.pattern.pattern!r}: {e}") from None
-        return [Piece((0,) * len(shape), tuple(shape), src, (0,) * len(shape))]
+        return [Piece((0,) * len(shape), tuple(shape), self._sub(self.repl, name), (0,) * len(shape))]
 
 
 def _tp_block(n: int, units: int, rank: int, size: int, what: str) -> tuple[int, int]:
@@ -426,7 +421,7 @@ class _Unstack(_Pattern):
                 if any(isinstance(x, int) and x not in vals for x in template):
                     break
                 t = "".join(x if isinstance(x, str) else vals[x] for x in template)
-                if self.pattern.fullmatch(t) is None or self.pattern.sub(self.repl, t) != s:
+                if self.pattern.fullmatch(t) is None or self._sub(self.repl, t) != s:
                     break
                 out[t] = self._shape(t, stored, 0)
         return dict(sorted(out.items()))
@@ -1002,22 +997,19 @@ def expand(entries: list, mapping: Mapping, source_shape: Callable[[str, str], S
         if pieces is None:
             out.append(e)
             continue
-        lay = e.layout
-        if lay.flat is not None:
-            if len(pieces) == 1 and isinstance(mapping.rule_for(e.name), _Rename):
-                out.append(Entry(e.role, pieces[0].source, e.local, lay, (), e.per_rank))
-                continue
-            if e.aliases:
-                raise MappingError(f"mapping: target {e.role}/{e.name} is tied to {list(e.aliases)}: map each name on "
-                                   "its own tensor")
-            out += expand(_flat_boxes(e), mapping, source_shape)  # (boxes of the partition, each a view of it)
-            continue
-        if isinstance(mapping.rule_for(e.name), _Rotary):
-            out += _viewed(e, mapping.rule_for(e.name), source_shape)
+        lay, rule = e.layout, mapping.rule_for(e.name)
+        if lay.flat is not None and len(pieces) == 1 and isinstance(rule, _Rename):
+            out.append(Entry(e.role, pieces[0].source, e.local, lay, (), e.per_rank))
             continue
         if e.aliases:
             raise MappingError(f"mapping: target {e.role}/{e.name} is tied to {list(e.aliases)}: map each name on "
                                "its own tensor")
+        if lay.flat is not None:
+            out += expand(_flat_boxes(e), mapping, source_shape)  # (boxes of the partition, each a view of it)
+            continue
+        if isinstance(rule, _Rotary):
+            out += _rotary_entries(e, rule, source_shape)
+            continue
         for pc in pieces:
             lo = [max(a, b) for a, b in zip(lay.offsets, pc.offsets)]
             hi = [min(a + s, b + t) for a, s, b, t in zip(lay.offsets, lay.sizes, pc.offsets, pc.sizes)]
@@ -1079,7 +1071,7 @@ def _flat_boxes(e) -> list:
     return out
 
 
-def _viewed(e, rule: Rule | None, source_shape) -> list:
+def _rotary_entries(e, rule: _Rotary, source_shape) -> list:
     """Entries of a target whose rows a :class:`_Rotary` rule permutes, whole or any box of
     it (a TP or FSDP row shard, a column block): for each head's half ``a`` and the pair
     index ``b`` range the box holds, the target's rows ``h*hd + 2b + a`` (strided, Meta's
@@ -1087,11 +1079,8 @@ def _viewed(e, rule: Rule | None, source_shape) -> list:
     other way round. Every view is made without a copy."""
     from .state import Entry
 
-    lay = e.layout
-    if not isinstance(rule, _Rotary) or lay.flat is not None:  # (flat targets come here as their boxes)
-        raise NotImplementedError(f"mapping: target {e.role}/{e.name}: pieces that view a target in another shape "
-                                  "are read by the rotary rules only")
-    src = rule.pattern.sub(rule.repl, e.name)
+    lay = e.layout  # (a box: flat targets come here as theirs)
+    src = rule._sub(rule.repl, e.name)
     rows, cols = lay.shape
     hd = rows // rule.heads
     half = hd // 2

@@ -145,6 +145,7 @@ class WeightSubscriber:
         self.group, self.poll_s, self.cast = group, float(poll_s), cast
         self.version: int | None = None
         """The version the model holds whole (None: none yet, or an update failed midway)."""
+        self._leased: str | None = None  # the directory of the version last leased
         self.last: Any = None
         """The :class:`~unickpt.LoadResult` of the last update that loaded (bytes read,
         seconds, checksummed ranges verified)."""
@@ -199,11 +200,8 @@ class WeightSubscriber:
                         stop = threading.Event()
                         refresher = self._refresh(lease, stop)
                         try:
-                            path = dict(committed_steps(self.storage, self.root)).get(v)  # (its own name)
-                            if path is None:
-                                raise errors.CheckpointNotFoundError(f"{self.root}: version {v} was retired under "
-                                                                     "a lease (a lease older than LEASE_STALE_S?)")
-                            self.last = load({"model": model}, path, group=LOCAL, cast=self.cast,
+                            # (the version's own directory, as the lease's listing found it)
+                            self.last = load({"model": model}, self._leased, group=LOCAL, cast=self.cast,
                                              options=self.options)
                         except Exception as e:
                             err = e
@@ -220,21 +218,24 @@ class WeightSubscriber:
             time.sleep(max(0.0, min(self.poll_s, deadline - time.monotonic())) if comm.rank == 0 else self.poll_s / 2)
 
     def _lease(self, v: int) -> str | None:
-        """A lease on version ``v`` (its path), or None when ``v`` is no longer committed."""
+        """A lease on version ``v`` (its path), or None when ``v`` is no longer committed;
+        ``self._leased`` is then the version's own directory (from the same listing)."""
         from .liveness import me
 
         d = self.storage.join(self.root, LEASES)
         path = self.storage.join(d, f"step-{v:08d}.{new_token()}")
         if not self.storage.caps.atomic_rename:  # an object store: the lease first, then the manifest
             self.storage.write_bytes(path, json.dumps(me()).encode())
-            if v in {s for s, _ in committed_steps(self.storage, self.root)}:
+            self._leased = dict(committed_steps(self.storage, self.root)).get(v)
+            if self._leased is not None:
                 return path
             self._release(path)
             return None
         if os.path.islink(d) or (os.path.lexists(d) and not os.path.isdir(d)):  # (a file system)
             raise errors.FormatError(f"{d}: not a directory of its own (a link or a file): no lease is written there")
         with self.storage.lock(self.root, self.options.timeout_s):
-            if v not in {s for s, _ in committed_steps(self.storage, self.root)}:
+            self._leased = dict(committed_steps(self.storage, self.root)).get(v)
+            if self._leased is None:
                 return None
             self.storage.makedirs(d)
             self.storage.write_bytes(path, json.dumps(me()).encode())
