@@ -390,15 +390,12 @@ class StorageReader(_dcp_storage.StorageReader):
             raise ShapeMismatchError(f"{ckpt}: target {fqn!r} of the mapping: DCP's target piece has shape "
                                      f"{list(target.shape)}, the read asks {list(ri.lengths)}")
 
-        def stored(r: str, name: str):  # (tied names read the stored tensor)
-            return man.tensors.get((r, name)) or man.tensors.get((r, man.aliases.get((r, name), "")))
-
-        def stored_shape(r: str, name: str):
-            st = stored(r, name)
+        def stored_shape(r: str, name: str):  # (tied names read the stored tensor)
+            st = man.entry(r, name)
             return None if st is None else tuple(st.shape)
 
         pieces = self.mapping.pieces(t, shape, lambda n: stored_shape(role, n))
-        sdt = torch_dtype(stored(role, pieces[0].source).dtype)  # (one dtype: checked in read_metadata)
+        sdt = torch_dtype(man.entry(role, pieces[0].source).dtype)  # (one dtype: checked in read_metadata)
         dest = target
         if target.dtype != sdt or tuple(target.shape) != tuple(ri.lengths):
             dest = torch.empty(tuple(ri.lengths), dtype=sdt)

@@ -236,6 +236,11 @@ class Manifest:
         # (the larger: a manifest whose record says fewer cycles than its tensors must not reset the budget)
         return max(g, per_tensor) if type(g) is int and g >= 0 else per_tensor
 
+    def entry(self, role: str, name: str) -> "TensorEntry | None":
+        """The stored tensor ``role/name`` names: itself, or the one a tied name (alias)
+        stands for; None when neither."""
+        return self.tensors.get((role, name)) or self.tensors.get((role, self.aliases.get((role, name), "")))
+
     def bytes_by_role(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for f in self.files.values():

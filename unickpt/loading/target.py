@@ -44,8 +44,7 @@ def match_target(state_dict, man: Manifest, ckpt: str, comm: Comm, cast: bool, m
         from ..mapping import expand
 
         def stored_shape(role: str, name: str):
-            key = (role, name)
-            t = man.tensors.get(key) or man.tensors.get((role, man.aliases.get(key, "")))
+            t = man.entry(role, name)
             return None if t is None else tuple(t.shape)
 
         entries = expand(entries, mapping, stored_shape)
