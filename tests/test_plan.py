@@ -174,3 +174,28 @@ def test_a_grid_rule_whose_mesh_does_not_match_its_members_is_a_layout_error():
 
     with pytest.raises(LayoutError, match="grid rule of 'w'"):
         Unit({"k": "grid", "n": 4, "t": [[[8, 8]]], "mesh": [2, 3], "pl": [0, 1]}, ["w"])
+
+
+def test_quantized_pieces_of_whole_groups_are_encoded_and_written_by_their_holders():
+    """O1 groups are rows: row blocks are written in place by their holders (codes do not
+    depend on the cut), column blocks and ZeRO ranges that cut a row travel to the writer."""
+    from unickpt import Compression
+    from unickpt.compress import tag_for
+
+    shape = (128, 1024)  # 256 KiB per holder: above the in-place minimum
+    tag = tag_for("optim", "state.w.exp_avg", "F32", shape, Compression(quant="O1"))
+
+    def plan_of(lays):
+        rows = [[["optim", "state.w.exp_avg", "F32", list(shape), *lay.to_json(), tag]] for lay in lays]
+        return make_plan([{**s, "node": "n0"} for s in _summaries(rows)], bucket_bytes=1 << 20)
+
+    rows = plan_of([Layout(shape, (0, 0), (64, 1024)), Layout(shape, (64, 0), (64, 1024))])
+    t = rows.tensors[("optim", "state.w.exp_avg")]
+    assert t.quantized and t.direct
+    assert not any(seg for c in rows.chunks.values() for ch in c for seg in ch)  # nothing gathered
+    cols = plan_of([Layout(shape, (0, 0), (128, 512)), Layout(shape, (0, 512), (128, 512))])
+    assert not cols.tensors[("optim", "state.w.exp_avg")].direct
+    cut = plan_of([Layout(shape, (0, 0), (65, 1024)), Layout(shape, (65, 0), (63, 1024))])
+    assert cut.tensors[("optim", "state.w.exp_avg")].direct  # still whole rows
+    flat = plan_of([Layout(shape, (0, 0), shape, (0, 65_000)), Layout(shape, (0, 0), shape, (65_000, 128 * 1024))])
+    assert not flat.tensors[("optim", "state.w.exp_avg")].direct  # 65,000 cuts a row

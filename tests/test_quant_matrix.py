@@ -257,3 +257,38 @@ def test_moments_coded_in_pieces_on_threads_give_the_same_checkpoint(tmp_path, m
     unickpt.load(got, tmp_path / "pieces", verify="full")
     want = expected({"model": {}, "master": {}, "optimizer": {"exp_avg": m, "exp_avg_sq": v}}, quant, step=3)
     assert_same(got, {"optimizer": want["optimizer"]}, quant)
+
+
+def _save_big(rank, world, root):
+    """Moments large enough to be written in place (rows: each holder encodes its own
+    whole groups) and the same moments as column blocks (gathered to the writer); synchronous
+    and asynchronous."""
+    g = torch.Generator().manual_seed(7)
+    m = {"a": torch.randn(512, 256, generator=g) * 1e-3, "b": torch.randn(640, 384, generator=g) * 1e-4}
+    v = {k: x.square() for k, x in m.items()}
+    full = {"optimizer": {"exp_avg": m, "exp_avg_sq": v}}
+    for quant in ("O1", "O2"):
+        opts = unickpt.SaveOptions(compression=unickpt.Compression(quant=quant), step=4)
+        for name in ("tprow2", "tpcol2"):
+            unickpt.save(build(name, full, rank, world), os.path.join(root, f"{quant}-{name}"), options=opts)
+        unickpt.save_async(build("tprow2", full, rank, world), os.path.join(root, f"{quant}-async"), options=opts).wait()
+    return full
+
+
+def test_codes_written_in_place_by_their_holders_equal_the_gathered_ones(tmp_path):
+    full = dist.run(_save_big, 2, str(tmp_path))[0]
+    for quant in ("O1", "O2"):
+        stored = {}
+        for how in ("tprow2", "tpcol2", "async"):
+            ckpt, man = unickpt.read_manifest(tmp_path / f"{quant}-{how}")
+            stored[how] = {key: [(part, _logical(ckpt, man, t.file, man.files[t.file].data_start + b, e - b))
+                                 for part, _, _, _, b, e, _ in t.stored()] for key, t in man.tensors.items()}
+            # in place: each holder hashed its own rows' codes (a range ends where its rows end)
+            codes = man.tensors[("optimizer", "exp_avg.b")].parts["codes"]
+            split = {e for _, e, _ in codes.checksums} - {codes.end - codes.begin}
+            assert (how != "tpcol2") == any(e % (1 << 20) for e in split), (quant, how, split)
+            got = zeros_like_full(full)
+            unickpt.load(got, tmp_path / f"{quant}-{how}", verify="full")
+            want = expected({"model": {}, "master": {}, **full}, quant, step=4)
+            assert_same(got, {"optimizer": want["optimizer"]}, f"{quant} {how}")
+        assert stored["tprow2"] == stored["tpcol2"] == stored["async"], quant

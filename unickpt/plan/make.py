@@ -298,8 +298,10 @@ def _levels(t: TensorPlan) -> list[tuple[int, np.ndarray]]:
 
 def _can_write_direct(t: TensorPlan, nodes: list[str], node_of: np.ndarray | None = None,
                       memo: "_RuleMemo | None" = None) -> bool:
-    if t.nbytes == 0 or t.quantized:  # quantized: the writer encodes whole groups
+    if t.nbytes == 0:
         return False
+    if t.quantized and (t.rules or not _group_aligned(t)):
+        return False  # a run that cuts a quantization group: the writer gathers and encodes it whole
     if t.rules and t.writer not in t.full_holders:
         memo = memo or _RuleMemo()
         n_runs = memo.get(t, "runs", lambda t: sum(u.source_counts(j)[1] for u, j in t.rules))
@@ -314,6 +316,19 @@ def _can_write_direct(t: TensorPlan, nodes: list[str], node_of: np.ndarray | Non
         return False  # other nodes may not see the writer's disk: gather
     n_runs = sum(lay.n_runs for _, lay in srcs)
     return t.nbytes / max(n_runs, 1) >= min(DIRECT_MIN_RUN, t.nbytes)
+
+
+def _group_aligned(t: TensorPlan) -> bool:
+    """Whether every piece of quantized ``t`` is whole groups (its runs start on a group
+    boundary and end on one or at the tensor's end): each holder can then encode its own
+    runs and write their codes in place (codes do not depend on how a tensor is cut)."""
+    g = t.codec["group"]
+    for _, lay in t.sources():
+        runs = lay.runs()
+        ends = runs.starts + runs.lengths
+        if np.any(runs.starts % g) or np.any((runs.lengths % g != 0) & (ends != t.numel)):
+            return False
+    return True
 
 
 def _read_claims(summaries: list[dict], rules: dict, tensors: dict) -> list[list[tuple[UnitSet, int]]]:

@@ -251,7 +251,7 @@ class SavePlan:
         header = {f.name: len(f.header) for f in self.files}
         out = {}
         for t in self.tensors.values():
-            if not t.direct:
+            if not t.direct or t.quantized:  # (quantized: the file holds its codes, not these bytes)
                 continue
             weight: dict[int, int] = {}
             for _, lo, g, n in extents_of(t, rank):

@@ -134,14 +134,25 @@ class RankWriter:
             self._fail(fut.exception())
 
     def _write_in_place(self) -> None:
-        """This rank's runs of direct tensors (on the writer thread)."""
-        for fi, t, lo, g, n in self.extents:
-            isz = t.itemsize
-            mv = memoryview(self._src(t.key).host_range(lo * isz, (lo + n) * isz).numpy())
-            # sources do not change during a save (the view stays referenced by the write): the
-            # writer may take the bytes straight from memory, while this thread hashes them
-            self.out.write(fi, t.begin + g * isz, mv, stable=True)
-            self.checks.setdefault(f"{t.role}/{t.name}", []).extend(block_sums(mv, g * isz))
+        """This rank's runs of direct tensors (on the writer thread). Quantized runs (whole
+        groups) are encoded here, in pieces coded ahead on the coder threads, and their codes
+        written in place: nothing travels, nothing is gathered."""
+        coded = in_order(job for _, t, lo, g, n in self.extents if t.quantized
+                         for job in _encode_jobs(t, self._src(t.key).host_range(lo * t.itemsize, (lo + n) * t.itemsize),
+                                                 g, self.step_args))
+        try:
+            for fi, t, lo, g, n in self.extents:
+                isz = t.itemsize
+                if t.quantized:
+                    _write_coded(t, fi, _n_pieces(t, n), coded, self.out, self.checks, self.qerr)
+                    continue
+                mv = memoryview(self._src(t.key).host_range(lo * isz, (lo + n) * isz).numpy())
+                # sources do not change during a save (the view stays referenced by the write): the
+                # writer may take the bytes straight from memory, while this thread hashes them
+                self.out.write(fi, t.begin + g * isz, mv, stable=True)
+                self.checks.setdefault(f"{t.role}/{t.name}", []).extend(block_sums(mv, g * isz))
+        finally:
+            coded.close()  # (after an error: no coder still reads the sources)
 
     def _serve(self, io: ThreadPoolExecutor, slot: int, step: Step) -> None:
         """One step of the schedule: gather its segments into bucket ``slot`` (whose previous
@@ -359,23 +370,41 @@ def _write_items(items, out: FileSet, hashers, checks, qerr, step_args) -> None:
             if view.numel() == 0:
                 continue
             if t.quantized:
-                stats = qerr.setdefault(f"{t.role}/{t.name}", [])
-                for _ in mine:
-                    parts, st = next(coded)
-                    if st:
-                        merge_error(stats, st)
-                    for part, poff, data in parts:
-                        if data.numel() == 0:
-                            continue
-                        mv = memoryview(data.numpy())
-                        checks.setdefault(f"{t.role}/{t.name}#{part}", []).extend(block_sums(mv, poff))
-                        out.write(fi, t.parts[part][3] + poff, mv)
+                _write_coded(t, fi, len(mine), coded, out, checks, qerr)
                 continue
             mv = memoryview(view.numpy())
             hashers[t.key].update(mv)
             out.write(fi, offset, mv)
     finally:
         coded.close()  # (after an error: no coder still reads this step's bucket)
+
+
+def _write_coded(t, fi: int, pieces: int, coded, out: FileSet, checks, qerr) -> None:
+    """Write the next ``pieces`` coded pieces of ``coded`` (a segment or run of quantized
+    ``t``): each part at its place in the file, hashed, the pieces' errors merged."""
+    stats = qerr.setdefault(f"{t.role}/{t.name}", [])
+    for _ in range(pieces):
+        parts, st = next(coded)
+        if st:
+            merge_error(stats, st)
+        for part, poff, data in parts:
+            if data.numel() == 0:
+                continue
+            mv = memoryview(data.numpy())
+            checks.setdefault(f"{t.role}/{t.name}#{part}", []).extend(block_sums(mv, poff))
+            out.write(fi, t.parts[part][3] + poff, mv)
+
+
+def _piece_elems(t) -> int:
+    """Elements of quantized ``t`` per piece coded on its own: whole groups, about
+    :data:`SUB_CHUNK` bytes of input."""
+    g = t.codec["group"]
+    return max(g, (SUB_CHUNK // t.itemsize // g) * g)
+
+
+def _n_pieces(t, n: int) -> int:
+    """How many pieces :func:`_encode_jobs` cuts ``n`` elements of ``t`` into."""
+    return -(-n // _piece_elems(t))
 
 
 def _encode_jobs(t, view: torch.Tensor, start: int, step_args) -> list:
@@ -386,8 +415,7 @@ def _encode_jobs(t, view: torch.Tensor, start: int, step_args) -> list:
     x = view.view(torch_dtype(t.dtype))
     tag = {**t.codec, **step_args[t.key]} if t.key in step_args else t.codec
     what = f"tensor {t.name!r} (role {t.role})"
-    g = tag["group"]
-    step = max(g, (SUB_CHUNK // x.element_size() // g) * g)
+    step = _piece_elems(t)
 
     def job(a: int, b: int):
         def run():
