@@ -214,6 +214,13 @@ def test_each_rank_streams_one_contiguous_share_of_the_union(saved, ranks, monke
         assert ((plan.seg[sel] >= plan.part[r]) & (plan.seg[sel] + size[sel] <= plan.part[r + 1])).all()
         assert plan.part[r + 1] - plan.part[r] <= max(noderead.ROUND // ranks, int(size.max())) + 4096
     assert plan.rounds > 1
+    # needs in memory (page cache, tmpfs): pieces of WARM_PIECE per rank, whatever the ranks
+    monkeypatch.setattr(noderead, "WARM_PIECE", 1 << 20)
+    warm = noderead._plan_node(list(range(ranks)), "t", needs, keys, man, warm=True)
+    assert (warm.begin == plan.begin).all() and (warm.reader == plan.reader).all()  # same shares, other rounds
+    for r in range(ranks):
+        assert warm.part[r + 1] - warm.part[r] <= max(1 << 20, int(size.max())) + 4096
+    assert warm.rounds >= plan.rounds
     for k in range(plan.rounds):
         sel = np.flatnonzero(plan.round == k)
         order = sel[np.argsort(plan.seg[sel])]
@@ -253,7 +260,7 @@ def test_needs_and_rounds_stay_inside_the_node(saved):
     for rank, ((_, _, ok), seen) in enumerate(out):
         assert ok, out
         assert len(seen["gathered"]) == 4 and all(set(r) == {"node", "can", "token", "failed", "n", "verify", "cached",
-                                                              "remote"}
+                                                              "warm", "remote"}
                                                   for r in seen["gathered"]), seen
         mates = {r for r, n in enumerate(nodes) if n == nodes[rank] and r != rank}
         assert seen["peers"] == mates, (rank, seen)
@@ -533,7 +540,7 @@ def _small_rounds_in(path, rank):
     creator's background reservation ran."""
     import unickpt.noderead as nr
 
-    nr.SHM_DIR, nr.ROUND = path, 4 << 20
+    nr.SHM_DIR, nr.ROUND, nr.WARM_PIECE = path, 4 << 20, 2 << 20  # (the files are in the page cache)
     real = shm._reserve_chunks
 
     def reserve(fd, chunks, word):
@@ -561,19 +568,19 @@ def test_a_shared_memory_that_runs_out_while_the_segment_grows_reads_alone(saved
     assert os.listdir(shm_5m) == [], os.listdir(shm_5m)
 
 
-def _tiny_rounds(buffers, rank):
+def _tiny_rounds(buffers, ranks, rank):
     """Rounds of 4 MiB (one or two 1 MiB ranges per rank) in ``buffers`` buffers: the 9 MiB
     union takes more rounds than there are buffers, so every buffer is read into again."""
     import unickpt.noderead as nr
 
-    nr.ROUND, nr.BUFFERS = 4 << 20, buffers
+    nr.ROUND, nr.BUFFERS, nr.WARM_PIECE = 4 << 20, buffers, (4 << 20) // ranks  # (the files are in the page cache)
 
 
 @pytest.mark.parametrize("ranks,buffers", [(2, 2), (3, 2), (3, 3)])
 def test_buffers_are_reused_round_after_round(saved, ranks, buffers):
     """More rounds than buffers: a rank reads into a buffer again only once every rank of
     the node scattered the round it held; bit-exact, each needed byte read once per node."""
-    out = dist.run(_load_columns, ranks, saved, None, functools.partial(_tiny_rounds, buffers), 20, timeout=60)
+    out = dist.run(_load_columns, ranks, saved, None, functools.partial(_tiny_rounds, buffers, ranks), 20, timeout=60)
     assert all(o[2] is True for o in out), out
     need = _tensor_bytes()
     assert 0 <= sum(o[0] for o in out) - need < 64 << 10, out
