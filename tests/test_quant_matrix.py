@@ -194,6 +194,30 @@ def test_corrupted_scales_are_detected(saved, tmp_path):
         unickpt.load(target, dst)
 
 
+@pytest.mark.parametrize("quant", ["O1", "O2"])
+def test_a_damaged_scale_that_the_decoder_would_refuse_is_a_checksum_error(tmp_path, quant):
+    """A flipped exponent bit makes a second moment's group range absurd: the decoder's own
+    check would refuse it (FormatError), but the window's ranges are hashed before it
+    decodes, so the load names the damage for what it is."""
+    g = torch.Generator().manual_seed(11)
+    v = (torch.randn(4, 131072, generator=g) * 1e-3).square() + 1e-12
+    sd = {"optimizer": {"exp_avg_sq": {"c": v}}}
+    d = str(tmp_path / "ck")
+    unickpt.save(sd, d, options=unickpt.SaveOptions(compression=unickpt.Compression(quant=quant), step=4))
+    _, man = unickpt.read_manifest(d)
+    t = man.tensors[("optimizer", "exp_avg_sq.c")]
+    p = t.parts["scales"]
+    with open(os.path.join(d, t.file), "r+b") as f:  # the high byte of the first scale: its exponent
+        f.seek(man.files[t.file].data_start + p.begin + 3)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    for verify in ("auto", "full"):
+        got = {"optimizer": {"exp_avg_sq": {"c": torch.zeros_like(v)}}}
+        with pytest.raises(unickpt.errors.ChecksumError, match="exp_avg_sq.c"):
+            unickpt.load(got, d, options=unickpt.LoadOptions(verify=verify))
+
+
 
 def test_residual_falls_back_to_full_where_the_model_is_not_the_bf16_master(tmp_path):
     """Unrelated bf16 weights would make half the elements exceptions: that master is stored
@@ -271,6 +295,14 @@ def _save_big(rank, world, root):
         opts = unickpt.SaveOptions(compression=unickpt.Compression(quant=quant), step=4)
         for name in ("tprow2", "tpcol2"):
             unickpt.save(build(name, full, rank, world), os.path.join(root, f"{quant}-{name}"), options=opts)
+        # FSDP2's Shard(0) (a layout rule, not pieces named one by one): whole rows too
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (world,))
+        dt = {r: {k: {n: distribute_tensor(x, mesh, [Shard(0)]) for n, x in d.items()} for k, d in v.items()}
+              for r, v in full.items()}
+        unickpt.save(dt, os.path.join(root, f"{quant}-fsdp2"), options=opts)
         unickpt.save_async(build("tprow2", full, rank, world), os.path.join(root, f"{quant}-async"), options=opts).wait()
     return full
 
@@ -279,7 +311,7 @@ def test_codes_written_in_place_by_their_holders_equal_the_gathered_ones(tmp_pat
     full = dist.run(_save_big, 2, str(tmp_path))[0]
     for quant in ("O1", "O2"):
         stored = {}
-        for how in ("tprow2", "tpcol2", "async"):
+        for how in ("tprow2", "tpcol2", "async", "fsdp2"):
             ckpt, man = unickpt.read_manifest(tmp_path / f"{quant}-{how}")
             stored[how] = {key: [(part, _logical(ckpt, man, t.file, man.files[t.file].data_start + b, e - b))
                                  for part, _, _, _, b, e, _ in t.stored()] for key, t in man.tensors.items()}
@@ -291,4 +323,4 @@ def test_codes_written_in_place_by_their_holders_equal_the_gathered_ones(tmp_pat
             unickpt.load(got, tmp_path / f"{quant}-{how}", verify="full")
             want = expected({"model": {}, "master": {}, **full}, quant, step=4)
             assert_same(got, {"optimizer": want["optimizer"]}, f"{quant} {how}")
-        assert stored["tprow2"] == stored["tpcol2"] == stored["async"], quant
+        assert stored["tprow2"] == stored["tpcol2"] == stored["async"] == stored["fsdp2"], quant

@@ -11,7 +11,7 @@ from ..errors import LayoutError
 from ..layout import Layout
 from ..rules import FlatGeo, Unit, UnitSet, boxes_tile
 from .files import make_chunks, make_files
-from .model import SavePlan, TensorPlan, gc_paused
+from .model import SavePlan, TensorPlan, _rule_source_runs, gc_paused
 
 
 BALANCE_SLACK = 1.1
@@ -300,7 +300,7 @@ def _can_write_direct(t: TensorPlan, nodes: list[str], node_of: np.ndarray | Non
                       memo: "_RuleMemo | None" = None) -> bool:
     if t.nbytes == 0:
         return False
-    if t.quantized and (t.rules or not _group_aligned(t)):
+    if t.quantized and not _group_aligned(t):
         return False  # a run that cuts a quantization group: the writer gathers and encodes it whole
     if t.rules and t.writer not in t.full_holders:
         memo = memo or _RuleMemo()
@@ -323,10 +323,15 @@ def _group_aligned(t: TensorPlan) -> bool:
     boundary and end on one or at the tensor's end): each holder can then encode its own
     runs and write their codes in place (codes do not depend on how a tensor is cut)."""
     g = t.codec["group"]
-    for _, lay in t.sources():
-        runs = lay.runs()
-        ends = runs.starts + runs.lengths
-        if np.any(runs.starts % g) or np.any((runs.lengths % g != 0) & (ends != t.numel)):
+    if t.writer in t.full_holders:
+        return True
+    runs = [lay.runs() for _, lay in t.explicit if lay.replica == 0 and lay.numel > 0]
+    pairs = [(r.starts, r.lengths) for r in runs]
+    if t.rules:  # (DTensors, named flat partitions: their runs in closed form, no Layout per piece)
+        pairs.append(_rule_source_runs(t)[2:4])
+    for starts, lengths in pairs:
+        ends = starts + lengths
+        if np.any(starts % g) or np.any((lengths % g != 0) & (ends != t.numel)):
             return False
     return True
 

@@ -137,9 +137,7 @@ class RankWriter:
         """This rank's runs of direct tensors (on the writer thread). Quantized runs (whole
         groups) are encoded here, in pieces coded ahead on the coder threads, and their codes
         written in place: nothing travels, nothing is gathered."""
-        coded = in_order(job for _, t, lo, g, n in self.extents if t.quantized
-                         for job in _encode_jobs(t, self._src(t.key).host_range(lo * t.itemsize, (lo + n) * t.itemsize),
-                                                 g, self.step_args))
+        coded = in_order(self._coded_pieces())
         try:
             for fi, t, lo, g, n in self.extents:
                 isz = t.itemsize
@@ -153,6 +151,17 @@ class RankWriter:
                 self.checks.setdefault(f"{t.role}/{t.name}", []).extend(block_sums(mv, g * isz))
         finally:
             coded.close()  # (after an error: no coder still reads the sources)
+
+    def _coded_pieces(self):
+        """The coding jobs of this rank's quantized runs, one per piece, each piece's bytes
+        taken only when the coder threads have room for it (a device tensor's are copied to
+        the host per piece, never a whole run at once)."""
+        for _, t, lo, g, n in self.extents:
+            if t.quantized:
+                src, step, isz = self._src(t.key), _piece_elems(t), t.itemsize
+                for a in range(0, n, step):
+                    b = min(a + step, n)
+                    yield from _encode_jobs(t, src.host_range((lo + a) * isz, (lo + b) * isz), g + a, self.step_args)
 
     def _serve(self, io: ThreadPoolExecutor, slot: int, step: Step) -> None:
         """One step of the schedule: gather its segments into bucket ``slot`` (whose previous
