@@ -260,7 +260,7 @@ def test_needs_and_rounds_stay_inside_the_node(saved):
     for rank, ((_, _, ok), seen) in enumerate(out):
         assert ok, out
         assert len(seen["gathered"]) == 4 and all(set(r) == {"node", "can", "token", "failed", "n", "verify", "cached",
-                                                              "warm", "cores", "remote"}
+                                                              "warm", "remote"}
                                                   for r in seen["gathered"]), seen
         mates = {r for r, n in enumerate(nodes) if n == nodes[rank] and r != rank}
         assert seen["peers"] == mates, (rank, seen)
@@ -574,7 +574,6 @@ def _tiny_rounds(buffers, ranks, rank):
     import unickpt.noderead as nr
 
     nr.ROUND, nr.BUFFERS, nr.WARM_PIECE = 4 << 20, buffers, (4 << 20) // ranks  # (the files are in the page cache)
-    nr._cores = lambda: 64  # (from memory, a node of more ranks than cores reads alone: CI has 2 cores)
 
 
 @pytest.mark.parametrize("ranks,buffers", [(2, 2), (3, 2), (3, 3)])
@@ -845,23 +844,3 @@ def test_long_runs_read_alone_do_not_stop_the_node_sharing_overlapping_column_bl
     assert all(o[0] for o in out), out
     need = sum(v.numel() * 4 for v in _mixed_full().values())
     assert 0 <= sum(o[1] for o in out) - need < 64 << 10, (out, need)
-
-
-def _cores_are(n, rank):
-    import unickpt.noderead as nr
-
-    nr._cores = lambda: n
-
-
-@pytest.mark.parametrize("cores", [2, 64])
-def test_a_node_of_more_ranks_than_cores_reads_alone_from_memory(saved, cores):
-    """The files are in the page cache: 3 ranks on 2 cores read alone (the rounds' lockstep
-    would wait for ranks the scheduler parked; re-reading from memory costs less), on 64
-    they share. Bit-exact either way."""
-    out = dist.run(_load_columns, 3, saved, None, functools.partial(_cores_are, cores), timeout=60)
-    assert all(o[2] is True for o in out), out
-    read = sum(o[0] for o in out)
-    if cores == 2:
-        assert read >= 3 * _tensor_bytes(), read  # every rank read every (touched) range itself
-    else:
-        assert read < _tensor_bytes() + (64 << 10), read  # each range once per node

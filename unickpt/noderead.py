@@ -21,9 +21,7 @@ ranges they need and read it once, each rank one contiguous share:
    needs interleave (some rank would read at least half of them in stretches shorter than
    :data:`STRETCH`) and the node's ranks find less than half of them in the page cache
    (from the cache, the copy out of the segment costs more than it saves). Otherwise its
-   ranks read alone. They also read alone when the node has more ranks than cores and
-   every rank finds its needs in memory: the rounds' lockstep then waits for ranks the
-   scheduler has parked, and reading a byte twice from memory costs less.
+   ranks read alone.
 3. The node's lowest rank creates a shared-memory segment (``/dev/shm``, mode 0600,
    unlinked as soon as every rank of the node has mapped it): a page of status words, then
    :data:`BUFFERS` buffers of about :data:`ROUND` bytes. The union (in file order) is cut
@@ -229,14 +227,6 @@ def _cached(jobs: list[SharedJob], samples: int = 16, n: int = 16 << 20) -> floa
     return got / want if want else None
 
 
-def _cores() -> int:
-    """Cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # (not Linux)
-        return os.cpu_count() or 1
-
-
 def _interleaved(long: dict[int, list], keys: list, man: Manifest) -> bool:
     """True when some rank of the node, reading alone, would read at least half of its
     long-run bytes in stretches shorter than :data:`STRETCH`: stretches of the stored bytes
@@ -431,7 +421,7 @@ def _decide(comm: Comm, jobs: list[SharedJob], man: Manifest, keys: list, index:
     blob = json.dumps([[t, a, b, kind] for (t, kind), m in sorted(need.items()) for a, b in _intervals(m)]).encode()
     me = {"node": node_id(), "can": can, "token": shm.new_name("read"), "failed": failed,
           "n": len(blob), "verify": verify, "cached": _cached([j for j in jobs if j.long]) if can else None,
-          "warm": _cached(jobs) if can else None, "cores": _cores(),
+          "warm": _cached(jobs) if can else None,
           "remote": int((record or {}).get("remote", 0))}
     # a small record from every rank; the needs themselves travel only between the node's ranks
     all_ = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(me).encode(), "load (node-shared reads)")]
@@ -461,14 +451,9 @@ def _decide(comm: Comm, jobs: list[SharedJob], man: Manifest, keys: list, index:
         union.setdefault(t, np.zeros(len(man.tensors[keys[t]].checksums), dtype=bool))[a:b] = True
     if not union:
         return False
-    warm = all(type(c) in (int, float) and c >= 0.5 for c in (all_[r].get("warm") for r in ranks))
-    cores = [all_[r].get("cores") for r in ranks]
-    if warm and all(type(c) is int for c in cores) and len(ranks) > min(cores):
-        # more ranks than cores, bytes in memory: the rounds' lockstep waits for ranks the
-        # scheduler has parked, and re-reading from memory costs less (4 ranks on 2 cores,
-        # 1.2 GB of rows as TP x ZeRO blocks from tmpfs: 0.56 s alone, 0.65-1.14 s shared)
-        return False
-    return node, union, _plan_node(ranks, all_[ranks[0]]["token"], union, keys, man, warm)
+    warm = [all_[r].get("warm") for r in ranks]
+    warm_ = all(type(c) in (int, float) and c >= 0.5 for c in warm)
+    return node, union, _plan_node(ranks, all_[ranks[0]]["token"], union, keys, man, warm_)
 
 
 def _needs(needs: dict[int, bytes], ranks: list[int], keys: list, man: Manifest
