@@ -214,13 +214,13 @@ def test_each_rank_streams_one_contiguous_share_of_the_union(saved, ranks, monke
         assert ((plan.seg[sel] >= plan.part[r]) & (plan.seg[sel] + size[sel] <= plan.part[r + 1])).all()
         assert plan.part[r + 1] - plan.part[r] <= max(noderead.ROUND // ranks, int(size.max())) + 4096
     assert plan.rounds > 1
-    # needs in memory (page cache, tmpfs): pieces of WARM_PIECE per rank, whatever the ranks
+    # needs in memory (page cache, tmpfs): pieces of WARM_PIECE per rank (at most ROUND / ranks)
     monkeypatch.setattr(noderead, "WARM_PIECE", 1 << 20)
     warm = noderead._plan_node(list(range(ranks)), "t", needs, keys, man, warm=True)
     assert (warm.begin == plan.begin).all() and (warm.reader == plan.reader).all()  # same shares, other rounds
     for r in range(ranks):
-        assert warm.part[r + 1] - warm.part[r] <= max(1 << 20, int(size.max())) + 4096
-    assert warm.rounds >= plan.rounds
+        assert warm.part[r + 1] - warm.part[r] <= max(min(1 << 20, noderead.ROUND // ranks), int(size.max())) + 4096
+    assert warm.rounds >= plan.rounds and warm.size <= plan.size
     for k in range(plan.rounds):
         sel = np.flatnonzero(plan.round == k)
         order = sel[np.argsort(plan.seg[sel])]

@@ -86,7 +86,8 @@ WARM_PIECE = 4 << 20
 the memory tier): a round is then still in the caches when the node's ranks scatter it.
 Against 32 MiB rounds, 1.2 GB of 512-wide rows loaded as columns from tmpfs by 2 ranks took
 10% less time and CPU, as TP x ZeRO blocks by 4 ranks 2-4%; from the disk, reads of the
-larger pieces stream better."""
+larger pieces stream better. At most ``ROUND / ranks`` (more than 8 ranks: the segment is
+never larger than from the disk)."""
 BUFFERS = 4
 """Rounds held by the segment: a rank reads up to this many rounds ahead of the node's
 slowest scatter."""
@@ -272,7 +273,8 @@ def _plan_node(ranks: list[int], token: str, needs: dict[int, np.ndarray], keys:
     total = int(size.sum())
     reader = np.minimum(cum * m // max(total, 1), m - 1).astype(np.int64)
     # each rank fills an equal part of a round's buffer (at least the largest range: a range is never split)
-    sub = max(WARM_PIECE if warm else ROUND // m, int(size.max()) if len(size) else 0)
+    # (warm: never more than from the disk, so the segment stays within BUFFERS x ROUND)
+    sub = max(min(WARM_PIECE, ROUND // m) if warm else ROUND // m, int(size.max()) if len(size) else 0)
     rnd = np.zeros(len(size), dtype=np.int64)
     within = np.zeros(len(size), dtype=np.int64)
     rounds = 0
