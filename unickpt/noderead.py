@@ -453,9 +453,8 @@ def _decide(comm: Comm, jobs: list[SharedJob], man: Manifest, keys: list, index:
         union.setdefault(t, np.zeros(len(man.tensors[keys[t]].checksums), dtype=bool))[a:b] = True
     if not union:
         return False
-    warm = [all_[r].get("warm") for r in ranks]
-    warm_ = all(type(c) in (int, float) and c >= 0.5 for c in warm)
-    return node, union, _plan_node(ranks, all_[ranks[0]]["token"], union, keys, man, warm_)
+    warm = all(type(c) in (int, float) and c >= 0.5 for c in (all_[r].get("warm") for r in ranks))
+    return node, union, _plan_node(ranks, all_[ranks[0]]["token"], union, keys, man, warm)
 
 
 def _needs(needs: dict[int, bytes], ranks: list[int], keys: list, man: Manifest

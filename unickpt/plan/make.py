@@ -325,8 +325,7 @@ def _group_aligned(t: TensorPlan) -> bool:
     g = t.codec["group"]
     if t.writer in t.full_holders:
         return True
-    runs = [lay.runs() for _, lay in t.explicit if lay.replica == 0 and lay.numel > 0]
-    pairs = [(r.starts, r.lengths) for r in runs]
+    pairs = [(r.starts, r.lengths) for r in (lay.runs() for _, lay in t.explicit if lay.replica == 0 and lay.numel > 0)]
     if t.rules:  # (DTensors, named flat partitions: their runs in closed form, no Layout per piece)
         pairs.append(_rule_source_runs(t)[2:4])
     for starts, lengths in pairs:
