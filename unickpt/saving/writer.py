@@ -6,6 +6,7 @@ serving its peers until the last step and raises afterwards."""
 
 from __future__ import annotations
 
+import functools
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Protocol
@@ -158,10 +159,9 @@ class RankWriter:
         the host per piece, never a whole run at once)."""
         for _, t, lo, g, n in self.extents:
             if t.quantized:
-                src, step, isz = self._src(t.key), _piece_elems(t), t.itemsize
-                for a in range(0, n, step):
-                    b = min(a + step, n)
-                    yield from _encode_jobs(t, src.host_range((lo + a) * isz, (lo + b) * isz), g + a, self.step_args)
+                src, isz = self._src(t.key), t.itemsize
+                yield from _encode_jobs(t, lambda a, b, s=src, lo=lo, k=isz: s.host_range((lo + a) * k, (lo + b) * k),
+                                        g, n, self.step_args)
 
     def _serve(self, io: ThreadPoolExecutor, slot: int, step: Step) -> None:
         """One step of the schedule: gather its segments into bucket ``slot`` (whose previous
@@ -371,15 +371,16 @@ def _write_items(items, out: FileSet, hashers, checks, qerr, step_args) -> None:
     several at once on the coder threads (:mod:`unickpt._coders`) while the finished ones
     are written in order: on storage slower than the coder, the coding hides behind the
     writes. Codes do not depend on how a tensor is cut (the dither is addressed by element)."""
-    jobs = [_encode_jobs(t, view, start, step_args) if view.numel() and t.quantized else []
-            for _, t, view, _, start in items]
-    coded = in_order(job for mine in jobs for job in mine)  # every item's pieces, coded ahead, in order
+    # every item's pieces, coded ahead, in order
+    coded = in_order(job for _, t, view, _, start in items if view.numel() and t.quantized
+                     for job in _encode_jobs(t, lambda a, b, v=view, k=t.itemsize: v[a * k : b * k], start,
+                                             view.numel() // t.itemsize, step_args))
     try:
-        for (fi, t, view, offset, start), mine in zip(items, jobs):
+        for fi, t, view, offset, start in items:
             if view.numel() == 0:
                 continue
             if t.quantized:
-                _write_coded(t, fi, len(mine), coded, out, checks, qerr)
+                _write_coded(t, fi, _n_pieces(t, view.numel() // t.itemsize), coded, out, checks, qerr)
                 continue
             mv = memoryview(view.numpy())
             hashers[t.key].update(mv)
@@ -416,19 +417,23 @@ def _n_pieces(t, n: int) -> int:
     return -(-n // _piece_elems(t))
 
 
-def _encode_jobs(t, view: torch.Tensor, start: int, step_args) -> list:
-    """The pieces of a quantized segment (elements from ``start``, whole groups), each a
-    callable returning ``(parts, error stats)``."""
-    if view.data_ptr() % 8:
-        view = view.clone()
-    x = view.view(torch_dtype(t.dtype))
+def _encode_jobs(t, take, start: int, n: int, step_args):
+    """The jobs coding elements ``[start, start + n)`` of quantized ``t`` (``start`` on a
+    group boundary), one per piece of :func:`_piece_elems` elements, each a callable
+    returning ``(parts, error stats)``. ``take(a, b)``: the bytes of the run's elements
+    ``[a, b)``, asked for as each job is made (lazily: a device tensor's piece is copied to
+    the host only when the coder threads have room for it)."""
     tag = {**t.codec, **step_args[t.key]} if t.key in step_args else t.codec
     what = f"tensor {t.name!r} (role {t.role})"
     step = _piece_elems(t)
+    dtype = torch_dtype(t.dtype)
+    for a in range(0, n, step):
+        view = take(a, min(a + step, n))
+        if view.data_ptr() % 8:
+            view = view.clone()
+        yield functools.partial(_encode_piece, tag, view.view(dtype), start + a, what)
 
-    def job(a: int, b: int):
-        def run():
-            st: list = []
-            return encode_chunk(tag, x[a:b], start + a, what, st), st
-        return run
-    return [job(a, min(a + step, x.numel())) for a in range(0, x.numel(), step)]
+
+def _encode_piece(tag: dict, x: torch.Tensor, start: int, what: str):
+    st: list = []
+    return encode_chunk(tag, x, start, what, st), st
