@@ -277,13 +277,19 @@ def test_inspect_into_a_closed_pipe_exits_141_quietly(tmp_path, as_json):
     assert proc.returncode == 141 and err == "", err
 
 
+# The slowed-down children below sleep in 0.1 s slices, not one long sleep: SIGINT sent to the
+# process may be taken by one of its other threads (torch's, a reader pool's), and Python runs
+# the handler in the main thread only at its next bytecode; a main thread inside one
+# ``sleep(600)`` is not woken by a signal another thread took (the likely cause of a hang seen
+# once under load, where ``communicate(timeout=60)`` expired).
 SLOW_VERIFY = """
 import sys, time
 import unickpt.loading.verify
 real = unickpt.loading.verify.check_stored
 def slow(*a, **k):
     print("checking", file=sys.stderr, flush=True)
-    time.sleep(600)
+    for _ in range(6000):  # (slices: see above SLOW_VERIFY)
+        time.sleep(0.1)
     return real(*a, **k)
 unickpt.loading.verify.check_stored = slow
 import unickpt.cli
@@ -309,7 +315,8 @@ import unickpt.cli as cli
 real = cli._start_up
 def slow():
     print("starting", file=sys.stderr, flush=True)
-    time.sleep(600)
+    for _ in range(6000):  # (slices: see above SLOW_VERIFY)
+        time.sleep(0.1)
     real()
 cli._start_up = slow
 sys.exit(cli.main(sys.argv[1:]))
@@ -355,7 +362,8 @@ def slow(*a, **k):
     calls.append(1)
     if len(calls) == 2:  # one tensor written, the temporary holds data
         print("writing", file=sys.stderr, flush=True)
-        time.sleep(600)
+        for _ in range(6000):  # (slices: see above SLOW_VERIFY)
+            time.sleep(0.1)
     return real(*a, **k)
 unickpt.offline.read_whole = slow
 import unickpt.cli
