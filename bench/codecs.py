@@ -15,6 +15,11 @@ weights (N(0, 0.02)), fp32 masters, m and v as above, compressed and decompresse
 the framed file writer and reader on one thread (frame coders off), the ratio of logical to
 stored bytes. Targets (issue #40): >= 1.40x on bf16 weights, >= 1.16x on fp32 moments,
 compress >= 1 GB/s and decompress >= 1.5 GB/s per core.
+
+``--llama``: the lossless part again on real tensors, a ``transformers`` Llama (6 layers,
+512 wide) after 30 AdamW steps on random tokens: its bf16 weights, fp32 masters and AdamW
+moments, embeddings left out (random tokens leave most of their rows untouched), as
+docs/compression.md's choice of coder was measured.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=256, help="fp32 input size in MiB")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--llama", action="store_true", help="also the lossless part on a trained transformers Llama")
     args = ap.parse_args()
     torch.set_num_threads(1)
     n = (args.mb << 20) // 4
@@ -122,6 +128,32 @@ def main() -> None:
         print(f"{name:<26}{s:8.3f}{gbps:8.2f}  {mark}")
     print()
     lossless(args, {"bf16 weights": model_w, "fp32 master": master_w, "fp32 exp_avg": m, "fp32 exp_avg_sq": v})
+    if args.llama:
+        print()
+        print("on a trained transformers Llama (6 layers, 512 wide, 30 AdamW steps; embeddings left out)")
+        lossless(args, trained_llama())
+
+
+def trained_llama(steps: int = 30) -> dict:
+    """A small ``transformers`` Llama trained ``steps`` AdamW steps on random tokens: its
+    weights (bf16), masters (fp32) and AdamW moments, each kind as one flat tensor."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1376, num_hidden_layers=6,
+                                   num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=128)
+    model = transformers.LlamaForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        ids = torch.randint(0, cfg.vocab_size, (8, 64))
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    kept = [(n, p) for n, p in model.named_parameters() if "embed" not in n and "lm_head" not in n]
+    flat = lambda ts: torch.cat([t.detach().reshape(-1) for t in ts])  # noqa: E731
+    return {"bf16 weights": flat(p for _, p in kept).bfloat16(), "fp32 master": flat(p for _, p in kept),
+            "fp32 exp_avg": flat(opt.state[p]["exp_avg"] for _, p in kept),
+            "fp32 exp_avg_sq": flat(opt.state[p]["exp_avg_sq"] for _, p in kept)}
 
 
 def lossless(args, tensors: dict) -> list[dict]:

@@ -79,31 +79,35 @@ def elements_of(header: bytes) -> list[tuple[int, int, int]]:
 _WORD = {2: np.dtype("<u2"), 4: np.dtype("<u4")}  # an element as a little-endian word: byte i is (w >> 8i) & 0xff
 
 
+def _fused():
+    """The compiled byte-plane loops (numba, imported on first use; :mod:`unickpt.codecs.fused`)."""
+    from .codecs import fused
+
+    return fused
+
+
 def _planes(raw: memoryview, stride: int, n: int) -> list[np.ndarray]:
     """The parts of the first ``n`` elements of ``raw`` (:data:`PARTS`): for two-byte elements
-    the low and the high byte planes (shifts of the element as a word); for four-byte ones the
-    low halves (two bytes each: mantissa, near random) and the planes of byte 2 and byte 3 of
-    each element (strided copies of the halves, then shifts). The fastest split measured."""
+    the low and the high byte planes; for four-byte ones the low halves (two bytes each:
+    mantissa, near random) and the planes of byte 2 and byte 3 of each element. One
+    compiled pass over the elements."""
+    f = _fused()
     if stride == 2:
-        w = np.frombuffer(raw, dtype=_WORD[2], count=n)
-        return [w.astype(np.uint8), (w >> 8).astype(np.uint8)]
-    halves = np.frombuffer(raw, dtype=_WORD[2], count=2 * n).reshape(n, 2)
-    hi = np.ascontiguousarray(halves[:, 1])
-    return [np.ascontiguousarray(halves[:, 0]).view(np.uint8), hi.astype(np.uint8), (hi >> 8).astype(np.uint8)]
+        lo, hi = np.empty(n, np.uint8), np.empty(n, np.uint8)
+        f.split2(np.frombuffer(raw, dtype=_WORD[2], count=n), lo, hi)
+        return [lo, hi]
+    low, b2, b3 = np.empty(n, _WORD[2]), np.empty(n, np.uint8), np.empty(n, np.uint8)
+    f.split4(np.frombuffer(raw, dtype=_WORD[4], count=n), low, b2, b3)
+    return [low.view(np.uint8), b2, b3]
 
 
-def _interleave(parts: list[np.ndarray], out: bytearray, stride: int, n: int) -> None:
+def _interleave(parts: list[np.ndarray], out: memoryview, stride: int, n: int) -> None:
     """Inverse of :func:`_planes`, into the first ``n`` elements of ``out``."""
+    f = _fused()
     if stride == 2:
-        w = np.frombuffer(out, dtype=_WORD[2], count=n)
-        np.left_shift(parts[1], 8, out=w, dtype=w.dtype)
-        w |= parts[0]
+        f.join2(parts[0], parts[1], np.frombuffer(out, dtype=_WORD[2], count=n))
         return
-    halves = np.frombuffer(out, dtype=_WORD[2], count=2 * n).reshape(n, 2)
-    hi = np.left_shift(parts[2], 8, dtype=_WORD[2])
-    hi |= parts[1]
-    np.copyto(halves[:, 1], hi)
-    np.copyto(halves[:, 0], parts[0].view(_WORD[2]))
+    f.join4(parts[0].view(_WORD[2]), parts[1], parts[2], np.frombuffer(out, dtype=_WORD[4], count=n))
 
 
 PARTS = {2: (1, 1), 4: (2, 1, 1)}

@@ -680,3 +680,12 @@ def warm() -> None:
     decode_mlog(c, s, 64, M_RATIO, 3, 200)
     r = split_master(x, x.bfloat16())
     merge_master(x.bfloat16(), r.low, r.exc_index, r.exc_bits)
+    # the byte planes of lossless frames (unickpt.container): split from a tensor's bytes,
+    # joined from decompressed parts (read-only) into a writable window
+    f, w = _fk(), np.arange(256, dtype=np.uint32)
+    lo, hi, b2 = np.empty(256, np.uint16), np.empty(256, np.uint8), np.empty(256, np.uint8)
+    f.split2(w.view(np.uint16)[:256], b2, hi)
+    f.split4(w, lo, b2, hi)
+    ro = [np.frombuffer(a.tobytes(), a.dtype) for a in (lo, b2, hi)]
+    f.join2(ro[1], ro[2], w.view(np.uint16)[:256])
+    f.join4(*ro, w)
