@@ -51,6 +51,19 @@ def test_planes_round_trip_bit_exact(dtype, extra):
     assert bytes(out) == raw
 
 
+
+@pytest.mark.parametrize("stride", [2, 4])
+def test_planes_of_elements_at_odd_addresses_round_trip(stride):
+    """The compiled split and join read and write words at any address: a frame cut from a
+    buffer at an odd offset, decoded into a caller's window at another odd offset."""
+    raw = _bytes(_values(torch.bfloat16 if stride == 2 else torch.float32, 4097))
+    src = bytearray(len(raw) + 1)
+    src[1:] = raw
+    stored = _joined(C.encode_planes(memoryview(src)[1:], stride, _cctx()))
+    out = bytearray(len(raw) + 3)
+    C.decode_planes(memoryview(stored), len(raw), "f", memoryview(out)[3:])
+    assert bytes(out[3:]) == raw and bytes(out[:3]) == b"\0\0\0"
+
 def test_floats_shrink_by_their_exponents_and_zeros_by_every_part():
     w = _bytes(_values(torch.bfloat16, 1 << 20))
     stored = _joined(C.encode_planes(memoryview(w), 2, _cctx()))
