@@ -189,6 +189,11 @@ class S3Server:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
+        if self.log:  # (read only to report a server that did not start)
+            try:
+                os.remove(self.log)
+            except OSError:
+                pass
 
 
 class DroppingProxy:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -84,5 +85,9 @@ def test_doc_snippet_runs(rel, line, setup, ranks, s3_needed, code, tmp_path, re
         cmd = [sys.executable, str(path)]
     work = tmp_path / "work"
     work.mkdir()
-    p = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    try:
+        p = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    finally:  # a snippet's memory tier lives in /dev/shm (host memory): not left behind
+        for name in set(re.findall(r"/dev/shm/([\w.-]+)", code)):
+            shutil.rmtree(os.path.join("/dev/shm", name), ignore_errors=True)
     assert p.returncode == 0, f"{rel}:{line} failed (rc {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
