@@ -208,20 +208,21 @@ class _NodePlan:
         return self.header + self.buffers * int(self.part[-1])
 
 
-def _cached(jobs: list[SharedJob], samples: int = 16, n: int = 16 << 20) -> float | None:
+def _cached(jobs: list[SharedJob], samples: int = 16, n: int = 16 << 20, seen: dict | None = None) -> float | None:
     """Fraction of the sampled bytes of ``jobs`` (up to ``samples`` of them, ``n`` bytes
     each) in the page cache now; None when the readers cannot tell (not local files: object
-    stores have no read-ahead for interleaved reads to defeat) or there are no such jobs."""
+    stores have no read-ahead for interleaved reads to defeat) or there are no such jobs.
+    ``seen``: the answers of earlier calls by job (a job sampled twice is probed once)."""
     got = want = 0
+    seen = {} if seen is None else seen
     for j in jobs[:: max(1, -(-len(jobs) // samples))]:
         ask = getattr(j.reader, "resident", None)
         if ask is None:
             return None
         if not len(j.runs):
             continue
-        a = j.base + int(j.runs.starts[0]) * j.isz
         k = min(n, int(j.runs.lengths[0]) * j.isz)
-        r = ask(a, k)
+        r = seen[id(j)] if id(j) in seen else seen.setdefault(id(j), ask(j.base + int(j.runs.starts[0]) * j.isz, k))
         if r is None:
             return None
         got, want = got + min(r, k), want + k
@@ -420,10 +421,11 @@ def _decide(comm: Comm, jobs: list[SharedJob], man: Manifest, keys: list, index:
         k = (index[j.st.key], int(j.long))
         need[k] = need.get(k, np.zeros(len(j.st.checksums), dtype=bool)) | j.touched
     can = enabled() and os.path.isdir(SHM_DIR)
+    seen: dict = {}  # (one probe of a job both samplings take)
     blob = json.dumps([[t, a, b, kind] for (t, kind), m in sorted(need.items()) for a, b in _intervals(m)]).encode()
     me = {"node": node_id(), "can": can, "token": shm.new_name("read"), "failed": failed,
-          "n": len(blob), "verify": verify, "cached": _cached([j for j in jobs if j.long]) if can else None,
-          "warm": _cached(jobs) if can else None,
+          "n": len(blob), "verify": verify, "cached": _cached([j for j in jobs if j.long], seen=seen) if can else None,
+          "warm": _cached(jobs, seen=seen) if can else None,
           "remote": int((record or {}).get("remote", 0))}
     # a small record from every rank; the needs themselves travel only between the node's ranks
     all_ = [json.loads(b) for b in comm.all_gather_bytes(json.dumps(me).encode(), "load (node-shared reads)")]
