@@ -64,6 +64,17 @@ def test_planes_of_elements_at_odd_addresses_round_trip(stride):
     C.decode_planes(memoryview(stored), len(raw), "f", memoryview(out)[3:])
     assert bytes(out[3:]) == raw and bytes(out[:3]) == b"\0\0\0"
 
+
+def test_a_caller_buffer_of_another_size_or_read_only_is_refused_before_a_byte_is_written():
+    raw = _bytes(_values(torch.float32, 1000))
+    stored = _joined(C.encode_planes(memoryview(raw), 4, _cctx()))
+    for out in (bytearray(len(raw) + 4), bytearray(len(raw) - 4)):
+        with pytest.raises(ValueError, match="f: a byte-grouped frame of 4000 bytes"):
+            C.decode_planes(memoryview(stored), len(raw), "f", memoryview(out))
+        assert not any(out)
+    with pytest.raises(ValueError, match="read-only"):
+        C.decode_planes(memoryview(stored), len(raw), "f", memoryview(bytes(len(raw))))
+
 def test_floats_shrink_by_their_exponents_and_zeros_by_every_part():
     w = _bytes(_values(torch.bfloat16, 1 << 20))
     stored = _joined(C.encode_planes(memoryview(w), 2, _cctx()))

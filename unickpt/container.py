@@ -149,6 +149,11 @@ def decode_planes(stored: memoryview, size: int, where: str, out: memoryview | N
     raised before anything is written into ``out``. Memory: its parts (and ``size`` bytes
     without ``out``)."""
     stored = memoryview(stored).cast("B")
+    if out is not None:  # (a caller's error, before anything is decoded or written)
+        out = memoryview(out).cast("B")
+        if len(out) != size or out.readonly:
+            raise ValueError(f"{where}: a byte-grouped frame of {size} bytes decodes into a writable buffer of "
+                             f"that size, not {'a read-only one' if out.readonly else f'{len(out)} bytes'}")
     if len(stored) < 1 or stored[0] not in PARTS:
         raise FormatError(f"{where}: byte-grouped frame with stride {stored[0] if len(stored) else None}")
     stride = stored[0]
@@ -184,7 +189,7 @@ def decode_planes(stored: memoryview, size: int, where: str, out: memoryview | N
     tail = stored[pos:]
     if len(tail) != size - n * stride:
         raise FormatError(f"{where}: byte-grouped frame has {len(tail)} tail bytes, expected {size - n * stride}")
-    out = memoryview(np.empty(size, dtype=np.uint8)) if out is None else memoryview(out).cast("B")
+    out = memoryview(np.empty(size, dtype=np.uint8)) if out is None else out
     _interleave(parts, out, stride, n)
     out[n * stride:] = tail
     return out
