@@ -51,7 +51,6 @@ def test_planes_round_trip_bit_exact(dtype, extra):
     assert bytes(out) == raw
 
 
-
 @pytest.mark.parametrize("stride", [2, 4])
 def test_planes_of_elements_at_odd_addresses_round_trip(stride):
     """The compiled split and join read and write words at any address: a frame cut from a
@@ -74,6 +73,7 @@ def test_a_caller_buffer_of_another_size_or_read_only_is_refused_before_a_byte_i
         assert not any(out)
     with pytest.raises(ValueError, match="read-only"):
         C.decode_planes(memoryview(stored), len(raw), "f", memoryview(bytes(len(raw))))
+
 
 def test_floats_shrink_by_their_exponents_and_zeros_by_every_part():
     w = _bytes(_values(torch.bfloat16, 1 << 20))

@@ -222,7 +222,9 @@ def _cached(jobs: list[SharedJob], samples: int = 16, n: int = 16 << 20, seen: d
         if not len(j.runs):
             continue
         k = min(n, int(j.runs.lengths[0]) * j.isz)
-        r = seen[id(j)] if id(j) in seen else seen.setdefault(id(j), ask(j.base + int(j.runs.starts[0]) * j.isz, k))
+        if id(j) not in seen:
+            seen[id(j)] = ask(j.base + int(j.runs.starts[0]) * j.isz, k)
+        r = seen[id(j)]
         if r is None:
             return None
         got, want = got + min(r, k), want + k

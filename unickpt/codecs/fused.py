@@ -547,7 +547,6 @@ def exceptions(mb, hb, low, idx, bits):
             j += 1
 
 
-
 # -- byte planes of lossless frames (unickpt.container) ----------------------------------------
 # One pass over each element, where numpy's shifts and strided copies take two to four
 # (4 MiB of fp32: split 1.2 -> 0.4 ms, join 1.2 -> 0.35 ms on one core).
