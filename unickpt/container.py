@@ -245,8 +245,8 @@ class ZstdWriter:
     def write_at(self, offset: int, data: memoryview, stable: bool = False) -> None:
         """Frame ``data`` (logical bytes from ``offset``) and append the frames; returns once
         every byte of ``data`` is coded and handed to the file. Several frames are coded at
-        once on the process's coder threads (:mod:`unickpt._coders`: zstd and numpy release
-        the GIL), written in order."""
+        once on the process's coder threads (:mod:`unickpt._coders`: zstd and the compiled
+        byte-plane loops release the GIL), written in order."""
         view = memoryview(data).cast("B")
         starts = range(0, len(view), FRAME)
         coded = in_order(functools.partial(self._encode, offset + a, view[a : a + FRAME]) for a in starts)
