@@ -683,9 +683,9 @@ def warm() -> None:
     # the byte planes of lossless frames (unickpt.container): split from a tensor's bytes,
     # joined from decompressed parts (read-only) into a writable window
     f, w = _fk(), np.arange(256, dtype=np.uint32)
-    lo, hi, b2 = np.empty(256, np.uint16), np.empty(256, np.uint8), np.empty(256, np.uint8)
-    f.split2(w.view(np.uint16)[:256], b2, hi)
-    f.split4(w, lo, b2, hi)
-    ro = [np.frombuffer(a.tobytes(), a.dtype) for a in (lo, b2, hi)]
+    low, b2, b3 = np.empty(256, np.uint16), np.empty(256, np.uint8), np.empty(256, np.uint8)
+    f.split2(w.view(np.uint16)[:256], b2, b3)  # (two byte planes of 256 two-byte elements)
+    f.split4(w, low, b2, b3)
+    ro = [np.frombuffer(a.tobytes(), a.dtype) for a in (low, b2, b3)]
     f.join2(ro[1], ro[2], w.view(np.uint16)[:256])
     f.join4(*ro, w)
